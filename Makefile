@@ -1,0 +1,21 @@
+# Each target sets itself up: a fresh clone needs only Python 3.11+ and network access to PyPI.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# 8 simulated CPU devices where no accelerator exists; ignored where GPUs are present.
+export JAXDIST_CPU_DEVICES ?= 8
+
+.PHONY: install train test
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+train: install
+	$(BIN)/jaxdist train configs/tiny.yaml $(ARGS)
+
+test: install
+	$(BIN)/pytest -n 2 --durations=15 $(ARGS)

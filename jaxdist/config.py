@@ -1,0 +1,275 @@
+"""Typed run configuration: YAML file + dotted overrides, validated before anything compiles.
+
+One pydantic model per section. Unknown keys and wrong types are rejected with a `UserError`
+naming the dotted key; `check_against_devices` adds the checks that need the device count.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from jaxdist.errors import UserError
+
+MESH_AXES = ("data", "stage", "fsdp", "tensor")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class MeshConfig(Section):
+    """Mesh axis sizes; -1 means all remaining devices (at most one axis may say so)."""
+
+    data: int = 1
+    stage: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+
+    @model_validator(mode="after")
+    def _sizes(self) -> MeshConfig:
+        sizes = {axis: getattr(self, axis) for axis in MESH_AXES}
+        for axis, size in sizes.items():
+            if size == 0 or size < -1:
+                raise ValueError(f"mesh.{axis}={size}: use a positive size or -1 (fill)")
+        if sum(size == -1 for size in sizes.values()) > 1:
+            raise ValueError("mesh: at most one axis may be -1 (fill with the remaining devices)")
+        return self
+
+
+class RulesConfig(Section):
+    """A preset of logical-axis rules, with per-name overrides for params and activations.
+
+    Each override maps a logical name to a mesh axis, a list of mesh axes, or null (replicated).
+    """
+
+    preset: str = "fsdp_tp"
+    params: dict[str, str | list[str] | None] = Field(default_factory=dict)
+    activations: dict[str, str | list[str] | None] = Field(default_factory=dict)
+
+
+class ModelConfig(Section):
+    name: str = "gpt"
+    vocab: int = Field(256, gt=0)
+    d_model: int = Field(256, gt=0)
+    layers: int = Field(4, gt=0)
+    heads: int = Field(8, gt=0)
+    mlp_ratio: float = Field(4.0, gt=0)
+    seq_len: int = Field(256, gt=0)
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    positions: Literal["learned", "rope"] = "learned"
+    activation: Literal["gelu", "swiglu"] = "gelu"
+    tied_embeddings: bool = False
+    scan_layers: bool = True
+    scan_unroll: int = Field(1, gt=0)
+    remat: Literal["none", "full", "dots"] = "none"
+    attention: Literal["auto", "xla", "cudnn"] = "auto"
+
+    @model_validator(mode="after")
+    def _shapes(self) -> ModelConfig:
+        if self.d_model % self.heads:
+            raise ValueError(f"model.d_model={self.d_model} is not divisible by model.heads={self.heads}")
+        if self.positions == "rope" and (self.d_model // self.heads) % 2:
+            raise ValueError("model.positions=rope needs an even head dimension (d_model / heads)")
+        return self
+
+    @property
+    def mlp_dim(self) -> int:
+        return int(self.d_model * self.mlp_ratio)
+
+
+class DataConfig(Section):
+    source: Literal["stdlib"] = "stdlib"
+    eval_fraction: float = Field(0.01, ge=0, lt=1)
+    read_threads: int = Field(2, ge=0)
+    prefetch: int = Field(4, ge=0)
+
+
+class TrainConfig(Section):
+    steps: int = Field(300, gt=0)
+    global_batch: int = Field(32, gt=0)
+    microbatches: int = Field(1, gt=0)
+
+
+class OptimConfig(Section):
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(3e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    b1: float = Field(0.9, ge=0, lt=1)
+    b2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["constant", "cosine"] = "constant"
+    clip_norm: float | None = Field(1.0, gt=0)
+
+
+class PrecisionConfig(Section):
+    compute: Literal["float32", "bfloat16", "float16"] = "float32"
+    params: Literal["float32", "bfloat16"] = "float32"
+
+
+class LogConfig(Section):
+    every: int = Field(10, gt=0)
+
+
+class EvalConfig(Section):
+    every: int = Field(0, ge=0)
+    batches: int = Field(4, gt=0)
+
+
+class CheckpointConfig(Section):
+    every: int = Field(0, ge=0)
+    keep: int = Field(3, gt=0)
+
+
+class PipelineConfig(Section):
+    microbatches: int = Field(1, gt=0)
+    repeats: int = Field(1, gt=0)
+
+
+class SampleConfig(Section):
+    prompt: str = "def "
+    tokens: int = Field(200, ge=0)
+    temperature: float = Field(0.8, ge=0)
+
+
+class Config(Section):
+    seed: int = 0
+    run_dir: str = "runs/default"
+    mesh: MeshConfig = MeshConfig()
+    rules: RulesConfig = RulesConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    optim: OptimConfig = OptimConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    log: LogConfig = LogConfig()
+    eval: EvalConfig = EvalConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    sample: SampleConfig = SampleConfig()
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def load(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Reads a YAML file (or the defaults, when path is None) and applies `key.sub=value` overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"config file {path} does not exist: pass the path of a YAML file")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise UserError(f"config file {path} is not valid YAML: {_first_line(err)}") from None
+        if not isinstance(raw, dict):
+            raise UserError(f"config file {path} must hold a mapping of sections, not {type(raw).__name__}")
+    for override in overrides:
+        _apply_override(raw, override)
+    return from_dict(raw)
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        raise UserError(_describe(err)) from None
+
+
+def _apply_override(raw: dict[str, Any], override: str) -> None:
+    key, sep, text = override.partition("=")
+    if not sep or not key:
+        raise UserError(f"override {override!r} is not of the form key.sub=value (e.g. train.steps=100)")
+    try:
+        value = yaml.safe_load(text) if text else ""
+    except yaml.YAMLError:
+        value = text
+    node = raw
+    *parents, leaf = key.split(".")
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise UserError(f"override {override!r}: {part} is a value, not a section")
+        node = child
+    node[leaf] = value
+
+
+def _describe(err: ValidationError) -> str:
+    """The first validation error as one line: the dotted key, what is wrong, and the fix."""
+    first = err.errors()[0]
+    key = ".".join(str(part) for part in first["loc"])
+    kind = first["type"]
+    if kind == "extra_forbidden":
+        section = _section_of(first["loc"][:-1])
+        known = ", ".join(section.model_fields) if section else ""
+        return f"config: unknown key '{key}'; known keys here: {known}"
+    if kind == "value_error":
+        return f"config: {first['msg'].removeprefix('Value error, ')}"
+    got = first.get("input")
+    return f"config: {key}={got!r}: {first['msg'].lower()}"
+
+
+def _section_of(loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] = Config
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        annotation = field.annotation if field else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return model
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0]
+
+
+def resolve_mesh_shape(mesh: MeshConfig, device_count: int) -> dict[str, int]:
+    """Mesh axis sizes with the -1 filled in; a `UserError` if they cannot cover the devices."""
+    sizes = {axis: getattr(mesh, axis) for axis in MESH_AXES}
+    fixed = math.prod(size for size in sizes.values() if size != -1)
+    fill = [axis for axis, size in sizes.items() if size == -1]
+    if fill:
+        if device_count % fixed:
+            raise UserError(
+                f"mesh: the fixed axes multiply to {fixed}, which does not divide the "
+                f"{device_count} devices; change mesh.{fill[0]} or the other axes"
+            )
+        sizes[fill[0]] = device_count // fixed
+    elif fixed != device_count:
+        shown = " x ".join(f"{axis}={size}" for axis, size in sizes.items())
+        raise UserError(
+            f"mesh: {shown} = {fixed} devices, but {device_count} are present; make the product "
+            f"{device_count} or set one axis to -1"
+        )
+    return sizes
+
+
+def check_against_devices(cfg: Config, device_count: int) -> dict[str, int]:
+    """The checks that need the device count; returns the resolved mesh shape."""
+    shape = resolve_mesh_shape(cfg.mesh, device_count)
+    batch_shards = shape["data"] * shape["fsdp"]
+    if cfg.train.global_batch % batch_shards:
+        raise UserError(
+            f"train.global_batch={cfg.train.global_batch} is not divisible by mesh.data x mesh.fsdp = "
+            f"{batch_shards}; use a multiple of {batch_shards}"
+        )
+    per_shard = cfg.train.global_batch // batch_shards
+    if per_shard % cfg.train.microbatches:
+        raise UserError(
+            f"train.microbatches={cfg.train.microbatches} does not divide the per-device batch "
+            f"{per_shard} (train.global_batch / (mesh.data x mesh.fsdp)); pick a divisor of {per_shard}"
+        )
+    if cfg.model.heads % shape["tensor"]:
+        raise UserError(
+            f"model.heads={cfg.model.heads} is not divisible by mesh.tensor={shape['tensor']}; "
+            f"use a tensor size that divides {cfg.model.heads}"
+        )
+    return shape

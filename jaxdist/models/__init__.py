@@ -1,0 +1,44 @@
+"""Models, registered by name. A model is built from the config and scored by its loss function."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxdist.config import Config
+from jaxdist.errors import UserError
+from jaxdist.models.gpt import GPT
+
+
+def lm_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
+    """Mean next-token cross-entropy (float32) over every target in the batch."""
+    logits = model(batch["inputs"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """How to build a registered model from the config, and its training loss."""
+
+    create: Callable[[Config], Callable[[nnx.Rngs], nnx.Module]]
+    loss: Callable[[nnx.Module, dict[str, jax.Array]], jax.Array]
+
+
+def _gpt(cfg: Config) -> Callable[[nnx.Rngs], nnx.Module]:
+    param_dtype = jnp.dtype(cfg.precision.params)
+    compute_dtype = jnp.dtype(cfg.precision.compute)
+    return lambda rngs: GPT(cfg.model, rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype)
+
+
+MODELS: dict[str, ModelEntry] = {"gpt": ModelEntry(create=_gpt, loss=lm_loss)}
+
+
+def get(name: str) -> ModelEntry:
+    if name not in MODELS:
+        raise UserError(f"model.name={name!r} is not a registered model; choose one of {', '.join(MODELS)}")
+    return MODELS[name]

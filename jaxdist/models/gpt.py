@@ -1,0 +1,181 @@
+"""A GPT decoder in flax NNX that names its dimensions and nothing else.
+
+Every parameter carries logical axis names (`vocab`, `embed`, `heads`, `head_dim`, `mlp`,
+`layers`, `length`); every large activation is constrained by logical names. Where they land on
+the mesh is decided by the rules (jaxdist.parallel.rules), never here.
+
+The blocks are created stacked (a leading `layers` axis) and run either as a `lax.scan` (fast
+compile; `scan_unroll` unrolls part of it) or unrolled (often faster on GPU), with optional remat.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxdist.config import ModelConfig
+from jaxdist.parallel.rules import constrain
+
+Names = tuple[str | None, ...]
+
+_normal = nnx.initializers.normal(0.02)
+
+
+def _param(rngs: nnx.Rngs, init, shape: Sequence[int], names: Names, dtype) -> nnx.Param:
+    return nnx.Param(init(rngs.params(), tuple(shape), dtype), out_sharding=names)
+
+
+def _cast(x: jax.Array, dtype) -> jax.Array:
+    return x.astype(dtype) if x.dtype != dtype else x
+
+
+class Norm(nnx.Module):
+    """LayerNorm (scale and bias) or RMSNorm (scale), computed in float32."""
+
+    def __init__(self, cfg: ModelConfig, param_dtype, rngs: nnx.Rngs):
+        self.kind = cfg.norm
+        self.scale = _param(rngs, nnx.initializers.ones_init(), (cfg.d_model,), ("embed",), param_dtype)
+        if cfg.norm == "layernorm":
+            self.bias = _param(rngs, nnx.initializers.zeros_init(), (cfg.d_model,), ("embed",), param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        if self.kind == "layernorm":
+            x32 = x32 - x32.mean(-1, keepdims=True)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-5) * self.scale[...]
+        if self.kind == "layernorm":
+            y = y + self.bias[...]
+        return y.astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array) -> jax.Array:
+    """Rotary position embedding over the last dim of (batch, length, heads, head_dim)."""
+    half = x.shape[-1] // 2
+    freqs = 1.0 / (10000.0 ** (jnp.arange(half, dtype=jnp.float32) / half))
+    angles = positions[:, None].astype(jnp.float32) * freqs[None, :]
+    sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, param_dtype, rngs: nnx.Rngs):
+        head_dim = cfg.d_model // cfg.heads
+        self.cfg = cfg
+        self.qkv = _param(rngs, _normal, (cfg.d_model, 3, cfg.heads, head_dim),
+                          ("embed", "qkv", "heads", "head_dim"), param_dtype)
+        out_init = nnx.initializers.normal(0.02 / (2 * cfg.layers) ** 0.5)
+        self.out = _param(rngs, out_init, (cfg.heads, head_dim, cfg.d_model),
+                          ("heads", "head_dim", "embed"), param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        qkv = jnp.einsum("btd,dshk->sbthk", x, _cast(self.qkv[...], x.dtype))
+        q, k, v = (constrain(t, ("batch", "length", "heads", "head_dim")) for t in qkv)
+        if self.cfg.positions == "rope":
+            positions = jnp.arange(x.shape[1])
+            q, k = rope(q, positions), rope(k, positions)
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=_attention_impl(self.cfg, x.dtype))
+        y = constrain(y, ("batch", "length", "heads", "head_dim"))
+        out = jnp.einsum("bthk,hkd->btd", y, _cast(self.out[...], x.dtype))
+        return constrain(out, ("batch", "length", "embed"))
+
+
+def _attention_impl(cfg: ModelConfig, dtype) -> str | None:
+    if cfg.attention != "auto":
+        return cfg.attention
+    on_gpu = jax.default_backend() == "gpu"
+    return "cudnn" if on_gpu and dtype in (jnp.bfloat16, jnp.float16) else "xla"
+
+
+class Mlp(nnx.Module):
+    def __init__(self, cfg: ModelConfig, param_dtype, rngs: nnx.Rngs):
+        self.activation = cfg.activation
+        self.up = _param(rngs, _normal, (cfg.d_model, cfg.mlp_dim), ("embed", "mlp"), param_dtype)
+        if cfg.activation == "swiglu":
+            self.gate = _param(rngs, _normal, (cfg.d_model, cfg.mlp_dim), ("embed", "mlp"), param_dtype)
+        down_init = nnx.initializers.normal(0.02 / (2 * cfg.layers) ** 0.5)
+        self.down = _param(rngs, down_init, (cfg.mlp_dim, cfg.d_model), ("mlp", "embed"), param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = constrain(x @ _cast(self.up[...], x.dtype), ("batch", "length", "mlp"))
+        if self.activation == "swiglu":
+            gate = constrain(x @ _cast(self.gate[...], x.dtype), ("batch", "length", "mlp"))
+            h = jax.nn.silu(gate) * h
+        else:
+            h = jax.nn.gelu(h, approximate=True)
+        return constrain(h @ _cast(self.down[...], x.dtype), ("batch", "length", "embed"))
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, param_dtype, rngs: nnx.Rngs):
+        self.norm1 = Norm(cfg, param_dtype, rngs)
+        self.attn = Attention(cfg, param_dtype, rngs)
+        self.norm2 = Norm(cfg, param_dtype, rngs)
+        self.mlp = Mlp(cfg, param_dtype, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+_REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class GPT(nnx.Module):
+    """Decoder-only transformer; `__call__(tokens)` gives float32 logits (batch, length, vocab)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32, compute_dtype=jnp.float32):
+        self.cfg = cfg
+        self.compute_dtype = compute_dtype
+        self.embed = _param(rngs, _normal, (cfg.vocab, cfg.d_model), ("vocab", "embed"), param_dtype)
+        if cfg.positions == "learned":
+            self.positions = _param(rngs, _normal, (cfg.seq_len, cfg.d_model), ("length", "embed"), param_dtype)
+
+        @nnx.split_rngs(splits=cfg.layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stacked_blocks(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, param_dtype, rngs)
+
+        self.blocks = stacked_blocks(rngs)
+        self.final_norm = Norm(cfg, param_dtype, rngs)
+        if not cfg.tied_embeddings:
+            self.head = _param(rngs, _normal, (cfg.d_model, cfg.vocab), ("embed", "vocab"), param_dtype)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        if self.cfg.positions == "learned":
+            x = x + self.positions[: tokens.shape[1]]
+        x = constrain(_cast(x, self.compute_dtype), ("batch", "length", "embed"))
+        x = self._run_blocks(x)
+        x = self.final_norm(x)
+        head = self.embed[...].T if self.cfg.tied_embeddings else self.head[...]
+        logits = jnp.einsum("btd,dv->btv", x, _cast(head, x.dtype), preferred_element_type=jnp.float32)
+        return constrain(logits, ("batch", "length", "vocab"))
+
+    def _run_blocks(self, x: jax.Array) -> jax.Array:
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def body(carry, layer_state):
+            return nnx.merge(graphdef, layer_state)(carry), None
+
+        if self.cfg.remat != "none":
+            body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=not self.cfg.scan_layers)
+        if self.cfg.scan_layers:
+            x, _ = jax.lax.scan(body, x, stacked, unroll=self.cfg.scan_unroll)
+            return x
+        for layer in range(self.cfg.layers):
+            x, _ = body(x, jax.tree.map(functools.partial(_index, layer), stacked))
+        return x
+
+
+def _index(i: int, x: jax.Array) -> jax.Array:
+    return x[i]

@@ -1,0 +1,1 @@
+"""Observing a run: metrics writers (console, JSONL)."""

@@ -1,0 +1,37 @@
+"""Metrics writers. Only process 0 writes; every other process gets a writer that does nothing."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import TextIO
+
+_CONSOLE_KEYS = ("loss", "eval_loss", "learning_rate", "grad_norm", "tokens_per_sec", "step_time_s")
+
+
+class MetricsWriter:
+    """Appends one JSON object per logged step to `metrics.jsonl` and prints a short line."""
+
+    def __init__(self, run_dir: Path | None, console: TextIO | None = sys.stdout):
+        self._file = open(run_dir / "metrics.jsonl", "a") if run_dir is not None else None
+        self._console = console
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        if self._console is not None:
+            shown = "  ".join(f"{k} {_fmt(record[k])}" for k in _CONSOLE_KEYS if k in record)
+            print(f"step {step:>6}  {shown}", file=self._console, flush=True)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def _fmt(value: float) -> str:
+    if value == 0 or 1e-3 <= abs(value) < 1e5:
+        return f"{value:.4g}" if abs(value) < 100 else f"{value:,.0f}"
+    return f"{value:.3e}"

@@ -1,0 +1,69 @@
+"""The device mesh: named axes (data, stage, fsdp, tensor), slowest links outermost.
+
+On several hosts the host factor is given to the outermost axes first (data, then stage, ...),
+so data parallelism crosses the slow network and fsdp/tensor stay on a host's fast links.
+Within a host, `mesh_utils.create_device_mesh` orders devices by the physical topology.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+from jaxdist.config import MESH_AXES, MeshConfig, resolve_mesh_shape
+from jaxdist.errors import UserError
+
+
+def split_across_hosts(shape: dict[str, int], hosts: int) -> tuple[dict[str, int], dict[str, int]]:
+    """Splits each axis size into (across hosts, within a host), outermost axes taking hosts first."""
+    across, remaining = {}, hosts
+    for axis in MESH_AXES:
+        across[axis] = math.gcd(remaining, shape[axis])
+        remaining //= across[axis]
+    if remaining != 1:
+        raise UserError(
+            f"mesh: {hosts} processes cannot split the mesh {shape} evenly; make mesh.data "
+            f"(or the product of the outer axes) a multiple of the process count"
+        )
+    within = {axis: shape[axis] // across[axis] for axis in MESH_AXES}
+    return across, within
+
+
+def build_mesh(shape: dict[str, int], devices: list | None = None) -> Mesh:
+    """A `Mesh` of the given axis sizes over `devices` (default: all), with Auto axis types."""
+    devices = list(jax.devices() if devices is None else devices)
+    by_host: dict[int, list] = {}
+    for device in sorted(devices, key=lambda d: (d.process_index, d.id)):
+        by_host.setdefault(device.process_index, []).append(device)
+    across, within = split_across_hosts(shape, len(by_host))
+    within_shape = [within[axis] for axis in MESH_AXES]
+    host_meshes = np.stack([_host_mesh(within_shape, host) for host in by_host.values()])
+    # (hosts, *within) -> (*across, *within) -> interleave so each axis is (across, within).
+    grid = host_meshes.reshape([across[a] for a in MESH_AXES] + within_shape)
+    n = len(MESH_AXES)
+    grid = grid.transpose([i for axis in range(n) for i in (axis, axis + n)])
+    grid = grid.reshape([shape[axis] for axis in MESH_AXES])
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * n)
+
+
+def _host_mesh(shape: list[int], devices: list) -> np.ndarray:
+    try:
+        return mesh_utils.create_device_mesh(shape, devices=devices, allow_split_physical_axes=True)
+    except (ValueError, NotImplementedError, AssertionError):
+        # Topologies mesh_utils does not model (CPU, some GPU hosts): device-id order.
+        return np.asarray(devices, dtype=object).reshape(shape)
+
+
+def describe(mesh: Mesh) -> str:
+    return " x ".join(f"{name}={size}" for name, size in mesh.shape.items())
+
+
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, stage: int = 1, devices: list | None = None) -> Mesh:
+    """A mesh from axis sizes (-1 fills the remaining devices), for use from Python."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = resolve_mesh_shape(MeshConfig(data=data, stage=stage, fsdp=fsdp, tensor=tensor), len(devices))
+    return build_mesh(shape, devices)

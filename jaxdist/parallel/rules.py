@@ -1,0 +1,265 @@
+"""Logical-axis rules: the single place that says which mesh axes each named dimension uses.
+
+Models name their dimensions (`embed`, `mlp`, `heads`, ...); a `Rules` object maps each name to
+zero or more mesh axes, separately for parameters (where weights live) and activations (how
+intermediate values are split). Data, FSDP and tensor parallelism are presets of these tables:
+
+    from jaxdist.parallel import rules
+    my_rules = rules.preset("fsdp_tp").override(params={"experts": "tensor"})
+
+Every spec is checked: a logical name with no rule, a mesh axis used twice in one spec, or a
+dimension not divisible by its mesh axes raises a `UserError` naming the parameter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxdist.errors import UserError
+
+MeshAxes = tuple[str, ...]
+RuleValue = str | Sequence[str] | None
+
+
+def _axes(value: RuleValue) -> MeshAxes:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """Logical name -> mesh axes, for parameters and for activations."""
+
+    params: Mapping[str, MeshAxes]
+    activations: Mapping[str, MeshAxes]
+
+    @classmethod
+    def create(cls, params: Mapping[str, RuleValue], activations: Mapping[str, RuleValue]) -> Rules:
+        return cls(
+            params={name: _axes(v) for name, v in params.items()},
+            activations={name: _axes(v) for name, v in activations.items()},
+        )
+
+    def override(
+        self,
+        params: Mapping[str, RuleValue] | None = None,
+        activations: Mapping[str, RuleValue] | None = None,
+    ) -> Rules:
+        """A copy with some names remapped or added (None or [] means replicated)."""
+        return Rules(
+            params={**self.params, **{k: _axes(v) for k, v in (params or {}).items()}},
+            activations={**self.activations, **{k: _axes(v) for k, v in (activations or {}).items()}},
+        )
+
+    def param_spec(self, names: Sequence[str | None], where: str = "a parameter") -> PartitionSpec:
+        return _spec(self.params, names, where, "rules.params")
+
+    def activation_spec(self, names: Sequence[str | None], where: str = "an activation") -> PartitionSpec:
+        return _spec(self.activations, names, where, "rules.activations")
+
+
+def _spec(table: Mapping[str, MeshAxes], names: Sequence[str | None], where: str, key: str) -> PartitionSpec:
+    entries, used = [], {}
+    for name in names:
+        if name is None:
+            entries.append(None)
+            continue
+        if name not in table:
+            raise UserError(
+                f"rules: {where} uses logical axis '{name}', which has no rule; add "
+                f"{key}.{name}: null (replicated) or a mesh axis"
+            )
+        axes = table[name]
+        for axis in axes:
+            if axis in used:
+                raise UserError(
+                    f"rules: {where} maps both '{used[axis]}' and '{name}' to mesh axis '{axis}'; "
+                    f"a mesh axis can split only one dimension: change {key}.{name} or {key}.{used[axis]}"
+                )
+            used[axis] = name
+        entries.append(axes[0] if len(axes) == 1 else (axes or None))
+    return PartitionSpec(*entries)
+
+
+def _spec_axes(entry: Any) -> MeshAxes:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def check_divisible(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, where: str) -> None:
+    """Raises if a dimension is not divisible by the product of its mesh axes."""
+    for dim, (size, entry) in enumerate(zip(shape, spec)):
+        axes = _spec_axes(entry)
+        unknown = [axis for axis in axes if axis not in mesh.shape]
+        if unknown:
+            raise UserError(f"rules: {where} names mesh axis '{unknown[0]}', which the mesh does not have")
+        parts = math.prod(mesh.shape[axis] for axis in axes)
+        if size % parts:
+            split = " x ".join(f"{axis}={mesh.shape[axis]}" for axis in axes)
+            raise UserError(
+                f"rules: {where} dim {dim} (size {size}) is not divisible by {split}; change the "
+                f"mesh or the rule for that dimension"
+            )
+
+
+def check_mesh_axes(rules: Rules, mesh: Mesh) -> None:
+    """Every mesh axis named by a rule exists in the mesh."""
+    for key, table in (("rules.params", rules.params), ("rules.activations", rules.activations)):
+        for name, axes in table.items():
+            for axis in axes:
+                if axis not in mesh.shape:
+                    raise UserError(
+                        f"rules: {key}.{name} names mesh axis '{axis}'; the mesh axes are {', '.join(mesh.shape)}"
+                    )
+
+
+_COMMON_PARAMS: dict[str, RuleValue] = {
+    "layers": None, "vocab": None, "embed": None, "mlp": None, "heads": None,
+    "head_dim": None, "length": None, "qkv": None,
+}
+_COMMON_ACTIVATIONS: dict[str, RuleValue] = {
+    "batch": ["data", "fsdp"], "length": None, "embed": None, "mlp": None, "heads": None,
+    "head_dim": None, "vocab": None,
+}
+_FSDP_PARAMS: dict[str, RuleValue] = {"embed": "fsdp"}
+_TP_PARAMS: dict[str, RuleValue] = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
+_TP_ACTIVATIONS: dict[str, RuleValue] = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
+
+PRESETS: dict[str, Rules] = {
+    # Replicated weights; the batch is split over data (and fsdp, if that axis is used).
+    "dp": Rules.create(_COMMON_PARAMS, _COMMON_ACTIVATIONS),
+    # Weights split along `embed` over fsdp (ZeRO-3); gathered per layer by XLA.
+    "fsdp": Rules.create({**_COMMON_PARAMS, **_FSDP_PARAMS}, _COMMON_ACTIVATIONS),
+    # Megatron: attention heads and the MLP hidden split over tensor (column, then row parallel).
+    "tp": Rules.create({**_COMMON_PARAMS, **_TP_PARAMS}, {**_COMMON_ACTIVATIONS, **_TP_ACTIVATIONS}),
+    "fsdp_tp": Rules.create(
+        {**_COMMON_PARAMS, **_FSDP_PARAMS, **_TP_PARAMS}, {**_COMMON_ACTIVATIONS, **_TP_ACTIVATIONS}
+    ),
+}
+
+
+def preset(name: str) -> Rules:
+    """One of the named presets: dp, fsdp, tp, fsdp_tp."""
+    if name not in PRESETS:
+        raise UserError(f"rules.preset={name!r} is not a preset; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def from_config(rules_cfg) -> Rules:
+    """Rules from the `rules:` config section (a preset plus YAML overrides)."""
+    return preset(rules_cfg.preset).override(rules_cfg.params, rules_cfg.activations)
+
+
+# -- activation constraints ------------------------------------------------------------------------
+
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar("jaxdist_rules", default=None)
+
+
+@contextlib.contextmanager
+def activation_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
+    """Makes `constrain` use these rules while a step is traced."""
+    token = _ACTIVE.set((mesh, rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Constrains an activation's sharding by logical names; a no-op outside `activation_rules`."""
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    spec = rules.activation_spec(names)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+# -- parameter shardings ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+    """One parameter's placement, as the sharding table prints it."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: Any
+    names: tuple[str | None, ...]
+    spec: PartitionSpec
+    shard_shape: tuple[int, ...]
+
+    @property
+    def bytes_per_device(self) -> int:
+        return math.prod(self.shard_shape) * jax.numpy.dtype(self.dtype).itemsize
+
+
+def param_layouts(abstract_params: Any, logical_names: Any, rules: Rules, mesh: Mesh) -> Any:
+    """A tree of `ParamLayout`, checked against the rules and the mesh."""
+    check_mesh_axes(rules, mesh)
+
+    def layout(path, leaf, names):
+        where = f"parameter {path_str(path)}"
+        if len(names) != len(leaf.shape):
+            raise UserError(f"rules: {where} has shape {leaf.shape} but {len(names)} logical names {names}")
+        spec = rules.param_spec(names, where)
+        check_divisible(spec, leaf.shape, mesh, where)
+        shard = NamedSharding(mesh, spec).shard_shape(leaf.shape)
+        return ParamLayout(path_str(path), tuple(leaf.shape), leaf.dtype, tuple(names), spec, tuple(shard))
+
+    return jax.tree.map_with_path(layout, abstract_params, logical_names, is_leaf=_is_names)
+
+
+def _is_names(x: Any) -> bool:
+    return isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)
+
+
+def layout_shardings(layouts: Any, mesh: Mesh) -> Any:
+    return jax.tree.map(lambda lay: NamedSharding(mesh, lay.spec), layouts, is_leaf=_is_layout)
+
+
+def _is_layout(x: Any) -> bool:
+    return isinstance(x, ParamLayout)
+
+
+def path_str(path: Sequence[Any]) -> str:
+    return "/".join(str(getattr(key, "key", getattr(key, "idx", key))) for key in path)
+
+
+def sharding_table(layouts: Any) -> str:
+    """Each parameter's path, shape, logical names, mesh spec and bytes per device, as text."""
+    rows = [
+        (lay.path, "x".join(map(str, lay.shape)), _names_str(lay.names), _spec_str(lay.spec),
+         f"{lay.bytes_per_device:,}")
+        for lay in jax.tree.leaves(layouts, is_leaf=_is_layout)
+    ]
+    header = ("parameter", "shape", "logical", "mesh spec", "bytes/device")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+    total = sum(lay.bytes_per_device for lay in jax.tree.leaves(layouts, is_leaf=_is_layout))
+    lines.append(f"total parameter bytes per device: {total:,}")
+    return "\n".join(lines)
+
+
+def _names_str(names: Sequence[str | None]) -> str:
+    return "(" + ", ".join(str(n) for n in names) + ")"
+
+
+def _spec_str(spec: PartitionSpec) -> str:
+    parts = []
+    for entry in spec:
+        axes = _spec_axes(entry)
+        parts.append("+".join(axes) if axes else "-")
+    return "(" + ", ".join(parts) + ")"

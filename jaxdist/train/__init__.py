@@ -1,0 +1,1 @@
+"""Training: sharded state, the compiled step, optimizers, and the loop."""

@@ -1,0 +1,112 @@
+"""The training loop behind `jaxdist train`: check, build, compile, step, log, sample.
+
+Side effects (files, printing) live here and in the CLI; the step itself is pure.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxdist import config as config_lib
+from jaxdist import models
+from jaxdist.config import Config
+from jaxdist.data import corpus, pipeline
+from jaxdist.observe.metrics import MetricsWriter
+from jaxdist.parallel import mesh as mesh_lib
+from jaxdist.parallel import rules as rules_lib
+from jaxdist.train.generate import sample
+from jaxdist.train.optim import build_optimizer
+from jaxdist.train.state import abstract_model
+from jaxdist.train.trainer import Trainer
+
+
+def log(message: str) -> None:
+    """Prints on process 0 only."""
+    if jax.process_index() == 0:
+        print(message, flush=True)
+
+
+def _mesh_and_rules(cfg: Config, devices: list | None) -> tuple[Mesh, rules_lib.Rules]:
+    devices = list(jax.devices() if devices is None else devices)
+    shape = config_lib.check_against_devices(cfg, len(devices))
+    return mesh_lib.build_mesh(shape, devices), rules_lib.from_config(cfg.rules)
+
+
+def param_layouts(cfg: Config, devices: list | None = None):
+    """Each parameter's checked placement under this config, computed without allocating or compiling."""
+    mesh, rules = _mesh_and_rules(cfg, devices)
+    _, abstract_params, names = abstract_model(models.get(cfg.model.name).create(cfg), cfg.seed)
+    return rules_lib.param_layouts(abstract_params, names, rules, mesh)
+
+
+def build_trainer(cfg: Config, devices: list | None = None) -> Trainer:
+    """Checks the config against the devices, then builds the mesh, the sharded state and the step."""
+    mesh, rules = _mesh_and_rules(cfg, devices)
+    entry = models.get(cfg.model.name)
+    tx, schedule = build_optimizer(cfg.optim, cfg.train)
+    return Trainer(
+        entry.create(cfg), entry.loss, tx, mesh, rules,
+        seed=cfg.seed, microbatches=cfg.train.microbatches, schedule=schedule,
+    )
+
+
+def train(cfg: Config, devices: list | None = None) -> Trainer:
+    """Runs `cfg.train.steps` steps, writing `config.yaml` and `metrics.jsonl` into `cfg.run_dir`."""
+    trainer = build_trainer(cfg, devices)
+    run_dir = Path(cfg.run_dir)
+    is_writer = jax.process_index() == 0
+    if is_writer:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    log(f"mesh {mesh_lib.describe(trainer.mesh)} on {len(trainer.mesh.devices.flat)} devices "
+        f"({jax.process_count()} process(es)); rules preset {cfg.rules.preset}")
+
+    local_batch = cfg.train.global_batch // jax.process_count()
+    source = pipeline.TokenWindows(corpus.stdlib_tokens("train", cfg.data.eval_fraction), cfg.model.seq_len)
+    batches = pipeline.train_batches(
+        source, local_batch, cfg.seed, start_example=0,
+        process_index=jax.process_index(), process_count=jax.process_count(),
+        read_threads=cfg.data.read_threads, prefetch=cfg.data.prefetch,
+    )
+    tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
+
+    writer = MetricsWriter(run_dir if is_writer else None, sys.stdout if is_writer else None)
+    first = trainer.global_batch(next(batches))
+    trainer.compile(first)
+    log(f"compiled the train step in {trainer.compile_time_s:.1f} s")
+
+    batch, last_time, last_step = first, time.perf_counter(), 0
+    try:
+        for step in range(1, cfg.train.steps + 1):
+            metrics = trainer.step(batch)
+            if step < cfg.train.steps:
+                batch = trainer.global_batch(next(batches))
+            if step % cfg.log.every == 0 or step == cfg.train.steps:
+                values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                now = time.perf_counter()
+                step_time = (now - last_time) / (step - last_step)
+                values.update(step_time_s=step_time, tokens_per_sec=tokens_per_step / step_time)
+                writer.write(step, values)
+                last_time, last_step = now, step
+    finally:
+        writer.close()
+
+    if cfg.sample.tokens:
+        write_sample(cfg, trainer)
+    return trainer
+
+
+def write_sample(cfg: Config, trainer: Trainer) -> None:
+    rows = trainer.mesh.shape["data"] * trainer.mesh.shape["fsdp"]
+    tokens = sample(
+        trainer.graphdef, trainer.params, corpus.encode(cfg.sample.prompt), cfg.sample.tokens,
+        cfg.model.seq_len, cfg.sample.temperature, cfg.seed, trainer.mesh, trainer.rules, rows=rows,
+    )
+    text = corpus.decode(np.asarray(tokens[0]))
+    log("--- sample ---\n" + text + "\n--------------")

@@ -1,0 +1,96 @@
+"""The train state, born sharded.
+
+The model is first built abstractly (`nnx.eval_shape`: shapes and logical names, no memory);
+the rules turn the names into shardings; then one jitted init with `out_shardings` creates the
+parameters directly in place, and a second creates the optimizer state with shardings derived
+from the parameters'. No full copy of either ever sits on one device or host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxdist.parallel import rules as rules_lib
+
+ModelFactory = Callable[[nnx.Rngs], nnx.Module]
+
+
+class TrainState(flax.struct.PyTreeNode):
+    """Everything one optimizer step reads and writes: a pytree of (sharded) arrays."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+_SHARDING_METADATA = ("out_sharding", "sharding_names", "sharding")
+
+
+def logical_names(variable: nnx.Variable) -> tuple[str | None, ...]:
+    """The logical axis names a flax variable was annotated with (`nnx.with_partitioning` etc.)."""
+    metadata = variable.get_metadata()
+    for key in _SHARDING_METADATA:
+        names = metadata.get(key)
+        if names is not None:
+            return tuple(names)
+    return (None,) * len(variable.shape)
+
+
+def abstract_model(create_model: ModelFactory, seed: int) -> tuple[nnx.GraphDef, Any, Any]:
+    """(graphdef, abstract params as a pure dict, logical names per parameter), allocating nothing."""
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: create_model(nnx.Rngs(seed)))
+    graphdef, params = nnx.split(model, nnx.Param)
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    names = jax.tree.map(logical_names, params, is_leaf=is_var)
+    return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(names)
+
+
+def param_dict(create_model: ModelFactory, seed: int) -> Any:
+    """Builds the model for real and returns its parameters as a pure dict (run under jit)."""
+    with nnx.use_eager_sharding(False):
+        model = create_model(nnx.Rngs(seed))
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def opt_state_shardings(tx: optax.GradientTransformation, abstract_params: Any, param_shardings: Any, mesh: Mesh):
+    """Optimizer-state shardings that follow the parameters' (optax alone would replicate them)."""
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return optax.tree_map_params(
+        tx, lambda _, sharding: sharding, abstract_opt, param_shardings,
+        transform_non_params=lambda _: replicated,
+    )
+
+
+def init_state(
+    create_model: ModelFactory,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    rules: rules_lib.Rules,
+    seed: int,
+) -> tuple[TrainState, TrainState, nnx.GraphDef, Any]:
+    """Creates the sharded train state; returns (state, state shardings, graphdef, layouts)."""
+    graphdef, abstract_params, names = abstract_model(create_model, seed)
+    layouts = rules_lib.param_layouts(abstract_params, names, rules, mesh)
+    param_shardings = rules_lib.layout_shardings(layouts, mesh)
+    shardings = TrainState(
+        step=NamedSharding(mesh, PartitionSpec()),
+        params=param_shardings,
+        opt_state=opt_state_shardings(tx, abstract_params, param_shardings, mesh),
+    )
+
+    def init() -> TrainState:
+        params = param_dict(create_model, seed)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+    state = jax.jit(init, out_shardings=shardings)()
+    return state, shardings, graphdef, layouts

@@ -1,0 +1,61 @@
+"""Every test sees 8 simulated CPU devices (the project's JAXDIST_CPU_DEVICES switch)."""
+
+import os
+
+os.environ.setdefault("JAXDIST_CPU_DEVICES", "8")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+import jaxdist  # noqa: E402,F401  (applies JAXDIST_CPU_DEVICES before any computation)
+from jaxdist import config as config_lib  # noqa: E402
+
+# A GPT small enough that a 10-step run compiles and trains in seconds on 2 cores.
+TINY_GPT = {
+    "model": {"d_model": 64, "layers": 2, "heads": 4, "seq_len": 32, "mlp_ratio": 4},
+    "train": {"steps": 10, "global_batch": 16},
+    "optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "constant"},
+    "log": {"every": 1},
+    "sample": {"tokens": 0},
+}
+
+
+def make_config(run_dir, **sections) -> config_lib.Config:
+    """The tiny GPT config with some sections (or keys within them) replaced."""
+    raw = {key: dict(value) for key, value in TINY_GPT.items()}
+    for key, value in sections.items():
+        if isinstance(value, dict):
+            raw.setdefault(key, {}).update(value)
+        else:
+            raw[key] = value
+    raw["run_dir"] = str(run_dir)
+    return config_lib.from_dict(raw)
+
+
+@pytest.fixture
+def devices():
+    assert jax.device_count() == 8, "tests expect JAXDIST_CPU_DEVICES=8"
+    return jax.devices()
+
+
+class CompileCounter:
+    """Counts XLA backend compiles while active (to prove errors come before any compile)."""
+
+    def __init__(self):
+        self.count = 0
+        self.active = False
+
+    def __call__(self, event: str, duration: float, **kwargs) -> None:
+        if self.active and event == "/jax/core/compile/backend_compile_duration":
+            self.count += 1
+
+
+_COUNTER = CompileCounter()
+jax.monitoring.register_event_duration_secs_listener(_COUNTER)
+
+
+@pytest.fixture
+def compiles():
+    _COUNTER.count, _COUNTER.active = 0, True
+    yield _COUNTER
+    _COUNTER.active = False
