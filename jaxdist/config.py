@@ -244,7 +244,7 @@ def resolve_mesh_shape(mesh: MeshConfig, device_count: int) -> dict[str, int]:
             )
         sizes[fill[0]] = device_count // fixed
     elif fixed != device_count:
-        shown = " x ".join(f"{axis}={size}" for axis, size in sizes.items())
+        shown = " x ".join(f"mesh.{axis}={size}" for axis, size in sizes.items())
         raise UserError(
             f"mesh: {shown} = {fixed} devices, but {device_count} are present; make the product "
             f"{device_count} or set one axis to -1"
