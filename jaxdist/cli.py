@@ -31,6 +31,7 @@ def _parser() -> argparse.ArgumentParser:
             command.add_argument("--warmup", type=int, default=5, help="untimed steps after compiling")
             command.add_argument("--out", help="append the JSON result to this file")
             command.add_argument("--devices", type=int, help="use only the first N devices")
+            command.add_argument("--profile", help="trace three extra steps with the JAX profiler into this folder")
     return parser
 
 
@@ -56,7 +57,7 @@ def _bench(args) -> None:
     import jax
 
     devices = jax.devices()[: args.devices] if args.devices else None
-    result = bench.run(config.load(args.config, args.overrides), args.steps, args.warmup, devices)
+    result = bench.run(config.load(args.config, args.overrides), args.steps, args.warmup, devices, args.profile)
     bench.write(result, args.out)
 
 

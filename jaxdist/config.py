@@ -68,6 +68,8 @@ class ModelConfig(Section):
     scan_unroll: int = Field(1, gt=0)
     remat: Literal["none", "full", "dots"] = "none"
     attention: Literal["auto", "xla", "cudnn"] = "auto"
+    # dtype the output projection writes its logits in; the softmax is float32 either way.
+    logits_dtype: Literal["float32", "compute"] = "float32"
 
     @model_validator(mode="after")
     def _shapes(self) -> ModelConfig:

@@ -29,6 +29,13 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist 406m b16 unrolled", JAXDIST + ["configs/gpt_406m.yaml"]),
             ("jaxdist 406m b16 scan", JAXDIST + ["configs/gpt_406m.yaml", "model.scan_layers=true"]),
         ],
+        "ablate_406m": [
+            ("plain-jax 406m unrolled", [sys.executable, f"{peers}/plain_jax_gpt.py", "--scan", "0"]),
+            ("jaxdist unrolled+profile", JAXDIST + ["configs/gpt_406m.yaml", "--profile", "/tmp/jaxdist_profile"]),
+            ("no clip, no wd", JAXDIST + ["configs/gpt_406m.yaml", "optim.clip_norm=null", "optim.weight_decay=0"]),
+            ("bf16 logits", JAXDIST + ["configs/gpt_406m.yaml", "model.logits_dtype=compute"]),
+            ("no triton gemm", ["env", "XLA_FLAGS=--xla_gpu_enable_triton_gemm=false"] + JAXDIST + ["configs/gpt_406m.yaml"]),
+        ],
         "1gpu_1b4": [
             ("torch 1b4 b8", torch_gpt + ["--d", "2048", "--batch", "8"]),
             ("jaxdist 1b4 b8 unrolled", JAXDIST + ["configs/gpt_1b4.yaml"]),

@@ -17,7 +17,7 @@ from jaxdist.models.gpt import GPT
 
 def lm_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
     """Mean next-token cross-entropy (float32) over every target in the batch."""
-    logits = model(batch["inputs"])
+    logits = model(batch["inputs"]).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
 

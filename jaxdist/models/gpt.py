@@ -131,7 +131,7 @@ _REMAT_POLICIES = {
 
 
 class GPT(nnx.Module):
-    """Decoder-only transformer; `__call__(tokens)` gives float32 logits (batch, length, vocab)."""
+    """Decoder-only transformer; `__call__(tokens)` gives logits (batch, length, vocab)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32, compute_dtype=jnp.float32):
         self.cfg = cfg
@@ -158,7 +158,8 @@ class GPT(nnx.Module):
         x = self._run_blocks(x)
         x = self.final_norm(x)
         head = self.embed[...].T if self.cfg.tied_embeddings else self.head[...]
-        logits = jnp.einsum("btd,dv->btv", x, _cast(head, x.dtype), preferred_element_type=jnp.float32)
+        logits_dtype = jnp.float32 if self.cfg.logits_dtype == "float32" else x.dtype
+        logits = jnp.einsum("btd,dv->btv", x, _cast(head, x.dtype), preferred_element_type=logits_dtype)
         return constrain(logits, ("batch", "length", "vocab"))
 
     def _run_blocks(self, x: jax.Array) -> jax.Array:

@@ -42,8 +42,11 @@ def peak_memory_bytes(devices) -> int | None:
     return max(peaks) if all(p is not None for p in peaks) else None
 
 
-def run(cfg: Config, steps: int = 20, warmup: int = 5, devices: list | None = None) -> dict:
-    """Builds the trainer as `train` does, then times `steps` steps after `warmup` steps."""
+def run(cfg: Config, steps: int = 20, warmup: int = 5, devices: list | None = None, profile_dir: str | None = None) -> dict:
+    """Builds the trainer as `train` does, then times `steps` steps after `warmup` steps.
+
+    With `profile_dir`, three more steps are traced by the JAX profiler into that folder.
+    """
     from jaxdist.train.loop import build_trainer
 
     start = time.perf_counter()
@@ -58,6 +61,10 @@ def run(cfg: Config, steps: int = 20, warmup: int = 5, devices: list | None = No
         t0 = time.perf_counter()
         metrics = jax.block_until_ready(trainer.step(batch))
         times.append(time.perf_counter() - t0)
+    if profile_dir:
+        with jax.profiler.trace(profile_dir):
+            for _ in range(3):
+                jax.block_until_ready(trainer.step(batch))
     step_s = statistics.median(times)
     devices = trainer.mesh.devices.flatten().tolist()
     tokens_per_sec = cfg.train.global_batch * cfg.model.seq_len / step_s
