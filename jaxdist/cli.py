@@ -1,10 +1,11 @@
-"""`jaxdist train | rules`: the command line. Exit codes: 0 done, 1 crash, 2 user error."""
+"""`jaxdist train | rules | data prepare`: the command line. Exit codes: 0 done, 1 crash, 2 user error."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from jaxdist.data import prepare
 from jaxdist.errors import UserError
 
 
@@ -25,6 +26,8 @@ def _parser() -> argparse.ArgumentParser:
         command = commands.add_parser(name, help=help_text)
         command.add_argument("config", help="YAML config file")
         command.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
+    data = commands.add_parser("data", help="prepare datasets").add_subparsers(dest="data_command", required=True)
+    prepare.add_arguments(data.add_parser("prepare", help="tokenize text, JSONL or Parquet files into ArrayRecord shards"))
     return parser
 
 
@@ -46,7 +49,7 @@ def _rules(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        {"train": _train, "rules": _rules}[args.command](args)
+        {"train": _train, "rules": _rules, "data": prepare.run}[args.command](args)
     except UserError as err:
         print(f"jaxdist: error: {err}", file=sys.stderr)
         return 2
