@@ -196,7 +196,7 @@ def prepare(
     text_key: str = "text",
 ) -> dict:
     """Tokenizes `inputs` into packed ArrayRecord shards under `out`; returns the manifest."""
-    tokenizer_lib.check_name(tokenizer)
+    tokenizer_lib.check_name(tokenizer, "data prepare: --tokenizer")
     if not 0 <= eval_fraction < 1:
         raise UserError(f"data prepare: --eval-fraction={eval_fraction} must be in [0, 1)")
     if chunk_tokens < 1 or records_per_shard < 1 or vocab_size < 1:

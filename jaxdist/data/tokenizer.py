@@ -67,14 +67,15 @@ class SentencePieceTokenizer:
 TOKENIZERS = ("byte", "sentencepiece")
 
 
-def check_name(name: str) -> None:
+def check_name(name: str, key: str) -> None:
+    """A `UserError` naming `key` unless `name` is a known tokenizer."""
     if name not in TOKENIZERS:
-        raise UserError(f"tokenizer {name!r} is not known; choose one of {', '.join(TOKENIZERS)}")
+        raise UserError(f"{key}={name!r} is not a known tokenizer; choose one of {', '.join(TOKENIZERS)}")
 
 
 def train(name: str, documents: Iterable[str], vocab_size: int) -> Tokenizer:
     """The tokenizer `name`, trained on `documents` where it has anything to learn."""
-    check_name(name)
+    check_name(name, "tokenizer")
     if name == "byte":
         return ByteTokenizer()
     import sentencepiece
@@ -108,7 +109,7 @@ def save(tokenizer: Tokenizer, directory: Path) -> dict:
 
 def load(entry: dict, directory: Path) -> Tokenizer:
     """The tokenizer a manifest entry describes (the inverse of `save`)."""
-    check_name(entry.get("name"))
+    check_name(entry.get("name"), f"data.path={directory}: the manifest's tokenizer")
     if entry["name"] == "byte":
         return ByteTokenizer()
     path = directory / entry["file"]

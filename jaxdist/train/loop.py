@@ -59,10 +59,12 @@ def build_trainer(cfg: Config, devices: list | None = None) -> Trainer:
 
 def train(cfg: Config, devices: list | None = None) -> Trainer:
     """Runs `cfg.train.steps` steps, writing `config.yaml` and `metrics.jsonl` into `cfg.run_dir`."""
-    # Opening the data first reports bad data before anything compiles.
+    # Opening the data and reading a first batch report bad data before anything compiles.
     train_source = loader.open_split(cfg, "train")
     eval_source = loader.open_split(cfg, "eval") if cfg.eval.every else None
     cfg = loader.resolve_steps(cfg, len(train_source))
+    batches = loader.train_iterator(cfg, start_example=0, source=train_source)
+    first_local = next(batches)
     trainer = build_trainer(cfg, devices)
     run_dir = Path(cfg.run_dir)
     is_writer = jax.process_index() == 0
@@ -72,14 +74,13 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
     log(f"mesh {mesh_lib.describe(trainer.mesh)} on {len(trainer.mesh.devices.flat)} devices "
         f"({jax.process_count()} process(es)); rules preset {cfg.rules.preset}")
 
-    batches = loader.train_iterator(cfg, start_example=0, source=train_source)
     evaluate = None if eval_source is None else Evaluator(
         trainer, models.get(cfg.model.name).loss, lambda: loader.eval_iterator(cfg, eval_source)
     )
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
 
     writer = MetricsWriter(run_dir if is_writer else None, sys.stdout if is_writer else None)
-    first = trainer.global_batch(next(batches))
+    first = trainer.global_batch(first_local)
     trainer.compile(first)
     log(f"compiled the train step in {trainer.compile_time_s:.1f} s")
 
