@@ -87,7 +87,7 @@ class DataConfig(Section):
 
     `eval_fraction` holds out that share of stdlib files or array rows (prepared shards fix their
     eval split when written); `epochs`, when set, decides `train.steps`; `workers` > 0 reads in
-    grain worker processes (keep it fixed across a resume).
+    that many grain worker processes (the batches are the same at any count).
     """
 
     source: Literal["stdlib", "arrayrecord", "arrays"] = "stdlib"

@@ -84,6 +84,8 @@ def run_cli(args, capfd) -> tuple[int, list[str]]:
         ("empty file", "{tmp}/empty.txt is empty"),
         ("unknown tokenizer", "--tokenizer='wordpiece' is not a known tokenizer; choose one of byte, sentencepiece"),
         ("corrupt jsonl", "{tmp}/bad.jsonl:2 is not valid JSON"),
+        ("corrupt jsonl, sentencepiece", "{tmp}/bad.jsonl:2 is not valid JSON"),
+        ("vocabulary too large", "--vocab-size=5000: sentencepiece could not train on these files"),
     ],
 )
 def test_bad_prepare_input_is_one_line_and_exit_2(tmp_path, capfd, case, expected):
@@ -95,9 +97,13 @@ def test_bad_prepare_input_is_one_line_and_exit_2(tmp_path, capfd, case, expecte
         "empty file": ("empty.txt", "byte"),
         "unknown tokenizer": ("good.txt", "wordpiece"),
         "corrupt jsonl": ("bad.jsonl", "byte"),
+        "corrupt jsonl, sentencepiece": ("bad.jsonl", "sentencepiece"),
+        "vocabulary too large": ("good.txt", "sentencepiece"),
     }[case]
     code, err = run_cli(
-        ["data", "prepare", str(tmp_path / inputs), "--out", str(tmp_path / "out"), "--tokenizer", tokenizer], capfd
+        ["data", "prepare", str(tmp_path / inputs), "--out", str(tmp_path / "out"), "--tokenizer", tokenizer,
+         "--vocab-size", "5000"],
+        capfd,
     )
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith("jaxdist: error: data prepare: "), err

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import grain
 import jax
-from absl import flags
 import numpy as np
+from absl import flags
 from jax.sharding import NamedSharding
 
 from jaxdist.errors import UserError

@@ -35,8 +35,9 @@ WRITER_OPTIONS = "group_size:1,zstd:1"
 def input_files(paths: list[str]) -> list[tuple[Path, str]]:
     """(file, stable name) for every input file, directories expanded recursively.
 
-    Directories are listed sorted, hidden files skipped. The name (relative to the directory
-    named) decides a document's split, so moving the data keeps the split.
+    Directories are listed sorted, skipping hidden and empty files (an empty file named on its
+    own is an error). The name (relative to the directory named) decides a document's split, so
+    moving the data keeps the split.
     """
     files: list[tuple[Path, str]] = []
     for name in paths:
@@ -46,10 +47,11 @@ def input_files(paths: list[str]) -> list[tuple[Path, str]]:
         if path.is_dir():
             found = sorted(
                 p.relative_to(path) for p in path.rglob("*")
-                if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+                if p.is_file() and p.stat().st_size
+                and not any(part.startswith(".") for part in p.relative_to(path).parts)
             )
             if not found:
-                raise UserError(f"data prepare: directory {name} holds no files; pass a directory with text files")
+                raise UserError(f"data prepare: directory {name} holds no non-empty files; pass one with text files")
             files.extend((path / relative, relative.as_posix()) for relative in found)
         else:
             files.append((path, path.name))

@@ -8,7 +8,7 @@ Every tokenizer has a `separator` id, written after each document when documents
 from __future__ import annotations
 
 import io
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -80,10 +80,20 @@ def train(name: str, documents: Iterable[str], vocab_size: int) -> Tokenizer:
         return ByteTokenizer()
     import sentencepiece
 
+    # A bad input file raises inside sentencepiece's C++ loop, which would report it as its own
+    # failure: stop the iteration there and raise the file's error afterwards instead.
+    input_errors: list[UserError] = []
+
+    def checked_documents() -> Iterator[str]:
+        try:
+            yield from documents
+        except UserError as err:
+            input_errors.append(err)
+
     model = io.BytesIO()
     try:
         sentencepiece.SentencePieceTrainer.train(
-            sentence_iterator=iter(documents), model_writer=model, vocab_size=vocab_size,
+            sentence_iterator=checked_documents(), model_writer=model, vocab_size=vocab_size,
             model_type="bpe", byte_fallback=True,  # any text encodes, even characters never seen
             # Identity normalization keeps whitespace and newlines, so decode(encode(text)) == text.
             normalization_rule_name="identity", remove_extra_whitespaces=False,
@@ -91,10 +101,14 @@ def train(name: str, documents: Iterable[str], vocab_size: int) -> Tokenizer:
             unk_id=0, eos_id=1, bos_id=-1, pad_id=-1, num_threads=2, minloglevel=2,
         )
     except RuntimeError as err:
+        if input_errors:
+            raise input_errors[0] from None
         raise UserError(
-            f"--vocab-size={vocab_size}: sentencepiece could not train on these files "
+            f"data prepare: --vocab-size={vocab_size}: sentencepiece could not train on these files "
             f"({str(err).strip().splitlines()[-1]}); use a smaller vocabulary or more text"
         ) from None
+    if input_errors:
+        raise input_errors[0]
     return SentencePieceTokenizer(model.getvalue())
 
 
