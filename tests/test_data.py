@@ -9,6 +9,7 @@ from data_helpers import prepared, random_documents, window_ids
 
 from jaxdist.data import loader, pipeline, prepare, sources
 from jaxdist.data.tokenizer import ByteTokenizer
+from jaxdist.errors import UserError
 
 SEQ_LEN = 16
 GLOBAL_BATCH = 8
@@ -178,3 +179,10 @@ def test_worker_processes_yield_the_same_batches(dataset, tmp_path):
 def test_byte_tokenizer_round_trips():
     text = "déf f(x):\n\treturn x  # ok"
     assert ByteTokenizer().decode(ByteTokenizer().encode(text)) == text
+
+
+def test_unequal_arrays_name_the_file(tmp_path):
+    np.savez(tmp_path / "bad.npz", x=np.zeros((5, 2)), y=np.zeros(4))
+    cfg = make_config(tmp_path, data={"source": "arrays", "path": str(tmp_path / "bad.npz")})
+    with pytest.raises(UserError, match=r"data.path=.*bad.npz: need one or more non-empty arrays of equal length"):
+        loader.open_split(cfg, "train")

@@ -27,22 +27,23 @@ def open_split(cfg: Config, split: str):
     data = cfg.data
     if data.source == "stdlib":
         name = f"the {split} split of the stdlib corpus (data.eval_fraction={data.eval_fraction})"
-        return _windows(corpus.stdlib_tokens(split, data.eval_fraction), cfg, name)
+        tokens = corpus.stdlib_tokens(split, data.eval_fraction)
+        return _windows(tokens, cfg, name, tokenizer_lib.ByteTokenizer.vocab_size, "the stdlib corpus")
     if data.source == "arrayrecord":
         directory = Path(data.path)
         manifest = sources.read_manifest(directory)
-        vocab = manifest["tokenizer"]["vocab_size"]
-        if cfg.model.vocab < vocab:
-            raise UserError(
-                f"model.vocab={cfg.model.vocab} is smaller than the vocabulary of data.path={data.path} "
-                f"({vocab} ids); set model.vocab={vocab}"
-            )
         tokens = sources.ArrayRecordTokens(directory, manifest, split)
-        return _windows(tokens, cfg, f"the {split} split of data.path={data.path}")
-    return sources.ArraySource(_array_split(Path(data.path), split, data.eval_fraction))
+        name = f"the {split} split of data.path={data.path}"
+        return _windows(tokens, cfg, name, manifest["tokenizer"]["vocab_size"], f"data.path={data.path}")
+    return sources.ArraySource(_array_split(Path(data.path), split, data.eval_fraction), f"data.path={data.path}")
 
 
-def _windows(tokens, cfg: Config, name: str) -> pipeline.TokenWindows:
+def _windows(tokens, cfg: Config, name: str, vocab: int, vocab_of: str) -> pipeline.TokenWindows:
+    if cfg.model.vocab < vocab:
+        raise UserError(
+            f"model.vocab={cfg.model.vocab} is smaller than the vocabulary of {vocab_of} ({vocab} ids); "
+            f"set model.vocab={vocab}"
+        )
     if not len(tokens):
         raise UserError(
             f"{name} is empty; give it data (data.eval_fraction, or `data prepare --eval-fraction`) "
@@ -60,7 +61,7 @@ def _array_split(path: Path, split: str, eval_fraction: float) -> dict[str, np.n
             arrays = {name: npz[name] for name in npz.files}
     except (OSError, ValueError) as err:
         raise UserError(f"data.path={path} is not a readable .npz file ({err}); save it with numpy.savez") from None
-    rows = len(sources.ArraySource(arrays))
+    rows = len(sources.ArraySource(arrays, f"data.path={path}"))
     held_out = round(rows * eval_fraction)
     order = np.random.default_rng(0).permutation(rows)
     chosen = np.sort(order[:held_out] if split == "eval" else order[held_out:])

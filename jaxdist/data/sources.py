@@ -127,11 +127,11 @@ class ArraySource:
     `{"inputs": ..., "targets": ...}` token rows for a language model.
     """
 
-    def __init__(self, arrays: Mapping[str, np.ndarray]):
-        self.arrays = {name: np.asarray(array) for name, array in arrays.items()}
-        lengths = {name: len(array) for name, array in self.arrays.items()}
+    def __init__(self, arrays: Mapping[str, np.ndarray], name: str = "in-memory arrays"):
+        self.arrays = {key: np.asarray(array) for key, array in arrays.items()}
+        lengths = {key: array.shape[0] if array.ndim else 0 for key, array in self.arrays.items()}
         if not lengths or len(set(lengths.values())) != 1 or not min(lengths.values()):
-            raise UserError(f"in-memory arrays need one or more non-empty arrays of equal length; got lengths {lengths}")
+            raise UserError(f"{name}: need one or more non-empty arrays of equal length, got lengths {lengths}")
         self._length = next(iter(lengths.values()))
 
     def __len__(self) -> int:
