@@ -1,10 +1,11 @@
-"""`jaxdist train | rules | bench`: the command line. Exit codes: 0 done, 1 crash, 2 user error."""
+"""`jaxdist train | rules | bench | data prepare`: the command line. Exit codes: 0 done, 1 crash, 2 user error."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from jaxdist.data import prepare
 from jaxdist.errors import UserError
 
 
@@ -32,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
             command.add_argument("--out", help="append the JSON result to this file")
             command.add_argument("--devices", type=int, help="use only the first N devices")
             command.add_argument("--profile", help="trace three extra steps with the JAX profiler into this folder")
+    data = commands.add_parser("data", help="prepare datasets").add_subparsers(dest="data_command", required=True)
+    prepare.add_arguments(data.add_parser("prepare", help="tokenize text, JSONL or Parquet files into ArrayRecord shards"))
     return parser
 
 
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = [*getattr(args, "overrides", []), *extra]
     try:
-        {"train": _train, "rules": _rules, "bench": _bench}[args.command](args)
+        {"train": _train, "rules": _rules, "bench": _bench, "data": prepare.run}[args.command](args)
     except UserError as err:
         print(f"jaxdist: error: {err}", file=sys.stderr)
         return 2
