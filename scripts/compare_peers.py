@@ -47,7 +47,6 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist 1b4 b8 unrolled", JAXDIST + ["configs/gpt_1b4.yaml"]),
         ],
         "multi_406m": [
-            ("torch 406m 1gpu", torch_gpt + ["--batch", "16"]),
             ("jaxdist 406m 1gpu", JAXDIST + ["configs/gpt_406m.yaml", "mesh.fsdp=1", "--devices", "1"]),
             ("torch ddp", ["env", "MODE=ddp"] + dist),
             ("torch fsdp2", ["env", "MODE=fsdp"] + dist),
