@@ -1,4 +1,8 @@
-"""`jaxdist train | rules | bench`: the command line. Exit codes: 0 done, 1 crash, 2 user error."""
+"""`jaxdist train | rules | bench | launch | doctor | scale`: the command line.
+
+Exit codes: 0 done, 1 crash, 2 user error. Every command that runs JAX first joins the other
+processes of the run (`jaxdist.parallel.distributed.initialize`).
+"""
 
 from __future__ import annotations
 
@@ -17,6 +21,11 @@ class _OneLineErrors(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     parser = _OneLineErrors(prog="jaxdist", description="Train models on many accelerators with one program.")
+    processes = parser.add_argument_group("multi-process (default: JAX_* / torchrun / SLURM / MPI env, else one)")
+    processes.add_argument("--coordinator", help="host:port of process 0's coordinator")
+    processes.add_argument("--num-processes", type=int, help="number of processes in the run")
+    processes.add_argument("--process-id", type=int, help="this process's id, 0..num-processes-1")
+    processes.add_argument("--init-timeout", type=int, help="seconds for all processes to join (default 300)")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (
         ("train", "train (or resume) a run from a YAML config"),
@@ -31,6 +40,20 @@ def _parser() -> argparse.ArgumentParser:
             command.add_argument("--warmup", type=int, default=5, help="untimed steps after compiling")
             command.add_argument("--out", help="append the JSON result to this file")
             command.add_argument("--devices", type=int, help="use only the first N devices")
+    launch = commands.add_parser("launch", help="run a command as N processes on this host")
+    launch.add_argument("-n", "--num", type=int, required=True, help="number of processes")
+    launch.add_argument("--devices-per-process", type=int, default=1,
+                        help="GPUs (or simulated CPU devices) per process (default 1)")
+    launch.add_argument("program", nargs=argparse.REMAINDER, help="-- train CONFIG [overrides]")
+    doctor = commands.add_parser("doctor", help="check devices and collectives on every mesh axis")
+    doctor.add_argument("--config", help="YAML config whose mesh to check (default: data = process count)")
+    doctor.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.tensor=2")
+    doctor.add_argument("--megabytes", type=float, default=16.0, help="buffer per device for bandwidth")
+    scale = commands.add_parser("scale", help="print communication, checkpoint and layout numbers for N hosts")
+    scale.add_argument("config", help="YAML config (the model recipe)")
+    scale.add_argument("overrides", nargs="*", help="dotted overrides")
+    scale.add_argument("--hosts", type=int, required=True, help="number of hosts")
+    scale.add_argument("--gpus-per-host", type=int, default=8)
     return parser
 
 
@@ -60,6 +83,29 @@ def _bench(args) -> None:
     bench.write(result, args.out)
 
 
+def _launch(args) -> int:
+    from jaxdist import launch
+
+    return launch.launch(args.num, args.devices_per_process, args.program)
+
+
+def _doctor(args) -> int:
+    from jaxdist.observe import doctor
+
+    return doctor.run(doctor.load_config(args.config, args.overrides), args.megabytes)
+
+
+def _scale(args) -> None:
+    from jaxdist import config
+    from jaxdist.observe import scaling
+
+    print(scaling.report(config.load(args.config, args.overrides), args.hosts, args.gpus_per_host))
+
+
+# Commands that never run JAX on this process's devices, so they do not join a process group.
+_OFFLINE = {"launch", "scale"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
@@ -69,11 +115,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = [*getattr(args, "overrides", []), *extra]
     try:
-        {"train": _train, "rules": _rules, "bench": _bench}[args.command](args)
+        if args.command not in _OFFLINE:
+            from jaxdist.parallel import distributed
+
+            distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.init_timeout)
+        commands = {
+            "train": _train, "rules": _rules, "bench": _bench, "launch": _launch, "doctor": _doctor, "scale": _scale,
+        }
+        return commands[args.command](args) or 0
     except UserError as err:
         print(f"jaxdist: error: {err}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":
