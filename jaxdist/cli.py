@@ -54,6 +54,10 @@ def _parser() -> argparse.ArgumentParser:
     scale.add_argument("overrides", nargs="*", help="dotted overrides")
     scale.add_argument("--hosts", type=int, required=True, help="number of hosts")
     scale.add_argument("--gpus-per-host", type=int, default=8)
+    scale.add_argument("--batch-per-gpu", type=int, help="sequences per GPU (default: the recipe's train.global_batch)")
+    scale.add_argument("--network-gbs", type=float, default=50.0, help="GB/s per GPU between hosts")
+    scale.add_argument("--nvlink-gbs", type=float, default=450.0, help="GB/s per GPU inside a host")
+    scale.add_argument("--storage-gbs", type=float, default=2.0, help="checkpoint write GB/s per host")
     return parser
 
 
@@ -99,7 +103,10 @@ def _scale(args) -> None:
     from jaxdist import config
     from jaxdist.observe import scaling
 
-    print(scaling.report(config.load(args.config, args.overrides), args.hosts, args.gpus_per_host))
+    hardware = scaling.Hardware(network_bw=args.network_gbs * 1e9, nvlink_bw=args.nvlink_gbs * 1e9,
+                                storage_bw=args.storage_gbs * 1e9)
+    cfg = config.load(args.config, args.overrides)
+    print(scaling.report(cfg, args.hosts, args.gpus_per_host, args.batch_per_gpu, hardware))
 
 
 # Commands that never run JAX on this process's devices, so they do not join a process group.

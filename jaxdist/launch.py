@@ -72,6 +72,8 @@ def launch(num_processes: int, devices_per_process: int, program: Sequence[str],
         for process_id in range(num_processes):
             env = process_env(dict(os.environ), coordinator, num_processes, process_id, devices_per_process)
             group.start(process_id, child_command(program), env)
+        pids = ", ".join(str(child.pid) for child in group.children)
+        group.say(f"started {num_processes} process(es), coordinator {coordinator}, pids {pids}")
         return group.wait()
 
 
@@ -106,17 +108,20 @@ class _Group:
     def wait(self) -> int:
         """Waits for all children; on the first failure (or a signal) stops the rest. The exit code."""
         failure: int | None = None
-        while any(child.poll() is None for child in self.children):
+        while True:
+            codes = [child.poll() for child in self.children]  # poll each one: it updates returncode
+            if all(code is not None for code in codes):
+                break
             if self.stop_signal is not None:
-                self._say(f"received signal {self.stop_signal}; stopping all processes")
+                self.say(f"received signal {self.stop_signal}; stopping all processes")
                 failure = 128 + self.stop_signal
                 break
-            failed = [(i, c.returncode) for i, c in enumerate(self.children) if c.returncode not in (None, 0)]
+            failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
             if failed:
                 process_id, code = failed[0]
-                running = sum(child.poll() is None for child in self.children)
-                self._say(f"process {process_id} exited with {_describe_exit(code)}; "
-                          f"stopping the other {running} process(es)")
+                running = codes.count(None)
+                self.say(f"process {process_id} exited with {_describe_exit(code)}; "
+                         f"stopping the other {running} process(es)")
                 failure = _exit_code(code)
                 break
             time.sleep(_POLL_S)
@@ -142,7 +147,7 @@ class _Group:
             _signal_group(child, signal.SIGKILL)
             child.wait()
 
-    def _say(self, message: str) -> None:
+    def say(self, message: str) -> None:
         with self.lock:
             print(f"jaxdist launch: {message}", file=self.stderr, flush=True)
 

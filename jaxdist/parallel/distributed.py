@@ -77,7 +77,9 @@ def resolve(
         "id": _explicit(process_id, "--process-id", env, "JAX_PROCESS_ID"),
     }
     if explicit["count"] is not None or explicit["id"] is not None:
-        return _from_settings(explicit["coordinator"], explicit["count"], explicit["id"], None, "JAX_* variables")
+        from_flags = any(s is not None and s.origin.startswith("--") for s in explicit.values())
+        source = "command-line flags" if from_flags else "JAX_* variables"
+        return _from_settings(explicit["coordinator"], explicit["count"], explicit["id"], None, source)
     if "WORLD_SIZE" in env:
         return _from_torchrun(env, explicit["coordinator"])
     if "SLURM_JOB_ID" in env and "SLURM_NTASKS" in env and "SLURM_PROCID" in env:
