@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     doctor = commands.add_parser("doctor", help="check devices and collectives on every mesh axis")
     doctor.add_argument("--config", help="YAML config whose mesh to check (default: data = process count)")
     doctor.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.tensor=2")
-    doctor.add_argument("--megabytes", type=float, default=16.0, help="buffer per device for bandwidth")
+    doctor.add_argument("--megabytes", type=float, default=64.0, help="buffer per device for bandwidth")
     scale = commands.add_parser("scale", help="print communication, checkpoint and layout numbers for N hosts")
     scale.add_argument("config", help="YAML config (the model recipe)")
     scale.add_argument("overrides", nargs="*", help="dotted overrides")

@@ -23,8 +23,11 @@ from typing import BinaryIO, TextIO
 
 from jaxdist.errors import UserError
 
-# After a failure, the others get SIGTERM and this long to exit before SIGKILL.
-STOP_GRACE_S = 10.0
+# Seconds between SIGTERM and SIGKILL. After a process died the others cannot go on (a JAX
+# multi-controller run needs every process), so they get little time; when the launcher itself is
+# told to stop (Ctrl-C, a scheduler's preemption) they get time to save a checkpoint.
+FAILURE_GRACE_S = 3.0
+SIGNAL_GRACE_S = 120.0
 _POLL_S = 0.1
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -108,6 +111,7 @@ class _Group:
     def wait(self) -> int:
         """Waits for all children; on the first failure (or a signal) stops the rest. The exit code."""
         failure: int | None = None
+        grace = FAILURE_GRACE_S
         while True:
             codes = [child.poll() for child in self.children]  # poll each one: it updates returncode
             if all(code is not None for code in codes):
@@ -115,6 +119,7 @@ class _Group:
             if self.stop_signal is not None:
                 self.say(f"received signal {self.stop_signal}; stopping all processes")
                 failure = 128 + self.stop_signal
+                grace = SIGNAL_GRACE_S
                 break
             failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
             if failed:
@@ -125,7 +130,7 @@ class _Group:
                 failure = _exit_code(code)
                 break
             time.sleep(_POLL_S)
-        self._stop_all()
+        self._stop_all(grace)
         for relay in self.relays:
             relay.join()
         if failure is not None:
@@ -133,11 +138,11 @@ class _Group:
         codes = [child.returncode for child in self.children]
         return next((_exit_code(code) for code in codes if code != 0), 0)
 
-    def _stop_all(self) -> None:
-        """SIGTERM to every child's process group, then SIGKILL to what is left after the grace time."""
+    def _stop_all(self, grace_s: float) -> None:
+        """SIGTERM to every child's process group, then SIGKILL to what is left after `grace_s`."""
         for child in self.children:
             _signal_group(child, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
+        deadline = time.monotonic() + grace_s
         for child in self.children:
             try:
                 child.wait(timeout=max(0.0, deadline - time.monotonic()))

@@ -36,10 +36,22 @@ def write_config(path: Path, cfg) -> Path:
     return path
 
 
+_COMPILE_CACHE: dict[str, str] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_compile_cache(tmp_path_factory):
+    """The launched processes share JAX's compilation cache: the train and kill tests compile one step."""
+    _COMPILE_CACHE["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
+    _COMPILE_CACHE["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    yield
+    _COMPILE_CACHE.clear()
+
+
 def jaxdist_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "JAXDIST_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return {**env, **extra}
+    return {**env, **_COMPILE_CACHE, **extra}
 
 
 def run_jaxdist(*args: str, env: dict[str, str] | None = None, timeout: float = LAUNCH_TIMEOUT_S):
@@ -131,11 +143,11 @@ def test_killing_one_process_stops_the_launcher(tmp_path):
     drain = threading.Thread(target=lambda: stderr_lines.extend(launcher.stderr), daemon=True)
     drain.start()
     try:
-        for line in launcher.stdout:  # wait until both processes are training (inside collectives)
-            if re.match(r"\[0\] step +2 ", line):
+        for line in launcher.stdout:  # both joined and process 0 compiled: about to step together
+            if line.startswith("[0] compiled the train step"):
                 break
         else:
-            pytest.fail("the launched run never reached step 2: " + "".join(stderr_lines)[-3000:])
+            pytest.fail("the launched run never compiled: " + "".join(stderr_lines)[-3000:])
         started = next(line for line in stderr_lines if "started 2 process(es)" in line)
         pids = [int(pid) for pid in started.rsplit("pids ", 1)[1].split(", ")]
 
