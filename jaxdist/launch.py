@@ -10,6 +10,7 @@ its own children go too) and the launcher exits with the failed process's code.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import BinaryIO, TextIO
 
 from jaxdist.errors import UserError
@@ -60,7 +61,7 @@ def child_command(program: Sequence[str]) -> list[str]:
 
 
 def launch(num_processes: int, devices_per_process: int, program: Sequence[str],
-           stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr) -> int:
+           stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
     """Runs `jaxdist <program>` as `num_processes` processes; returns the exit code for the launcher."""
     program = list(program[1:] if program and program[0] == "--" else program)
     if num_processes < 1:
@@ -70,8 +71,8 @@ def launch(num_processes: int, devices_per_process: int, program: Sequence[str],
     if not program:
         raise UserError("launch: no command given; e.g. jaxdist launch -n 2 -- train configs/tiny.yaml")
     coordinator = f"127.0.0.1:{free_port()}"
-    group = _Group(stdout, stderr)
-    with _forward_signals(group):
+    group = _Group(stdout or sys.stdout, stderr or sys.stderr)
+    with _signals_stop(group):
         for process_id in range(num_processes):
             env = process_env(dict(os.environ), coordinator, num_processes, process_id, devices_per_process)
             group.start(process_id, child_command(program), env)
@@ -170,23 +171,18 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-class _forward_signals:
+@contextlib.contextmanager
+def _signals_stop(group: _Group) -> Iterator[None]:
     """While children run, SIGINT/SIGTERM to the launcher stop them all instead of orphaning them."""
 
-    def __init__(self, group: _Group):
-        self.group = group
-        self.previous: dict[int, object] = {}
+    def handle(signum, frame) -> None:
+        group.stop_signal = signum
 
-    def __enter__(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self.previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        self.group.stop_signal = signum
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self.previous.items():
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 

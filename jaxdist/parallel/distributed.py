@@ -84,7 +84,7 @@ def resolve(
         return _from_torchrun(env, explicit["coordinator"])
     if "SLURM_JOB_ID" in env and "SLURM_NTASKS" in env and "SLURM_PROCID" in env:
         return _from_cluster(env, explicit["coordinator"], "SLURM_NTASKS", "SLURM_PROCID", "SLURM")
-    if "OMPI_MCA_orte_hnp_uri" in env and "OMPI_COMM_WORLD_SIZE" in env:
+    if all(key in env for key in ("OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")):
         return _from_cluster(env, explicit["coordinator"], "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "Open MPI")
     return ProcessGroup(1, 0, None, None, "single process (no coordinator set)")
 
