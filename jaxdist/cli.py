@@ -73,7 +73,8 @@ def _rules(args) -> None:
     from jaxdist.parallel import rules
     from jaxdist.train import loop
 
-    print(rules.sharding_table(loop.param_layouts(config.load(args.config, args.overrides))))
+    table = rules.sharding_table(loop.param_layouts(config.load(args.config, args.overrides)))
+    loop.log(table)  # process 0 only
 
 
 def _bench(args) -> None:
