@@ -1,4 +1,4 @@
-"""`jaxdist train | rules | bench | launch | doctor | scale`: the command line.
+"""`jaxdist train | rules | bench | data prepare | launch | doctor | scale`: the command line.
 
 Exit codes: 0 done, 1 crash, 2 user error. Every command that runs JAX first joins the other
 processes of the run (`jaxdist.parallel.distributed.initialize`).
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jaxdist.data import prepare
 from jaxdist.errors import UserError
 
 
@@ -40,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
             command.add_argument("--warmup", type=int, default=5, help="untimed steps after compiling")
             command.add_argument("--out", help="append the JSON result to this file")
             command.add_argument("--devices", type=int, help="use only the first N devices")
+            command.add_argument("--profile", help="trace three extra steps with the JAX profiler into this folder")
     launch = commands.add_parser("launch", help="run a command as N processes on this host")
     launch.add_argument("-n", "--num", type=int, required=True, help="number of processes")
     launch.add_argument("--devices-per-process", type=int, default=1,
@@ -58,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     scale.add_argument("--network-gbs", type=float, default=50.0, help="GB/s per GPU between hosts")
     scale.add_argument("--nvlink-gbs", type=float, default=450.0, help="GB/s per GPU inside a host")
     scale.add_argument("--storage-gbs", type=float, default=2.0, help="checkpoint write GB/s per host")
+    data = commands.add_parser("data", help="prepare datasets").add_subparsers(dest="data_command", required=True)
+    prepare.add_arguments(data.add_parser("prepare", help="tokenize text, JSONL or Parquet files into ArrayRecord shards"))
     return parser
 
 
@@ -84,7 +88,7 @@ def _bench(args) -> None:
     import jax
 
     devices = jax.devices()[: args.devices] if args.devices else None
-    result = bench.run(config.load(args.config, args.overrides), args.steps, args.warmup, devices)
+    result = bench.run(config.load(args.config, args.overrides), args.steps, args.warmup, devices, args.profile)
     bench.write(result, args.out)
 
 
@@ -111,7 +115,7 @@ def _scale(args) -> None:
 
 
 # Commands that never run JAX on this process's devices, so they do not join a process group.
-_OFFLINE = {"launch", "scale"}
+_OFFLINE = {"launch", "scale", "data"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.init_timeout)
         commands = {
             "train": _train, "rules": _rules, "bench": _bench, "launch": _launch, "doctor": _doctor, "scale": _scale,
+            "data": prepare.run,
         }
         return commands[args.command](args) or 0
     except UserError as err:

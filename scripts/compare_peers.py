@@ -17,30 +17,43 @@ import sys
 import time
 
 JAXDIST = [sys.executable, "-m", "jaxdist.cli", "bench"]
+# XLA's latency-hiding scheduler: overlaps collectives with compute.
+LHS = ["env", "XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true"]
 
 
 def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
     torch_gpt = [sys.executable, f"{peers}/torch_gpt.py"]
     dist = ["torchrun", "--standalone", f"--nproc_per_node={gpus}", f"{peers}/torch_dist.py"]
     b406 = 16 * gpus
+    dp = ["configs/gpt_406m.yaml", f"train.global_batch={b406}", "mesh.data=-1", "mesh.fsdp=1", "rules.preset=dp"]
+    fsdp = ["configs/gpt_406m.yaml", f"train.global_batch={b406}"]
     return {
         "1gpu_406m": [
             ("torch 406m b16", torch_gpt + ["--batch", "16"]),
-            ("jaxdist 406m b16 unrolled", JAXDIST + ["configs/gpt_406m.yaml"]),
+            ("jaxdist 406m b16 unrolled", JAXDIST + ["configs/gpt_406m.yaml", "--profile", "/tmp/jaxdist_profile"]),
             ("jaxdist 406m b16 scan", JAXDIST + ["configs/gpt_406m.yaml", "model.scan_layers=true"]),
+            ("jaxdist 406m b16 scan unroll4", JAXDIST + ["configs/gpt_406m.yaml", "model.scan_layers=true",
+                                                          "model.scan_unroll=4"]),
+        ],
+        "ablate_406m": [
+            ("plain-jax 406m unrolled", [sys.executable, f"{peers}/plain_jax_gpt.py", "--scan", "0"]),
+            ("jaxdist unrolled+profile", JAXDIST + ["configs/gpt_406m.yaml", "--profile", "/tmp/jaxdist_profile"]),
+            ("no clip, no wd", JAXDIST + ["configs/gpt_406m.yaml", "optim.clip_norm=null", "optim.weight_decay=0"]),
+            ("bf16 logits", JAXDIST + ["configs/gpt_406m.yaml", "model.logits_dtype=compute"]),
+            ("no triton gemm", ["env", "XLA_FLAGS=--xla_gpu_enable_triton_gemm=false"] + JAXDIST + ["configs/gpt_406m.yaml"]),
         ],
         "1gpu_1b4": [
             ("torch 1b4 b8", torch_gpt + ["--d", "2048", "--batch", "8"]),
             ("jaxdist 1b4 b8 unrolled", JAXDIST + ["configs/gpt_1b4.yaml"]),
         ],
         "multi_406m": [
-            ("torch 406m 1gpu", torch_gpt + ["--batch", "16"]),
             ("jaxdist 406m 1gpu", JAXDIST + ["configs/gpt_406m.yaml", "mesh.fsdp=1", "--devices", "1"]),
             ("torch ddp", ["env", "MODE=ddp"] + dist),
             ("torch fsdp2", ["env", "MODE=fsdp"] + dist),
-            ("jaxdist dp", JAXDIST + ["configs/gpt_406m.yaml", f"train.global_batch={b406}", "mesh.data=-1",
-                                      "mesh.fsdp=1", "rules.preset=dp"]),
-            ("jaxdist fsdp", JAXDIST + ["configs/gpt_406m.yaml", f"train.global_batch={b406}"]),
+            ("jaxdist dp", JAXDIST + dp),
+            ("jaxdist dp +lhs", LHS + JAXDIST + dp),
+            ("jaxdist fsdp", JAXDIST + fsdp),
+            ("jaxdist fsdp +lhs", LHS + JAXDIST + fsdp),
         ],
         "tensor_1b4": [
             ("jaxdist 1b4 1gpu", JAXDIST + ["configs/gpt_1b4.yaml", "mesh.fsdp=1", "--devices", "1"]),
