@@ -15,7 +15,8 @@ _platform.apply_cpu_device_count()
 
 from jaxdist.config import Config, load as load_config  # noqa: E402
 from jaxdist.errors import UserError  # noqa: E402
+from jaxdist.parallel import distributed  # noqa: E402  (jaxdist.distributed.initialize())
 from jaxdist.parallel.mesh import make_mesh  # noqa: E402
 from jaxdist.train.trainer import Trainer  # noqa: E402
 
-__all__ = ["Config", "Trainer", "UserError", "load_config", "make_mesh"]
+__all__ = ["Config", "Trainer", "UserError", "distributed", "load_config", "make_mesh"]

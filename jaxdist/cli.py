@@ -1,4 +1,8 @@
-"""`jaxdist train | rules | bench | data prepare`: the command line. Exit codes: 0 done, 1 crash, 2 user error."""
+"""`jaxdist train | rules | bench | data prepare | launch | doctor | scale`: the command line.
+
+Exit codes: 0 done, 1 crash, 2 user error. Every command that runs JAX first joins the other
+processes of the run (`jaxdist.parallel.distributed.initialize`).
+"""
 
 from __future__ import annotations
 
@@ -18,6 +22,11 @@ class _OneLineErrors(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     parser = _OneLineErrors(prog="jaxdist", description="Train models on many accelerators with one program.")
+    processes = parser.add_argument_group("multi-process (default: JAX_* / torchrun / SLURM / MPI env, else one)")
+    processes.add_argument("--coordinator", help="host:port of process 0's coordinator")
+    processes.add_argument("--num-processes", type=int, help="number of processes in the run")
+    processes.add_argument("--process-id", type=int, help="this process's id, 0..num-processes-1")
+    processes.add_argument("--init-timeout", type=int, help="seconds for all processes to join (default 300)")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (
         ("train", "train (or resume) a run from a YAML config"),
@@ -33,6 +42,24 @@ def _parser() -> argparse.ArgumentParser:
             command.add_argument("--out", help="append the JSON result to this file")
             command.add_argument("--devices", type=int, help="use only the first N devices")
             command.add_argument("--profile", help="trace three extra steps with the JAX profiler into this folder")
+    launch = commands.add_parser("launch", help="run a command as N processes on this host")
+    launch.add_argument("-n", "--num", type=int, required=True, help="number of processes")
+    launch.add_argument("--devices-per-process", type=int, default=1,
+                        help="GPUs (or simulated CPU devices) per process (default 1)")
+    launch.add_argument("program", nargs=argparse.REMAINDER, help="-- train CONFIG [overrides]")
+    doctor = commands.add_parser("doctor", help="check devices and collectives on every mesh axis")
+    doctor.add_argument("--config", help="YAML config whose mesh to check (default: data = process count)")
+    doctor.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.tensor=2")
+    doctor.add_argument("--megabytes", type=float, default=64.0, help="buffer per device for bandwidth")
+    scale = commands.add_parser("scale", help="print communication, checkpoint and layout numbers for N hosts")
+    scale.add_argument("config", help="YAML config (the model recipe)")
+    scale.add_argument("overrides", nargs="*", help="dotted overrides")
+    scale.add_argument("--hosts", type=int, required=True, help="number of hosts")
+    scale.add_argument("--gpus-per-host", type=int, default=8)
+    scale.add_argument("--batch-per-gpu", type=int, help="sequences per GPU (default: the recipe's train.global_batch)")
+    scale.add_argument("--network-gbs", type=float, default=50.0, help="GB/s per GPU between hosts")
+    scale.add_argument("--nvlink-gbs", type=float, default=450.0, help="GB/s per GPU inside a host")
+    scale.add_argument("--storage-gbs", type=float, default=2.0, help="checkpoint write GB/s per host")
     data = commands.add_parser("data", help="prepare datasets").add_subparsers(dest="data_command", required=True)
     prepare.add_arguments(data.add_parser("prepare", help="tokenize text, JSONL or Parquet files into ArrayRecord shards"))
     return parser
@@ -50,7 +77,8 @@ def _rules(args) -> None:
     from jaxdist.parallel import rules
     from jaxdist.train import loop
 
-    print(rules.sharding_table(loop.param_layouts(config.load(args.config, args.overrides))))
+    table = rules.sharding_table(loop.param_layouts(config.load(args.config, args.overrides)))
+    loop.log(table)  # process 0 only
 
 
 def _bench(args) -> None:
@@ -64,6 +92,32 @@ def _bench(args) -> None:
     bench.write(result, args.out)
 
 
+def _launch(args) -> int:
+    from jaxdist import launch
+
+    return launch.launch(args.num, args.devices_per_process, args.program)
+
+
+def _doctor(args) -> int:
+    from jaxdist.observe import doctor
+
+    return doctor.run(doctor.load_config(args.config, args.overrides), args.megabytes)
+
+
+def _scale(args) -> None:
+    from jaxdist import config
+    from jaxdist.observe import scaling
+
+    hardware = scaling.Hardware(network_bw=args.network_gbs * 1e9, nvlink_bw=args.nvlink_gbs * 1e9,
+                                storage_bw=args.storage_gbs * 1e9)
+    cfg = config.load(args.config, args.overrides)
+    print(scaling.report(cfg, args.hosts, args.gpus_per_host, args.batch_per_gpu, hardware))
+
+
+# Commands that never run JAX on this process's devices, so they do not join a process group.
+_OFFLINE = {"launch", "scale", "data"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
@@ -73,11 +127,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = [*getattr(args, "overrides", []), *extra]
     try:
-        {"train": _train, "rules": _rules, "bench": _bench, "data": prepare.run}[args.command](args)
+        if args.command not in _OFFLINE:
+            from jaxdist.parallel import distributed
+
+            distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.init_timeout)
+        commands = {
+            "train": _train, "rules": _rules, "bench": _bench, "launch": _launch, "doctor": _doctor, "scale": _scale,
+            "data": prepare.run,
+        }
+        return commands[args.command](args) or 0
     except UserError as err:
         print(f"jaxdist: error: {err}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

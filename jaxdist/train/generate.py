@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from jaxdist.parallel import rules as rules_lib
 
@@ -51,4 +52,5 @@ def sample(
     tokens[:, : len(prompt)] = prompt
     with rules_lib.activation_rules(mesh, rules):
         out = _generate(graphdef, params, jnp.asarray(tokens), jax.random.key(seed), len(prompt), length, temperature)
-    return np.asarray(jax.device_get(out))[:, :length]
+    # On several processes the rows live on other hosts' devices too: gather them everywhere.
+    return np.asarray(multihost_utils.process_allgather(out, tiled=True))[:, :length]
