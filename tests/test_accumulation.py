@@ -6,7 +6,7 @@ import math
 import jax
 import numpy as np
 import pytest
-from conftest import make_config
+from conftest import FAST_COMPILE, make_config
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist import config as config_lib
@@ -15,9 +15,8 @@ from jaxdist.data.pipeline import global_batch
 from jaxdist.observe import hlo
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.parallel import rules as rules_lib
-from jaxdist.train import loop
 from jaxdist.train.optim import build_optimizer
-from jaxdist.train.state import TrainState, abstract_model, opt_state_shardings
+from jaxdist.train.state import TrainState, abstract_model, opt_state_shardings, param_dict
 from jaxdist.train.step import batch_sharding, make_train_step
 
 LAYOUTS = {
@@ -31,10 +30,6 @@ GLOBAL_BATCH = 32
 # Sizes chosen so that no activation has the shape of a gradient (the HLO check matches shapes).
 MODEL = {"d_model": 48, "heads": 4, "layers": 2, "seq_len": 24, "mlp_ratio": 3}
 LR = 0.5
-
-
-# Backend (LLVM) optimisation off: halves compile time; partitioning and collectives are unchanged.
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 def _config(tmp_path, layout: str, microbatches: int, grad_reduction: str = "per_step"):
@@ -63,8 +58,9 @@ class Step:
 @pytest.fixture(scope="module")
 def initial_params(tmp_path_factory):
     """The tiny GPT's initial parameters, on the host: one init, placed into every layout."""
-    trainer = loop.build_trainer(_config(tmp_path_factory.mktemp("init"), "data8", 1))
-    return jax.device_get(trainer.params)
+    cfg = _config(tmp_path_factory.mktemp("init"), "data8", 1)
+    init = jax.jit(lambda: param_dict(models.get("gpt").create(cfg), cfg.seed))
+    return jax.device_get(init.lower().compile(FAST_COMPILE)())
 
 
 def _one_step(cfg, initial_params) -> Step:
