@@ -24,7 +24,6 @@ def test_policy_defaults_and_loss_scaling_switch():
     assert precision.policy(auto, "cpu").compute_dtype == jnp.float32
     assert precision.policy(auto, "gpu").compute_dtype == jnp.bfloat16
     assert precision.policy(auto, "gpu").param_dtype == jnp.float32
-    assert precision.policy(auto, "gpu").output_dtype == jnp.float32
     assert precision.initial_loss_scale(auto, "gpu") is None
     fp16 = precision.initial_loss_scale(PrecisionConfig(compute="float16"), "gpu")
     assert float(fp16.scale) == 2.0**15 and fp16.period == 2000

@@ -7,7 +7,8 @@ per_step (the default; DDP's `no_sync`): the loss is vmapped over a leading "bat
 of size data x fsdp, split over those mesh axes (`spmd_axis_name`), so each device computes the
 gradient of its own rows only, with nothing to reduce. The scan adds these unreduced gradients
 into a float32 carry of shape (shards, *param) and, after the scan, one sum over the shard axis
-becomes one all-reduce (or reduce-scatter for FSDP-sharded parameters) per step, at any k.
+becomes one all-reduce per step at any k (XLA may turn it into a reduce-scatter where the
+parameter is FSDP-sharded).
 Memory: during the scan each device holds a float32 gradient of every parameter, sharded only
 along non-batch axes (tensor): under FSDP that is the full parameter, not its 1/fsdp shard.
 
@@ -34,7 +35,7 @@ Batch = dict[str, jax.Array]
 LossFn = Callable[[nnx.Module, Batch], "jax.Array | tuple[jax.Array, dict[str, jax.Array]]"]
 GradFn = Callable[[Any, Batch], tuple[tuple[jax.Array, tuple[jax.Array, dict[str, jax.Array]]], Any]]
 
-REDUCTIONS = ("per_step", "per_microbatch")
+GRAD_REDUCTIONS = ("per_step", "per_microbatch")
 
 
 def _loss_and_aux(out) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -157,6 +158,8 @@ def loss_and_grads(
     Must be traced under `rules_lib.activation_rules(mesh, rules)`. With `loss_scale`, the loss
     is multiplied by it before differentiation and the float32 gradients divided by it after.
     """
+    if reduction not in GRAD_REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r}: use one of {GRAD_REDUCTIONS}")
     grad_fn = scaled_grad_fn(graphdef, loss_fn, loss_scale)
     axes = batch_axes(rules)
     shards = math.prod(mesh.shape[axis] for axis in axes)

@@ -100,7 +100,7 @@ def scale_by_layerwise_trust_ratio(
 
     def update_fn(updates, state, params=None):
         if params is None:
-            raise ValueError(optax.NO_PARAMS_MSG)
+            raise ValueError("scale_by_layerwise_trust_ratio needs the parameters: pass them to update")
         return jax.tree.map(scale_leaf, updates, params, mask, stacked), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)

@@ -1,9 +1,8 @@
 """Mixed precision: the dtype policy and dynamic loss scaling for float16.
 
-The policy has three dtypes. Parameters (and optimizer state) live in `param_dtype`, float32
-master weights by default; the model casts them to `compute_dtype` for matmuls; losses, logits,
-gradient accumulation and the gradient average across devices use `output_dtype`, always
-float32.
+Parameters (and optimizer state) live in `param_dtype`, float32 master weights by default; the
+model casts them to `compute_dtype` for matmuls; losses, logits, gradient accumulation and the
+gradient average across devices are always float32.
 
 float16 has a narrow exponent range: small gradients flush to zero. Dynamic loss scaling
 multiplies the loss by a large scale before differentiation and divides the float32 gradients by
@@ -27,11 +26,10 @@ from jaxdist.errors import UserError
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """Which dtype parameters are stored in, computed in, and reduced in."""
+    """Which dtype parameters are stored in and computed in (outputs and reductions: float32)."""
 
     param_dtype: jnp.dtype
     compute_dtype: jnp.dtype
-    output_dtype: jnp.dtype = jnp.dtype(jnp.float32)
 
 
 def compute_dtype_name(precision: PrecisionConfig, backend: str | None = None) -> str:
