@@ -38,6 +38,7 @@ class Collective:
 
     @property
     def in_loop(self) -> bool:
+        """Runs more than once per call: inside a loop (a `while` without a known trip count counts once)."""
         return self.executions != 1
 
 
