@@ -110,27 +110,72 @@ class DataConfig(Section):
 
 
 class TrainConfig(Section):
+    """`microbatches` scan steps per optimizer step; `grad_reduction` says when gradients cross devices.
+
+    per_step: reduce once after the scan (one all-reduce/reduce-scatter per step at any
+    microbatch count; each device holds its unreduced fp32 gradients, unsharded along the batch
+    axes, during the scan). per_microbatch: reduce inside every scan step (k reductions per step;
+    gradients stay sharded like the parameters, which is lighter on memory under FSDP).
+    """
+
     steps: int = Field(300, gt=0)
     global_batch: int = Field(32, gt=0)
     microbatches: int = Field(1, gt=0)
+    grad_reduction: Literal["per_step", "per_microbatch"] = "per_step"
 
 
 class OptimConfig(Section):
-    name: Literal["adamw", "sgd"] = "adamw"
+    """Optimizer, weight-decay and trust-ratio masks, clipping, schedule and batch-size LR scaling.
+
+    `lr` is the peak learning rate at `base_batch`; `lr_scaling` rescales it to
+    `train.global_batch` (linear: Goyal et al. 2017; sqrt: for adaptive optimizers). The schedule
+    warms up linearly from 0 over `warmup_steps`, then holds (constant) or decays (cosine, linear)
+    to `min_lr_ratio` x the peak at `train.steps`.
+    """
+
+    name: Literal["adamw", "sgd", "lamb", "lars", "adafactor"] = "adamw"
     lr: float = Field(3e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
+    decay_norms_and_biases: bool = False
+    decay_embeddings: bool = False
+    trust_ratio_norms_and_biases: bool = False
+    trust_coefficient: float = Field(0.001, gt=0)
     b1: float = Field(0.9, ge=0, lt=1)
     b2: float = Field(0.95, ge=0, lt=1)
     eps: float = Field(1e-8, gt=0)
     momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov: bool = False
     warmup_steps: int = Field(0, ge=0)
-    schedule: Literal["constant", "cosine"] = "constant"
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    base_batch: int | None = Field(None, gt=0)
     clip_norm: float | None = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _scaling(self) -> OptimConfig:
+        if self.lr_scaling != "none" and self.base_batch is None:
+            raise ValueError(
+                f"optim.lr_scaling={self.lr_scaling} needs optim.base_batch (the batch size optim.lr was "
+                f"tuned for); set it, or optim.lr_scaling=none"
+            )
+        return self
 
 
 class PrecisionConfig(Section):
-    compute: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Mixed precision: parameter (master) dtype, compute dtype, and loss scaling for float16.
+
+    compute=auto is bfloat16 on GPU and TPU, float32 on CPU. Losses, logits and gradient averages
+    are always float32. loss_scale=auto is dynamic for float16 compute, none otherwise: the loss
+    is multiplied by the scale, a step whose gradients are not all finite is skipped and halves
+    the scale, and `loss_scale_period` clean steps in a row double it.
+    """
+
+    compute: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     params: Literal["float32", "bfloat16"] = "float32"
+    loss_scale: Literal["auto", "dynamic", "none"] = "auto"
+    loss_scale_init: float = Field(2.0**15, gt=0)
+    loss_scale_period: int = Field(2000, gt=0)
 
 
 class LogConfig(Section):

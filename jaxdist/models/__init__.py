@@ -6,13 +6,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import optax
 from flax import nnx
 
 from jaxdist.config import Config
 from jaxdist.errors import UserError
 from jaxdist.models.gpt import GPT
+from jaxdist.train import precision
 
 
 def lm_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
@@ -37,9 +37,10 @@ class ModelEntry:
 
 
 def _gpt(cfg: Config) -> Callable[[nnx.Rngs], nnx.Module]:
-    param_dtype = jnp.dtype(cfg.precision.params)
-    compute_dtype = jnp.dtype(cfg.precision.compute)
-    return lambda rngs: GPT(cfg.model, rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype)
+    dtypes = precision.policy(cfg.precision)
+    return lambda rngs: GPT(
+        cfg.model, rngs=rngs, param_dtype=dtypes.param_dtype, compute_dtype=dtypes.compute_dtype
+    )
 
 
 MODELS: dict[str, ModelEntry] = {"gpt": ModelEntry(create=_gpt, loss=lm_loss)}

@@ -20,6 +20,7 @@ from jaxdist.data import loader
 from jaxdist.observe.metrics import MetricsWriter
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.parallel import rules as rules_lib
+from jaxdist.train import precision
 from jaxdist.train.evaluate import Evaluator
 from jaxdist.train.generate import sample
 from jaxdist.train.optim import build_optimizer
@@ -49,11 +50,15 @@ def param_layouts(cfg: Config, devices: list | None = None):
 def build_trainer(cfg: Config, devices: list | None = None) -> Trainer:
     """Checks the config against the devices, then builds the mesh, the sharded state and the step."""
     mesh, rules = _mesh_and_rules(cfg, devices)
+    precision.check_backend(cfg.precision, mesh.devices.flat[0].platform)
     entry = models.get(cfg.model.name)
-    tx, schedule = build_optimizer(cfg.optim, cfg.train)
+    create_model = entry.create(cfg)
+    _, _, names = abstract_model(create_model, cfg.seed)
+    tx, schedule = build_optimizer(cfg.optim, cfg.train, names)
     return Trainer(
-        entry.create(cfg), entry.loss, tx, mesh, rules,
-        seed=cfg.seed, microbatches=cfg.train.microbatches, schedule=schedule,
+        create_model, entry.loss, tx, mesh, rules,
+        seed=cfg.seed, microbatches=cfg.train.microbatches, grad_reduction=cfg.train.grad_reduction,
+        schedule=schedule, loss_scale=precision.initial_loss_scale(cfg.precision),
     )
 
 

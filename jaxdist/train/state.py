@@ -19,16 +19,21 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.parallel import rules as rules_lib
+from jaxdist.train.precision import LossScale
 
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]
 
 
 class TrainState(flax.struct.PyTreeNode):
-    """Everything one optimizer step reads and writes: a pytree of (sharded) arrays."""
+    """Everything one optimizer step reads and writes: a pytree of (sharded) arrays.
+
+    `loss_scale` is the dynamic loss-scale state (`precision.LossScale`) under float16, else None.
+    """
 
     step: jax.Array
     params: Any
     opt_state: Any
+    loss_scale: LossScale | None = None
 
 
 _SHARDING_METADATA = ("out_sharding", "sharding_names", "sharding")
@@ -62,12 +67,22 @@ def param_dict(create_model: ModelFactory, seed: int) -> Any:
 
 
 def opt_state_shardings(tx: optax.GradientTransformation, abstract_params: Any, param_shardings: Any, mesh: Mesh):
-    """Optimizer-state shardings that follow the parameters' (optax alone would replicate them)."""
+    """Optimizer-state shardings that follow the parameters' (optax alone would replicate them).
+
+    State shaped unlike its parameter (adafactor's factored row and column statistics) is small
+    and replicated; leaves a mask left out (`optax.MaskedNode`) stay as they are.
+    """
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
     replicated = NamedSharding(mesh, PartitionSpec())
+
+    def follow(leaf, param, sharding):
+        if isinstance(leaf, optax.MaskedNode):
+            return leaf
+        return sharding if leaf.shape == param.shape else replicated
+
     return optax.tree_map_params(
-        tx, lambda _, sharding: sharding, abstract_opt, param_shardings,
-        transform_non_params=lambda _: replicated,
+        tx, follow, abstract_opt, abstract_params, param_shardings,
+        transform_non_params=lambda _: replicated, is_leaf=lambda x: isinstance(x, optax.MaskedNode),
     )
 
 
@@ -77,6 +92,7 @@ def init_state(
     mesh: Mesh,
     rules: rules_lib.Rules,
     seed: int,
+    loss_scale: LossScale | None = None,
 ) -> tuple[TrainState, TrainState, nnx.GraphDef, Any]:
     """Creates the sharded train state; returns (state, state shardings, graphdef, layouts)."""
     graphdef, abstract_params, names = abstract_model(create_model, seed)
@@ -86,11 +102,14 @@ def init_state(
         step=NamedSharding(mesh, PartitionSpec()),
         params=param_shardings,
         opt_state=opt_state_shardings(tx, abstract_params, param_shardings, mesh),
+        loss_scale=jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), loss_scale),
     )
 
     def init() -> TrainState:
         params = param_dict(create_model, seed)
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+        return TrainState(
+            step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), loss_scale=loss_scale
+        )
 
     state = jax.jit(init, out_shardings=shardings)()
     return state, shardings, graphdef, layouts

@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 from jaxdist.data.pipeline import global_batch
 from jaxdist.parallel import rules as rules_lib
+from jaxdist.train.precision import LossScale
 from jaxdist.train.state import ModelFactory, TrainState, init_state
 from jaxdist.train.step import LossFn, batch_sharding, make_train_step
 
@@ -36,16 +37,19 @@ class Trainer:
         *,
         seed: int = 0,
         microbatches: int = 1,
+        grad_reduction: str = "per_step",
         schedule: optax.Schedule | None = None,
+        loss_scale: LossScale | None = None,
     ):
         self.mesh = mesh
         self.rules = rules
         self.state, self.state_shardings, self.graphdef, self.layouts = init_state(
-            create_model, optimizer, mesh, rules, seed
+            create_model, optimizer, mesh, rules, seed, loss_scale
         )
         self.batch_sharding = batch_sharding(mesh, rules)
         self._step = make_train_step(
-            self.graphdef, loss_fn, optimizer, schedule, mesh, rules, self.state_shardings, microbatches
+            self.graphdef, loss_fn, optimizer, schedule, mesh, rules, self.state_shardings, microbatches,
+            grad_reduction,
         )
         self._compiled = None
         self.compile_time_s: float | None = None

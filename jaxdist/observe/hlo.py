@@ -1,0 +1,118 @@
+"""Reading compiled HLO text: which collectives a step runs, and how often per call.
+
+`jitted.lower(...).compile().as_text()` is the program XLA will run after SPMD partitioning.
+`collectives` lists every all-reduce / reduce-scatter / all-gather in it with the shapes of its
+operands and the number of times it executes per call: loops multiply by their trip count
+(XLA records `known_trip_count` on a `while`), so a collective inside a scan over 4 microbatches
+counts 4 times. Tests use it to prove that gradients are reduced once per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import defaultdict
+
+REDUCTIONS = ("all-reduce", "all-reduce-start", "reduce-scatter")
+_COLLECTIVES = (*REDUCTIONS, "all-gather", "all-gather-start", "all-to-all", "collective-permute")
+
+_HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
+_ARRAY_SHAPE = re.compile(r"\b[a-z]+\d*\[([\d,]*)\]")
+_CALLED = re.compile(r"\b(?:calls|to_apply|branch_computations|called_computations)=(\{[^}]*\}|%?[\w.\-]+)")
+_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
+_CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_NAME = re.compile(r"%?([\w.\-]+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction of a compiled program."""
+
+    opcode: str
+    computation: str
+    operand_shapes: tuple[tuple[int, ...], ...]
+    executions: int  # per call of the program: the product of the trip counts of enclosing loops
+
+    @property
+    def in_loop(self) -> bool:
+        """Runs more than once per call: inside a loop (a `while` without a known trip count counts once)."""
+        return self.executions != 1
+
+
+@dataclasses.dataclass
+class _Computation:
+    shapes: dict[str, str] = dataclasses.field(default_factory=dict)
+    lines: list[tuple[str, str, str, str]] = dataclasses.field(default_factory=list)
+    calls: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (callee, times per call)
+
+
+def _dims(shape_text: str) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(d) for d in dims.split(",") if d) for dims in _ARRAY_SHAPE.findall(shape_text))
+
+
+def _parse(hlo_text: str) -> tuple[dict[str, _Computation], str]:
+    computations: dict[str, _Computation] = {}
+    entry, current = "", None
+    for line in hlo_text.splitlines():
+        header = _HEADER.match(line)
+        if header and not line.startswith(" "):
+            current = computations.setdefault(header.group(1), _Computation())
+            if line.startswith("ENTRY"):
+                entry = header.group(1)
+            continue
+        match = _INSTRUCTION.match(line)
+        if current is None or not match:
+            continue
+        name, shape, opcode, rest = match.groups()
+        current.shapes[name] = shape
+        current.lines.append((name, shape, opcode, rest))
+        if opcode == "while":
+            trips = _TRIP_COUNT.search(rest)
+            times = int(trips.group(1)) if trips else 1
+            current.calls += [(_BODY.search(rest).group(1), times), (_CONDITION.search(rest).group(1), times + 1)]
+        else:
+            for group in _CALLED.findall(rest):
+                current.calls += [(callee, 1) for callee in _NAME.findall(group)]
+    return computations, entry
+
+
+def _executions(computations: dict[str, _Computation], entry: str) -> dict[str, int]:
+    """How many times each computation runs per call of the entry (call graph is a DAG)."""
+    order, seen = [], set()
+
+    def visit(name: str) -> None:
+        if name in seen or name not in computations:
+            return
+        seen.add(name)
+        for callee, _ in computations[name].calls:
+            visit(callee)
+        order.append(name)
+
+    visit(entry)
+    counts: dict[str, int] = defaultdict(int, {entry: 1})
+    for name in reversed(order):
+        for callee, times in computations[name].calls:
+            counts[callee] += counts[name] * times
+    return counts
+
+
+def collectives(hlo_text: str, opcodes: tuple[str, ...] = _COLLECTIVES) -> list[Collective]:
+    """Every collective of the given opcodes in a compiled HLO module, with executions per call."""
+    computations, entry = _parse(hlo_text)
+    counts = _executions(computations, entry)
+    found = []
+    for comp_name, comp in computations.items():
+        if counts.get(comp_name, 0) == 0:
+            continue
+        for _, _, opcode, rest in comp.lines:
+            if opcode not in opcodes:
+                continue
+            args = rest.split(")", 1)[0]
+            operand_shapes = tuple(
+                dims for operand in _OPERAND.findall(args) for dims in _dims(comp.shapes.get(operand, ""))
+            )
+            found.append(Collective(opcode, comp_name, operand_shapes, counts[comp_name]))
+    return found

@@ -1,0 +1,173 @@
+"""Gradient accumulation inside the one compiled step: a `lax.scan` over microbatches.
+
+The step sees the whole global batch and returns the float32 mean loss and gradients over it.
+With k microbatches it scans k times; how gradients cross devices is `train.grad_reduction`:
+
+per_step (the default; DDP's `no_sync`): the loss is vmapped over a leading "batch shard" axis
+of size data x fsdp, split over those mesh axes (`spmd_axis_name`), so each device computes the
+gradient of its own rows only, with nothing to reduce. The scan adds these unreduced gradients
+into a float32 carry of shape (shards, *param) and, after the scan, one sum over the shard axis
+becomes one all-reduce per step at any k (XLA may turn it into a reduce-scatter where the
+parameter is FSDP-sharded).
+Memory: during the scan each device holds a float32 gradient of every parameter, sharded only
+along non-batch axes (tensor): under FSDP that is the full parameter, not its 1/fsdp shard.
+
+per_microbatch: the plain GSPMD gradient inside every scan step, reduced (and, under FSDP,
+reduce-scattered to shards) k times per step; lighter on memory, heavier on the network.
+
+With one microbatch both are the plain gradient: XLA reduces each gradient once, where it likes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxdist.parallel import rules as rules_lib
+
+Batch = dict[str, jax.Array]
+LossFn = Callable[[nnx.Module, Batch], "jax.Array | tuple[jax.Array, dict[str, jax.Array]]"]
+GradFn = Callable[[Any, Batch], tuple[tuple[jax.Array, tuple[jax.Array, dict[str, jax.Array]]], Any]]
+
+GRAD_REDUCTIONS = ("per_step", "per_microbatch")
+
+
+def _loss_and_aux(out) -> tuple[jax.Array, dict[str, jax.Array]]:
+    return out if isinstance(out, tuple) else (out, {})
+
+
+def scaled_grad_fn(graphdef: nnx.GraphDef, loss_fn: LossFn, loss_scale: jax.Array | None) -> GradFn:
+    """`(params, batch) -> ((scaled loss, (loss, aux)), grads of the scaled loss)`."""
+
+    def scaled(params, batch):
+        loss, aux = _loss_and_aux(loss_fn(nnx.merge(graphdef, params), batch))
+        return (loss if loss_scale is None else loss * loss_scale.astype(loss.dtype)), (loss, aux)
+
+    return jax.value_and_grad(scaled, has_aux=True)
+
+
+def _float32(tree: Any) -> Any:
+    return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+
+
+def _zeros_like_shapes(tree: Any) -> Any:
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), tree)
+
+
+def batch_axes(rules: rules_lib.Rules) -> tuple[str, ...]:
+    """The mesh axes the batch is split over (the activation rule for `batch`)."""
+    return tuple(rules.activations.get("batch", ()))
+
+
+def split_microbatches(x: jax.Array, microbatches: int) -> jax.Array:
+    """(B, ...) -> (microbatches, B / microbatches, ...), each microbatch a slice of every shard.
+
+    Rows are taken strided, so the split moves no data between devices.
+    """
+    x = x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]).swapaxes(0, 1)
+    return rules_lib.constrain(x, (None, "batch") + (None,) * (x.ndim - 2))
+
+
+def _reduce_per_microbatch(grad_fn: GradFn, params: Any, batch: Batch, microbatches: int):
+    """Sum over microbatches of (loss, aux, float32 grads); GSPMD reduces inside each scan step."""
+    if microbatches == 1:
+        (_, (loss, aux)), grads = grad_fn(params, batch)
+        return _float32((loss, aux, grads))
+    micro = jax.tree.map(lambda x: split_microbatches(x, microbatches), batch)
+
+    def accumulate(total, mb):
+        (_, (loss, aux)), grads = grad_fn(params, mb)
+        return jax.tree.map(jnp.add, total, _float32((loss, aux, grads))), None
+
+    (_, (loss, aux)), grads = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro))
+    total, _ = jax.lax.scan(accumulate, _zeros_like_shapes((loss, aux, grads)), micro)
+    return total
+
+
+def _without_axes(entry: Any, axes: tuple[str, ...]) -> Any:
+    kept = tuple(a for a in ((entry,) if isinstance(entry, str) else (entry or ())) if a not in axes)
+    return kept[0] if len(kept) == 1 else (kept or None)
+
+
+def _unreduced_sharding(sharding: NamedSharding, axes: tuple[str, ...]) -> NamedSharding:
+    """(shards, *param): the shard axis over the batch axes, the rest as the param minus those axes."""
+    spec = PartitionSpec(axes, *(_without_axes(entry, axes) for entry in sharding.spec))
+    return NamedSharding(sharding.mesh, spec)
+
+
+def _reduce_per_step(
+    grad_fn: GradFn, params: Any, batch: Batch, microbatches: int,
+    mesh: Mesh, rules: rules_lib.Rules, param_shardings: Any,
+):
+    """Sum over microbatches of (loss, aux, float32 grads), reduced across devices once, after the scan."""
+    axes = batch_axes(rules)
+    shards = math.prod(mesh.shape[axis] for axis in axes)
+    # Inside the vmap each shard sees its own rows: `batch` maps to no mesh axis there, and the
+    # vmapped shard axis carries the batch axes instead (spmd_axis_name).
+    inner_rules = rules.override(activations={"batch": None})
+
+    def shard_grads(p, b):
+        with rules_lib.activation_rules(mesh, inner_rules):
+            (_, (loss, aux)), grads = grad_fn(p, b)
+        return _float32(((loss, aux), grads))
+
+    per_shard = jax.vmap(shard_grads, in_axes=(None, 0), spmd_axis_name=axes)
+
+    def split(x: jax.Array) -> jax.Array:
+        x = x.reshape(shards, microbatches, x.shape[0] // (shards * microbatches), *x.shape[1:]).swapaxes(0, 1)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(None, axes)))
+
+    micro = jax.tree.map(split, batch)
+    metrics_shapes, grads_shapes = jax.eval_shape(per_shard, params, jax.tree.map(lambda x: x[0], micro))
+    carry_shardings = (
+        jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec(axes)), metrics_shapes),
+        jax.tree.map(lambda s: _unreduced_sharding(s, axes), param_shardings),
+    )
+
+    def accumulate(total, mb):
+        total = jax.tree.map(jnp.add, total, per_shard(params, mb))
+        return jax.lax.with_sharding_constraint(total, carry_shardings), None
+
+    zeros = jax.lax.with_sharding_constraint(_zeros_like_shapes((metrics_shapes, grads_shapes)), carry_shardings)
+    ((loss, aux), grads), _ = jax.lax.scan(accumulate, zeros, micro)
+    loss, aux, grads = jax.tree.map(lambda t: t.sum(0), (loss, aux, grads))
+    return loss, aux, jax.lax.with_sharding_constraint(grads, param_shardings)
+
+
+def loss_and_grads(
+    graphdef: nnx.GraphDef,
+    loss_fn: LossFn,
+    params: Any,
+    batch: Batch,
+    *,
+    microbatches: int,
+    reduction: str,
+    mesh: Mesh,
+    rules: rules_lib.Rules,
+    param_shardings: Any,
+    loss_scale: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array], Any]:
+    """Mean loss, mean aux metrics and mean float32 gradients of the unscaled loss over the global batch.
+
+    Must be traced under `rules_lib.activation_rules(mesh, rules)`. With `loss_scale`, the loss
+    is multiplied by it before differentiation and the float32 gradients divided by it after.
+    """
+    if reduction not in GRAD_REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r}: use one of {GRAD_REDUCTIONS}")
+    grad_fn = scaled_grad_fn(graphdef, loss_fn, loss_scale)
+    axes = batch_axes(rules)
+    shards = math.prod(mesh.shape[axis] for axis in axes)
+    if reduction == "per_step" and microbatches > 1 and shards > 1:
+        loss, aux, grads = _reduce_per_step(grad_fn, params, batch, microbatches, mesh, rules, param_shardings)
+        count = shards * microbatches
+    else:
+        loss, aux, grads = _reduce_per_microbatch(grad_fn, params, batch, microbatches)
+        count = microbatches
+    grad_divisor = count if loss_scale is None else count * loss_scale
+    return loss / count, jax.tree.map(lambda v: v / count, aux), jax.tree.map(lambda g: g / grad_divisor, grads)

@@ -1,0 +1,116 @@
+"""Mixed precision: the dtype policy and dynamic loss scaling for float16.
+
+Parameters (and optimizer state) live in `param_dtype`, float32 master weights by default; the
+model casts them to `compute_dtype` for matmuls; losses, logits, gradient accumulation and the
+gradient average across devices are always float32.
+
+float16 has a narrow exponent range: small gradients flush to zero. Dynamic loss scaling
+multiplies the loss by a large scale before differentiation and divides the float32 gradients by
+it afterwards. When any gradient is not finite the step is skipped (parameters and optimizer
+state kept), the scale halves and the skip is counted; after `period` clean steps in a row it
+doubles. The state is a small pytree inside `TrainState`, so it is checkpointed with the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxdist.config import PrecisionConfig
+from jaxdist.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Which dtype parameters are stored in and computed in (outputs and reductions: float32)."""
+
+    param_dtype: jnp.dtype
+    compute_dtype: jnp.dtype
+
+
+def compute_dtype_name(precision: PrecisionConfig, backend: str | None = None) -> str:
+    """`precision.compute` with `auto` resolved: bfloat16 on accelerators, float32 on CPU."""
+    if precision.compute != "auto":
+        return precision.compute
+    backend = backend or jax.default_backend()
+    return "float32" if backend == "cpu" else "bfloat16"
+
+
+def policy(precision: PrecisionConfig, backend: str | None = None) -> Policy:
+    """The dtype policy of a `precision:` config section."""
+    return Policy(
+        param_dtype=jnp.dtype(precision.params),
+        compute_dtype=jnp.dtype(compute_dtype_name(precision, backend)),
+    )
+
+
+def check_backend(precision: PrecisionConfig, backend: str | None = None) -> None:
+    """Rejects dtypes the backend cannot run, before anything compiles."""
+    backend = backend or jax.default_backend()
+    if compute_dtype_name(precision, backend) == "float16" and backend == "cpu":
+        raise UserError(
+            "precision.compute=float16: XLA on CPU cannot compile float16 attention "
+            "(jax.nn.dot_product_attention); use bfloat16 or float32 on CPU, float16 on GPU"
+        )
+
+
+def uses_loss_scaling(precision: PrecisionConfig, backend: str | None = None) -> bool:
+    """Dynamic loss scaling is on when asked for, or by default for float16 compute."""
+    if precision.loss_scale == "auto":
+        return compute_dtype_name(precision, backend) == "float16"
+    return precision.loss_scale == "dynamic"
+
+
+class LossScale(flax.struct.PyTreeNode):
+    """Dynamic loss-scale state: the scale, clean steps since the last change, skipped steps."""
+
+    scale: jax.Array
+    clean_steps: jax.Array
+    skipped_steps: jax.Array
+    period: int = flax.struct.field(pytree_node=False, default=2000)
+
+    @classmethod
+    def create(cls, initial_scale: float, period: int) -> LossScale:
+        return cls(
+            scale=jnp.asarray(initial_scale, jnp.float32),
+            clean_steps=jnp.zeros((), jnp.int32),
+            skipped_steps=jnp.zeros((), jnp.int32),
+            period=period,
+        )
+
+    def unscale(self, grads: Any) -> Any:
+        """Float32 gradients of the true (unscaled) loss."""
+        return jax.tree.map(lambda g: g.astype(jnp.float32) / self.scale, grads)
+
+    def adjust(self, finite: jax.Array) -> LossScale:
+        """The state after a step: halve and count a skip if not finite; double after `period` clean steps."""
+        grown = self.clean_steps + 1 >= self.period
+        scale = jnp.where(finite, jnp.where(grown, self.scale * 2, self.scale), jnp.maximum(self.scale / 2, 1.0))
+        clean = jnp.where(finite & ~grown, self.clean_steps + 1, 0)
+        return self.replace(
+            scale=scale.astype(jnp.float32),
+            clean_steps=clean.astype(jnp.int32),
+            skipped_steps=self.skipped_steps + (~finite).astype(jnp.int32),
+        )
+
+
+def initial_loss_scale(precision: PrecisionConfig, backend: str | None = None) -> LossScale | None:
+    """The starting loss-scale state for this config, or None when loss scaling is off."""
+    if not uses_loss_scaling(precision, backend):
+        return None
+    return LossScale.create(precision.loss_scale_init, precision.loss_scale_period)
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """True when every element of every leaf is finite (a scalar bool)."""
+    leaves = [jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(tree)]
+    return jnp.stack(leaves).all() if leaves else jnp.asarray(True)
+
+
+def keep_if_not_finite(finite: jax.Array, new: Any, old: Any) -> Any:
+    """`new` where the step was finite, else `old`, leaf by leaf (no control flow, no copy of `old`)."""
+    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
