@@ -38,7 +38,8 @@ GradFn = Callable[[Any, Batch], tuple[tuple[jax.Array, tuple[jax.Array, dict[str
 GRAD_REDUCTIONS = ("per_step", "per_microbatch")
 
 
-def _loss_and_aux(out) -> tuple[jax.Array, dict[str, jax.Array]]:
+def loss_and_aux(out) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """A loss function's result as (loss, aux metrics); a plain loss gets empty aux."""
     return out if isinstance(out, tuple) else (out, {})
 
 
@@ -46,7 +47,7 @@ def scaled_grad_fn(graphdef: nnx.GraphDef, loss_fn: LossFn, loss_scale: jax.Arra
     """`(params, batch) -> ((scaled loss, (loss, aux)), grads of the scaled loss)`."""
 
     def scaled(params, batch):
-        loss, aux = _loss_and_aux(loss_fn(nnx.merge(graphdef, params), batch))
+        loss, aux = loss_and_aux(loss_fn(nnx.merge(graphdef, params), batch))
         return (loss if loss_scale is None else loss * loss_scale.astype(loss.dtype)), (loss, aux)
 
     return jax.value_and_grad(scaled, has_aux=True)

@@ -17,7 +17,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.parallel import rules as rules_lib
-from jaxdist.train.step import LossFn, _loss_and_aux, batch_sharding
+from jaxdist.train.accumulate import LossFn, loss_and_aux
+from jaxdist.train.step import batch_sharding
 
 Batch = dict[str, Any]
 
@@ -29,7 +30,7 @@ def make_eval_step(
 
     def eval_step(params, batch: Batch):
         with rules_lib.activation_rules(mesh, rules):
-            loss, _ = _loss_and_aux(loss_fn(nnx.merge(graphdef, params), batch))
+            loss, _ = loss_and_aux(loss_fn(nnx.merge(graphdef, params), batch))
         weight = batch["weights"].sum()
         return loss * weight, weight
 
