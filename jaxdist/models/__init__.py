@@ -32,7 +32,9 @@ class ModelEntry:
 def _gpt(cfg: Config) -> Callable[[nnx.Rngs], nnx.Module]:
     param_dtype = jnp.dtype(cfg.precision.params)
     compute_dtype = jnp.dtype(cfg.precision.compute)
-    return lambda rngs: GPT(cfg.model, rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype)
+    return lambda rngs: GPT(
+        cfg.model, rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype, pipeline=cfg.pipeline
+    )
 
 
 MODELS: dict[str, ModelEntry] = {"gpt": ModelEntry(create=_gpt, loss=lm_loss)}
