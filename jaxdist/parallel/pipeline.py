@@ -18,8 +18,9 @@ Buffers, all with the stage dim split over the mesh so each device holds only it
   stage's output into its bottom row (the MaxText `state_io` scheme: one microbatch moves per
   device per iteration, and the finished outputs end up spread over the stages).
 - `recycle`, shape (S, M / S - 1, microbatch...), only with R > 1 and M > S: the same kind of
-  conveyor, delaying each last-stage output by M - S iterations until stage 0 runs its next
-  repeat. With M == S the output goes straight from the last stage to the first.
+  conveyor, holding each last-stage output until stage 0 runs that microbatch's next repeat,
+  M - S + 1 iterations later. With M == S the output goes straight from the last stage to the
+  first.
 
 Bubble iterations compute on stale or zero inputs and their results are never read, so they add
 time but no gradient. Layers stay in their canonical order in the parameters; with R > 1 the
@@ -138,10 +139,10 @@ def run_layers(
     if settings is None or active is None:
         return apply_layers(x, layers)
     mesh, rules = active
-    stage_axes = _axes(rules.activation_spec((STAGE,), "the pipeline stage dim")[0])
+    rules.activation_spec((STAGE, names[0]), "a pipeline buffer")  # a UserError if a rule is missing
+    stage_axes = rules.activations[STAGE]
     stages = _size(mesh, stage_axes)
-    batch_shards = _size(mesh, _axes(rules.activation_spec(names[:1], "the pipelined batch")[0]))
-    if stages == 1 or x.shape[0] % (settings.microbatches * batch_shards):
+    if stages == 1 or x.shape[0] % (settings.microbatches * _size(mesh, rules.activations[names[0]])):
         return apply_layers(x, layers)
     schedule = Schedule(stages, settings.microbatches, settings.repeats)
     schedule.check(jax.tree.leaves(layers)[0].shape[0])
@@ -171,31 +172,35 @@ def pipeline(
 
     run_stages = jax.vmap(apply_layers, spmd_axis_name=stage_axes)
     if remat:
+        # Inside a scan nothing is CSE'd across iterations anyway; prevent_cse only costs speed.
         run_stages = jax.checkpoint(run_stages, prevent_cse=False)
+    pick_repeat = jax.vmap(lambda w, r: w[r], in_axes=(1, 0), spmd_axis_name=stage_axes)
 
     def weights_at(t: jax.Array) -> Any:
         if repeats == 1:
             return jax.tree.map(lambda w: w[0], weights)
         # Stage s runs pass t - s; its repeat is which lap of the M microbatches that pass is in.
         repeat = jnp.clip((t - stage_of) // micro, 0, repeats - 1)
-        pick = jax.vmap(lambda w, r: w[r], in_axes=(1, 0), spmd_axis_name=stage_axes)
-        return jax.tree.map(lambda w: pick(w, repeat), weights)
+        return jax.tree.map(lambda w: pick_repeat(w, repeat), weights)
+
+    def convey(column: jax.Array, bottom: jax.Array) -> jax.Array:
+        """A conveyor column moved up one stage (row 0 leaves), with `bottom` entering the last row."""
+        return jnp.where(is_last, bottom, jnp.roll(column, -1, axis=0))
 
     def iteration(carry, t):
         previous, io, recycle = carry
         column = _column(io, t % columns)
         shifted = jnp.roll(previous, 1, axis=0)  # stage s gets what stage s - 1 made last iteration
-        if repeats == 1:
-            first_in = column
-        else:
-            lap_in = shifted if recycle is None else _column(recycle, t % (columns - 1))
-            first_in = jnp.where(t < micro, column, lap_in)
-        stage_in = rules_lib.constrain(jnp.where(is_first, first_in, shifted), buffer_names)
-        out = rules_lib.constrain(run_stages(stage_in, weights_at(t)), buffer_names)
-        io = _set_column(io, t % columns, jnp.where(is_last, out, jnp.roll(column, -1, axis=0)))
+        first_in = column  # microbatch t while t < M; with R == 1 later reads are bubble
         if recycle is not None:
             lap = _column(recycle, t % (columns - 1))
-            recycle = _set_column(recycle, t % (columns - 1), jnp.where(is_last, previous, jnp.roll(lap, -1, axis=0)))
+            first_in = jnp.where(t < micro, column, lap)
+            recycle = _set_column(recycle, t % (columns - 1), convey(lap, previous))
+        elif repeats > 1:
+            first_in = jnp.where(t < micro, column, shifted)
+        stage_in = rules_lib.constrain(jnp.where(is_first, first_in, shifted), buffer_names)
+        out = rules_lib.constrain(run_stages(stage_in, weights_at(t)), buffer_names)
+        io = _set_column(io, t % columns, convey(column, out))
         return (out, io, recycle), None
 
     microbatches = split_microbatches(x, micro)  # constrained like the batch, per microbatch
@@ -256,9 +261,3 @@ def _set_column(conveyor: jax.Array, index: jax.Array, column: jax.Array) -> jax
 
 def _size(mesh: Mesh, axes: tuple[str, ...]) -> int:
     return math.prod(mesh.shape[axis] for axis in axes)
-
-
-def _axes(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
