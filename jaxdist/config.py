@@ -129,7 +129,12 @@ class CheckpointConfig(Section):
 
 
 class PipelineConfig(Section):
-    """Used when mesh.stage > 1 (jaxdist.parallel.pipeline); remat recomputes each stage's forward."""
+    """Pipeline parallelism, used when mesh.stage > 1 (jaxdist.parallel.pipeline).
+
+    `microbatches` per gradient-accumulation step (a multiple of mesh.stage); `repeats` layer
+    groups per stage taken round-robin (1: GPipe; more: circular, a smaller bubble for more
+    transfers); `remat` recomputes each stage's forward in the backward pass.
+    """
 
     microbatches: int = Field(1, gt=0)
     repeats: int = Field(1, gt=0)

@@ -171,17 +171,20 @@ def pipeline(
     conveyor_names = (STAGE, None, *names)
 
     run_stages = jax.vmap(apply_layers, spmd_axis_name=stage_axes)
-    if remat:
-        # Inside a scan nothing is CSE'd across iterations anyway; prevent_cse only costs speed.
-        run_stages = jax.checkpoint(run_stages, prevent_cse=False)
     pick_repeat = jax.vmap(lambda w, r: w[r], in_axes=(1, 0), spmd_axis_name=stage_axes)
 
-    def weights_at(t: jax.Array) -> Any:
+    def run_iteration(stage_in: jax.Array, t: jax.Array) -> jax.Array:
         if repeats == 1:
-            return jax.tree.map(lambda w: w[0], weights)
+            return run_stages(stage_in, jax.tree.map(lambda w: w[0], weights))
         # Stage s runs pass t - s; its repeat is which lap of the M microbatches that pass is in.
         repeat = jnp.clip((t - stage_of) // micro, 0, repeats - 1)
-        return jax.tree.map(lambda w: pick_repeat(w, repeat), weights)
+        return run_stages(stage_in, jax.tree.map(lambda w: pick_repeat(w, repeat), weights))
+
+    if remat:
+        # Keeps only each iteration's stage inputs; without it the backward pass also keeps, with
+        # R > 1, the copy of the stage's weights picked for each iteration. Nothing is CSE'd
+        # across scan iterations anyway, so prevent_cse would only cost speed.
+        run_iteration = jax.checkpoint(run_iteration, prevent_cse=False)
 
     def convey(column: jax.Array, bottom: jax.Array) -> jax.Array:
         """A conveyor column moved up one stage (row 0 leaves), with `bottom` entering the last row."""
@@ -199,7 +202,7 @@ def pipeline(
         elif repeats > 1:
             first_in = jnp.where(t < micro, column, shifted)
         stage_in = rules_lib.constrain(jnp.where(is_first, first_in, shifted), buffer_names)
-        out = rules_lib.constrain(run_stages(stage_in, weights_at(t)), buffer_names)
+        out = rules_lib.constrain(run_iteration(stage_in, t), buffer_names)
         io = _set_column(io, t % columns, convey(column, out))
         return (out, io, recycle), None
 
