@@ -181,9 +181,10 @@ def pipeline(
         return run_stages(stage_in, jax.tree.map(lambda w: pick_repeat(w, repeat), weights))
 
     if remat:
-        # Keeps only each iteration's stage inputs; without it the backward pass also keeps, with
-        # R > 1, the copy of the stage's weights picked for each iteration. Nothing is CSE'd
-        # across scan iterations anyway, so prevent_cse would only cost speed.
+        # The backward pass keeps only each iteration's stage inputs and recomputes the rest, the
+        # weights picked for the iteration (R > 1) included; without remat it keeps a copy of
+        # those per iteration. Nothing is CSE'd across scan iterations, so prevent_cse would only
+        # cost speed.
         run_iteration = jax.checkpoint(run_iteration, prevent_cse=False)
 
     def convey(column: jax.Array, bottom: jax.Array) -> jax.Array:
