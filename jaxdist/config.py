@@ -69,6 +69,8 @@ class ModelConfig(Section):
     scan_unroll: int = Field(1, gt=0)
     remat: Literal["none", "full", "dots"] = "none"
     attention: Literal["auto", "xla", "cudnn"] = "auto"
+    # dtype the output projection writes its logits in; the softmax is float32 either way.
+    logits_dtype: Literal["float32", "compute"] = "float32"
 
     @model_validator(mode="after")
     def _shapes(self) -> ModelConfig:
@@ -84,10 +86,28 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    source: Literal["stdlib"] = "stdlib"
+    """Where examples come from (`stdlib`, `arrayrecord` shards or an `arrays` .npz at `path`).
+
+    `eval_fraction` holds out that share of stdlib files or array rows (prepared shards fix their
+    eval split when written); `epochs`, when set, decides `train.steps`; `workers` > 0 reads in
+    that many grain worker processes (the batches are the same at any count).
+    """
+
+    source: Literal["stdlib", "arrayrecord", "arrays"] = "stdlib"
+    path: str | None = None
     eval_fraction: float = Field(0.01, ge=0, lt=1)
+    epochs: int | None = Field(None, gt=0)
+    workers: int = Field(0, ge=0)
     read_threads: int = Field(2, ge=0)
     prefetch: int = Field(4, ge=0)
+
+    @model_validator(mode="after")
+    def _path(self) -> DataConfig:
+        if self.source == "stdlib" and self.path is not None:
+            raise ValueError(f"data.path={self.path} is set but data.source=stdlib reads no path; drop data.path")
+        if self.source != "stdlib" and not self.path:
+            raise ValueError(f"data.source={self.source} needs data.path (a prepared directory or a .npz file)")
+        return self
 
 
 class TrainConfig(Section):
@@ -120,7 +140,7 @@ class LogConfig(Section):
 
 class EvalConfig(Section):
     every: int = Field(0, ge=0)
-    batches: int = Field(4, gt=0)
+    batches: int | None = Field(None, gt=0)  # None: the whole eval split
 
 
 class CheckpointConfig(Section):
@@ -253,7 +273,7 @@ def resolve_mesh_shape(mesh: MeshConfig, device_count: int) -> dict[str, int]:
             )
         sizes[fill[0]] = device_count // fixed
     elif fixed != device_count:
-        shown = " x ".join(f"{axis}={size}" for axis, size in sizes.items())
+        shown = " x ".join(f"mesh.{axis}={size}" for axis, size in sizes.items())
         raise UserError(
             f"mesh: {shown} = {fixed} devices, but {device_count} are present; make the product "
             f"{device_count} or set one axis to -1"

@@ -67,8 +67,8 @@ def test_tensor_parallel_shards_heads_and_mlp(tmp_path):
     cfg = make_config(tmp_path, mesh={"data": 2, "fsdp": 1, "tensor": 4}, rules={"preset": "tp"})
     trainer = loop.build_trainer(cfg)
     blocks = trainer.params["blocks"]
-    # qkv: (layers, embed, 3, heads, head_dim) with heads split 4 ways; mlp hidden split 4 ways.
-    assert blocks["attn"]["qkv"].addressable_shards[0].data.shape == (2, 64, 3, 1, 16)
+    # qkv: (layers, 3, embed, heads, head_dim) with heads split 4 ways; mlp hidden split 4 ways.
+    assert blocks["attn"]["qkv"].addressable_shards[0].data.shape == (2, 3, 64, 1, 16)
     assert blocks["mlp"]["up"].addressable_shards[0].data.shape == (2, 64, 64)
     assert blocks["mlp"]["down"].addressable_shards[0].data.shape == (2, 64, 64)
     assert math.prod(blocks["attn"]["out"].sharding.shard_shape(blocks["attn"]["out"].shape)) * 4 == blocks["attn"]["out"].size

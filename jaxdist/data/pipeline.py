@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import grain
 import jax
 import numpy as np
+from absl import flags
 from jax.sharding import NamedSharding
 
 from jaxdist.errors import UserError
@@ -21,11 +22,11 @@ from jaxdist.errors import UserError
 class TokenWindows:
     """Random-access source of packed windows: inputs = tokens[i*T : i*T+T], targets shifted by one."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int):
+    def __init__(self, tokens: np.ndarray, seq_len: int, name: str = "the whole token stream"):
         if len(tokens) < seq_len + 1:
             raise UserError(
-                f"model.seq_len={seq_len} is longer than the whole token stream ({len(tokens)} tokens); "
-                f"use a shorter sequence or more data"
+                f"model.seq_len={seq_len} is longer than {name} ({len(tokens)} tokens); "
+                f"use a shorter model.seq_len or more data"
             )
         self.tokens = tokens
         self.seq_len = seq_len
@@ -48,13 +49,61 @@ def train_batches(
     process_count: int = 1,
     read_threads: int = 2,
     prefetch: int = 4,
+    workers: int = 0,
 ) -> Iterator[dict[str, np.ndarray]]:
-    """This process's batches of the endless, per-epoch-reshuffled stream, from `start_example` on."""
+    """This process's batches of the endless, per-epoch-reshuffled stream, from `start_example` on.
+
+    `workers` > 0 reads in that many grain worker processes; the batches are the same.
+    """
     stream = grain.MapDataset.source(source).shuffle(seed=seed).repeat(None)
     mine = stream[start_example + process_index :: process_count]
     batches = mine.batch(local_batch, drop_remainder=True)
+    return _iterate(batches, read_threads, prefetch, workers)
+
+
+class _WeightedRow:
+    """Index -> example with `weights` 1, or (past the end) a repeated example with `weights` 0."""
+
+    def __init__(self, source):
+        self.source = source
+
+    def __call__(self, index: int) -> dict[str, np.ndarray]:
+        real = index < len(self.source)
+        return {**self.source[index % len(self.source)], "weights": np.float32(real)}
+
+
+def eval_batches(
+    source,
+    local_batch: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    max_batches: int | None = None,
+    read_threads: int = 2,
+    prefetch: int = 4,
+) -> Iterator[dict[str, np.ndarray]]:
+    """This process's share of one in-order pass over `source`, every example exactly once.
+
+    Global batch b holds examples [b * G, (b + 1) * G) with G = local_batch * process_count;
+    process p reads every P-th. The last batch is filled up with `weights` 0 rows, so a metric
+    weighted by `weights` is exact. `max_batches` stops after that many global batches.
+    """
+    global_size = local_batch * process_count
+    count = -(-len(source) // global_size)
+    if max_batches is not None:
+        count = min(count, max_batches)
+    rows = grain.MapDataset.range(count * global_size)[process_index::process_count]
+    return _iterate(rows.map(_WeightedRow(source)).batch(local_batch), read_threads, prefetch, workers=0)
+
+
+def _iterate(batches: grain.MapDataset, read_threads: int, prefetch: int, workers: int) -> Iterator:
     options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=prefetch)
-    return iter(batches.to_iter_dataset(options))
+    stream = batches.to_iter_dataset(options)
+    if workers:
+        # grain's worker processes read absl flags; a program that never parsed any must say so.
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS.mark_as_parsed()
+        stream = stream.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+    return iter(stream)
 
 
 def global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:

@@ -16,9 +16,16 @@ from jaxdist.models.gpt import GPT
 
 
 def lm_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
-    """Mean next-token cross-entropy (float32) over every target in the batch."""
-    logits = model(batch["inputs"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+    """Mean next-token cross-entropy (float32) over every target in the batch.
+
+    With per-sequence `weights` (eval batches: 0 marks padding) it is the weighted mean.
+    """
+    logits = model(batch["inputs"]).astype(jnp.float32)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    if "weights" not in batch:
+        return losses.mean()
+    weights = jnp.broadcast_to(batch["weights"][:, None], losses.shape)
+    return (losses * weights).sum() / weights.sum()
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,12 @@ from jax.sharding import Mesh
 from jaxdist import config as config_lib
 from jaxdist import models
 from jaxdist.config import Config
-from jaxdist.data import corpus, pipeline
+from jaxdist.data import loader
 from jaxdist.observe.metrics import MetricsWriter
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.parallel import pipeline as pipeline_lib
 from jaxdist.parallel import rules as rules_lib
+from jaxdist.train.evaluate import Evaluator
 from jaxdist.train.generate import sample
 from jaxdist.train.optim import build_optimizer
 from jaxdist.train.state import abstract_model
@@ -59,6 +60,12 @@ def build_trainer(cfg: Config, devices: list | None = None) -> Trainer:
 
 def train(cfg: Config, devices: list | None = None) -> Trainer:
     """Runs `cfg.train.steps` steps, writing `config.yaml` and `metrics.jsonl` into `cfg.run_dir`."""
+    # Opening the data and reading a first batch report bad data before anything compiles.
+    train_source = loader.open_split(cfg, "train")
+    eval_source = loader.open_split(cfg, "eval") if cfg.eval.every else None
+    cfg = loader.resolve_steps(cfg, len(train_source))
+    batches = loader.train_iterator(cfg, start_example=0, source=train_source)
+    first_local = next(batches)
     trainer = build_trainer(cfg, devices)
     run_dir = Path(cfg.run_dir)
     is_writer = jax.process_index() == 0
@@ -68,17 +75,13 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
     log(f"mesh {mesh_lib.describe(trainer.mesh)} on {len(trainer.mesh.devices.flat)} devices "
         f"({jax.process_count()} process(es)); rules preset {cfg.rules.preset}")
 
-    local_batch = cfg.train.global_batch // jax.process_count()
-    source = pipeline.TokenWindows(corpus.stdlib_tokens("train", cfg.data.eval_fraction), cfg.model.seq_len)
-    batches = pipeline.train_batches(
-        source, local_batch, cfg.seed, start_example=0,
-        process_index=jax.process_index(), process_count=jax.process_count(),
-        read_threads=cfg.data.read_threads, prefetch=cfg.data.prefetch,
+    evaluate = None if eval_source is None else Evaluator(
+        trainer, models.get(cfg.model.name).loss, lambda: loader.eval_iterator(cfg, eval_source)
     )
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
 
     writer = MetricsWriter(run_dir if is_writer else None, sys.stdout if is_writer else None)
-    first = trainer.global_batch(next(batches))
+    first = trainer.global_batch(first_local)
     trainer.compile(first)
     log(f"compiled the train step in {trainer.compile_time_s:.1f} s")
 
@@ -88,13 +91,15 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
             metrics = trainer.step(batch)
             if step < cfg.train.steps:
                 batch = trainer.global_batch(next(batches))
-            if step % cfg.log.every == 0 or step == cfg.train.steps:
+            eval_due = evaluate is not None and (step % cfg.eval.every == 0 or step == cfg.train.steps)
+            if step % cfg.log.every == 0 or step == cfg.train.steps or eval_due:
                 values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                now = time.perf_counter()
-                step_time = (now - last_time) / (step - last_step)
+                step_time = (time.perf_counter() - last_time) / (step - last_step)
                 values.update(step_time_s=step_time, tokens_per_sec=tokens_per_step / step_time)
+                if eval_due:
+                    values["eval_loss"] = evaluate()
                 writer.write(step, values)
-                last_time, last_step = now, step
+                last_time, last_step = time.perf_counter(), step
     finally:
         writer.close()
 
@@ -105,9 +110,10 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
 
 def write_sample(cfg: Config, trainer: Trainer) -> None:
     rows = trainer.mesh.shape["data"] * trainer.mesh.shape["fsdp"]
+    tokenizer = loader.tokenizer(cfg)
     tokens = sample(
-        trainer.graphdef, trainer.params, corpus.encode(cfg.sample.prompt), cfg.sample.tokens,
+        trainer.graphdef, trainer.params, tokenizer.encode(cfg.sample.prompt), cfg.sample.tokens,
         cfg.model.seq_len, cfg.sample.temperature, cfg.seed, trainer.mesh, trainer.rules, rows=rows,
     )
-    text = corpus.decode(np.asarray(tokens[0]))
+    text = tokenizer.decode(np.asarray(tokens[0]))
     log("--- sample ---\n" + text + "\n--------------")

@@ -1,0 +1,133 @@
+"""From the config to this process's batches: the train stream, the eval pass, the tokenizer.
+
+`data.source` picks the examples: `stdlib` (the embedded corpus, byte tokens), `arrayrecord`
+(shards written by `jaxdist data prepare` under `data.path`) or `arrays` (a `.npz` of equally
+long arrays under `data.path`, loaded into memory). Everything a user can get wrong is checked
+when a split is opened, before the loop compiles anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grain
+import numpy as np
+
+from jaxdist.config import Config
+from jaxdist.data import corpus, pipeline, sources
+from jaxdist.data import tokenizer as tokenizer_lib
+from jaxdist.errors import UserError
+
+Batch = dict[str, np.ndarray]
+
+
+def open_split(cfg: Config, split: str):
+    """The random-access source of `split` ('train' or 'eval') that `cfg.data` describes."""
+    data = cfg.data
+    if data.source == "stdlib":
+        name = f"the {split} split of the stdlib corpus (data.eval_fraction={data.eval_fraction})"
+        tokens = corpus.stdlib_tokens(split, data.eval_fraction)
+        return _windows(tokens, cfg, name, tokenizer_lib.ByteTokenizer.vocab_size, "the stdlib corpus")
+    if data.source == "arrayrecord":
+        directory = Path(data.path)
+        manifest = sources.read_manifest(directory)
+        tokens = sources.ArrayRecordTokens(directory, manifest, split)
+        name = f"the {split} split of data.path={data.path}"
+        return _windows(tokens, cfg, name, manifest["tokenizer"]["vocab_size"], f"data.path={data.path}")
+    return sources.ArraySource(_array_split(Path(data.path), split, data.eval_fraction), f"data.path={data.path}")
+
+
+def _windows(tokens, cfg: Config, name: str, vocab: int, vocab_of: str) -> pipeline.TokenWindows:
+    if cfg.model.vocab < vocab:
+        raise UserError(
+            f"model.vocab={cfg.model.vocab} is smaller than the vocabulary of {vocab_of} ({vocab} ids); "
+            f"set model.vocab={vocab}"
+        )
+    if not len(tokens):
+        raise UserError(
+            f"{name} is empty; give it data (data.eval_fraction, or `data prepare --eval-fraction`) "
+            f"or set eval.every=0"
+        )
+    return pipeline.TokenWindows(tokens, cfg.model.seq_len, name)
+
+
+def _array_split(path: Path, split: str, eval_fraction: float) -> dict[str, np.ndarray]:
+    """The rows of `split`: a fixed permutation (seed 0) holds out `eval_fraction` of them for eval."""
+    if not path.is_file():
+        raise UserError(f"data.path={path} does not exist; pass a .npz file of equally long arrays")
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {name: npz[name] for name in npz.files}
+    except (OSError, ValueError) as err:
+        raise UserError(f"data.path={path} is not a readable .npz file ({err}); save it with numpy.savez") from None
+    rows = len(sources.ArraySource(arrays, f"data.path={path}"))
+    held_out = round(rows * eval_fraction)
+    order = np.random.default_rng(0).permutation(rows)
+    chosen = np.sort(order[:held_out] if split == "eval" else order[held_out:])
+    if not len(chosen):
+        raise UserError(
+            f"the {split} split of data.path={path} ({rows} rows, data.eval_fraction={eval_fraction}) "
+            f"is empty; change data.eval_fraction or set eval.every=0"
+        )
+    return {name: array[chosen] for name, array in arrays.items()}
+
+
+def tokenizer(cfg: Config) -> tokenizer_lib.Tokenizer:
+    """The tokenizer of the configured data (bytes unless the prepared shards say otherwise)."""
+    if cfg.data.source == "arrayrecord":
+        directory = Path(cfg.data.path)
+        return tokenizer_lib.load(sources.read_manifest(directory)["tokenizer"], directory)
+    return tokenizer_lib.ByteTokenizer()
+
+
+def _shard() -> grain.sharding.ShardOptions:
+    return grain.sharding.ShardByJaxProcess()
+
+
+def local_batch_size(cfg: Config) -> int:
+    """Rows each process reads per global batch: `train.global_batch / process count`."""
+    count = _shard().shard_count
+    if cfg.train.global_batch % count:
+        raise UserError(
+            f"train.global_batch={cfg.train.global_batch} is not divisible by the {count} processes; "
+            f"use a multiple of {count}"
+        )
+    return cfg.train.global_batch // count
+
+
+def resolve_steps(cfg: Config, train_examples: int) -> Config:
+    """`cfg` with `train.steps` set to `data.epochs` passes over `train_examples` (when set)."""
+    if cfg.data.epochs is None:
+        return cfg
+    steps = cfg.data.epochs * train_examples // cfg.train.global_batch
+    if steps < 1:
+        raise UserError(
+            f"data.epochs={cfg.data.epochs} over {train_examples} train examples is less than one "
+            f"train.global_batch={cfg.train.global_batch}; use more epochs or a smaller batch"
+        )
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": steps})})
+
+
+def train_iterator(cfg: Config, start_example: int = 0, source=None) -> Iterator[Batch]:
+    """This process's train batches from global example `start_example` on (0: the beginning).
+
+    After global step s the position is `s * train.global_batch`, under any process count.
+    """
+    shard = _shard()
+    return pipeline.train_batches(
+        open_split(cfg, "train") if source is None else source,
+        local_batch_size(cfg), cfg.seed, start_example=start_example,
+        process_index=shard.shard_index, process_count=shard.shard_count,
+        read_threads=cfg.data.read_threads, prefetch=cfg.data.prefetch, workers=cfg.data.workers,
+    )
+
+
+def eval_iterator(cfg: Config, source=None) -> Iterator[Batch]:
+    """This process's batches of one pass over the eval split, with `weights` (0 on padding rows)."""
+    source = open_split(cfg, "eval") if source is None else source
+    shard = _shard()
+    return pipeline.eval_batches(
+        source, local_batch_size(cfg), shard.shard_index, shard.shard_count,
+        max_batches=cfg.eval.batches, read_threads=cfg.data.read_threads, prefetch=cfg.data.prefetch,
+    )

@@ -1,0 +1,275 @@
+"""`jaxdist data prepare`: text, JSONL or Parquet files -> packed token ArrayRecord shards.
+
+Each document is tokenized and followed by the tokenizer's separator; the documents of a split
+are concatenated into one token stream, cut into records of `chunk_tokens` tokens (only the
+split's last record may be shorter) and written to ArrayRecord shards. A stable hash of
+(file, document index) puts about `eval_fraction` of the documents in the eval split. The
+`manifest.json` beside the shards records the tokenizer, the dtype and every count.
+
+Input formats, by file name: `.jsonl` (one JSON object per line, text under `text_key`),
+`.parquet` (the `text_key` column), anything else is UTF-8 text, one document per file.
+Directories are searched recursively.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+from array_record.python.array_record_module import ArrayRecordWriter
+
+from jaxdist.data import sources
+from jaxdist.data import tokenizer as tokenizer_lib
+from jaxdist.errors import UserError
+
+SPLITS = ("train", "eval")
+# One record per chunk (group_size:1) keeps random access to a window cheap; zstd:1 decodes fast.
+WRITER_OPTIONS = "group_size:1,zstd:1"
+
+
+def input_files(paths: list[str]) -> list[tuple[Path, str]]:
+    """(file, stable name) for every input file, directories expanded recursively.
+
+    Directories are listed sorted, skipping hidden and empty files (an empty file named on its
+    own is an error). The name (relative to the directory named) decides a document's split, so
+    moving the data keeps the split.
+    """
+    files: list[tuple[Path, str]] = []
+    for name in paths:
+        path = Path(name)
+        if not path.exists():
+            raise UserError(f"data prepare: input {name} does not exist; pass existing files or directories")
+        if path.is_dir():
+            found = sorted(
+                p.relative_to(path) for p in path.rglob("*")
+                if p.is_file() and p.stat().st_size
+                and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            )
+            if not found:
+                raise UserError(f"data prepare: directory {name} holds no non-empty files; pass one with text files")
+            files.extend((path / relative, relative.as_posix()) for relative in found)
+        else:
+            files.append((path, path.name))
+    return files
+
+
+def documents(path: Path, text_key: str) -> Iterator[str]:
+    """The documents of one input file; a `UserError` names the file (and line) of any bad input."""
+    if path.stat().st_size == 0:
+        raise UserError(f"data prepare: {path} is empty; remove it from the inputs or give it some text")
+    reader = {".parquet": _parquet_documents, ".jsonl": _jsonl_documents}.get(path.suffix, _text_document)
+    count = 0
+    for text in reader(path, text_key):
+        count += 1
+        yield text
+    if not count:
+        raise UserError(f"data prepare: {path} holds no documents; remove it from the inputs or add text")
+
+
+def _text_document(path: Path, text_key: str) -> Iterator[str]:
+    try:
+        yield path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"data prepare: {path} is not UTF-8 text (byte {err.start}); convert it or leave it out") from None
+
+
+def _jsonl_documents(path: Path, text_key: str) -> Iterator[str]:
+    number = 0
+    try:
+        with open(path, encoding="utf-8") as lines:
+            for number, line in enumerate(lines, 1):
+                if line.strip():
+                    yield _jsonl_text(line, f"{path}:{number}", text_key)
+    except UnicodeDecodeError:
+        raise UserError(f"data prepare: {path}:{number + 1} is not UTF-8 text; convert the file or leave it out") from None
+
+
+def _jsonl_text(line: str, where: str, text_key: str) -> str:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise UserError(f"data prepare: {where} is not valid JSON ({err.msg}); fix or drop that line") from None
+    text = record.get(text_key) if isinstance(record, dict) else None
+    if not isinstance(text, str):
+        raise UserError(f"data prepare: {where} has no string field {text_key!r}; pass --text-key with the field that holds the text")
+    return text
+
+
+def _parquet_documents(path: Path, text_key: str) -> Iterator[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as err:
+        raise UserError(f"data prepare: {path} is not a readable Parquet file ({err}); re-export it") from None
+    if text_key not in table.schema_arrow.names:
+        raise UserError(
+            f"data prepare: {path} has no column {text_key!r} (columns: {', '.join(table.schema_arrow.names)}); "
+            f"pass --text-key"
+        )
+    for batch in table.iter_batches(columns=[text_key]):
+        for text in batch.column(0).to_pylist():
+            if text is not None:
+                yield text
+
+
+def split_of(name: str, index: int, eval_fraction: float) -> str:
+    """'eval' for about `eval_fraction` of documents, chosen by a stable hash of (file name, index)."""
+    key = f"{name}#{index}".encode()
+    return "eval" if zlib.crc32(key) < int(eval_fraction * 2**32) else "train"
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned dtype that holds every id below `vocab_size`."""
+    for dtype in (np.uint8, np.uint16, np.uint32):
+        if vocab_size - 1 <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    raise UserError(f"vocabulary of {vocab_size} ids does not fit 32 bits")
+
+
+class ShardWriter:
+    """Packs one split's documents into fixed-size token records across numbered shard files."""
+
+    def __init__(self, directory: Path, split: str, chunk_tokens: int, records_per_shard: int, dtype: np.dtype):
+        self.directory, self.split = directory, split
+        self.chunk_tokens, self.records_per_shard, self.dtype = chunk_tokens, records_per_shard, dtype
+        self.files: list[str] = []
+        self.records: list[int] = []
+        self.tokens = 0
+        self.documents = 0
+        self.longest_document = 0
+        self._pending: list[np.ndarray] = []
+        self._pending_tokens = 0
+        self._writer: ArrayRecordWriter | None = None
+
+    def add(self, ids: np.ndarray, separator: int) -> None:
+        """Appends one document's ids and the separator after it."""
+        ids = np.append(ids, separator).astype(self.dtype)
+        self.documents += 1
+        self.longest_document = max(self.longest_document, len(ids) - 1)
+        self.tokens += len(ids)
+        self._pending.append(ids)
+        self._pending_tokens += len(ids)
+        if self._pending_tokens >= self.chunk_tokens:
+            stream = np.concatenate(self._pending)
+            whole = len(stream) - len(stream) % self.chunk_tokens
+            for start in range(0, whole, self.chunk_tokens):
+                self._write(stream[start : start + self.chunk_tokens])
+            self._pending = [stream[whole:]]
+            self._pending_tokens = len(stream) - whole
+
+    def close(self) -> dict:
+        """Writes the last (short) record and returns this split's manifest entry."""
+        if self._pending_tokens:
+            self._write(np.concatenate(self._pending))
+        if self._writer is not None:
+            self._writer.close()
+        return {
+            "files": self.files, "records": self.records, "tokens": self.tokens,
+            "documents": self.documents, "longest_document": self.longest_document,
+        }
+
+    def _write(self, chunk: np.ndarray) -> None:
+        if self._writer is None or self.records[-1] == self.records_per_shard:
+            if self._writer is not None:
+                self._writer.close()
+            name = f"{self.split}-{len(self.files):05d}.array_record"
+            self._writer = ArrayRecordWriter(str(self.directory / name), WRITER_OPTIONS)
+            self.files.append(name)
+            self.records.append(0)
+        self._writer.write(chunk.tobytes())
+        self.records[-1] += 1
+
+
+def prepare(
+    inputs: list[str],
+    out: str,
+    tokenizer: str = "byte",
+    vocab_size: int = 4096,
+    eval_fraction: float = 0.01,
+    chunk_tokens: int = 4096,
+    records_per_shard: int = 4096,
+    text_key: str = "text",
+) -> dict:
+    """Tokenizes `inputs` into packed ArrayRecord shards under `out`; returns the manifest."""
+    tokenizer_lib.check_name(tokenizer, "data prepare: --tokenizer")
+    if not 0 <= eval_fraction < 1:
+        raise UserError(f"data prepare: --eval-fraction={eval_fraction} must be in [0, 1)")
+    if chunk_tokens < 1 or records_per_shard < 1 or vocab_size < 1:
+        raise UserError("data prepare: --chunk-tokens, --records-per-shard and --vocab-size must be positive")
+    files = input_files(inputs)
+    directory = Path(out)
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        raise UserError(f"data prepare: --out={out} is not empty; pass a new or empty directory")
+
+    def all_documents() -> Iterator[tuple[str, str]]:
+        for path, name in files:
+            for index, text in enumerate(documents(path, text_key)):
+                yield split_of(name, index, eval_fraction), text
+
+    tok = tokenizer_lib.train(tokenizer, (text for split, text in all_documents() if split == "train"), vocab_size)
+    # Shards are written to a scratch directory that replaces `out` only when complete, so a bad
+    # input found half way leaves nothing behind.
+    scratch = directory.with_name(directory.name + ".partial")
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    try:
+        dtype = token_dtype(tok.vocab_size)
+        writers = {split: ShardWriter(scratch, split, chunk_tokens, records_per_shard, dtype) for split in SPLITS}
+        for split, text in all_documents():
+            writers[split].add(tok.encode(text), tok.separator)
+        splits = {split: writer.close() for split, writer in writers.items()}
+        if not splits["train"]["tokens"]:
+            raise UserError(
+                f"data prepare: every document fell into the eval split; lower --eval-fraction={eval_fraction} "
+                f"or add documents"
+            )
+        manifest = {
+            "format": sources.MANIFEST_FORMAT,
+            "tokenizer": tokenizer_lib.save(tok, scratch),
+            "dtype": dtype.name,
+            "chunk_tokens": chunk_tokens,
+            "eval_fraction": eval_fraction,
+            "inputs": [str(path) for path, _ in files],
+            "splits": splits,
+        }
+        (scratch / sources.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    if directory.exists():
+        directory.rmdir()
+    scratch.rename(directory)
+    return manifest
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `jaxdist data prepare` command line."""
+    parser.add_argument("inputs", nargs="+", help="text, .jsonl or .parquet files, or directories of them")
+    parser.add_argument("--out", required=True, help="new directory for the shards and manifest.json")
+    parser.add_argument("--tokenizer", default="byte", help=f"one of {', '.join(tokenizer_lib.TOKENIZERS)}")
+    parser.add_argument("--vocab-size", type=int, default=4096, help="sentencepiece vocabulary size")
+    parser.add_argument("--eval-fraction", type=float, default=0.01, help="share of documents held out for eval")
+    parser.add_argument("--chunk-tokens", type=int, default=4096, help="tokens per ArrayRecord record")
+    parser.add_argument("--records-per-shard", type=int, default=4096, help="records per shard file")
+    parser.add_argument("--text-key", default="text", help="JSONL field / Parquet column holding the text")
+
+
+def run(args: argparse.Namespace) -> None:
+    """Runs `prepare` for parsed arguments and prints a one-line summary."""
+    manifest = prepare(
+        args.inputs, args.out, args.tokenizer, args.vocab_size, args.eval_fraction,
+        args.chunk_tokens, args.records_per_shard, args.text_key,
+    )
+    counts = ", ".join(
+        f"{split} {entry['documents']} documents / {entry['tokens']} tokens"
+        for split, entry in manifest["splits"].items()
+    )
+    print(f"wrote {args.out}: {counts}; {manifest['tokenizer']['name']} tokenizer, "
+          f"vocab {manifest['tokenizer']['vocab_size']}")

@@ -1,0 +1,114 @@
+"""`jaxdist bench`: times the real train step (the `train` code path) on fixed random tokens.
+
+Warm-up steps are excluded; the step time is the median over windows of timed steps. MFU is counted exactly
+as the peers count it (shared/peers/README.md), so numbers compare:
+
+    matmul_params   = 12 * layers * d * d + vocab * d
+    flops_per_token = 6 * matmul_params + 12 * layers * d * seq
+    MFU             = flops_per_token * tokens_per_sec_per_device / 989e12
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxdist.config import Config
+from jaxdist.parallel import mesh as mesh_lib
+
+PEAK_FLOPS_BF16 = 989e12  # H100/H200 dense bf16 datasheet, as the peers use
+
+
+def flops_per_token(cfg: Config) -> float:
+    m = cfg.model
+    matmul_params = 12 * m.layers * m.d_model**2 + m.vocab * m.d_model
+    return 6 * matmul_params + 12 * m.layers * m.d_model * m.seq_len
+
+
+def random_tokens(cfg: Config, process_index: int, process_count: int) -> dict[str, np.ndarray]:
+    local = cfg.train.global_batch // process_count
+    rng = np.random.default_rng(cfg.seed + process_index)
+    tokens = rng.integers(0, cfg.model.vocab, (local, cfg.model.seq_len + 1), dtype=np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def peak_memory_bytes(devices) -> int | None:
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
+    return max(peaks) if all(p is not None for p in peaks) else None
+
+
+def _windows(steps: int, size: int = 5) -> list[int]:
+    """`steps` split into windows of about `size` steps (at least one window)."""
+    return [size] * (steps // size) + ([steps % size] if steps % size else [])
+
+
+def run(cfg: Config, steps: int = 20, warmup: int = 5, devices: list | None = None, profile_dir: str | None = None) -> dict:
+    """Builds the trainer as `train` does, then times `steps` steps after `warmup` steps.
+
+    With `profile_dir`, three more steps are traced by the JAX profiler into that folder.
+    """
+    from jaxdist.train.loop import build_trainer
+
+    start = time.perf_counter()
+    trainer = build_trainer(cfg, devices)
+    batch = trainer.global_batch(random_tokens(cfg, jax.process_index(), jax.process_count()))
+    trainer.compile(batch)
+    setup_s = time.perf_counter() - start
+    for _ in range(warmup):
+        jax.block_until_ready(trainer.step(batch))
+    # Steps are timed in windows with no sync inside, so host dispatch overlaps device work as
+    # in training (a sync per step would add the dispatch latency to every step).
+    times = []
+    for window in _windows(steps):
+        t0 = time.perf_counter()
+        for _ in range(window):
+            metrics = trainer.step(batch)
+        jax.block_until_ready(metrics)
+        times.append((time.perf_counter() - t0) / window)
+    if profile_dir:
+        with jax.profiler.trace(profile_dir):
+            for _ in range(3):
+                jax.block_until_ready(trainer.step(batch))
+    step_s = statistics.median(times)
+    devices = trainer.mesh.devices.flatten().tolist()
+    tokens_per_sec = cfg.train.global_batch * cfg.model.seq_len / step_s
+    per_device = tokens_per_sec / len(devices)
+    peak = peak_memory_bytes([d for d in devices if d.process_index == jax.process_index()])
+    return {
+        "name": "jaxdist",
+        "layout": mesh_lib.describe(trainer.mesh),
+        "rules": cfg.rules.preset,
+        "devices": len(devices),
+        "device_kind": devices[0].device_kind,
+        "jax": jax.__version__,
+        "d": cfg.model.d_model,
+        "layers": cfg.model.layers,
+        "seq": cfg.model.seq_len,
+        "global_batch": cfg.train.global_batch,
+        "microbatches": cfg.train.microbatches,
+        "scan_layers": cfg.model.scan_layers,
+        "remat": cfg.model.remat,
+        "step_ms": round(step_s * 1e3, 2),
+        "step_ms_min_window": round(min(times) * 1e3, 2),
+        "tokens_per_sec": round(tokens_per_sec),
+        "tokens_per_sec_per_device": round(per_device),
+        "mfu": round(flops_per_token(cfg) * per_device / PEAK_FLOPS_BF16, 4),
+        "peak_mem_gib": round(peak / 2**30, 2) if peak is not None else None,
+        "compile_s": round(trainer.compile_time_s, 1),
+        "setup_s": round(setup_s, 1),
+        "loss": float(metrics["loss"]),
+    }
+
+
+def write(result: dict, path: str | None) -> None:
+    line = json.dumps(result)
+    if jax.process_index() == 0:
+        print(line, flush=True)
+        if path:
+            with Path(path).open("a") as out:
+                out.write(line + "\n")

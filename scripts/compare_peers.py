@@ -1,0 +1,128 @@
+"""Runs jaxdist's benchmark and the matching peer one after the other on this host; prints ratios.
+
+    python3 scripts/compare_peers.py SUITE [SUITE ...] [--peers DIR] [--out results.jsonl]
+
+Each run is a separate process (one GPU program at a time); every result is one JSON line. The
+peers are shared/peers/*.py (torch_gpt.py, torch_dist.py, plain_jax_gpt.py); pass their folder.
+Ratios are only meaningful within one call on one machine: absolute times drift between hosts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+JAXDIST = [sys.executable, "-m", "jaxdist.cli", "bench"]
+# XLA's latency-hiding scheduler: overlaps collectives with compute.
+LHS = ["env", "XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true"]
+
+
+def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
+    torch_gpt = [sys.executable, f"{peers}/torch_gpt.py"]
+    dist = ["torchrun", "--standalone", f"--nproc_per_node={gpus}", f"{peers}/torch_dist.py"]
+    b406 = 16 * gpus
+    dp = ["configs/gpt_406m.yaml", f"train.global_batch={b406}", "mesh.data=-1", "mesh.fsdp=1", "rules.preset=dp"]
+    fsdp = ["configs/gpt_406m.yaml", f"train.global_batch={b406}"]
+    return {
+        "1gpu_406m": [
+            ("torch 406m b16", torch_gpt + ["--batch", "16"]),
+            ("jaxdist 406m b16 unrolled", JAXDIST + ["configs/gpt_406m.yaml", "--profile", "/tmp/jaxdist_profile"]),
+            ("jaxdist 406m b16 scan", JAXDIST + ["configs/gpt_406m.yaml", "model.scan_layers=true"]),
+            ("jaxdist 406m b16 scan unroll4", JAXDIST + ["configs/gpt_406m.yaml", "model.scan_layers=true",
+                                                          "model.scan_unroll=4"]),
+        ],
+        "ablate_406m": [
+            ("plain-jax 406m unrolled", [sys.executable, f"{peers}/plain_jax_gpt.py", "--scan", "0"]),
+            ("jaxdist unrolled+profile", JAXDIST + ["configs/gpt_406m.yaml", "--profile", "/tmp/jaxdist_profile"]),
+            ("no clip, no wd", JAXDIST + ["configs/gpt_406m.yaml", "optim.clip_norm=null", "optim.weight_decay=0"]),
+            ("bf16 logits", JAXDIST + ["configs/gpt_406m.yaml", "model.logits_dtype=compute"]),
+            ("no triton gemm", ["env", "XLA_FLAGS=--xla_gpu_enable_triton_gemm=false"] + JAXDIST + ["configs/gpt_406m.yaml"]),
+        ],
+        "1gpu_1b4": [
+            ("torch 1b4 b8", torch_gpt + ["--d", "2048", "--batch", "8"]),
+            ("jaxdist 1b4 b8 unrolled", JAXDIST + ["configs/gpt_1b4.yaml"]),
+        ],
+        "multi_406m": [
+            ("jaxdist 406m 1gpu", JAXDIST + ["configs/gpt_406m.yaml", "mesh.fsdp=1", "--devices", "1"]),
+            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("torch fsdp2", ["env", "MODE=fsdp"] + dist),
+            ("jaxdist dp", JAXDIST + dp),
+            ("jaxdist dp +lhs", LHS + JAXDIST + dp),
+            ("jaxdist fsdp", JAXDIST + fsdp),
+            ("jaxdist fsdp +lhs", LHS + JAXDIST + fsdp),
+        ],
+        "tensor_1b4": [
+            ("jaxdist 1b4 1gpu", JAXDIST + ["configs/gpt_1b4.yaml", "mesh.fsdp=1", "--devices", "1"]),
+            ("jaxdist 1b4 tensor=2", JAXDIST + ["configs/gpt_1b4.yaml", "mesh.fsdp=1", "mesh.tensor=2",
+                                                "rules.preset=tp", "--devices", "2"]),
+            ("jaxdist 1b4 tensor=4", JAXDIST + ["configs/gpt_1b4.yaml", "mesh.fsdp=1", "mesh.tensor=4",
+                                                "rules.preset=tp", "--devices", "4"]),
+        ],
+    }
+
+
+def run(label: str, command: list[str], timeout: int) -> dict:
+    start = time.perf_counter()
+    print(f"=== {label}: {' '.join(command)}", flush=True)
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"label": label, "error": f"timed out after {timeout} s"}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
+        print("\n".join(tail), flush=True)
+        return {"label": label, "error": f"exit {proc.returncode}"}
+    result = json.loads(lines[-1])
+    result.update(label=label, wall_s=round(time.perf_counter() - start, 1))
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def per_device(result: dict) -> float | None:
+    for key in ("tokens_per_sec_per_device", "tokens_per_s_per_gpu"):
+        if key in result:
+            return result[key]
+    return result.get("tokens_per_s")
+
+
+def table(results: list[dict]) -> str:
+    base = next((per_device(r) for r in results if "error" not in r), None)
+    rows = [f"{'run':<28} {'step ms':>8} {'tok/s/dev':>10} {'MFU':>6} {'mem GiB':>8} {'compile s':>9} {'vs first':>8}"]
+    for r in results:
+        if "error" in r:
+            rows.append(f"{r['label']:<28} {r['error']}")
+            continue
+        tps = per_device(r)
+        mem = r.get("peak_mem_gib") or r.get("peak_mem_GiB") or ""
+        rows.append(
+            f"{r['label']:<28} {r['step_ms']:>8} {tps:>10,} {r['mfu']:>6.3f} {mem!s:>8} "
+            f"{r.get('compile_s', '')!s:>9} {tps / base:>8.3f}"
+        )
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("suites", nargs="+")
+    parser.add_argument("--peers", default=os.environ.get("JAXDIST_PEERS", "../shared/peers"))
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs for multi-GPU suites (default: all)")
+    parser.add_argument("--out", help="append every result as a JSON line")
+    parser.add_argument("--timeout", type=int, default=420)
+    args = parser.parse_args()
+    gpus = args.gpus or int(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.count("GPU "))
+    known = suites(args.peers, gpus)
+    for suite in args.suites:
+        results = [run(label, command, args.timeout) for label, command in known[suite]]
+        if args.out:
+            with open(args.out, "a") as out:
+                out.writelines(json.dumps({"suite": suite, **r}) + "\n" for r in results)
+        print(f"\n## {suite} ({gpus} GPU(s) present)\n{table(results)}\n", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""One of two real processes for tests/test_data_multiprocess.py (run as a script, not collected).
+
+    python tests/data_process.py PORT PROCESS_ID SHARD_DIR OUT_JSON
+
+Reads two epochs of train batches and one eval pass through the config-driven iterators, builds
+each global batch on a mesh spanning both processes, and writes what this process read and the
+gathered global batches as JSON.
+"""
+
+import json
+import sys
+
+import jaxdist  # noqa: F401  (applies JAXDIST_CPU_DEVICES before JAX starts)
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from jaxdist import config
+from jaxdist.data import loader, pipeline
+
+
+def main(port: str, process_id: str, shard_dir: str, out: str) -> None:
+    jax.distributed.initialize(f"127.0.0.1:{port}", 2, int(process_id))
+    cfg = config.from_dict({
+        "data": {"source": "arrayrecord", "path": shard_dir},
+        "model": {"seq_len": 16}, "train": {"global_batch": 8}, "eval": {"every": 1},
+    })
+    mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Auto,))
+    sharding = NamedSharding(mesh, PartitionSpec("data"))
+    steps = -(-2 * len(loader.open_split(cfg, "train")) // 8)
+    result = {}
+    for name, batches in (("train", loader.train_iterator(cfg)), ("eval", loader.eval_iterator(cfg))):
+        local, gathered, weights = [], [], []
+        for _, batch in zip(range(steps), batches):
+            global_batch = pipeline.global_batch(batch, sharding)
+            local.append(batch["inputs"].tolist())
+            gathered.append(np.asarray(multihost_utils.process_allgather(global_batch["inputs"], tiled=True)).tolist())
+            if "weights" in batch:
+                weights.append(batch["weights"].tolist())
+        result[name] = {"local": local, "global": gathered, "weights": weights}
+    with open(out, "w") as file:
+        json.dump(result, file)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,188 @@
+"""Grain pipelines: each process reads a disjoint share, epochs reshuffle, a position restores exactly."""
+
+from itertools import islice
+
+import numpy as np
+import pytest
+from conftest import make_config
+from data_helpers import prepared, random_documents, window_ids
+
+from jaxdist.data import loader, pipeline, prepare, sources
+from jaxdist.data.tokenizer import ByteTokenizer
+from jaxdist.errors import UserError
+
+SEQ_LEN = 16
+GLOBAL_BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """40 random documents as byte-token shards: small records, several shard files per split."""
+    docs = random_documents(40, seed=1)
+    path, manifest = prepared(
+        tmp_path_factory.mktemp("data"), docs, eval_fraction=0.2, chunk_tokens=64, records_per_shard=8
+    )
+    return path, manifest, docs
+
+
+def data_config(tmp_path, path, data=(), **sections):
+    return make_config(
+        tmp_path, data={"source": "arrayrecord", "path": str(path), **dict(data)},
+        model={"seq_len": SEQ_LEN}, train={"global_batch": GLOBAL_BATCH}, **sections,
+    )
+
+
+def expected_tokens(docs: list[str], split: str, eval_fraction: float) -> np.ndarray:
+    """The split's packed stream, built without the prepare code: bytes of each document + NUL."""
+    chosen = [doc for i, doc in enumerate(docs) if prepare.split_of(f"doc{i:03d}.txt", 0, eval_fraction) == split]
+    return np.concatenate([np.append(np.frombuffer(doc.encode(), np.uint8), 0) for doc in chosen])
+
+
+def window_index(source: pipeline.TokenWindows) -> dict[bytes, int]:
+    index = {source[i]["inputs"].tobytes(): i for i in range(len(source))}
+    assert len(index) == len(source), "test data must have unique windows"
+    return index
+
+
+def global_stream(source, process_count: int, steps: int, seed: int = 0, start_example: int = 0) -> list[int]:
+    """Window ids in global stream order, reassembled from what each simulated process read."""
+    local = GLOBAL_BATCH // process_count
+    reads = []
+    for process in range(process_count):
+        batches = pipeline.train_batches(
+            source, local, seed, start_example, process_index=process, process_count=process_count
+        )
+        reads.append(window_ids(list(islice(batches, steps)), window_index(source)))
+    # Process p's k-th row is stream position start + p + k * P (the pipeline's contract).
+    stream = [0] * (steps * GLOBAL_BATCH)
+    for process, ids in enumerate(reads):
+        stream[process::process_count] = ids
+    return stream
+
+
+def test_prepared_shards_hold_the_packed_documents(tmp_path, dataset):
+    path, manifest, docs = dataset
+    for split in ("train", "eval"):
+        expected = expected_tokens(docs, split, 0.2)
+        entry = manifest["splits"][split]
+        assert entry["tokens"] == len(expected) and sum(entry["records"]) == -(-len(expected) // 64)
+        assert entry["documents"] == int((expected == 0).sum())
+        tokens = sources.ArrayRecordTokens(path, manifest, split)
+        np.testing.assert_array_equal(tokens[0 : len(tokens)], expected)
+        np.testing.assert_array_equal(tokens[60:200], expected[60:200])  # a range across records
+    assert len(manifest["splits"]["train"]["files"]) > 1
+    assert manifest["splits"]["eval"]["documents"] >= 4
+
+    source = loader.open_split(data_config(tmp_path, path), "train")
+    window = source[7]
+    stream = expected_tokens(docs, "train", 0.2)
+    np.testing.assert_array_equal(window["inputs"], stream[7 * SEQ_LEN : 8 * SEQ_LEN])
+    np.testing.assert_array_equal(window["targets"], stream[7 * SEQ_LEN + 1 : 8 * SEQ_LEN + 1])
+
+
+@pytest.mark.parametrize("process_count", [1, 2, 4])
+def test_each_epoch_reads_every_example_once_under_any_process_count(tmp_path, dataset, process_count):
+    source = loader.open_split(data_config(tmp_path, dataset[0]), "train")
+    n = len(source)
+    steps = -(-2 * n // GLOBAL_BATCH)  # two whole epochs
+    stream = global_stream(source, process_count, steps)
+    assert n > 100 and n % GLOBAL_BATCH  # an epoch ends inside a global batch
+    for epoch in range(2):
+        part = stream[epoch * n : (epoch + 1) * n]
+        assert sorted(part) == list(range(n))  # every example once: no duplicates, nothing lost
+        shares = [set(part[p::process_count]) for p in range(process_count)]
+        assert sum(len(share) for share in shares) == n  # the processes' shares are disjoint
+    assert stream == global_stream(source, 1, steps)  # the same global stream at any process count
+
+
+def test_epochs_reshuffle_and_the_seed_fixes_the_order(tmp_path, dataset):
+    source = loader.open_split(data_config(tmp_path, dataset[0]), "train")
+    n = len(source)
+    steps = -(-2 * n // GLOBAL_BATCH)  # two whole epochs
+    stream = global_stream(source, 1, steps, seed=0)
+    first, second = stream[:n], stream[n : 2 * n]
+    assert first != second and sorted(first) == sorted(second)
+    assert sum(a == b for a, b in zip(first, second)) < n // 10
+    assert stream == global_stream(source, 1, steps, seed=0)
+    assert stream[:n] != global_stream(source, 1, steps, seed=1)[:n]
+
+
+def test_restored_iterator_yields_the_same_next_20_batches(tmp_path, dataset):
+    cfg = data_config(tmp_path, dataset[0])
+    source = loader.open_split(cfg, "train")
+    done = len(source) // GLOBAL_BATCH - 5  # the next 20 batches cross into the next epoch
+    running = loader.train_iterator(cfg)
+    for _ in range(done):
+        next(running)
+    expected = list(islice(running, 20))
+    restored = list(islice(loader.train_iterator(cfg, start_example=done * GLOBAL_BATCH), 20))
+    for a, b in zip(expected, restored, strict=True):
+        np.testing.assert_array_equal(a["inputs"], b["inputs"])
+        np.testing.assert_array_equal(a["targets"], b["targets"])
+    # Restored onto 2 processes, the global batches are the same examples in the same order.
+    index = window_index(source)
+    two = global_stream(source, 2, 20, start_example=done * GLOBAL_BATCH)
+    assert two == window_ids(expected, index)
+
+
+@pytest.mark.parametrize("process_count", [1, 2, 4])
+def test_eval_pass_covers_the_split_once_with_padding_weighted_zero(tmp_path, dataset, process_count):
+    source = loader.open_split(data_config(tmp_path, dataset[0]), "eval")
+    n = len(source)
+    index = window_index(source)
+    real, padding, batches = [], 0, 0
+    for process in range(process_count):
+        for batch in pipeline.eval_batches(source, GLOBAL_BATCH // process_count, process, process_count):
+            assert batch["inputs"].shape == (GLOBAL_BATCH // process_count, SEQ_LEN)
+            ids = window_ids([batch], index)
+            real += [i for i, w in zip(ids, batch["weights"]) if w == 1]
+            padding += int((batch["weights"] == 0).sum())
+            batches += 1
+    assert n % GLOBAL_BATCH and sorted(real) == list(range(n))
+    assert padding == -(-n // GLOBAL_BATCH) * GLOBAL_BATCH - n
+    assert batches == -(-n // GLOBAL_BATCH) * process_count
+
+
+def test_eval_batches_limits_the_pass(tmp_path, dataset):
+    cfg = data_config(tmp_path, dataset[0], eval={"every": 5, "batches": 2})
+    batches = list(loader.eval_iterator(cfg))
+    assert len(batches) == 2 and all(b["weights"].sum() == GLOBAL_BATCH for b in batches)
+
+
+def test_in_memory_arrays_split_rows_between_train_and_eval(tmp_path):
+    rows = np.arange(200, dtype=np.int32)
+    np.savez(tmp_path / "rows.npz", x=rows[:, None] * np.ones((1, 3), np.int32), label=rows % 7)
+    cfg = make_config(tmp_path, data={"source": "arrays", "path": str(tmp_path / "rows.npz"), "eval_fraction": 0.1})
+    train, held_out = loader.open_split(cfg, "train"), loader.open_split(cfg, "eval")
+    train_rows = [int(train[i]["x"][0]) for i in range(len(train))]
+    eval_rows = [int(held_out[i]["x"][0]) for i in range(len(held_out))]
+    assert len(eval_rows) == 20 and sorted(train_rows + eval_rows) == list(range(200))
+    assert all(held_out[i]["label"] == eval_rows[i] % 7 for i in range(20))
+    seen = [int(x) for b in islice(loader.train_iterator(cfg), len(train) // 16) for x in b["x"][:, 0]]
+    assert len(seen) == len(set(seen)) == 180 // 16 * 16 and set(seen) <= set(train_rows)
+
+
+def test_epochs_decide_the_number_of_steps(tmp_path, dataset):
+    cfg = data_config(tmp_path, dataset[0], data={"epochs": 3})
+    n = len(loader.open_split(cfg, "train"))
+    assert loader.resolve_steps(cfg, n).train.steps == 3 * n // GLOBAL_BATCH
+
+
+def test_worker_processes_yield_the_same_batches(dataset, tmp_path):
+    source = loader.open_split(data_config(tmp_path, dataset[0]), "train")
+    threads = list(islice(pipeline.train_batches(source, 4, seed=3, start_example=11), 6))
+    workers = list(islice(pipeline.train_batches(source, 4, seed=3, start_example=11, workers=2), 6))
+    for a, b in zip(threads, workers, strict=True):
+        np.testing.assert_array_equal(a["inputs"], b["inputs"])
+
+
+def test_byte_tokenizer_round_trips():
+    text = "déf f(x):\n\treturn x  # ok"
+    assert ByteTokenizer().decode(ByteTokenizer().encode(text)) == text
+
+
+def test_unequal_arrays_name_the_file(tmp_path):
+    np.savez(tmp_path / "bad.npz", x=np.zeros((5, 2)), y=np.zeros(4))
+    cfg = make_config(tmp_path, data={"source": "arrays", "path": str(tmp_path / "bad.npz")})
+    with pytest.raises(UserError, match=r"data.path=.*bad.npz: need one or more non-empty arrays of equal length"):
+        loader.open_split(cfg, "train")

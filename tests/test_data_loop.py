@@ -1,0 +1,40 @@
+"""The loop on prepared shards: `data.epochs` decides the steps, `eval_loss` covers the eval split exactly."""
+
+import json
+
+import jax
+import numpy as np
+import optax
+from conftest import make_config
+from data_helpers import prepared, random_documents
+from flax import nnx
+
+from jaxdist.data import loader
+from jaxdist.train import loop
+
+
+def test_epochs_and_exact_eval_loss(tmp_path):
+    path, _ = prepared(tmp_path, random_documents(40, seed=4), eval_fraction=0.2)
+    cfg = make_config(
+        tmp_path / "run", data={"source": "arrayrecord", "path": str(path), "epochs": 1}, eval={"every": 5}
+    )
+    train_windows = len(loader.open_split(cfg, "train"))
+    eval_source = loader.open_split(cfg, "eval")
+    assert len(eval_source) % cfg.train.global_batch  # the last eval batch is padded
+
+    trainer = loop.train(cfg)
+
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = train_windows // cfg.train.global_batch
+    assert steps > 5
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    evaluated = [r["step"] for r in records if "eval_loss" in r]
+    assert evaluated == [s for s in range(1, steps + 1) if s % 5 == 0 or s == steps]
+
+    # The last eval_loss is the mean next-token loss over every eval window, computed in one go.
+    windows = [eval_source[i] for i in range(len(eval_source))]
+    model = nnx.merge(trainer.graphdef, jax.device_get(trainer.params))
+    logits = model(np.stack([w["inputs"] for w in windows]))
+    expected = optax.softmax_cross_entropy_with_integer_labels(logits, np.stack([w["targets"] for w in windows]))
+    np.testing.assert_allclose(records[-1]["eval_loss"], float(expected.mean()), rtol=2e-6)
+    assert records[-1]["eval_loss"] < records[4]["eval_loss"]  # the model learns between evals

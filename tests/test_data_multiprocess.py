@@ -1,0 +1,65 @@
+"""Two real JAX processes (jax.distributed on CPU) read disjoint shares that make up every epoch."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from conftest import make_config
+from data_helpers import prepared, random_documents
+
+from jaxdist.data import loader
+
+HERE = Path(__file__).parent
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_two_processes_read_each_example_once_per_epoch(tmp_path):
+    path, _ = prepared(tmp_path, random_documents(40, seed=1), eval_fraction=0.2, chunk_tokens=64)
+    port = free_port()
+    env = {**os.environ, "JAXDIST_CPU_DEVICES": "2", "PYTHONPATH": os.pathsep.join(sys.path)}
+    workers = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "data_process.py"), str(port), str(i), str(path), str(tmp_path / f"{i}.json")],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for i in range(2)
+    ]
+    for worker in workers:
+        output, _ = worker.communicate(timeout=120)
+        assert worker.returncode == 0, output[-3000:]
+    results = [json.loads((tmp_path / f"{i}.json").read_text()) for i in range(2)]
+
+    cfg = make_config(tmp_path, data={"source": "arrayrecord", "path": str(path)}, model={"seq_len": 16})
+    for split in ("train", "eval"):
+        source = loader.open_split(cfg, split)
+        index = {source[i]["inputs"].tobytes(): i for i in range(len(source))}
+        ids = lambda rows: [index[np.asarray(row, np.int32).tobytes()] for row in rows]  # noqa: E731
+        local = [[ids(batch) for batch in result[split]["local"]] for result in results]
+        assert all(len(batch) == 4 for process in local for batch in process)
+        # Every global batch is exactly the union of the two processes' rows, seen alike by both.
+        for step, gathered in enumerate(results[0][split]["global"]):
+            assert results[1][split]["global"][step] == gathered
+            assert sorted(ids(gathered)) == sorted(local[0][step] + local[1][step])
+        n = len(source)
+        if split == "train":
+            # Process p's k-th row is stream position p + 2k: rebuild the stream, check both epochs.
+            stream = [0] * (2 * sum(len(batch) for batch in local[0]))
+            stream[0::2] = [i for batch in local[0] for i in batch]
+            stream[1::2] = [i for batch in local[1] for i in batch]
+            for epoch in range(2):
+                part = stream[epoch * n : (epoch + 1) * n]
+                assert sorted(part) == list(range(n))
+                assert not set(part[0::2]) & set(part[1::2])
+        else:
+            weights = [w for result in results for batch in result[split]["weights"] for w in batch]
+            rows = [i for process in local for batch in process for i in batch]
+            assert sorted(i for i, w in zip(rows, weights) if w == 1) == list(range(n))

@@ -1,0 +1,148 @@
+"""`jaxdist data prepare`: formats, tokenizers, manifest; bad input is one line and exit code 2."""
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import make_config
+from data_helpers import prepared, random_documents
+
+from jaxdist import cli
+from jaxdist.data import loader, prepare, sources
+
+TEXT = "def f(x):\n    return x  # é\n"
+JSONL_DOCS = ["first line", "second, with a \"quote\"", "ünïcode"]
+PARQUET_DOCS = ["row one", None, "row three"]
+
+
+def test_prepare_reads_text_jsonl_and_parquet(tmp_path):
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    (inputs / "a.txt").write_text(TEXT)
+    (inputs / "b.jsonl").write_text("\n".join(json.dumps({"text": d, "id": i}) for i, d in enumerate(JSONL_DOCS)) + "\n\n")
+    pq.write_table(pa.table({"text": PARQUET_DOCS}), inputs / "c.parquet")
+    manifest = prepare.prepare([str(inputs)], str(tmp_path / "out"), eval_fraction=0.0, chunk_tokens=8)
+
+    docs = [TEXT, *JSONL_DOCS, "row one", "row three"]
+    expected = b"".join(doc.encode() + b"\0" for doc in docs)
+    train = manifest["splits"]["train"]
+    assert (train["documents"], train["tokens"]) == (6, len(expected))
+    assert manifest["splits"]["eval"]["tokens"] == 0
+    assert manifest["tokenizer"] == {"name": "byte", "vocab_size": 256, "separator": 0}
+    tokens = sources.ArrayRecordTokens(tmp_path / "out", manifest, "train")
+    assert bytes(tokens[0 : len(tokens)]) == expected
+    assert not (tmp_path / "out.partial").exists()
+
+
+def test_sentencepiece_is_trained_locally_and_round_trips(tmp_path):
+    words = np.array("the data pipeline reads shards while every process trains its share of".split())
+    rng = np.random.default_rng(2)
+    docs = [" ".join(rng.choice(words, rng.integers(20, 80))) + "\n" for _ in range(60)]
+    path, manifest = prepared(tmp_path, docs, tokenizer="sentencepiece", vocab_size=320, eval_fraction=0.0)
+    assert manifest["tokenizer"]["vocab_size"] == 320 and manifest["dtype"] == "uint16"
+    assert (path / "tokenizer.model").is_file()
+    cfg = make_config(tmp_path, data={"source": "arrayrecord", "path": str(path)}, model={"vocab": 320})
+    tokenizer = loader.tokenizer(cfg)
+    tokens = sources.ArrayRecordTokens(path, manifest, "train")
+    stream = np.asarray(tokens[0 : len(tokens)])
+    pieces = np.split(stream, np.flatnonzero(stream == tokenizer.separator) + 1)[:-1]
+    assert [tokenizer.decode(piece[:-1]) for piece in pieces] == docs
+    assert len(stream) < 0.5 * sum(len(doc) for doc in docs)  # BPE merges: far fewer tokens than bytes
+
+
+def test_split_follows_the_fraction_and_survives_moving_the_files(tmp_path):
+    docs = random_documents(300, seed=3, shortest=5, longest=20)
+    _, first = prepared(tmp_path / "here", docs, eval_fraction=0.25)
+    _, moved = prepared(tmp_path / "elsewhere" / "deeper", docs, eval_fraction=0.25)
+    assert 50 <= first["splits"]["eval"]["documents"] <= 100
+    assert first["splits"] == moved["splits"]
+
+
+def write_config(tmp_path, **sections):
+    path = tmp_path / "config.yaml"
+    path.write_text(make_config(tmp_path / "run", **sections).to_yaml())
+    return str(path)
+
+
+@pytest.fixture
+def shards(tmp_path):
+    path, manifest = prepared(tmp_path, random_documents(40, seed=1), eval_fraction=0.0, chunk_tokens=64)
+    return path, path / manifest["splits"]["train"]["files"][0]
+
+
+def run_cli(args, capfd) -> tuple[int, list[str]]:
+    code = cli.main(args)
+    return code, capfd.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("missing input", "input {tmp}/nope.txt does not exist"),
+        ("empty file", "{tmp}/empty.txt is empty"),
+        ("unknown tokenizer", "--tokenizer='wordpiece' is not a known tokenizer; choose one of byte, sentencepiece"),
+        ("corrupt jsonl", "{tmp}/bad.jsonl:2 is not valid JSON"),
+        ("corrupt jsonl, sentencepiece", "{tmp}/bad.jsonl:2 is not valid JSON"),
+        ("vocabulary too large", "--vocab-size=5000: sentencepiece could not train on these files"),
+    ],
+)
+def test_bad_prepare_input_is_one_line_and_exit_2(tmp_path, capfd, case, expected):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
+    (tmp_path / "good.txt").write_text("some text")
+    inputs, tokenizer = {
+        "missing input": ("nope.txt", "byte"),
+        "empty file": ("empty.txt", "byte"),
+        "unknown tokenizer": ("good.txt", "wordpiece"),
+        "corrupt jsonl": ("bad.jsonl", "byte"),
+        "corrupt jsonl, sentencepiece": ("bad.jsonl", "sentencepiece"),
+        "vocabulary too large": ("good.txt", "sentencepiece"),
+    }[case]
+    code, err = run_cli(
+        ["data", "prepare", str(tmp_path / inputs), "--out", str(tmp_path / "out"), "--tokenizer", tokenizer,
+         "--vocab-size", "5000"],
+        capfd,
+    )
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("jaxdist: error: data prepare: "), err
+    assert expected.format(tmp=tmp_path) in err[0]
+    assert not (tmp_path / "out").exists()
+
+
+def truncate(file):
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+@pytest.mark.parametrize(
+    "case, overrides, expected",
+    [
+        ("missing path", ["data.path={tmp}/absent"], "data.path={tmp}/absent is not a directory"),
+        ("truncated shard", [], "shard train-00000.array_record is corrupt"),
+        ("seq_len too long", ["model.seq_len=8192"], "model.seq_len=8192 is longer than the train split"),
+        ("vocab too small", ["model.vocab=100"], "model.vocab=100 is smaller than the vocabulary"),
+    ],
+)
+def test_bad_train_data_is_one_line_and_exit_2_before_compiling(tmp_path, capfd, compiles, shards, case, overrides, expected):
+    path, shard = shards
+    if case == "truncated shard":
+        truncate(shard)
+    config = write_config(tmp_path, data={"source": "arrayrecord", "path": str(path)})
+    code, err = run_cli(["train", config, *(o.format(tmp=tmp_path) for o in overrides)], capfd)
+    assert code == 2 and len(err) == 1, err
+    assert expected.format(tmp=tmp_path) in err[0], err
+    assert compiles.count == 0
+
+
+def test_corrupt_record_is_one_line_and_exit_2_before_compiling(tmp_path, capfd, compiles, shards):
+    path, shard = shards
+    data = bytearray(shard.read_bytes())
+    for offset in range(100, 4000, 50):  # inside the compressed records, which precede the index
+        data[offset] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    config = write_config(tmp_path, data={"source": "arrayrecord", "path": str(path)})
+    code, err = run_cli(["train", config], capfd)
+    assert code == 2 and len(err) == 1, err
+    assert "of shard train-00000.array_record is corrupt (Corrupted Riegeli" in err[0], err
+    assert compiles.count == 0

@@ -1,0 +1,107 @@
+"""Logical-axis rules: presets, overrides, checks, and the `jaxdist rules` table."""
+
+import re
+
+import jax
+import pytest
+import yaml
+from conftest import TINY_GPT, make_config
+from jax.sharding import PartitionSpec as P
+
+from jaxdist import UserError, cli, make_mesh
+from jaxdist.parallel import rules
+from jaxdist.train import loop
+
+
+def test_presets_split_what_they_say():
+    assert rules.preset("dp").param_spec(("embed", "mlp")) == P(None, None)
+    assert rules.preset("fsdp").param_spec(("embed", "mlp")) == P("fsdp", None)
+    assert rules.preset("tp").param_spec(("embed", "mlp")) == P(None, "tensor")
+    assert rules.preset("fsdp_tp").param_spec(("embed", "mlp")) == P("fsdp", "tensor")
+    for name in rules.PRESETS:
+        assert rules.preset(name).activation_spec(("batch", "length", "embed")) == P(("data", "fsdp"), None, None)
+
+
+def test_override_in_python_and_yaml(tmp_path):
+    custom = rules.preset("fsdp").override(params={"mlp": "tensor", "experts": ["data"]}, activations={"length": "tensor"})
+    assert custom.param_spec(("embed", "mlp")) == P("fsdp", "tensor")
+    assert custom.param_spec(("experts",)) == P("data")
+    assert custom.activation_spec(("batch", "length")) == P(("data", "fsdp"), "tensor")
+    assert rules.preset("fsdp").param_spec(("embed", "mlp")) == P("fsdp", None)  # presets are not mutated
+
+    cfg = make_config(tmp_path, rules={"preset": "fsdp", "params": {"mlp": "tensor"}, "activations": {"mlp": "tensor"}})
+    assert rules.from_config(cfg.rules).param_spec(("mlp",)) == P("tensor")
+
+
+def test_missing_rule_names_the_parameter():
+    with pytest.raises(UserError, match=r"parameter blocks/moe/w uses logical axis 'experts', which has no rule; add rules.params.experts"):
+        rules.preset("dp").param_spec(("experts", "embed"), "parameter blocks/moe/w")
+
+
+def test_mesh_axis_used_twice_names_the_parameter():
+    both = rules.preset("fsdp").override(params={"mlp": "fsdp"})
+    with pytest.raises(UserError, match=r"parameter mlp/up maps both 'embed' and 'mlp' to mesh axis 'fsdp'"):
+        both.param_spec(("embed", "mlp"), "parameter mlp/up")
+
+
+def test_indivisible_dimension_names_the_parameter(tmp_path, devices):
+    cfg = make_config(tmp_path, model={"d_model": 60, "heads": 4}, mesh={"data": 1, "fsdp": 8})
+    with pytest.raises(UserError, match=r"parameter blocks/attn/out dim 3 \(size 60\) is not divisible by fsdp=8"):
+        loop.param_layouts(cfg)
+
+
+def test_rule_naming_a_missing_mesh_axis(tmp_path):
+    cfg = make_config(tmp_path, rules={"preset": "dp", "params": {"mlp": "expert"}})
+    with pytest.raises(UserError, match=r"rules.params.mlp names mesh axis 'expert'"):
+        loop.param_layouts(cfg)
+
+
+def test_constrain_is_a_noop_outside_a_step():
+    x = jax.numpy.ones((4, 4))
+    assert rules.constrain(x, ("batch", "embed")) is x
+
+
+def test_constrain_applies_activation_rules():
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    with rules.activation_rules(mesh, rules.preset("tp")):
+        out = jax.jit(lambda x: rules.constrain(x * 2, ("batch", "mlp")))(jax.numpy.ones((8, 16)))
+    assert out.sharding.spec == P(("data", "fsdp"), "tensor")
+
+
+def _table_rows(text: str) -> dict[str, tuple[str, str]]:
+    rows = {}
+    for line in text.splitlines()[1:-1]:
+        path, shape, *rest = line.split()
+        spec = re.search(r"\) +(\([^)]*\))", line).group(1)
+        rows[path] = (shape, spec)
+    return rows
+
+
+def _spec_text(spec: P, ndim: int) -> str:
+    entries = list(spec) + [None] * (ndim - len(spec))
+    parts = []
+    for entry in entries:
+        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        parts.append("+".join(axes) if axes else "-")
+    return "(" + ", ".join(parts) + ")"
+
+
+def test_rules_command_matches_shardings_used(tmp_path, capsys):
+    raw = {**TINY_GPT, "run_dir": str(tmp_path / "run"), "mesh": {"data": 1, "fsdp": 4, "tensor": 2},
+           "rules": {"preset": "fsdp_tp"}}
+    path = tmp_path / "fsdp_tp.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert cli.main(["rules", str(path)]) == 0
+    table = _table_rows(capsys.readouterr().out)
+
+    trainer = loop.build_trainer(make_config(tmp_path, mesh=raw["mesh"], rules=raw["rules"]))
+    used = {
+        "/".join(str(k.key) for k in path): leaf for path, leaf in jax.tree.leaves_with_path(trainer.params)
+    }
+    assert set(table) == set(used)
+    for name, array in used.items():
+        shape, spec = table[name]
+        assert shape == "x".join(map(str, array.shape)), name
+        assert spec == _spec_text(array.sharding.spec, array.ndim), (name, spec, array.sharding.spec)
+    assert table["blocks/mlp/up"][1] == "(-, fsdp, tensor)"
+    assert table["embed"][1] == "(tensor, fsdp)"
