@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from jaxdist.errors import UserError
+from jaxdist.parallel import pipeline
 
 MESH_AXES = ("data", "stage", "fsdp", "tensor")
 
@@ -193,8 +194,16 @@ class CheckpointConfig(Section):
 
 
 class PipelineConfig(Section):
+    """Pipeline parallelism, used when mesh.stage > 1 (jaxdist.parallel.pipeline).
+
+    `microbatches` per gradient-accumulation step (a multiple of mesh.stage); `repeats` layer
+    groups per stage taken round-robin (1: GPipe; more: circular, a smaller bubble for more
+    transfers); `remat` recomputes each stage's forward in the backward pass.
+    """
+
     microbatches: int = Field(1, gt=0)
     repeats: int = Field(1, gt=0)
+    remat: bool = False
 
 
 class SampleConfig(Section):
@@ -337,4 +346,5 @@ def check_against_devices(cfg: Config, device_count: int) -> dict[str, int]:
             f"model.heads={cfg.model.heads} is not divisible by mesh.tensor={shape['tensor']}; "
             f"use a tensor size that divides {cfg.model.heads}"
         )
+    pipeline.check_config(cfg, shape)
     return shape

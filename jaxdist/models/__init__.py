@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -39,7 +40,8 @@ class ModelEntry:
 def _gpt(cfg: Config) -> Callable[[nnx.Rngs], nnx.Module]:
     dtypes = precision.policy(cfg.precision)
     return lambda rngs: GPT(
-        cfg.model, rngs=rngs, param_dtype=dtypes.param_dtype, compute_dtype=dtypes.compute_dtype
+        cfg.model, rngs=rngs, param_dtype=dtypes.param_dtype, compute_dtype=dtypes.compute_dtype,
+        pipeline=cfg.pipeline,
     )
 
 

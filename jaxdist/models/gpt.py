@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdist.config import ModelConfig
+from jaxdist.config import ModelConfig, PipelineConfig
+from jaxdist.parallel import pipeline as pipeline_lib
 from jaxdist.parallel.rules import constrain
 
 Names = tuple[str | None, ...]
@@ -136,11 +137,23 @@ _REMAT_POLICIES = {
 
 
 class GPT(nnx.Module):
-    """Decoder-only transformer; `__call__(tokens)` gives logits (batch, length, vocab)."""
+    """Decoder-only transformer; `__call__(tokens)` gives logits (batch, length, vocab).
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32, compute_dtype=jnp.float32):
+    With `pipeline` settings and a stage axis in the mesh, the blocks run as a pipeline.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype=jnp.float32,
+        compute_dtype=jnp.float32,
+        pipeline: PipelineConfig | None = None,
+    ):
         self.cfg = cfg
         self.compute_dtype = compute_dtype
+        self.pipeline = pipeline
         self.embed = _param(rngs, _normal, (cfg.vocab, cfg.d_model), ("vocab", "embed"), param_dtype)
         if cfg.positions == "learned":
             self.positions = _param(rngs, _normal, (cfg.seq_len, cfg.d_model), ("length", "embed"), param_dtype)
@@ -169,6 +182,11 @@ class GPT(nnx.Module):
 
     def _run_blocks(self, x: jax.Array) -> jax.Array:
         graphdef, stacked = nnx.split(self.blocks)
+        run = functools.partial(self._run_layers, graphdef)
+        return pipeline_lib.run_layers(run, stacked, x, self.pipeline, ("batch", "length", "embed"))
+
+    def _run_layers(self, graphdef: nnx.GraphDef, x: jax.Array, stacked: nnx.State) -> jax.Array:
+        """Runs the blocks whose parameters are stacked in `stacked`, in order."""
 
         def body(carry, layer_state):
             return nnx.merge(graphdef, layer_state)(carry), None
@@ -178,7 +196,7 @@ class GPT(nnx.Module):
         if self.cfg.scan_layers:
             x, _ = jax.lax.scan(body, x, stacked, unroll=self.cfg.scan_unroll)
             return x
-        for layer in range(self.cfg.layers):
+        for layer in range(jax.tree.leaves(stacked)[0].shape[0]):
             x, _ = body(x, jax.tree.map(functools.partial(_index, layer), stacked))
         return x
 

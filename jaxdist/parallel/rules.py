@@ -131,7 +131,7 @@ _COMMON_PARAMS: dict[str, RuleValue] = {
 }
 _COMMON_ACTIVATIONS: dict[str, RuleValue] = {
     "batch": ["data", "fsdp"], "length": None, "embed": None, "mlp": None, "heads": None,
-    "head_dim": None, "vocab": None,
+    "head_dim": None, "vocab": None, "stage": "stage",
 }
 _FSDP_PARAMS: dict[str, RuleValue] = {"embed": "fsdp"}
 _TP_PARAMS: dict[str, RuleValue] = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
@@ -175,6 +175,11 @@ def activation_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def active() -> tuple[Mesh, Rules] | None:
+    """The (mesh, rules) of the enclosing `activation_rules`, or None outside one."""
+    return _ACTIVE.get()
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

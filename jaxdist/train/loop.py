@@ -19,6 +19,7 @@ from jaxdist.config import Config
 from jaxdist.data import loader
 from jaxdist.observe.metrics import MetricsWriter
 from jaxdist.parallel import mesh as mesh_lib
+from jaxdist.parallel import pipeline as pipeline_lib
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.train import precision
 from jaxdist.train.evaluate import Evaluator
@@ -37,7 +38,7 @@ def log(message: str) -> None:
 def _mesh_and_rules(cfg: Config, devices: list | None) -> tuple[Mesh, rules_lib.Rules]:
     devices = list(jax.devices() if devices is None else devices)
     shape = config_lib.check_against_devices(cfg, len(devices))
-    return mesh_lib.build_mesh(shape, devices), rules_lib.from_config(cfg.rules)
+    return mesh_lib.build_mesh(shape, devices), pipeline_lib.rules_from_config(cfg.rules, shape)
 
 
 def param_layouts(cfg: Config, devices: list | None = None):

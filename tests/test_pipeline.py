@@ -1,0 +1,216 @@
+"""Pipeline parallelism: a pipelined layer stack computes what the plain stack computes."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_config
+from flax import nnx
+
+from jaxdist import cli, models
+from jaxdist import config as config_lib
+from jaxdist.parallel import mesh as mesh_lib
+from jaxdist.parallel import pipeline
+from jaxdist.parallel import rules as rules_lib
+from jaxdist.train import loop
+from jaxdist.train.state import abstract_model, param_dict
+from jaxdist.train.step import batch_sharding
+
+# 8 layers so that stages x repeats in {2, 4, 8} divide them; small enough to compile in seconds.
+PIPE_GPT = {"d_model": 32, "layers": 8, "heads": 4, "seq_len": 16, "vocab": 256}
+BATCH = 16
+
+
+def _compiled(fn, *args):
+    """`jax.jit(fn)` compiled for `args` at XLA's lowest CPU optimization level.
+
+    Compiling dominates these tests and level 0 about halves it; results are the same math,
+    compared at 1e-5.
+    """
+    return jax.jit(fn).lower(*args).compile(compiler_options={"xla_backend_optimization_level": 0})
+
+
+# -- the schedule on toy layers ---------------------------------------------------------------------
+
+
+def _toy_layers(x, stacked):
+    def layer(h, w):
+        return jnp.tanh(h * w["scale"] + w["shift"]), None
+
+    return jax.lax.scan(layer, x, stacked)[0]
+
+
+@pytest.mark.parametrize(
+    "stages, microbatches, repeats",
+    [(2, 6, 1), (4, 12, 3)],
+    ids=["S2_M6_gpipe", "S4_M12_R3"],
+)
+def test_schedule_applies_every_layer_in_order(devices, stages, microbatches, repeats):
+    layers, width, batch = 24, 8, 24
+    keys = jax.random.split(jax.random.key(0), 3)
+    stacked = {
+        "scale": 1 + 0.3 * jax.random.normal(keys[0], (layers, width)),
+        "shift": 0.3 * jax.random.normal(keys[1], (layers, width)),
+    }
+    x = jax.random.normal(keys[2], (batch, width))
+    mesh = mesh_lib.make_mesh(stage=stages, fsdp=-1)
+    schedule = pipeline.Schedule(stages, microbatches, repeats)
+
+    def pipelined(stacked, x):
+        with rules_lib.activation_rules(mesh, rules_lib.preset("dp")):
+            return pipeline.pipeline(_toy_layers, stacked, x, schedule, mesh, ("batch", None), ("stage",))
+
+    def loss(fn, stacked, x):
+        return jnp.sum(fn(stacked, x) ** 2)
+
+    plain = jax.value_and_grad(lambda s, x: loss(lambda s, x: _toy_layers(x, s), s, x), (0, 1))
+    expected = _compiled(plain, stacked, x)(stacked, x)
+    piped = jax.value_and_grad(lambda s, x: loss(pipelined, s, x), (0, 1))
+    got = _compiled(piped, stacked, x)(stacked, x)
+    jax.tree.map(lambda g, e: np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6), got, expected)
+
+
+def test_output_slots_are_a_permutation():
+    for stages, micro, repeats in [(2, 4, 1), (4, 8, 2), (4, 4, 3), (8, 32, 2)]:
+        rows, cols = pipeline.output_slots(pipeline.Schedule(stages, micro, repeats))
+        slots = rows * (micro // stages) + cols
+        assert sorted(slots.tolist()) == list(range(micro))
+
+
+def test_bubble_is_the_idle_fraction():
+    assert pipeline.Schedule(4, 8).bubble == pytest.approx(3 / 11)
+    assert pipeline.Schedule(4, 8, repeats=2).bubble == pytest.approx(3 / 19)
+    assert pipeline.Schedule(2, 4).iterations == 5
+
+
+# -- the GPT, pipelined over 8 CPU devices, against the plain model --------------------------------
+
+
+def _pipe_config(tmp_path, stages=1, microbatches=1, repeats=1, data=1, tensor=1, remat=False, **sections):
+    """The tiny pipeline GPT on a mesh of `stages` x `data` x `tensor` (fsdp fills the rest)."""
+    defaults = {
+        "model": PIPE_GPT,
+        "mesh": {"stage": stages, "data": data, "tensor": tensor, "fsdp": -1},
+        "pipeline": {"microbatches": microbatches, "repeats": repeats, "remat": remat},
+        "train": {"global_batch": BATCH},
+    }
+    return make_config(tmp_path, **{**defaults, **sections})
+
+
+def _loss_and_grads_fn(cfg):
+    entry = models.get("gpt")
+    graphdef, _, _ = abstract_model(entry.create(cfg), cfg.seed)
+
+    def loss_and_grads(params, batch):
+        return jax.value_and_grad(lambda p: entry.loss(nnx.merge(graphdef, p), batch))(params)
+
+    return loss_and_grads
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Params, a batch, and the unpipelined loss and gradients on one device (compiled once)."""
+    cfg = _pipe_config(tmp_path_factory.mktemp("reference"))
+    params = _compiled(lambda: param_dict(models.get("gpt").create(cfg), cfg.seed))()
+    tokens = np.random.default_rng(0).integers(0, PIPE_GPT["vocab"], (BATCH, PIPE_GPT["seq_len"] + 1))
+    batch = {"inputs": jnp.asarray(tokens[:, :-1], jnp.int32), "targets": jnp.asarray(tokens[:, 1:], jnp.int32)}
+    loss, grads = _compiled(_loss_and_grads_fn(cfg), params, batch)(params, batch)
+    return params, batch, float(loss), jax.device_get(grads)
+
+
+def _max_relative_error(got, expected) -> float:
+    """Largest |got - expected| of a leaf over that leaf's largest |expected|, across leaves."""
+    errors = jax.tree.map(lambda g, e: float(jnp.max(jnp.abs(g - e)) / jnp.max(jnp.abs(e))), got, expected)
+    return max(jax.tree.leaves(errors))
+
+
+@pytest.mark.parametrize(
+    "stages, microbatches, repeats, data, tensor",
+    [(2, 4, 1, 2, 1), (2, 8, 2, 1, 2), (4, 4, 1, 1, 2), (4, 8, 2, 2, 1)],
+    ids=["S2_M4_data2", "S2_M8_R2_tensor2", "S4_M4_tensor2", "S4_M8_R2_data2"],
+)
+def test_pipelined_loss_and_grads_match_unpipelined(tmp_path, devices, reference, stages, microbatches, repeats, data, tensor):
+    params, batch, expected_loss, expected_grads = reference
+    cfg = _pipe_config(tmp_path, stages, microbatches, repeats, data, tensor)
+    shape = config_lib.check_against_devices(cfg, len(devices))
+    mesh = mesh_lib.build_mesh(shape, devices)
+    rules = pipeline.rules_from_config(cfg.rules, shape)
+    _, abstract, names = abstract_model(models.get("gpt").create(cfg), cfg.seed)
+    layouts = rules_lib.param_layouts(abstract, names, rules, mesh)
+    sharded = jax.device_put(params, rules_lib.layout_shardings(layouts, mesh))
+    assert sharded["blocks"]["mlp"]["up"].sharding.spec[0] == "stage"
+    loss_and_grads = _loss_and_grads_fn(cfg)
+
+    def step(p, b):
+        with rules_lib.activation_rules(mesh, rules):
+            return loss_and_grads(p, b)
+
+    batch = jax.device_put(batch, batch_sharding(mesh, rules))
+    loss, grads = _compiled(step, sharded, batch)(sharded, batch)
+    assert abs(float(loss) - expected_loss) <= 1e-5 * abs(expected_loss)
+    assert _max_relative_error(grads, expected_grads) <= 1e-5
+
+
+def test_train_step_on_four_stages_matches_and_keeps_a_quarter_per_device(tmp_path, devices, reference):
+    """The Trainer's step (rules from the config, gradient accumulation, circular schedule with
+    remat) gets the reference gradients into Adam, and each device keeps a quarter of the stack."""
+    params, batch, expected_loss, expected_grads = reference
+    cfg = _pipe_config(
+        tmp_path, stages=4, microbatches=4, repeats=2, data=2, remat=True,
+        train={"global_batch": BATCH, "microbatches": 2}, optim={"name": "adamw", "clip_norm": None, "b1": 0.9},
+    )
+    trainer = loop.build_trainer(cfg)
+    metrics = trainer.step(jax.device_get(batch))
+    assert abs(float(metrics["loss"]) - expected_loss) <= 1e-5 * abs(expected_loss)
+    expected_norm = np.sqrt(sum(np.sum(np.square(g)) for g in jax.tree.leaves(expected_grads)))
+    assert abs(float(metrics["grad_norm"]) - expected_norm) <= 1e-5 * expected_norm
+    adam = [s for s in jax.tree.leaves(trainer.state.opt_state, is_leaf=_has_mu) if _has_mu(s)]
+    assert len(adam) == 1
+    # After one step Adam's first moment is (1 - b1) x the gradient.
+    assert _max_relative_error(jax.tree.map(lambda m: m / 0.1, adam[0].mu), expected_grads) <= 1e-5
+
+    stack = trainer.params["blocks"]
+    stage_of = {device: coords[1] for coords, device in np.ndenumerate(trainer.mesh.devices)}
+    per_device: dict = {}
+    for leaf in jax.tree.leaves((stack, adam[0].mu["blocks"], adam[0].nu["blocks"])):
+        for shard in leaf.addressable_shards:
+            stage = stage_of[shard.device]
+            assert list(range(leaf.shape[0])[shard.index[0]]) == [2 * stage, 2 * stage + 1]
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    stack_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(stack))
+    # Parameters and both Adam moments of the layer stack: each device holds exactly a quarter.
+    assert len(per_device) == 8 and set(per_device.values()) == {3 * stack_bytes // 4}
+
+
+def _has_mu(x) -> bool:
+    return hasattr(x, "mu")
+
+
+# -- bad input ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.layers=6", "pipeline.microbatches=4"],
+         r"model.layers=6 is not divisible by mesh.stage x pipeline.repeats = 4 x 1 = 4"),
+        (["pipeline.microbatches=8", "pipeline.repeats=4"],
+         r"model.layers=8 is not divisible by mesh.stage x pipeline.repeats = 4 x 4 = 16"),
+        (["pipeline.microbatches=2"], r"pipeline.microbatches=2 is less than mesh.stage=4"),
+        (["pipeline.microbatches=6"], r"pipeline.microbatches=6 is not a multiple of mesh.stage=4; use a multiple such as 8"),
+        (["pipeline.microbatches=8", "train.microbatches=2"],
+         r"pipeline.microbatches=8 does not divide the 4 rows each data shard gets"),
+    ],
+    ids=["layers", "layers_repeats", "too_few_microbatches", "not_multiple", "batch"],
+)
+def test_bad_pipeline_config_exits_2_before_compiling(tmp_path, capsys, compiles, overrides, message):
+    cfg = _pipe_config(tmp_path, stages=4, microbatches=4)
+    path = tmp_path / "pipe.yaml"
+    path.write_text(cfg.to_yaml())
+    assert cli.main(["train", str(path), "mesh.fsdp=1", "mesh.data=2", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("jaxdist: error: ")
+    assert re.search(message, err), err
+    assert compiles.count == 0
