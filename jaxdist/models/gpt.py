@@ -158,12 +158,17 @@ class GPT(nnx.Module):
         if cfg.positions == "learned":
             self.positions = _param(rngs, _normal, (cfg.seq_len, cfg.d_model), ("length", "embed"), param_dtype)
 
-        @nnx.split_rngs(splits=cfg.layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def stacked_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, param_dtype, rngs)
+        if cfg.scan_layers:
+            @nnx.split_rngs(splits=cfg.layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def stacked_blocks(rngs: nnx.Rngs) -> Block:
+                return Block(cfg, param_dtype, rngs)
 
-        self.blocks = stacked_blocks(rngs)
+            self.blocks = stacked_blocks(rngs)
+        else:
+            # Separate parameters per layer: each layer's gradient is complete as soon as its
+            # backward is done, so its reduction can overlap the rest of the backward pass.
+            self.blocks = nnx.List([Block(cfg, param_dtype, rngs) for _ in range(cfg.layers)])
         self.final_norm = Norm(cfg, param_dtype, rngs)
         if not cfg.tied_embeddings:
             self.head = _param(rngs, _normal, (cfg.d_model, cfg.vocab), ("embed", "vocab"), param_dtype)
@@ -181,25 +186,24 @@ class GPT(nnx.Module):
         return constrain(logits, ("batch", "length", "vocab"))
 
     def _run_blocks(self, x: jax.Array) -> jax.Array:
+        if not self.cfg.scan_layers:
+            for block in self.blocks:
+                x = self._remat(lambda carry, b=block: b(carry))(x)
+            return x
         graphdef, stacked = nnx.split(self.blocks)
         run = functools.partial(self._run_layers, graphdef)
         return pipeline_lib.run_layers(run, stacked, x, self.pipeline, ("batch", "length", "embed"))
 
     def _run_layers(self, graphdef: nnx.GraphDef, x: jax.Array, stacked: nnx.State) -> jax.Array:
-        """Runs the blocks whose parameters are stacked in `stacked`, in order."""
+        """Scans the blocks whose parameters are stacked in `stacked`, in order."""
 
         def body(carry, layer_state):
             return nnx.merge(graphdef, layer_state)(carry), None
 
-        if self.cfg.remat != "none":
-            body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=not self.cfg.scan_layers)
-        if self.cfg.scan_layers:
-            x, _ = jax.lax.scan(body, x, stacked, unroll=self.cfg.scan_unroll)
-            return x
-        for layer in range(jax.tree.leaves(stacked)[0].shape[0]):
-            x, _ = body(x, jax.tree.map(functools.partial(_index, layer), stacked))
+        x, _ = jax.lax.scan(self._remat(body), x, stacked, unroll=self.cfg.scan_unroll)
         return x
 
-
-def _index(i: int, x: jax.Array) -> jax.Array:
-    return x[i]
+    def _remat(self, fn):
+        if self.cfg.remat == "none":
+            return fn
+        return jax.checkpoint(fn, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=not self.cfg.scan_layers)

@@ -42,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.errors import UserError
 from jaxdist.parallel import rules as rules_lib
-from jaxdist.train.step import split_microbatches
+from jaxdist.train.accumulate import split_microbatches
 
 if TYPE_CHECKING:
     from jaxdist.config import Config, PipelineConfig, RulesConfig
@@ -104,6 +104,11 @@ def check_config(cfg: Config, mesh_shape: dict[str, int]) -> None:
     """The pipeline checks `config.check_against_devices` runs before anything compiles."""
     if mesh_shape["stage"] == 1:
         return
+    if not cfg.model.scan_layers:
+        raise UserError(
+            f"mesh.stage={mesh_shape['stage']} pipelines the stacked layer stack, but model.scan_layers=false "
+            f"gives each layer its own parameters; set model.scan_layers=true"
+        )
     rows = cfg.train.global_batch // (mesh_shape["data"] * mesh_shape["fsdp"]) // cfg.train.microbatches
     Schedule(mesh_shape["stage"], cfg.pipeline.microbatches, cfg.pipeline.repeats).check(cfg.model.layers, rows)
 
