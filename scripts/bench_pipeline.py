@@ -47,7 +47,6 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--microbatches", type=_ints, default=None, help="default: S, 2S, 4S, 8S up to the batch")
     parser.add_argument("--repeats", type=_ints, default=[1, 2], help="1 = GPipe, >1 = circular")
     parser.add_argument("--compute", default="bfloat16")
-    parser.add_argument("--scan-layers", action="store_true", help="scan the layers of a stage (default unrolled)")
     parser.add_argument("--remat", action="store_true",
                         help="pipeline.remat (the ideal then uses model.remat=full): recompute forwards")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per row")
@@ -66,7 +65,7 @@ def _config(args: argparse.Namespace, layers: int, stages: int, microbatches: in
     ideal_remat = "full" if args.remat and stages == 1 else "none"
     return config_lib.from_dict({
         "model": {"vocab": 256, "d_model": args.d_model, "layers": layers, "heads": args.heads,
-                  "seq_len": args.seq, "scan_layers": args.scan_layers, "remat": ideal_remat},
+                  "seq_len": args.seq, "scan_layers": True, "remat": ideal_remat},
         "mesh": {"data": 1, "fsdp": 1, "tensor": 1, "stage": stages},
         "rules": {"preset": "dp"},
         "train": {"global_batch": args.batch, "steps": args.warmup + args.steps},
@@ -101,7 +100,7 @@ def main() -> None:
     microbatches = args.microbatches or [m for m in (stages, 2 * stages, 4 * stages, 8 * stages) if args.batch % m == 0]
     tokens = args.batch * args.seq
     print(f"{stages} x {devices[0].device_kind}; GPT d{args.d_model} L{args.layers} seq {args.seq}, "
-          f"batch {args.batch}, {args.compute}, layers {'scanned' if args.scan_layers else 'unrolled'}", flush=True)
+          f"batch {args.batch}, {args.compute}, layers scanned", flush=True)
 
     ideal = time_step(_config(args, args.layers // stages, 1, 1, 1), devices[:1], args.warmup, args.steps)
     print(f"ideal (one device, {args.layers // stages} layers, whole batch): {ideal * 1e3:.1f} ms", flush=True)
@@ -120,7 +119,7 @@ def main() -> None:
                 "tokens_per_sec": tokens / step, "ideal_ms": ideal * 1e3,
                 "bubble_measured": 1 - ideal / step, "bubble_theory": schedule.bubble,
                 "device": devices[0].device_kind, "d_model": args.d_model, "layers": args.layers,
-                "seq": args.seq, "batch": args.batch, "compute": args.compute, "scan_layers": args.scan_layers,
+                "seq": args.seq, "batch": args.batch, "compute": args.compute,
                 "remat": args.remat,
             }
             print(f"| {row['schedule']} | {stages} | {repeats} | {micro} | {row['microbatch_rows']} | "

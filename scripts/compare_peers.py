@@ -55,6 +55,13 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist fsdp", JAXDIST + fsdp),
             ("jaxdist fsdp +lhs", LHS + JAXDIST + fsdp),
         ],
+        "multi_406m_short": [
+            ("jaxdist 406m 1gpu", JAXDIST + ["configs/gpt_406m.yaml", "mesh.fsdp=1", "--devices", "1"]),
+            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("jaxdist dp", JAXDIST + dp),
+            ("jaxdist dp +lhs", LHS + JAXDIST + dp),
+            ("jaxdist fsdp", JAXDIST + fsdp),
+        ],
         "tensor_1b4": [
             ("jaxdist 1b4 1gpu", JAXDIST + ["configs/gpt_1b4.yaml", "mesh.fsdp=1", "--devices", "1"]),
             ("jaxdist 1b4 tensor=2", JAXDIST + ["configs/gpt_1b4.yaml", "mesh.fsdp=1", "mesh.tensor=2",
