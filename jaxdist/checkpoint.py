@@ -344,8 +344,7 @@ class RunCheckpoints:
         Returns its data position (step 0 without checkpoints)."""
         if not self.directory.is_dir():
             return self.start
-        store = Checkpoints(self.directory, create=False)
-        try:
+        with Checkpoints(self.directory, create=False) as store:
             for step in reversed(store.steps()):
                 try:
                     saved, meta = store.saved_shapes(step), store.meta(step)
@@ -358,8 +357,6 @@ class RunCheckpoints:
                         store.check_fits(step, params, part="params")
                 self._planned = step
                 return _position(step, meta)
-        finally:
-            store.close()
         return self.start
 
     def resume(self, trainer) -> DataPosition:
