@@ -1,4 +1,4 @@
-"""`jaxdist train | rules | bench | data prepare | launch | doctor | scale`: the command line.
+"""`jaxdist train | rules | bench | data prepare | launch | doctor | scale | export`: the command line.
 
 Exit codes: 0 done, 1 crash, 2 user error. Every command that runs JAX first joins the other
 processes of the run (`jaxdist.parallel.distributed.initialize`).
@@ -62,6 +62,10 @@ def _parser() -> argparse.ArgumentParser:
     scale.add_argument("--storage-gbs", type=float, default=2.0, help="checkpoint write GB/s per host")
     data = commands.add_parser("data", help="prepare datasets").add_subparsers(dest="data_command", required=True)
     prepare.add_arguments(data.add_parser("prepare", help="tokenize text, JSONL or Parquet files into ArrayRecord shards"))
+    export = commands.add_parser("export", help="write a run's checkpointed params as one .safetensors or .npz file")
+    export.add_argument("run_dir", help="run directory with checkpoints/")
+    export.add_argument("out", help="output file, ending in .safetensors or .npz")
+    export.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     return parser
 
 
@@ -114,8 +118,15 @@ def _scale(args) -> None:
     print(scaling.report(cfg, args.hosts, args.gpus_per_host, args.batch_per_gpu, hardware))
 
 
+def _export(args) -> None:
+    from jaxdist import checkpoint
+
+    step, count = checkpoint.export_params(args.run_dir, args.out, args.step)
+    print(f"wrote {count} arrays (params at step {step}) to {args.out}")
+
+
 # Commands that never run JAX on this process's devices, so they do not join a process group.
-_OFFLINE = {"launch", "scale", "data"}
+_OFFLINE = {"launch", "scale", "data", "export"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.init_timeout)
         commands = {
             "train": _train, "rules": _rules, "bench": _bench, "launch": _launch, "doctor": _doctor, "scale": _scale,
-            "data": prepare.run,
+            "data": prepare.run, "export": _export,
         }
         return commands[args.command](args) or 0
     except UserError as err:

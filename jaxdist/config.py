@@ -189,6 +189,9 @@ class EvalConfig(Section):
 
 
 class CheckpointConfig(Section):
+    """`every`: save every N steps and at the last step, asynchronously (0: never save; a run_dir's
+    existing checkpoints are still resumed from). `keep`: how many of the newest to keep."""
+
     every: int = Field(0, ge=0)
     keep: int = Field(3, gt=0)
 

@@ -4,11 +4,22 @@ import os
 
 os.environ.setdefault("JAXDIST_CPU_DEVICES", "8")
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 import jaxdist  # noqa: E402,F401  (applies JAXDIST_CPU_DEVICES before any computation)
 from jaxdist import config as config_lib  # noqa: E402
+
+# Tests build the same tiny programs many times (and in subprocesses: pass them
+# jax.config.jax_compilation_cache_dir): compile each once per session, through JAX's persistent cache.
+_JAX_CACHE = tempfile.mkdtemp(prefix="jaxdist-test-jax-cache-")
+atexit.register(shutil.rmtree, _JAX_CACHE, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _JAX_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 # A GPT small enough that a 10-step run compiles and trains in seconds on 2 cores.
 TINY_GPT = {

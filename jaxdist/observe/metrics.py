@@ -35,3 +35,20 @@ def _fmt(value: float) -> str:
     if value == 0 or 1e-3 <= abs(value) < 1e5:
         return f"{value:.4g}" if abs(value) < 100 else f"{value:,.0f}"
     return f"{value:.3e}"
+
+
+def drop_after(run_dir: Path, step: int) -> None:
+    """Removes the `metrics.jsonl` lines of steps after `step` (they are run again after a resume),
+    and any line cut short by a killed process."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record["step"] <= step:
+            kept.append(line + "\n")
+    path.write_text("".join(kept))

@@ -15,9 +15,10 @@ from jax.sharding import Mesh
 
 from jaxdist import config as config_lib
 from jaxdist import models
+from jaxdist.checkpoint import RunCheckpoints
 from jaxdist.config import Config
 from jaxdist.data import loader
-from jaxdist.observe.metrics import MetricsWriter
+from jaxdist.observe.metrics import MetricsWriter, drop_after
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.parallel import pipeline as pipeline_lib
 from jaxdist.parallel import rules as rules_lib
@@ -25,6 +26,7 @@ from jaxdist.train import precision
 from jaxdist.train.evaluate import Evaluator
 from jaxdist.train.generate import sample
 from jaxdist.train.optim import build_optimizer
+from jaxdist.train.preemption import StopSignals
 from jaxdist.train.state import abstract_model
 from jaxdist.train.trainer import Trainer
 
@@ -64,12 +66,17 @@ def build_trainer(cfg: Config, devices: list | None = None) -> Trainer:
 
 
 def train(cfg: Config, devices: list | None = None) -> Trainer:
-    """Runs `cfg.train.steps` steps, writing `config.yaml` and `metrics.jsonl` into `cfg.run_dir`."""
-    # Opening the data and reading a first batch report bad data before anything compiles.
+    """Runs `cfg.train.steps` steps, writing `config.yaml`, `metrics.jsonl` and `checkpoints/` into
+    `cfg.run_dir`; resumes from the newest good checkpoint there. A SIGTERM/SIGINT saves and
+    returns early (no sample)."""
+    # Opening the data and reading a first batch report bad data before anything compiles; so
+    # does a checkpoint of another model in run_dir.
     train_source = loader.open_split(cfg, "train")
     eval_source = loader.open_split(cfg, "eval") if cfg.eval.every else None
     cfg = loader.resolve_steps(cfg, len(train_source))
-    batches = loader.train_iterator(cfg, start_example=0, source=train_source)
+    checkpoints = RunCheckpoints(cfg, log)
+    planned = checkpoints.prepare()
+    batches = loader.train_iterator(cfg, start_example=planned.example, source=train_source)
     first_local = next(batches)
     trainer = build_trainer(cfg, devices)
     run_dir = Path(cfg.run_dir)
@@ -79,6 +86,17 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
     log(f"mesh {mesh_lib.describe(trainer.mesh)} on {len(trainer.mesh.devices.flat)} devices "
         f"({jax.process_count()} process(es)); rules preset {cfg.rules.preset}")
+    start = checkpoints.resume(trainer)
+    if start != planned:  # the planned checkpoint failed to read: an older one was restored
+        batches = loader.train_iterator(cfg, start_example=start.example, source=train_source)
+        first_local = next(batches)
+    if is_writer and start.step:
+        drop_after(run_dir, start.step)
+    if start.step >= cfg.train.steps:
+        log(f"nothing to train: step {start.step} reached train.steps={cfg.train.steps}; raise train.steps "
+            f"to go on, or use another run_dir")
+        checkpoints.close()
+        return trainer
 
     evaluate = None if eval_source is None else Evaluator(
         trainer, models.get(cfg.model.name).loss, lambda: loader.eval_iterator(cfg, eval_source)
@@ -90,23 +108,29 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
     trainer.compile(first)
     log(f"compiled the train step in {trainer.compile_time_s:.1f} s")
 
-    batch, last_time, last_step = first, time.perf_counter(), 0
+    batch, last_time, last_step = first, time.perf_counter(), start.step
     try:
-        for step in range(1, cfg.train.steps + 1):
-            metrics = trainer.step(batch)
-            if step < cfg.train.steps:
-                batch = trainer.global_batch(next(batches))
-            eval_due = evaluate is not None and (step % cfg.eval.every == 0 or step == cfg.train.steps)
-            if step % cfg.log.every == 0 or step == cfg.train.steps or eval_due:
-                values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                step_time = (time.perf_counter() - last_time) / (step - last_step)
-                values.update(step_time_s=step_time, tokens_per_sec=tokens_per_step / step_time)
-                if eval_due:
-                    values["eval_loss"] = evaluate()
-                writer.write(step, values)
-                last_time, last_step = time.perf_counter(), step
+        with StopSignals() as stop, checkpoints.saving_on_error(trainer):
+            for step in range(start.step + 1, cfg.train.steps + 1):
+                metrics = trainer.step(batch)
+                if step < cfg.train.steps:
+                    batch = trainer.global_batch(next(batches))
+                eval_due = evaluate is not None and (step % cfg.eval.every == 0 or step == cfg.train.steps)
+                if step % cfg.log.every == 0 or step == cfg.train.steps or eval_due:
+                    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    step_time = (time.perf_counter() - last_time) / (step - last_step)
+                    values.update(step_time_s=step_time, tokens_per_sec=tokens_per_step / step_time)
+                    if eval_due:
+                        values["eval_loss"] = evaluate()
+                    writer.write(step, values)
+                    last_time, last_step = time.perf_counter(), step
+                checkpoints.after_step(step, trainer.state)
+                if reason := stop.requested(step):
+                    checkpoints.stop(step, trainer.state, reason)
+                    return trainer
     finally:
         writer.close()
+        checkpoints.close()
 
     if cfg.sample.tokens:
         write_sample(cfg, trainer)

@@ -1,0 +1,84 @@
+"""Async checkpoint overhead: step time with a checkpoint after every step vs. without.
+
+    JAXDIST_CPU_DEVICES=8 python scripts/bench_checkpoint.py [configs/tiny.yaml] [key=value ...]
+        [--segments 4] [--steps-per-segment 10]
+
+One trainer trains in alternating segments, without saving and with an async Orbax save after
+every step (as `checkpoint.every=1` does in the loop), so both see the same machine load. Each
+step is timed through the loss being read back (as the loop's `log.every=1` does). Prints the
+median step time of each mode, their ratio, and how long each save blocked the loop. The save
+returns once the arrays are off the devices; the write overlaps the next step, so the ratio stays
+near 1 while a write takes less than a step (a save first waits for the previous write).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+
+from jaxdist import checkpoint
+from jaxdist import config as config_lib
+from jaxdist.data import loader
+from jaxdist.train import loop
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?", default="configs/tiny.yaml")
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--segments", type=int, default=4, help="segments of each mode, alternating")
+    parser.add_argument("--steps-per-segment", type=int, default=10)
+    parser.add_argument("--skip", type=int, default=2, help="first steps of a segment left out")
+    args = parser.parse_args()
+
+    cfg = config_lib.load(args.config, args.overrides)
+    trainer = loop.build_trainer(cfg)
+    batches = loader.train_iterator(cfg)
+    batch = trainer.global_batch(next(batches))
+    trainer.compile(batch)
+
+    times: dict[str, list[float]] = {"none": [], "every_step": []}
+    blocked: list[float] = []
+    step = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        store = checkpoint.Checkpoints(Path(tmp) / "checkpoints", keep=2)
+        for segment in range(args.segments * 2 + 1):  # a first, untimed segment warms both paths up
+            mode = "every_step" if segment % 2 else "none"
+            for index in range(args.steps_per_segment):
+                start = time.perf_counter()
+                metrics = trainer.step(batch)
+                batch = trainer.global_batch(next(batches))
+                float(metrics["loss"])
+                step += 1
+                if mode == "every_step" or segment == 0:
+                    save_start = time.perf_counter()
+                    position = checkpoint.DataPosition(step, step * cfg.train.global_batch)
+                    store.save(step, trainer.state, checkpoint.run_meta(cfg, trainer.mesh, position))
+                    blocked.append(time.perf_counter() - save_start)
+                if segment and index >= args.skip:
+                    times[mode].append(time.perf_counter() - start)
+        store.close()
+        size = sum(f.stat().st_size for f in store.path(store.last_saved).rglob("*") if f.is_file())
+
+    plain, saving = statistics.median(times["none"]), statistics.median(times["every_step"])
+    blocked_s = statistics.median(blocked[args.steps_per_segment:])
+    print(json.dumps({
+        "device": jax.devices()[0].device_kind, "devices": jax.device_count(), "config": args.config,
+        "overrides": args.overrides, "timed_steps_per_mode": len(times["none"]),
+        "checkpoint_mb": round(size / 2**20, 2), "median_step_s_no_save": round(plain, 5),
+        "median_step_s_save_every_step": round(saving, 5), "median_blocked_in_save_s": round(blocked_s, 5),
+    }), file=sys.stderr)
+    print(f"step time with a checkpoint every step / without: {saving / plain:.3f} "
+          f"({saving * 1e3:.1f} ms vs {plain * 1e3:.1f} ms; {size / 2**20:.1f} MB per checkpoint, "
+          f"the loop blocked {blocked_s * 1e3:.1f} ms per save)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""Checkpoint integrity, model mismatches, export, stop signals: no training needed."""
+
+import json
+import os
+import signal
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import yaml
+from conftest import TINY_GPT, make_config
+from jax.sharding import NamedSharding, PartitionSpec
+from safetensors.numpy import load_file
+
+from jaxdist import cli
+from jaxdist.checkpoint import (
+    CheckpointMismatch,
+    Checkpoints,
+    DataPosition,
+    RunCheckpoints,
+    abstract_state,
+    run_meta,
+)
+from jaxdist.observe.metrics import drop_after
+from jaxdist.parallel.mesh import make_mesh
+from jaxdist.train import loop
+from jaxdist.train.preemption import StopSignals
+
+
+def sharded_tree(mesh, scale: float):
+    """A small train-state-like pytree, split over all 8 devices."""
+    split = NamedSharding(mesh, PartitionSpec("fsdp"))
+    return {
+        "step": jax.device_put(jnp.array(int(scale), jnp.int32), NamedSharding(mesh, PartitionSpec())),
+        "params": {"w": jax.device_put(jnp.arange(32.0).reshape(8, 4) * scale, split),
+                   "b": jax.device_put(jnp.ones(8) * scale, split)},
+    }
+
+
+@pytest.fixture
+def mesh(devices):
+    return make_mesh(data=1, fsdp=8, tensor=1)
+
+
+def test_unreadable_latest_falls_back_with_a_warning(tmp_path, mesh, capsys):
+    store = Checkpoints(tmp_path, keep=5)
+    for step in (1, 2):
+        store.save(step, sharded_tree(mesh, step), {"step": step})
+    store.close()
+    for chunk in (tmp_path / "2" / "state" / "d").iterdir():  # the array data of step 2 is lost
+        chunk.unlink()
+
+    store = Checkpoints(tmp_path, keep=5)
+    restored = store.restore_latest(abstract_state(sharded_tree(mesh, 0)))
+    assert restored.step == 1 and restored.meta == {"step": 1}
+    np.testing.assert_array_equal(np.asarray(restored.state["params"]["w"]), np.arange(32.0).reshape(8, 4))
+    assert restored.state["params"]["w"].sharding.spec == PartitionSpec("fsdp")
+    err = capsys.readouterr().err
+    assert f"checkpoint {tmp_path / '2'} is unreadable" in err and "falling back to the one before" in err
+    assert store.steps() == [1] and (tmp_path / "unreadable-2").is_dir()
+    store.save(2, sharded_tree(mesh, 7), {"step": 2})  # the step can be written again
+    store.close()
+    with Checkpoints(tmp_path) as store:
+        assert store.restore(2, abstract_state(sharded_tree(mesh, 0))).meta == {"step": 2}
+
+
+def test_partial_write_is_never_listed(tmp_path, mesh):
+    store = Checkpoints(tmp_path)
+    store.save(1, sharded_tree(mesh, 1), {"step": 1})
+    store.close()
+    # What a write killed mid-way leaves: Orbax's temporary directory, here holding step 1's files.
+    partial = tmp_path / "2.orbax-checkpoint-tmp-1764100000"
+    (tmp_path / "1").rename(partial)
+    with Checkpoints(tmp_path, create=False) as store:
+        assert store.steps() == []
+    assert partial.exists()  # only looked at
+    store = Checkpoints(tmp_path)
+    assert store.steps() == []
+    store.save(3, sharded_tree(mesh, 3), {"step": 3})
+    store.close()
+    assert not partial.exists()  # opened for writing: removed before the first save
+    with Checkpoints(tmp_path, create=False) as store:
+        assert store.steps() == [3]
+
+
+def test_other_structure_is_a_mismatch_not_damage(tmp_path, mesh):
+    store = Checkpoints(tmp_path)
+    store.save(1, sharded_tree(mesh, 1), {"step": 1})
+    store.wait()
+    target = sharded_tree(mesh, 0)
+    target["params"]["w2"] = target["params"]["w"]
+    with pytest.raises(CheckpointMismatch, match=r"params\.w2 \(8, 4\) is in this model but not in the checkpoint"):
+        store.restore_latest(abstract_state(target))
+    assert store.steps() == [1]  # not set aside: the checkpoint is fine, the model is not
+    store.close()
+
+
+def test_restore_casts_to_the_target_dtype(tmp_path, mesh):
+    store = Checkpoints(tmp_path)
+    store.save(1, sharded_tree(mesh, 1.5), {"step": 1})
+    store.wait()
+    target = abstract_state(sharded_tree(mesh, 0))
+    target["params"]["w"] = jax.ShapeDtypeStruct((8, 4), jnp.bfloat16, sharding=target["params"]["w"].sharding)
+    w = store.restore(1, target).state["params"]["w"]
+    store.close()
+    assert w.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(w, np.float32), np.asarray(jnp.arange(32.0).reshape(8, 4) * 1.5, jnp.bfloat16))
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path):
+    """A run_dir whose checkpoints hold the tiny GPT's initial state, as steps 3 and 5."""
+    run_dir = tmp_path / "run"
+    cfg = make_config(run_dir, mesh={"data": 2, "fsdp": 2, "tensor": 2})
+    trainer = loop.build_trainer(cfg)
+    store = Checkpoints(run_dir / "checkpoints")
+    for step in (3, 5):
+        store.save(step, trainer.state, run_meta(cfg, trainer.mesh, DataPosition(step, step * 16)))
+    store.close()
+    raw = {**TINY_GPT, "run_dir": str(run_dir), "mesh": {"data": 2, "fsdp": 2, "tensor": 2}}
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(raw))
+    return run_dir, {k: np.asarray(v) for k, v in _flat(trainer.params).items()}
+
+
+def _flat(tree) -> dict:
+    return {".".join(str(k.key) for k in path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def test_other_model_is_one_line_exit_2_before_compiling(tiny_checkpoint, tmp_path, capsys, compiles):
+    code = cli.main(["train", str(tmp_path / "tiny.yaml"), "model.d_model=32"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "params.blocks.attn.out has shape (2, 4, 16, 64) in the checkpoint but (2, 4, 8, 32) in this model" in err
+    assert "model.d_model=64->32" in err
+    assert compiles.count == 0
+
+
+def test_prepare_skips_unreadable_metadata(tiny_checkpoint, capsys):
+    run_dir, _ = tiny_checkpoint
+    (run_dir / "checkpoints" / "5" / "meta" / "metadata").write_text("{not json")
+    cfg = make_config(run_dir, mesh={"data": 2, "fsdp": 2, "tensor": 2})
+    assert RunCheckpoints(cfg, print).prepare() == DataPosition(step=3, example=48)
+    assert "checkpoint" in capsys.readouterr().err and (run_dir / "checkpoints" / "unreadable-5").is_dir()
+
+
+@pytest.mark.parametrize("suffix", ["safetensors", "npz"])
+def test_export_writes_the_params(tiny_checkpoint, tmp_path, capsys, suffix):
+    run_dir, params = tiny_checkpoint
+    out = tmp_path / f"model.{suffix}"
+    assert cli.main(["export", str(run_dir), str(out), "--step", "3"]) == 0
+    assert f"params at step 3) to {out}" in capsys.readouterr().out
+    exported = load_file(out) if suffix == "safetensors" else dict(np.load(out))
+    assert sorted(exported) == sorted(params) and len(params) > 10
+    for name, value in params.items():
+        np.testing.assert_array_equal(exported[name], value)
+
+
+def test_export_without_checkpoints_is_a_user_error(tmp_path, capsys):
+    assert cli.main(["export", str(tmp_path), str(tmp_path / "x.safetensors")]) == 2
+    assert "holds no checkpoints" in capsys.readouterr().err
+
+
+def test_stop_signals_records_the_first_and_restores_handlers():
+    assert threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGINT)
+    with StopSignals() as stop:
+        assert stop.requested(1) is None
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested(1) == "SIGINT"
+        assert signal.getsignal(signal.SIGINT) is before  # a second Ctrl-C acts as usual
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_metrics_after_the_resume_step_are_dropped(tmp_path):
+    lines = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (1, 2, 3, 4)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 5, "lo')  # cut by a kill
+    drop_after(tmp_path, 2)
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
