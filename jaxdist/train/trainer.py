@@ -46,6 +46,9 @@ class Trainer:
         self.state, self.state_shardings, self.graphdef, self.layouts = init_state(
             create_model, optimizer, mesh, rules, seed, loss_scale
         )
+        # The first step donates these buffers; let their init finish first (an in-flight
+        # donated init aborted the XLA CPU runtime under load).
+        self.state = jax.block_until_ready(self.state)
         self.batch_sharding = batch_sharding(mesh, rules)
         self._step = make_train_step(
             self.graphdef, loss_fn, optimizer, schedule, mesh, rules, self.state_shardings, microbatches,
