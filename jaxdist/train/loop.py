@@ -116,7 +116,8 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
                 if step < cfg.train.steps:
                     batch = trainer.global_batch(next(batches))
                 eval_due = evaluate is not None and (step % cfg.eval.every == 0 or step == cfg.train.steps)
-                if step % cfg.log.every == 0 or step == cfg.train.steps or eval_due:
+                first_of_run = step == start.step + 1  # shows where the loss starts
+                if first_of_run or step % cfg.log.every == 0 or step == cfg.train.steps or eval_due:
                     values = {k: float(v) for k, v in jax.device_get(metrics).items()}
                     step_time = (time.perf_counter() - last_time) / (step - last_step)
                     values.update(step_time_s=step_time, tokens_per_sec=tokens_per_step / step_time)
