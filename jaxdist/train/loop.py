@@ -56,12 +56,12 @@ def build_trainer(cfg: Config, devices: list | None = None) -> Trainer:
     precision.check_backend(cfg.precision, mesh.devices.flat[0].platform)
     entry = models.get(cfg.model.name)
     create_model = entry.create(cfg)
-    _, _, names = abstract_model(create_model, cfg.seed)
-    tx, schedule = build_optimizer(cfg.optim, cfg.train, names)
+    abstract = abstract_model(create_model, cfg.seed)
+    tx, schedule = build_optimizer(cfg.optim, cfg.train, abstract[2])
     return Trainer(
         create_model, entry.loss, tx, mesh, rules,
         seed=cfg.seed, microbatches=cfg.train.microbatches, grad_reduction=cfg.train.grad_reduction,
-        schedule=schedule, loss_scale=precision.initial_loss_scale(cfg.precision),
+        schedule=schedule, loss_scale=precision.initial_loss_scale(cfg.precision), abstract=abstract,
     )
 
 

@@ -93,9 +93,13 @@ def init_state(
     rules: rules_lib.Rules,
     seed: int,
     loss_scale: LossScale | None = None,
+    abstract: tuple[nnx.GraphDef, Any, Any] | None = None,
 ) -> tuple[TrainState, TrainState, nnx.GraphDef, Any]:
-    """Creates the sharded train state; returns (state, state shardings, graphdef, layouts)."""
-    graphdef, abstract_params, names = abstract_model(create_model, seed)
+    """Creates the sharded train state; returns (state, state shardings, graphdef, layouts).
+
+    `abstract` is `abstract_model(create_model, seed)` where the caller already has it.
+    """
+    graphdef, abstract_params, names = abstract or abstract_model(create_model, seed)
     layouts = rules_lib.param_layouts(abstract_params, names, rules, mesh)
     param_shardings = rules_lib.layout_shardings(layouts, mesh)
     shardings = TrainState(

@@ -40,11 +40,13 @@ class Trainer:
         grad_reduction: str = "per_step",
         schedule: optax.Schedule | None = None,
         loss_scale: LossScale | None = None,
+        abstract: tuple | None = None,
     ):
+        """`abstract`: `state.abstract_model(create_model, seed)`, if already computed (saves a trace)."""
         self.mesh = mesh
         self.rules = rules
         self.state, self.state_shardings, self.graphdef, self.layouts = init_state(
-            create_model, optimizer, mesh, rules, seed, loss_scale
+            create_model, optimizer, mesh, rules, seed, loss_scale, abstract
         )
         # The first step donates these buffers; let their init finish first (an in-flight
         # donated init aborted the XLA CPU runtime under load).
