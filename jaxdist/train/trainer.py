@@ -58,6 +58,10 @@ class Trainer:
         )
         self._compiled = None
         self.compile_time_s: float | None = None
+        # XLA's in-process CPU collectives can deadlock when two steps overlap on simulated
+        # devices (a rendezvous waits 40 s for a device thread busy in the next step, then aborts;
+        # seen under load). On CPU there is little to overlap anyway, so each step finishes first.
+        self._finish_each_step = mesh.devices.flat[0].platform == "cpu" and mesh.devices.size > 1
 
     def global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows -> the global batch, sharded over the mesh."""
@@ -76,6 +80,8 @@ class Trainer:
         if self._compiled is None:
             self.compile(batch)
         self.state, metrics = self._compiled(self.state, batch)
+        if self._finish_each_step:
+            jax.block_until_ready(metrics)
         return metrics
 
     @property
