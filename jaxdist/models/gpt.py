@@ -11,6 +11,7 @@ compile; `scan_unroll` unrolls part of it) or unrolled (often faster on GPU), wi
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 
 import jax
@@ -18,10 +19,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdist.config import ModelConfig, PipelineConfig
+from jaxdist.models import norm as norm_lib
 from jaxdist.parallel import pipeline as pipeline_lib
 from jaxdist.parallel.rules import constrain
 
 Names = tuple[str | None, ...]
+
+# The residual stream between blocks (and through the norms) names its length axis `seq`, apart
+# from `length` inside attention and the MLP: rules may split `seq` over `tensor` (sequence
+# parallelism), so that norms and residual adds are not repeated on every tensor-parallel device.
+RESIDUAL: Names = ("batch", "seq", "embed")
 
 _normal = nnx.initializers.normal(0.02)
 
@@ -44,6 +51,10 @@ class Norm(nnx.Module):
             self.bias = _param(rngs, nnx.initializers.zeros_init(), (cfg.d_model,), ("embed",), param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if not os.environ.get("JAXDIST_NORM_AUTODIFF"):
+            if self.kind == "layernorm":
+                return norm_lib.layer_norm(x, self.scale[...], self.bias[...])
+            return norm_lib.rms_norm(x, self.scale[...])
         x32 = x.astype(jnp.float32)
         if self.kind == "layernorm":
             x32 = x32 - x32.mean(-1, keepdims=True)
@@ -87,7 +98,7 @@ class Attention(nnx.Module):
         y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=_attention_impl(self.cfg, x.dtype))
         y = constrain(y, ("batch", "length", "heads", "head_dim"))
         out = jnp.einsum("bthk,hkd->btd", y, _cast(self.out[...], x.dtype))
-        return constrain(out, ("batch", "length", "embed"))
+        return constrain(out, RESIDUAL)
 
 
 def _attention_impl(cfg: ModelConfig, dtype) -> str | None:
@@ -113,7 +124,7 @@ class Mlp(nnx.Module):
             h = jax.nn.silu(gate) * h
         else:
             h = jax.nn.gelu(h, approximate=True)
-        return constrain(h @ _cast(self.down[...], x.dtype), ("batch", "length", "embed"))
+        return constrain(h @ _cast(self.down[...], x.dtype), RESIDUAL)
 
 
 class Block(nnx.Module):
@@ -177,7 +188,7 @@ class GPT(nnx.Module):
         x = jnp.take(self.embed[...], tokens, axis=0)
         if self.cfg.positions == "learned":
             x = x + self.positions[: tokens.shape[1]]
-        x = constrain(_cast(x, self.compute_dtype), ("batch", "length", "embed"))
+        x = constrain(_cast(x, self.compute_dtype), RESIDUAL)
         x = self._run_blocks(x)
         x = self.final_norm(x)
         head = self.embed[...].T if self.cfg.tied_embeddings else self.head[...]
@@ -192,7 +203,7 @@ class GPT(nnx.Module):
             return x
         graphdef, stacked = nnx.split(self.blocks)
         run = functools.partial(self._run_layers, graphdef)
-        return pipeline_lib.run_layers(run, stacked, x, self.pipeline, ("batch", "length", "embed"))
+        return pipeline_lib.run_layers(run, stacked, x, self.pipeline, RESIDUAL)
 
     def _run_layers(self, graphdef: nnx.GraphDef, x: jax.Array, stacked: nnx.State) -> jax.Array:
         """Scans the blocks whose parameters are stacked in `stacked`, in order."""
