@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from jaxdist.config import Config
+from jaxdist.observe import hlo
 from jaxdist.parallel import mesh as mesh_lib
 
 PEAK_FLOPS_BF16 = 989e12  # H100/H200 dense bf16 datasheet, as the peers use
@@ -71,7 +72,7 @@ def run(cfg: Config, steps: int = 20, warmup: int = 5, devices: list | None = No
         jax.block_until_ready(metrics)
         times.append((time.perf_counter() - t0) / window)
     if profile_dir:
-        with jax.profiler.trace(profile_dir):
+        with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
             for _ in range(3):
                 jax.block_until_ready(trainer.step(batch))
     step_s = statistics.median(times)
@@ -100,6 +101,10 @@ def run(cfg: Config, steps: int = 20, warmup: int = 5, devices: list | None = No
         "mfu": round(flops_per_token(cfg) * per_device / PEAK_FLOPS_BF16, 4),
         "peak_mem_gib": round(peak / 2**30, 2) if peak is not None else None,
         "compile_s": round(trainer.compile_time_s, 1),
+        "collective_mb": {
+            opcode: {dtype: round(size / 2**20, 1) for dtype, size in by_dtype.items()}
+            for opcode, by_dtype in hlo.bytes_per_call(trainer.compiled_text()).items()
+        },
         "setup_s": round(setup_s, 1),
         "loss": float(metrics["loss"]),
     }

@@ -10,6 +10,7 @@ counts 4 times. Tests use it to prove that gradients are reduced once per step.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections import defaultdict
 
@@ -19,6 +20,9 @@ _COLLECTIVES = (*REDUCTIONS, "all-gather", "all-gather-start", "all-to-all", "co
 _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
 _ARRAY_SHAPE = re.compile(r"\b[a-z]+\d*\[([\d,]*)\]")
+_TYPED_SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+                "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
 _CALLED = re.compile(r"\b(?:calls|to_apply|branch_computations|called_computations)=(\{[^}]*\}|%?[\w.\-]+)")
 _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 _CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
@@ -35,6 +39,7 @@ class Collective:
     computation: str
     operand_shapes: tuple[tuple[int, ...], ...]
     executions: int  # per call of the program: the product of the trip counts of enclosing loops
+    operand_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # per execution, by dtype
 
     @property
     def in_loop(self) -> bool:
@@ -47,6 +52,14 @@ class _Computation:
     shapes: dict[str, str] = dataclasses.field(default_factory=dict)
     lines: list[tuple[str, str, str, str]] = dataclasses.field(default_factory=list)
     calls: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (callee, times per call)
+
+
+def _bytes_by_dtype(shape_text: str) -> dict[str, int]:
+    totals: dict[str, int] = defaultdict(int)
+    for dtype, dims in _TYPED_SHAPE.findall(shape_text):
+        if dtype in _DTYPE_BYTES:
+            totals[dtype] += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    return dict(totals)
 
 
 def _dims(shape_text: str) -> tuple[tuple[int, ...], ...]:
@@ -111,8 +124,23 @@ def collectives(hlo_text: str, opcodes: tuple[str, ...] = _COLLECTIVES) -> list[
             if opcode not in opcodes:
                 continue
             args = rest.split(")", 1)[0]
-            operand_shapes = tuple(
-                dims for operand in _OPERAND.findall(args) for dims in _dims(comp.shapes.get(operand, ""))
-            )
-            found.append(Collective(opcode, comp_name, operand_shapes, counts[comp_name]))
+            operands = [comp.shapes.get(operand, "") for operand in _OPERAND.findall(args)]
+            operand_shapes = tuple(dims for shape in operands for dims in _dims(shape))
+            operand_bytes: dict[str, int] = defaultdict(int)
+            for shape in operands:
+                for dtype, size in _bytes_by_dtype(shape).items():
+                    operand_bytes[dtype] += size
+            found.append(Collective(opcode, comp_name, operand_shapes, counts[comp_name], dict(operand_bytes)))
     return found
+
+
+def bytes_per_call(hlo_text: str) -> dict[str, dict[str, int]]:
+    """Operand bytes each kind of collective moves per call, by dtype: {"all-reduce": {"f32": n}}.
+
+    Async pairs count once (their `-start`), under the plain opcode name.
+    """
+    totals: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for op in collectives(hlo_text):
+        for dtype, size in op.operand_bytes.items():
+            totals[op.opcode.removesuffix("-start")][dtype] += size * op.executions
+    return {opcode: dict(by_dtype) for opcode, by_dtype in totals.items()}

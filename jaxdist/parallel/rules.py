@@ -130,7 +130,7 @@ _COMMON_PARAMS: dict[str, RuleValue] = {
     "head_dim": None, "length": None, "qkv": None,
 }
 _COMMON_ACTIVATIONS: dict[str, RuleValue] = {
-    "batch": ["data", "fsdp"], "length": None, "embed": None, "mlp": None, "heads": None,
+    "batch": ["data", "fsdp"], "seq": None, "length": None, "embed": None, "mlp": None, "heads": None,
     "head_dim": None, "vocab": None, "stage": "stage",
 }
 _FSDP_PARAMS: dict[str, RuleValue] = {"embed": "fsdp"}

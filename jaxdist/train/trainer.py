@@ -38,6 +38,7 @@ class Trainer:
         seed: int = 0,
         microbatches: int = 1,
         grad_reduction: str = "per_step",
+        grad_reduce_dtype: str = "auto",
         schedule: optax.Schedule | None = None,
         loss_scale: LossScale | None = None,
         abstract: tuple | None = None,
@@ -54,7 +55,7 @@ class Trainer:
         self.batch_sharding = batch_sharding(mesh, rules)
         self._step = make_train_step(
             self.graphdef, loss_fn, optimizer, schedule, mesh, rules, self.state_shardings, microbatches,
-            grad_reduction,
+            grad_reduction, grad_reduce_dtype,
         )
         self._compiled = None
         self.compile_time_s: float | None = None
@@ -83,6 +84,12 @@ class Trainer:
         if self._finish_each_step:
             jax.block_until_ready(metrics)
         return metrics
+
+    def compiled_text(self) -> str:
+        """The compiled step's HLO after SPMD partitioning (call `compile` or `step` first)."""
+        if self._compiled is None:
+            raise RuntimeError("the step is not compiled yet: call compile(batch) first")
+        return self._compiled.as_text()
 
     @property
     def params(self) -> Any:
