@@ -19,6 +19,11 @@ import time
 JAXDIST = [sys.executable, "-m", "jaxdist.cli", "bench"]
 # XLA's latency-hiding scheduler: overlaps collectives with compute.
 LHS = ["env", "XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true"]
+# ... and all-reduces combined only up to 64 MiB, so the first layers' reductions can start early.
+OVERLAP = ["env", "XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true "
+           "--xla_gpu_all_reduce_combine_threshold_bytes=67108864"]
+OVERLAP_8MB = ["env", "XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true "
+               "--xla_gpu_all_reduce_combine_threshold_bytes=8388608"]
 
 
 def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
@@ -42,6 +47,16 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("bf16 logits", JAXDIST + ["configs/gpt_406m.yaml", "model.logits_dtype=compute"]),
             ("no triton gemm", ["env", "XLA_FLAGS=--xla_gpu_enable_triton_gemm=false"] + JAXDIST + ["configs/gpt_406m.yaml"]),
         ],
+        "ablate3_406m": [
+            ("torch 406m b16", torch_gpt + ["--batch", "16"]),
+            ("jaxdist 406m +profile", JAXDIST + ["configs/gpt_406m.yaml", "--profile", "/tmp/jaxdist_profile"]),
+            ("autodiff norms", ["env", "JAXDIST_NORM_AUTODIFF=1"] + JAXDIST + ["configs/gpt_406m.yaml"]),
+            ("loss_chunk=256", JAXDIST + ["configs/gpt_406m.yaml", "model.loss_chunk=256"]),
+            ("cublaslt", ["env", "XLA_FLAGS=--xla_gpu_enable_cublaslt=true"] + JAXDIST + ["configs/gpt_406m.yaml"]),
+            ("torch 1b4 b8", torch_gpt + ["--d", "2048", "--batch", "8"]),
+            ("jaxdist 1b4 b8", JAXDIST + ["configs/gpt_1b4.yaml"]),
+            ("jaxdist 1b4 loss_chunk=256", JAXDIST + ["configs/gpt_1b4.yaml", "model.loss_chunk=256"]),
+        ],
         "1gpu_1b4": [
             ("torch 1b4 b8", torch_gpt + ["--d", "2048", "--batch", "8"]),
             ("jaxdist 1b4 b8 unrolled", JAXDIST + ["configs/gpt_1b4.yaml"]),
@@ -61,6 +76,28 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist dp", JAXDIST + dp),
             ("jaxdist dp +lhs", LHS + JAXDIST + dp),
             ("jaxdist fsdp", JAXDIST + fsdp),
+        ],
+        "dp_406m": [
+            ("jaxdist 406m 1gpu", JAXDIST + ["configs/gpt_406m.yaml", "mesh.fsdp=1", "--devices", "1"]),
+            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("jaxdist dp", JAXDIST + dp),
+            ("jaxdist dp bf16 reduce", JAXDIST + dp + ["precision.grad_reduce=bfloat16"]),
+            ("jaxdist dp +overlap", OVERLAP + JAXDIST + dp),
+            ("jaxdist dp bf16 +overlap", OVERLAP + JAXDIST + dp + ["precision.grad_reduce=bfloat16"]),
+            ("jaxdist fsdp bf16 reduce", JAXDIST + fsdp + ["precision.grad_reduce=bfloat16"]),
+        ],
+        "dp_flags_406m": [
+            ("jaxdist dp +profile", JAXDIST + dp + ["--profile", "/tmp/jaxdist_profile_dp"]),
+            ("jaxdist dp +overlap 8MB", OVERLAP_8MB + JAXDIST + dp),
+        ],
+        "tensor_sp_1b4": [
+            ("jaxdist 1b4 1gpu", JAXDIST + ["configs/gpt_1b4.yaml", "mesh.fsdp=1", "--devices", "1"]),
+            *[
+                (f"jaxdist 1b4 tensor={t}{' sp' if sp else ''}", JAXDIST + [
+                    "configs/gpt_1b4.yaml", "mesh.fsdp=1", f"mesh.tensor={t}", "rules.preset=tp",
+                    "--devices", str(t), *(["rules.activations.seq=tensor"] if sp else [])])
+                for t in (2, 4) for sp in (False, True)
+            ],
         ],
         "tensor_1b4": [
             ("jaxdist 1b4 1gpu", JAXDIST + ["configs/gpt_1b4.yaml", "mesh.fsdp=1", "--devices", "1"]),

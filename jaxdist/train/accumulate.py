@@ -16,6 +16,13 @@ per_microbatch: the plain GSPMD gradient inside every scan step, reduced (and, u
 reduce-scattered to shards) k times per step; lighter on memory, heavier on the network.
 
 With one microbatch both are the plain gradient: XLA reduces each gradient once, where it likes.
+
+`reduce_dtype` (precision.grad_reduce) float32 or bfloat16 takes the per_step path at any
+microbatch count and casts the unreduced gradients to that dtype just before the sum over the
+shard axis, which fixes the dtype of the all-reduce (or reduce-scatter); the sum is cast back to
+float32. With "auto" XLA reduces each gradient in the dtype its last op produced: under bfloat16
+compute on GPU the matmul weights' gradients cross devices in bfloat16 (measured: 674 MiB bf16 +
+201 MiB f32 per step for GPT 406M under data parallelism), unlike torch DDP's float32.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -102,9 +110,18 @@ def _unreduced_sharding(sharding: NamedSharding, axes: tuple[str, ...]) -> Named
     return NamedSharding(sharding.mesh, spec)
 
 
+def _sum_over_shards(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Sum over the leading (device-sharded) axis, carried out in `dtype`, returned in float32.
+
+    `lax.reduce` rather than `jnp.sum`, which would upcast bfloat16 back to float32 for the sum.
+    """
+    zero = np.array(0, dtype)  # a constant, not a tracer: lax.reduce then emits a plain reduce_sum
+    return jax.lax.reduce(x.astype(dtype), zero, jax.lax.add, (0,)).astype(jnp.float32)
+
+
 def _reduce_per_step(
     grad_fn: GradFn, params: Any, batch: Batch, microbatches: int,
-    mesh: Mesh, rules: rules_lib.Rules, param_shardings: Any,
+    mesh: Mesh, rules: rules_lib.Rules, param_shardings: Any, reduce_dtype: jnp.dtype,
 ):
     """Sum over microbatches of (loss, aux, float32 grads), reduced across devices once, after the scan."""
     axes = batch_axes(rules)
@@ -137,7 +154,8 @@ def _reduce_per_step(
 
     zeros = jax.lax.with_sharding_constraint(_zeros_like_shapes((metrics_shapes, grads_shapes)), carry_shardings)
     ((loss, aux), grads), _ = jax.lax.scan(accumulate, zeros, micro)
-    loss, aux, grads = jax.tree.map(lambda t: t.sum(0), (loss, aux, grads))
+    loss, aux = jax.tree.map(lambda t: t.sum(0), (loss, aux))
+    grads = jax.tree.map(lambda g: _sum_over_shards(g, reduce_dtype), grads)
     return loss, aux, jax.lax.with_sharding_constraint(grads, param_shardings)
 
 
@@ -149,6 +167,7 @@ def loss_and_grads(
     *,
     microbatches: int,
     reduction: str,
+    reduce_dtype: str = "auto",
     mesh: Mesh,
     rules: rules_lib.Rules,
     param_shardings: Any,
@@ -158,14 +177,19 @@ def loss_and_grads(
 
     Must be traced under `rules_lib.activation_rules(mesh, rules)`. With `loss_scale`, the loss
     is multiplied by it before differentiation and the float32 gradients divided by it after.
+    `reduce_dtype`: the dtype gradients cross devices in (see the module docstring).
     """
     if reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"reduction={reduction!r}: use one of {GRAD_REDUCTIONS}")
     grad_fn = scaled_grad_fn(graphdef, loss_fn, loss_scale)
     axes = batch_axes(rules)
     shards = math.prod(mesh.shape[axis] for axis in axes)
-    if reduction == "per_step" and microbatches > 1 and shards > 1:
-        loss, aux, grads = _reduce_per_step(grad_fn, params, batch, microbatches, mesh, rules, param_shardings)
+    explicit = microbatches > 1 or reduce_dtype != "auto"
+    if reduction == "per_step" and explicit and shards > 1:
+        wire_dtype = jnp.dtype("float32" if reduce_dtype == "auto" else reduce_dtype)
+        loss, aux, grads = _reduce_per_step(
+            grad_fn, params, batch, microbatches, mesh, rules, param_shardings, wire_dtype
+        )
         count = shards * microbatches
     else:
         loss, aux, grads = _reduce_per_microbatch(grad_fn, params, batch, microbatches)

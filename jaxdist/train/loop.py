@@ -61,6 +61,7 @@ def build_trainer(cfg: Config, devices: list | None = None) -> Trainer:
     return Trainer(
         create_model, entry.loss, tx, mesh, rules,
         seed=cfg.seed, microbatches=cfg.train.microbatches, grad_reduction=cfg.train.grad_reduction,
+        grad_reduce_dtype=cfg.precision.grad_reduce,
         schedule=schedule, loss_scale=precision.initial_loss_scale(cfg.precision), abstract=abstract,
     )
 

@@ -1,8 +1,8 @@
 """Mixed precision: the dtype policy and dynamic loss scaling for float16.
 
 Parameters (and optimizer state) live in `param_dtype`, float32 master weights by default; the
-model casts them to `compute_dtype` for matmuls; losses, logits, gradient accumulation and the
-gradient average across devices are always float32.
+model casts them to `compute_dtype` for matmuls; losses, the softmax and gradient accumulation
+are float32. The dtype gradients cross devices in is `precision.grad_reduce` (train/accumulate.py).
 
 float16 has a narrow exponent range: small gradients flush to zero. Dynamic loss scaling
 multiplies the loss by a large scale before differentiation and divides the float32 gradients by

@@ -37,6 +37,7 @@ def make_train_step(
     state_shardings: TrainState,
     microbatches: int = 1,
     grad_reduction: str = "per_step",
+    grad_reduce_dtype: str = "auto",
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """The jitted `step(state, batch) -> (state, metrics)`; the input state is donated.
 
@@ -50,7 +51,8 @@ def make_train_step(
         with rules_lib.activation_rules(mesh, rules):
             loss, aux, grads = loss_and_grads(
                 graphdef, loss_fn, state.params, batch,
-                microbatches=microbatches, reduction=grad_reduction, mesh=mesh, rules=rules,
+                microbatches=microbatches, reduction=grad_reduction, reduce_dtype=grad_reduce_dtype,
+                mesh=mesh, rules=rules,
                 param_shardings=state_shardings.params, loss_scale=None if scale is None else scale.scale,
             )
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
