@@ -71,11 +71,19 @@ class ModelConfig(Section):
     attention: Literal["auto", "xla", "cudnn"] = "auto"
     # dtype the output projection writes its logits in; the softmax is float32 either way.
     logits_dtype: Literal["float32", "compute"] = "float32"
+    # > 0: the training and eval loss project to the vocabulary this many sequence positions at a
+    # time (models/cross_entropy.py), never holding the full logits; 0: one projection.
+    loss_chunk: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _shapes(self) -> ModelConfig:
         if self.d_model % self.heads:
             raise ValueError(f"model.d_model={self.d_model} is not divisible by model.heads={self.heads}")
+        if self.loss_chunk and self.seq_len % self.loss_chunk:
+            raise ValueError(
+                f"model.loss_chunk={self.loss_chunk} does not divide model.seq_len={self.seq_len}; use a "
+                f"divisor of {self.seq_len}, or 0 for the unchunked loss"
+            )
         if self.positions == "rope" and (self.d_model // self.heads) % 2:
             raise ValueError("model.positions=rope needs an even head dimension (d_model / heads)")
         return self

@@ -106,6 +106,13 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist 1b4 tensor=4", JAXDIST + ["configs/gpt_1b4.yaml", "mesh.fsdp=1", "mesh.tensor=4",
                                                 "rules.preset=tp", "--devices", "4"]),
         ],
+        # The fused, chunked cross-entropy (model.loss_chunk): peak memory and step time per chunk size.
+        "loss_chunk_406m": [
+            ("torch 406m b16", torch_gpt + ["--batch", "16"]),
+            ("jaxdist 406m b16", JAXDIST + ["configs/gpt_406m.yaml"]),
+            *[(f"jaxdist 406m loss_chunk={c}", JAXDIST + ["configs/gpt_406m.yaml", f"model.loss_chunk={c}"])
+              for c in (128, 256, 512)],
+        ],
     }
 
 

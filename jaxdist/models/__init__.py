@@ -12,6 +12,7 @@ from flax import nnx
 
 from jaxdist.config import Config
 from jaxdist.errors import UserError
+from jaxdist.models.cross_entropy import fused_linear_cross_entropy
 from jaxdist.models.gpt import GPT
 from jaxdist.train import precision
 
@@ -19,8 +20,15 @@ from jaxdist.train import precision
 def lm_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
     """Mean next-token cross-entropy (float32) over every target in the batch.
 
-    With per-sequence `weights` (eval batches: 0 marks padding) it is the weighted mean.
+    With per-sequence `weights` (eval batches: 0 marks padding) it is the weighted mean. A model
+    with `cfg.loss_chunk` > 0 is scored chunk by chunk, never forming the full logits.
     """
+    chunk = getattr(getattr(model, "cfg", None), "loss_chunk", 0)
+    if chunk:
+        return fused_linear_cross_entropy(
+            model.hidden(batch["inputs"]), model.head_weights(), batch["targets"], batch.get("weights"),
+            chunk=chunk, logits_dtype=model.logits_dtype,
+        )
     logits = model(batch["inputs"]).astype(jnp.float32)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     if "weights" not in batch:

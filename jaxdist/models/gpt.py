@@ -150,6 +150,9 @@ _REMAT_POLICIES = {
 class GPT(nnx.Module):
     """Decoder-only transformer; `__call__(tokens)` gives logits (batch, length, vocab).
 
+    `hidden(tokens)` and `head_weights()` give the two inputs of that last projection separately,
+    for losses that never form the full logits (models/cross_entropy.py).
+
     With `pipeline` settings and a stage axis in the mesh, the blocks run as a pipeline.
     """
 
@@ -185,16 +188,28 @@ class GPT(nnx.Module):
             self.head = _param(rngs, _normal, (cfg.d_model, cfg.vocab), ("embed", "vocab"), param_dtype)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.hidden(tokens)
+        logits = jnp.einsum("btd,dv->btv", x, _cast(self.head_weights(), x.dtype),
+                            preferred_element_type=self.logits_dtype)
+        return constrain(logits, ("batch", "length", "vocab"))
+
+    def hidden(self, tokens: jax.Array) -> jax.Array:
+        """The final normed hidden states (batch, length, embed) in the compute dtype: the head's input."""
         x = jnp.take(self.embed[...], tokens, axis=0)
         if self.cfg.positions == "learned":
             x = x + self.positions[: tokens.shape[1]]
         x = constrain(_cast(x, self.compute_dtype), RESIDUAL)
         x = self._run_blocks(x)
-        x = self.final_norm(x)
-        head = self.embed[...].T if self.cfg.tied_embeddings else self.head[...]
-        logits_dtype = jnp.float32 if self.cfg.logits_dtype == "float32" else x.dtype
-        logits = jnp.einsum("btd,dv->btv", x, _cast(head, x.dtype), preferred_element_type=logits_dtype)
-        return constrain(logits, ("batch", "length", "vocab"))
+        return self.final_norm(x)
+
+    def head_weights(self) -> jax.Array:
+        """The output projection (embed, vocab) in the parameter dtype; the embedding transposed when tied."""
+        return self.embed[...].T if self.cfg.tied_embeddings else self.head[...]
+
+    @property
+    def logits_dtype(self):
+        """The dtype the output projection writes its logits in (`model.logits_dtype`)."""
+        return jnp.float32 if self.cfg.logits_dtype == "float32" else self.compute_dtype
 
     def _run_blocks(self, x: jax.Array) -> jax.Array:
         if not self.cfg.scan_layers:

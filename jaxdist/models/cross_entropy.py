@@ -1,0 +1,147 @@
+"""Fused linear cross-entropy: the vocabulary projection and its loss, chunked over the sequence.
+
+The plain loss forms the full (batch, length, vocab) logits, their float32 copy for the softmax
+and the logits gradient: at GPT-2 sizes these are the largest activations of the step. Here the
+sequence is cut into chunks of `chunk` positions (the batch axis, and with it its sharding, stays
+whole) and a `lax.scan` visits them in turn, so only one chunk's logits ever exist.
+
+The loss is a scalar, so its gradient is known up to the incoming cotangent during the forward
+pass: each chunk computes its logits, a float32 logsumexp and the loss, and at once the logits'
+gradient (softmax - one-hot), the hidden states' gradient and its share of the head's gradient.
+The backward pass only scales these by the cotangent. That is the unfused path's three matmuls,
+with no recompute; what is saved for the backward pass is one hidden-sized and one head-sized
+array instead of the logits.
+
+All operations are plain jnp ops with logical-name constraints, so a vocabulary sharded over a
+mesh axis (rules presets tp, fsdp_tp) stays sharded and XLA inserts the reductions for the
+logsumexp and the hidden-state gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxdist.parallel import rules as rules_lib
+from jaxdist.parallel.rules import constrain
+
+
+def fused_linear_cross_entropy(
+    hidden: jax.Array,
+    head: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array | None = None,
+    *,
+    chunk: int,
+    logits_dtype=jnp.float32,
+) -> jax.Array:
+    """Mean cross-entropy (float32) of `softmax(hidden @ head)` against integer `targets`.
+
+    hidden: (batch, length, embed) in the compute dtype; head: (embed, vocab), cast to the
+    compute dtype for the matmuls (its gradient comes back in its own dtype, summed in float32);
+    targets: (batch, length) integers; weights: optional (batch,) per-sequence weights, giving
+    the weighted mean (eval batches: 0 marks padding). `chunk` positions of every sequence are
+    projected at a time and must divide `length`; logits are written in `logits_dtype`, the
+    softmax is float32.
+    """
+    length = hidden.shape[1]
+    if chunk <= 0 or length % chunk:
+        raise ValueError(f"chunk={chunk} must be a positive divisor of the sequence length {length}")
+    if weights is None:
+        weights = jnp.ones(hidden.shape[:1], jnp.float32)
+    return _fused(chunk, jnp.dtype(logits_dtype), hidden, head, targets, weights.astype(jnp.float32))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fused(chunk, logits_dtype, hidden, head, targets, weights):
+    loss_sum, _ = _scan_chunks(chunk, logits_dtype, hidden, head, targets, weights, with_grads=False)
+    return loss_sum / _total_weight(hidden, weights)
+
+
+def _fused_fwd(chunk, logits_dtype, hidden, head, targets, weights):
+    loss_sum, (d_hidden, d_head) = _scan_chunks(chunk, logits_dtype, hidden, head, targets, weights, with_grads=True)
+    total = _total_weight(hidden, weights)
+    return loss_sum / total, (d_hidden, d_head, total)
+
+
+def _fused_bwd(chunk, logits_dtype, residuals, cotangent):
+    d_hidden, d_head, total = residuals
+    # The mean's 1/total is applied here, in float32, not to the low-precision logits gradient:
+    # per token it is about 1/(batch x length), which would underflow float16.
+    scale = cotangent / total
+    return (
+        (d_hidden.astype(jnp.float32) * scale).astype(d_hidden.dtype),
+        (d_head * scale).astype(d_head.dtype),
+        None,
+        None,
+    )
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def _total_weight(hidden: jax.Array, weights: jax.Array) -> jax.Array:
+    """The loss's denominator: every position of a sequence carries its sequence's weight."""
+    return weights.sum() * hidden.shape[1]
+
+
+def _chunks(x: jax.Array, chunk: int) -> jax.Array:
+    """(batch, length, ...) -> (length / chunk, batch, chunk, ...): consecutive positions per chunk."""
+    return jnp.moveaxis(x.reshape(x.shape[0], x.shape[1] // chunk, chunk, *x.shape[2:]), 1, 0)
+
+
+def _batch_shards() -> int:
+    """How many ways the enclosing `activation_rules` split the batch (1 outside them)."""
+    active = rules_lib.active()
+    if active is None:
+        return 1
+    mesh, rules = active
+    return math.prod(mesh.shape[axis] for axis in rules.activations.get("batch", ()))
+
+
+def _scan_chunks(chunk, logits_dtype, hidden, head, targets, weights, *, with_grads: bool):
+    """(weighted loss sum, (unnormalized d_hidden, d_head) or None) over every chunk.
+
+    d_hidden has hidden's dtype; d_head is summed in float32 and returned in head's dtype.
+    """
+    batch, _, embed = hidden.shape
+    vocab = head.shape[1]
+    head_c = head.astype(hidden.dtype)
+    # The head's gradient sums over the batch, which is split over devices. Each batch shard keeps
+    # its own partial sum in the carry (a leading shard axis on the batch's mesh axes), so it is
+    # reduced across devices once, after the scan, rather than in every chunk.
+    shards = _batch_shards()
+
+    def by_shard(x: jax.Array) -> jax.Array:
+        return x.reshape(shards, batch // shards, *x.shape[1:])
+
+    def body(carry, xs):
+        hidden_c, targets_c = xs
+        logits = jnp.einsum("bcd,dv->bcv", hidden_c, head_c, preferred_element_type=logits_dtype)
+        logits = constrain(logits, ("batch", "length", "vocab")).astype(jnp.float32)
+        logsumexp = jax.nn.logsumexp(logits, axis=-1)
+        # A compare against iota, not a gather: it stays elementwise over a sharded vocabulary.
+        is_target = jnp.arange(vocab) == targets_c[..., None]
+        target_logit = jnp.where(is_target, logits, 0.0).sum(-1)
+        sequence_losses = carry[0] + (logsumexp - target_logit).sum(-1)
+        if not with_grads:
+            return (sequence_losses,), None
+        d_logits = (jnp.exp(logits - logsumexp[..., None]) - is_target) * weights[:, None, None]
+        d_logits = constrain(d_logits.astype(hidden.dtype), ("batch", "length", "vocab"))
+        d_hidden_c = constrain(jnp.einsum("bcv,dv->bcd", d_logits, head_c), ("batch", "length", "embed"))
+        d_head_c = jnp.einsum("sbcd,sbcv->sdv", by_shard(hidden_c), by_shard(d_logits),
+                              preferred_element_type=jnp.float32)
+        return (sequence_losses, constrain(carry[1] + d_head_c, ("batch", "embed", "vocab"))), d_hidden_c
+
+    init = (jnp.zeros((batch,), jnp.float32),)
+    if with_grads:
+        init += (constrain(jnp.zeros((shards, embed, vocab), jnp.float32), ("batch", "embed", "vocab")),)
+    carry, d_hidden = jax.lax.scan(body, init, (_chunks(hidden, chunk), _chunks(targets, chunk)))
+    loss_sum = (carry[0] * weights).sum()
+    if not with_grads:
+        return loss_sum, None
+    d_hidden = jnp.moveaxis(d_hidden, 0, 1).reshape(hidden.shape)
+    return loss_sum, (d_hidden, carry[1].sum(0).astype(head.dtype))
