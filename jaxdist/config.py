@@ -67,7 +67,9 @@ class ModelConfig(Section):
     tied_embeddings: bool = False
     scan_layers: bool = True
     scan_unroll: int = Field(1, gt=0)
-    remat: Literal["none", "full", "dots"] = "none"
+    # Recomputed in the backward pass: nothing (none), the MLP activation (mlp: one elementwise
+    # pass, saves batch x length x mlp_dim per layer), all but matmul outputs (dots), or each block (full).
+    remat: Literal["none", "mlp", "full", "dots"] = "none"
     attention: Literal["auto", "xla", "cudnn"] = "auto"
     # dtype the output projection writes its logits in; the softmax is float32 either way.
     logits_dtype: Literal["float32", "compute"] = "float32"

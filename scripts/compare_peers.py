@@ -50,12 +50,21 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
         "ablate3_406m": [
             ("torch 406m b16", torch_gpt + ["--batch", "16"]),
             ("jaxdist 406m +profile", JAXDIST + ["configs/gpt_406m.yaml", "--profile", "/tmp/jaxdist_profile"]),
-            ("autodiff norms", ["env", "JAXDIST_NORM_AUTODIFF=1"] + JAXDIST + ["configs/gpt_406m.yaml"]),
             ("loss_chunk=256", JAXDIST + ["configs/gpt_406m.yaml", "model.loss_chunk=256"]),
             ("cublaslt", ["env", "XLA_FLAGS=--xla_gpu_enable_cublaslt=true"] + JAXDIST + ["configs/gpt_406m.yaml"]),
             ("torch 1b4 b8", torch_gpt + ["--d", "2048", "--batch", "8"]),
             ("jaxdist 1b4 b8", JAXDIST + ["configs/gpt_1b4.yaml"]),
             ("jaxdist 1b4 loss_chunk=256", JAXDIST + ["configs/gpt_1b4.yaml", "model.loss_chunk=256"]),
+        ],
+        "remat_mlp": [
+            ("torch 406m b16", torch_gpt + ["--batch", "16"]),
+            ("jaxdist 406m +profile +hlo", ["env", "XLA_FLAGS=--xla_dump_to=/tmp/hlo --xla_dump_hlo_module_re=.*step.*"]
+             + JAXDIST + ["configs/gpt_406m.yaml", "--profile", "/tmp/jaxdist_profile"]),
+            ("jaxdist 406m remat=mlp", JAXDIST + ["configs/gpt_406m.yaml", "model.remat=mlp"]),
+            ("jaxdist 406m loss_chunk=512", JAXDIST + ["configs/gpt_406m.yaml", "model.loss_chunk=512"]),
+            ("torch 1b4 b8", torch_gpt + ["--d", "2048", "--batch", "8"]),
+            ("jaxdist 1b4 b8", JAXDIST + ["configs/gpt_1b4.yaml"]),
+            ("jaxdist 1b4 remat=mlp", JAXDIST + ["configs/gpt_1b4.yaml", "model.remat=mlp"]),
         ],
         "1gpu_1b4": [
             ("torch 1b4 b8", torch_gpt + ["--d", "2048", "--batch", "8"]),
@@ -86,18 +95,22 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist dp bf16 +overlap", OVERLAP + JAXDIST + dp + ["precision.grad_reduce=bfloat16"]),
             ("jaxdist fsdp bf16 reduce", JAXDIST + fsdp + ["precision.grad_reduce=bfloat16"]),
         ],
-        "dp_flags_406m": [
-            ("jaxdist dp +profile", JAXDIST + dp + ["--profile", "/tmp/jaxdist_profile_dp"]),
+        "final_multi": [
+            ("jaxdist 406m 1gpu", JAXDIST + ["configs/gpt_406m.yaml", "mesh.fsdp=1", "--devices", "1"]),
+            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("jaxdist dp", JAXDIST + dp),
             ("jaxdist dp +overlap 8MB", OVERLAP_8MB + JAXDIST + dp),
-        ],
-        "tensor_sp_1b4": [
+            ("jaxdist fsdp", JAXDIST + fsdp),
             ("jaxdist 1b4 1gpu", JAXDIST + ["configs/gpt_1b4.yaml", "mesh.fsdp=1", "--devices", "1"]),
-            *[
-                (f"jaxdist 1b4 tensor={t}{' sp' if sp else ''}", JAXDIST + [
-                    "configs/gpt_1b4.yaml", "mesh.fsdp=1", f"mesh.tensor={t}", "rules.preset=tp",
-                    "--devices", str(t), *(["rules.activations.seq=tensor"] if sp else [])])
-                for t in (2, 4) for sp in (False, True)
-            ],
+            ("jaxdist 1b4 tensor=4", JAXDIST + ["configs/gpt_1b4.yaml", "mesh.fsdp=1", "mesh.tensor=4",
+                                                "rules.preset=tp", "--devices", "4"]),
+            ("jaxdist 1b4 tensor=4 sp", JAXDIST + ["configs/gpt_1b4.yaml", "mesh.fsdp=1", "mesh.tensor=4",
+                                                   "rules.preset=tp", "rules.activations.seq=tensor", "--devices", "4"]),
+        ],
+        "fsdp_check": [
+            ("jaxdist fsdp", JAXDIST + fsdp),
+            ("jaxdist fsdp loss_chunk=0", JAXDIST + fsdp + ["model.loss_chunk=0"]),
+            ("jaxdist fsdp remat=none", JAXDIST + fsdp + ["model.remat=none"]),
         ],
         "tensor_1b4": [
             ("jaxdist 1b4 1gpu", JAXDIST + ["configs/gpt_1b4.yaml", "mesh.fsdp=1", "--devices", "1"]),

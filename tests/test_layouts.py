@@ -34,11 +34,13 @@ def single_device_losses(tmp_path_factory):
         ({"data": 1, "fsdp": 8}, "fsdp"),
         ({"data": 2, "fsdp": 1, "tensor": 4}, "tp"),
         ({"data": 2, "fsdp": 2, "tensor": 2}, "fsdp_tp"),
+        ({"data": 2, "fsdp": 1, "tensor": 4}, {"preset": "tp", "activations": {"seq": "tensor"}}),
     ],
-    ids=["data8", "fsdp8", "data2_tensor4", "data2_fsdp2_tensor2"],
+    ids=["data8", "fsdp8", "data2_tensor4", "data2_fsdp2_tensor2", "data2_tensor4_sequence_parallel"],
 )
 def test_layout_matches_single_device(tmp_path, single_device_losses, mesh, preset):
-    cfg = make_config(tmp_path, mesh=mesh, rules={"preset": preset})
+    rules = preset if isinstance(preset, dict) else {"preset": preset}
+    cfg = make_config(tmp_path, mesh=mesh, rules=rules)
     loop.train(cfg)
     np.testing.assert_allclose(losses(tmp_path), single_device_losses, rtol=1e-5, atol=0)
 

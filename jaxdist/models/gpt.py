@@ -11,7 +11,6 @@ compile; `scan_unroll` unrolls part of it) or unrolled (often faster on GPU), wi
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Sequence
 
 import jax
@@ -19,7 +18,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdist.config import ModelConfig, PipelineConfig
-from jaxdist.models import norm as norm_lib
 from jaxdist.parallel import pipeline as pipeline_lib
 from jaxdist.parallel.rules import constrain
 
@@ -27,7 +25,8 @@ Names = tuple[str | None, ...]
 
 # The residual stream between blocks (and through the norms) names its length axis `seq`, apart
 # from `length` inside attention and the MLP: rules may split `seq` over `tensor` (sequence
-# parallelism), so that norms and residual adds are not repeated on every tensor-parallel device.
+# parallelism), so that norms and residual adds are not repeated on every tensor-parallel device
+# (off in the presets: measured slower at tensor=4 on H200, see BENCHMARKS.md).
 RESIDUAL: Names = ("batch", "seq", "embed")
 
 _normal = nnx.initializers.normal(0.02)
@@ -51,10 +50,6 @@ class Norm(nnx.Module):
             self.bias = _param(rngs, nnx.initializers.zeros_init(), (cfg.d_model,), ("embed",), param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        if not os.environ.get("JAXDIST_NORM_AUTODIFF"):
-            if self.kind == "layernorm":
-                return norm_lib.layer_norm(x, self.scale[...], self.bias[...])
-            return norm_lib.rms_norm(x, self.scale[...])
         x32 = x.astype(jnp.float32)
         if self.kind == "layernorm":
             x32 = x32 - x32.mean(-1, keepdims=True)
@@ -111,6 +106,7 @@ def _attention_impl(cfg: ModelConfig, dtype) -> str | None:
 class Mlp(nnx.Module):
     def __init__(self, cfg: ModelConfig, param_dtype, rngs: nnx.Rngs):
         self.activation = cfg.activation
+        self.recompute_activation = cfg.remat == "mlp"
         self.up = _param(rngs, _normal, (cfg.d_model, cfg.mlp_dim), ("embed", "mlp"), param_dtype)
         if cfg.activation == "swiglu":
             self.gate = _param(rngs, _normal, (cfg.d_model, cfg.mlp_dim), ("embed", "mlp"), param_dtype)
@@ -119,12 +115,19 @@ class Mlp(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = constrain(x @ _cast(self.up[...], x.dtype), ("batch", "length", "mlp"))
+        gate = None
         if self.activation == "swiglu":
             gate = constrain(x @ _cast(self.gate[...], x.dtype), ("batch", "length", "mlp"))
-            h = jax.nn.silu(gate) * h
-        else:
-            h = jax.nn.gelu(h, approximate=True)
-        return constrain(h @ _cast(self.down[...], x.dtype), RESIDUAL)
+        project = self._activate_and_project
+        if self.recompute_activation:
+            # The backward pass recomputes the activation from the saved up-projection (one
+            # elementwise pass) instead of keeping its output: batch x length x mlp per layer less.
+            project = jax.checkpoint(project, policy=jax.checkpoint_policies.nothing_saveable)
+        return constrain(project(h, gate, _cast(self.down[...], x.dtype)), RESIDUAL)
+
+    def _activate_and_project(self, h: jax.Array, gate: jax.Array | None, down: jax.Array) -> jax.Array:
+        h = jax.nn.silu(gate) * h if self.activation == "swiglu" else jax.nn.gelu(h, approximate=True)
+        return h @ down
 
 
 class Block(nnx.Module):
@@ -230,6 +233,6 @@ class GPT(nnx.Module):
         return x
 
     def _remat(self, fn):
-        if self.cfg.remat == "none":
+        if self.cfg.remat in ("none", "mlp"):
             return fn
         return jax.checkpoint(fn, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=not self.cfg.scan_layers)

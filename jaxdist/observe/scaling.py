@@ -58,6 +58,7 @@ class ModelSize:
     compute_bytes: int
     remat: str
     flops_per_token: float
+    loss_chunk: int = 0
 
 
 def model_size(cfg: Config) -> ModelSize:
@@ -68,7 +69,7 @@ def model_size(cfg: Config) -> ModelSize:
     return ModelSize(
         params=params, layers=m.layers, d_model=m.d_model, heads=m.heads, seq_len=m.seq_len, vocab=m.vocab,
         param_bytes=_dtype_bytes(cfg.precision.params), compute_bytes=_dtype_bytes(cfg.precision.compute),
-        remat=m.remat, flops_per_token=flops_per_token(cfg),
+        remat=m.remat, flops_per_token=flops_per_token(cfg), loss_chunk=m.loss_chunk,
     )
 
 
@@ -166,16 +167,18 @@ def activation_bytes_per_sequence(model: ModelSize, tensor: int) -> float:
     """Activations kept for the backward pass, per sequence (Korthikanti et al. 2022, flash attention).
 
     Per layer s*d*(10 + 24/t) bytes at 16-bit activations (no s^2 scores: flash attention), scaled
-    for fp32 compute; with full remat only each layer's input is kept. Plus fp32 logits and their
-    gradient (vocab split over tensor).
+    for fp32 compute; with full remat only each layer's input is kept, with remat=mlp the MLP
+    activation's output (8/t of the 24/t) is recomputed. Plus fp32 logits and their gradient (vocab
+    split over tensor), for `loss_chunk` positions at a time when the loss is chunked.
     """
     s, d = model.seq_len, model.d_model
     scale = model.compute_bytes / 2
+    per_layer = s * d * (10 + (16 if model.remat == "mlp" else 24) / tensor) * scale
     if model.remat == "full":
-        layers = model.layers * s * d * model.compute_bytes + s * d * (10 + 24 / tensor) * scale
+        layers = model.layers * s * d * model.compute_bytes + per_layer
     else:
-        layers = model.layers * s * d * (10 + 24 / tensor) * scale
-    return layers + 8 * s * model.vocab / tensor
+        layers = model.layers * per_layer
+    return layers + 8 * (model.loss_chunk or s) * model.vocab / tensor
 
 
 def candidate_shapes(hosts: int, gpus_per_host: int) -> list[dict[str, int]]:
