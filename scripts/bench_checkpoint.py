@@ -13,9 +13,8 @@ the save's CPU shows up as step time wherever it runs.
 
 Measured on the 2-core CPU machine (tiny config, 8 simulated devices, 9.1 MB per checkpoint,
 ~0.5 s steps), twelve runs: ratio 1.051-1.104, median 1.067 (11 below 1.10), the loop blocked
-32-38 ms per save;
-before one process wrote whole host arrays (see docs/checkpoints.md, "Cost"): 1.147-1.173 and
-51-56 ms in the same session.
+32-38 ms per save; before one process wrote whole host arrays (docs/checkpoints.md, "Cost"):
+1.147-1.173 and 51-56 ms in the same session.
 """
 
 from __future__ import annotations
