@@ -180,9 +180,11 @@ class PrecisionConfig(Section):
     sees are float32. `grad_reduce` is the dtype gradients cross devices in: auto leaves it to XLA,
     which reduces each gradient in the dtype its last op produced (under bfloat16 compute on GPU:
     bfloat16 for matmul weights, float32 for embeddings and norms); float32 or bfloat16 forces
-    every gradient to that dtype on the wire (see train/accumulate.py). loss_scale=auto is dynamic for float16 compute, none otherwise: the loss
-    is multiplied by the scale, a step whose gradients are not all finite is skipped and halves
-    the scale, and `loss_scale_period` clean steps in a row double it.
+    every gradient to that dtype on the wire (see train/accumulate.py).
+
+    loss_scale=auto is dynamic for float16 compute, none otherwise: the loss is multiplied by the
+    scale, a step whose gradients are not all finite is skipped and halves the scale, and
+    `loss_scale_period` clean steps in a row double it.
     """
 
     compute: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

@@ -19,8 +19,7 @@ _COLLECTIVES = (*REDUCTIONS, "all-gather", "all-gather-start", "all-to-all", "co
 
 _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
-_ARRAY_SHAPE = re.compile(r"\b[a-z]+\d*\[([\d,]*)\]")
-_TYPED_SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_ARRAY_SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")  # (dtype, dims)
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
                 "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
 _CALLED = re.compile(r"\b(?:calls|to_apply|branch_computations|called_computations)=(\{[^}]*\}|%?[\w.\-]+)")
@@ -56,14 +55,14 @@ class _Computation:
 
 def _bytes_by_dtype(shape_text: str) -> dict[str, int]:
     totals: dict[str, int] = defaultdict(int)
-    for dtype, dims in _TYPED_SHAPE.findall(shape_text):
+    for dtype, dims in _ARRAY_SHAPE.findall(shape_text):
         if dtype in _DTYPE_BYTES:
             totals[dtype] += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
     return dict(totals)
 
 
 def _dims(shape_text: str) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(int(d) for d in dims.split(",") if d) for dims in _ARRAY_SHAPE.findall(shape_text))
+    return tuple(tuple(int(d) for d in dims.split(",") if d) for _, dims in _ARRAY_SHAPE.findall(shape_text))
 
 
 def _parse(hlo_text: str) -> tuple[dict[str, _Computation], str]:
@@ -124,13 +123,8 @@ def collectives(hlo_text: str, opcodes: tuple[str, ...] = _COLLECTIVES) -> list[
             if opcode not in opcodes:
                 continue
             args = rest.split(")", 1)[0]
-            operands = [comp.shapes.get(operand, "") for operand in _OPERAND.findall(args)]
-            operand_shapes = tuple(dims for shape in operands for dims in _dims(shape))
-            operand_bytes: dict[str, int] = defaultdict(int)
-            for shape in operands:
-                for dtype, size in _bytes_by_dtype(shape).items():
-                    operand_bytes[dtype] += size
-            found.append(Collective(opcode, comp_name, operand_shapes, counts[comp_name], dict(operand_bytes)))
+            operands = " ".join(comp.shapes.get(operand, "") for operand in _OPERAND.findall(args))
+            found.append(Collective(opcode, comp_name, _dims(operands), counts[comp_name], _bytes_by_dtype(operands)))
     return found
 
 
