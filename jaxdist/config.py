@@ -71,6 +71,9 @@ class ModelConfig(Section):
     # pass, saves batch x length x mlp_dim per layer), all but matmul outputs (dots), or each block (full).
     remat: Literal["none", "mlp", "full", "dots"] = "none"
     attention: Literal["auto", "xla", "cudnn"] = "auto"
+    # Residual add + norm as one Pallas kernel each way (models/fused_norm.py): auto = on GPU where
+    # the shapes allow, with the layers unrolled; xla = plain XLA fusions; pallas = always (errors if not possible).
+    norm_impl: Literal["auto", "xla", "pallas"] = "auto"
     # dtype the output projection writes its logits in; the softmax is float32 either way.
     logits_dtype: Literal["float32", "compute"] = "float32"
     # > 0: the training and eval loss project to the vocabulary this many sequence positions at a
@@ -86,6 +89,8 @@ class ModelConfig(Section):
                 f"model.loss_chunk={self.loss_chunk} does not divide model.seq_len={self.seq_len}; use a "
                 f"divisor of {self.seq_len}, or 0 for the unchunked loss"
             )
+        if self.norm_impl == "pallas" and self.scan_layers:
+            raise ValueError("model.norm_impl=pallas needs model.scan_layers=false (the fused norms run on unrolled layers)")
         if self.positions == "rope" and (self.d_model // self.heads) % 2:
             raise ValueError("model.positions=rope needs an even head dimension (d_model / heads)")
         return self

@@ -1,0 +1,110 @@
+"""Checks and times the fused residual-add + norm kernels against XLA's fusions, on the GPU.
+
+    python3 scripts/bench_fused_norm.py [--shape 16 1024 1024] [--norm layernorm|rmsnorm]
+
+For random bf16 activations of the given shape: the largest relative error of both outputs and
+all gradients against the unfused float32 reference, and the median time of one forward + backward
+(the gradient of a linear function of both outputs) for the Pallas kernels and for XLA, with the
+bytes each must move at least and the bandwidth that implies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdist.models import fused_norm
+from jaxdist.models.gpt import RESIDUAL
+
+
+# Block shapes to try: (rows, warps) forward; (rows per iteration, programs, warps) backward.
+SWEEP = [
+    dict(FORWARD_ROWS=f_rows, FORWARD_WARPS=f_warps, BACKWARD_ROWS=b_rows, BACKWARD_PROGRAMS=programs, BACKWARD_WARPS=b_warps)
+    for f_rows, f_warps, b_rows, programs, b_warps in [
+        (8, 4, 4, 512, 4), (16, 8, 4, 512, 4), (4, 4, 4, 512, 4), (8, 8, 4, 512, 4),
+        (8, 4, 8, 512, 8), (8, 4, 4, 1024, 4), (8, 4, 2, 1024, 4), (8, 4, 8, 1024, 8), (8, 4, 16, 256, 8),
+        (8, 4, 4, 512, 8), (8, 4, 4, 2048, 4),
+    ]
+]
+
+
+def unfused(x, delta, scale, bias, rms):
+    total = x + delta
+    x32 = total.astype(jnp.float32)
+    if not rms:
+        x32 = x32 - x32.mean(-1, keepdims=True)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-5) * scale
+    return total, (y if bias is None else y + bias).astype(x.dtype)
+
+
+def fused(x, delta, scale, bias, rms):
+    return fused_norm.add_norm(x, delta, scale, bias, rms=rms, eps=1e-5, names=RESIDUAL)
+
+
+def step(fn, rms):
+    def loss(x, delta, scale, bias, w_total, w_normed):
+        total, normed = fn(x, delta, scale, bias, rms)
+        as32 = lambda a: a.astype(jnp.float32)
+        return jnp.vdot(as32(total), as32(w_total)) + jnp.vdot(as32(normed), as32(w_normed))
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+
+
+def median_ms(fn, args, repeats=50) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", type=int, nargs=3, default=[16, 1024, 1024])
+    parser.add_argument("--norm", choices=["layernorm", "rmsnorm"], default="layernorm")
+    parser.add_argument("--sweep", action="store_true", help="also time other block sizes and warp counts")
+    args = parser.parse_args()
+    rms = args.norm == "rmsnorm"
+    shape, features = tuple(args.shape), args.shape[-1]
+    keys = jax.random.split(jax.random.key(0), 6)
+    x = jax.random.normal(keys[0], shape, jnp.bfloat16) * 2 + 1
+    delta = jax.random.normal(keys[1], shape, jnp.bfloat16)
+    scale = 1 + 0.1 * jax.random.normal(keys[2], (features,))
+    bias = None if rms else 0.1 * jax.random.normal(keys[3], (features,))
+    weights = [jax.random.normal(k, shape, jnp.bfloat16) for k in keys[4:]]
+    operands = (x, delta, scale, bias, *weights)
+
+    got = step(fused, rms)(*operands)
+    as32 = [a.astype(jnp.float32) if a is not None else None for a in operands]
+    want = step(unfused, rms)(*as32)
+    errors = [
+        float(jnp.linalg.norm(g.astype(jnp.float32) - w) / jnp.linalg.norm(w))
+        for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]))
+    ]
+    print(f"relative error vs float32 reference (dx, ddelta, dscale, dbias): {[f'{e:.1e}' for e in errors]}")
+
+    # Fewest bytes: forward reads x, delta, writes sum, normed; backward reads sum, d_normed,
+    # d_sum and writes the input gradient (4 + 4 arrays of the activation).
+    activation_bytes = np.prod(shape) * 2
+    floor_bytes = 8 * activation_bytes
+    for label, fn in (("pallas", fused), ("xla", unfused)):
+        ms = median_ms(step(fn, rms), operands)
+        print(f"{label:>7}: {ms:7.3f} ms fwd+bwd, {floor_bytes / ms / 1e6:6.0f} GB/s of the {floor_bytes / 2**20:.0f} MiB floor")
+    if args.sweep:
+        default = {name: getattr(fused_norm, name) for name in SWEEP[0]}
+        for setting in SWEEP:
+            for name, value in setting.items():
+                setattr(fused_norm, name, value)
+            print(f"{median_ms(step(fused, rms), operands):7.3f} ms  {setting}")
+        for name, value in default.items():
+            setattr(fused_norm, name, value)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""The fused residual-add + norm kernels (models/fused_norm.py) compute the unfused function.
+
+Off the GPU the Pallas kernels run in Pallas's interpreter: the same kernel code as on the GPU.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pydantic
+import pytest
+from conftest import make_config
+from flax import nnx
+
+from jaxdist import models
+from jaxdist.config import ModelConfig
+from jaxdist.models import fused_norm
+from jaxdist.models.gpt import GPT, RESIDUAL
+from jaxdist.train import loop
+
+
+def _unfused(x, delta, scale, bias, rms):
+    total = x if delta is None else x + delta
+    x32 = total.astype(jnp.float32)
+    if not rms:
+        x32 = x32 - x32.mean(-1, keepdims=True)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-5) * scale
+    if bias is not None:
+        y = y + bias
+    return total, y.astype(x.dtype)
+
+
+def _fused(x, delta, scale, bias, rms):
+    if delta is None:
+        return x, fused_norm.norm(x, scale, bias, rms=rms, eps=1e-5, names=RESIDUAL)
+    return fused_norm.add_norm(x, delta, scale, bias, rms=rms, eps=1e-5, names=RESIDUAL)
+
+
+def _value_and_grads(fn, x, delta, scale, bias, rms, weights):
+    """Both outputs and the gradients of a random linear function of both, for every input."""
+
+    def loss(x, delta, scale, bias):
+        total, normed = fn(x, delta, scale, bias, rms)
+        return jnp.sum(total.astype(jnp.float32) * weights[0]) + jnp.sum(normed.astype(jnp.float32) * weights[1])
+
+    argnums = tuple(i for i, a in enumerate((x, delta, scale, bias)) if a is not None)
+    return fn(x, delta, scale, bias, rms), jax.grad(loss, argnums=argnums)(x, delta, scale, bias)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("with_add", [True, False], ids=["add_norm", "norm"])
+def test_kernels_equal_the_unfused_norm_and_its_gradients(dtype, rms, with_add):
+    keys = jax.random.split(jax.random.key(7), 6)
+    shape = (4, 16, 128)
+    x = (3.0 * jax.random.normal(keys[0], shape) + 1.0).astype(dtype)
+    delta = jax.random.normal(keys[1], shape).astype(dtype) if with_add else None
+    scale = 1.0 + 0.2 * jax.random.normal(keys[2], (128,))
+    bias = None if rms else 0.2 * jax.random.normal(keys[3], (128,))
+    weights = (jax.random.normal(keys[4], shape), jax.random.normal(keys[5], shape))
+    assert fused_norm.supported(shape, RESIDUAL)
+
+    got_out, got_grads = _value_and_grads(_fused, x, delta, scale, bias, rms, weights)
+    want_out, want_grads = _value_and_grads(_unfused, x, delta, scale, bias, rms, weights)
+    # float32: rounding only. bfloat16: the fused backward adds the two incoming gradients in
+    # float32 and rounds once, the unfused one rounds each: at most one bf16 step (2^-7 relative).
+    rtol, atol = (2e-5, 2e-5) if dtype == jnp.float32 else (2**-7, 2e-2)
+    for got, want in zip(got_out, want_out):
+        assert got.dtype == want.dtype
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=rtol, atol=atol)
+    for got, want in zip(got_grads, want_grads):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=rtol, atol=atol)
+    # The norm-parameter gradients are sums over all 64 rows: float32 in both, so tight either way.
+    np.testing.assert_allclose(got_grads[-1 if rms else -2], want_grads[-1 if rms else -2], rtol=1e-4, atol=1e-4)
+
+
+def _model_loss_and_grads(norm_impl: str, norm: str):
+    cfg = ModelConfig(vocab=64, d_model=32, layers=3, heads=4, seq_len=16, scan_layers=False,
+                      norm=norm, norm_impl=norm_impl)
+    with nnx.use_eager_sharding(False):
+        graphdef, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)))
+    tokens = jax.random.randint(jax.random.key(2), (4, 17), 0, 64)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    return jax.jit(jax.value_and_grad(lambda p: models.lm_loss(nnx.merge(graphdef, p), batch)))(params)
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_gpt_with_fused_norms_has_the_same_loss_and_gradients(norm):
+    loss, grads = _model_loss_and_grads("pallas", norm)
+    want_loss, want_grads = _model_loss_and_grads("xla", norm)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    flat, want_flat = jax.tree.leaves_with_path(grads), jax.tree.leaves(want_grads)
+    assert len(flat) == len(want_flat)
+    for (path, got), want in zip(flat, want_flat):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def _losses(run_dir) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_fused_norms_per_shard_train_like_one_device(tmp_path):
+    """data2 x fsdp2 x tensor2: the kernels run on each batch shard (shard_map), their scale and bias
+    gradients are summed across shards; the losses equal the unfused single-device run's."""
+    single, sharded = tmp_path / "single", tmp_path / "sharded"
+    model = {"scan_layers": False}
+    loop.train(make_config(single, mesh={"data": 1, "fsdp": 1, "tensor": 1}, rules={"preset": "dp"},
+                           model={**model, "norm_impl": "xla"}), devices=jax.devices()[:1])
+    loop.train(make_config(sharded, mesh={"data": 2, "fsdp": 2, "tensor": 2}, rules={"preset": "fsdp_tp"},
+                           model={**model, "norm_impl": "pallas"}))
+    want = _losses(single)
+    assert len(want) == 10 and want[-1] < want[0] - 0.5, want
+    np.testing.assert_allclose(_losses(sharded), want, rtol=1e-5, atol=0)
+
+
+def test_unsupported_shapes_fall_back_or_fail_clearly():
+    assert not fused_norm.supported((4, 16, 96), RESIDUAL)  # features not a power of two
+    assert not fused_norm.supported((3, 5, 128), RESIDUAL)  # rows not a power of two
+    with pytest.raises(pydantic.ValidationError, match="scan_layers=false"):
+        ModelConfig(norm_impl="pallas", scan_layers=True)
+    cfg = ModelConfig(vocab=64, d_model=48, layers=1, heads=4, seq_len=16, scan_layers=False, norm_impl="pallas")
+    with nnx.use_eager_sharding(False):
+        model = GPT(cfg, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="norm_impl=pallas"):
+        model(jnp.zeros((2, 16), jnp.int32))
