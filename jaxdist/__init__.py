@@ -12,6 +12,7 @@ every parameter and activation lives; XLA's SPMD partitioner inserts the collect
 from jaxdist import _platform
 
 _platform.apply_cpu_device_count()
+_platform.apply_xla_flags()
 
 from jaxdist.config import Config, load as load_config  # noqa: E402
 from jaxdist.errors import UserError  # noqa: E402

@@ -11,6 +11,7 @@ as the peers count it (shared/peers/README.md), so numbers compare:
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -87,6 +88,7 @@ def run(cfg: Config, steps: int = 20, warmup: int = 5, devices: list | None = No
         "devices": len(devices),
         "device_kind": devices[0].device_kind,
         "jax": jax.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "d": cfg.model.d_model,
         "layers": cfg.model.layers,
         "seq": cfg.model.seq_len,

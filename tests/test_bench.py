@@ -1,0 +1,30 @@
+"""`jaxdist bench` times the real train step and reports what BENCHMARKS.md needs to reproduce a figure."""
+
+import json
+
+import jax
+
+from jaxdist import cli, config
+from jaxdist.observe.bench import PEAK_FLOPS_BF16, flops_per_token
+
+
+def test_bench_reports_consistent_throughput_and_its_setup(tmp_path, capsys):
+    out = tmp_path / "bench.jsonl"
+    overrides = ["model.d_model=64", "model.layers=2", "model.heads=4", "model.seq_len=32", "model.vocab=256",
+                 "train.global_batch=16", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "rules.preset=fsdp_tp"]
+    assert cli.main(["bench", "configs/tiny.yaml", *overrides, "--steps", "4", "--warmup", "1", "--out", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed == json.loads(out.read_text())
+
+    assert printed["devices"] == 8 and printed["layout"] == "data=2 x stage=1 x fsdp=2 x tensor=2"
+    assert printed["step_ms"] > 0 and printed["compile_s"] > 0
+    tokens = 16 * 32
+    assert abs(printed["tokens_per_sec"] - tokens / (printed["step_ms"] / 1e3)) <= 0.01 * printed["tokens_per_sec"] + 1
+    assert abs(printed["tokens_per_sec_per_device"] * 8 - printed["tokens_per_sec"]) <= 8
+    cfg = config.load("configs/tiny.yaml", overrides)
+    mfu = flops_per_token(cfg) * printed["tokens_per_sec_per_device"] / PEAK_FLOPS_BF16
+    assert abs(printed["mfu"] - mfu) <= 1e-4
+    assert printed["jax"] == jax.__version__
+    assert "--xla_gpu_dot_merger_threshold_mb=0" in printed["xla_flags"]
+    # The layout moves gradients and activations across devices: the bytes per step are reported.
+    assert printed["collective_mb"] and all(size >= 0 for kind in printed["collective_mb"].values() for size in kind.values())
