@@ -22,6 +22,10 @@ LHS = ["env", "XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true"]
 # ... and all-reduces combined only up to 64 MiB, so the first layers' reductions can start early.
 OVERLAP = ["env", "XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true "
            "--xla_gpu_all_reduce_combine_threshold_bytes=67108864"]
+# XLA merges dots that share an operand (q, k and v's projections) into one and then slices its output.
+NO_DOT_MERGE = ["env", "XLA_FLAGS=--xla_gpu_dot_merger_threshold_mb=0"]
+# cuBLASLt lets XLA fuse GELU (and a bias) into the matmul's epilogue.
+CUBLASLT = ["env", "XLA_FLAGS=--xla_gpu_enable_cublaslt=true"]
 OVERLAP_8MB = ["env", "XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true "
                "--xla_gpu_all_reduce_combine_threshold_bytes=8388608"]
 
@@ -107,6 +111,17 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist 1b4 tensor=4 sp", JAXDIST + ["configs/gpt_1b4.yaml", "mesh.fsdp=1", "mesh.tensor=4",
                                                    "rules.preset=tp", "rules.activations.seq=tensor", "--devices", "4"]),
         ],
+        "multi_final": [
+            ("jaxdist 406m 1gpu", JAXDIST + ["configs/gpt_406m.yaml", "mesh.fsdp=1", "--devices", "1"]),
+            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("jaxdist dp +profile", JAXDIST + dp + ["--profile", "/tmp/prof_dp"]),
+            ("jaxdist fsdp", JAXDIST + fsdp),
+        ],
+        "dp_bf16_reduce": [
+            ("jaxdist 406m 1gpu", JAXDIST + ["configs/gpt_406m.yaml", "mesh.fsdp=1", "--devices", "1"]),
+            ("jaxdist dp", JAXDIST + dp),
+            ("jaxdist dp bf16 reduce", JAXDIST + dp + ["precision.grad_reduce=bfloat16"]),
+        ],
         "fsdp_check": [
             ("jaxdist fsdp", JAXDIST + fsdp),
             ("jaxdist fsdp loss_chunk=0", JAXDIST + fsdp + ["model.loss_chunk=0"]),
@@ -118,6 +133,32 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
                                                 "rules.preset=tp", "--devices", "2"]),
             ("jaxdist 1b4 tensor=4", JAXDIST + ["configs/gpt_1b4.yaml", "mesh.fsdp=1", "mesh.tensor=4",
                                                 "rules.preset=tp", "--devices", "4"]),
+        ],
+        # Fused residual add + norm kernels (model.norm_impl), against XLA's fusions, and the dot merger.
+        "fused_norm": [
+            ("torch 406m b16", torch_gpt + ["--batch", "16"]),
+            ("jaxdist 406m +profile", JAXDIST + ["configs/gpt_406m.yaml", "--profile", "/tmp/jaxdist_profile"]),
+            ("jaxdist 406m norm_impl=xla", JAXDIST + ["configs/gpt_406m.yaml", "model.norm_impl=xla"]),
+            ("jaxdist 406m no dot merger", NO_DOT_MERGE + JAXDIST + ["configs/gpt_406m.yaml"]),
+            ("torch 1b4 b8", torch_gpt + ["--d", "2048", "--batch", "8"]),
+            ("jaxdist 1b4 b8", JAXDIST + ["configs/gpt_1b4.yaml"]),
+        ],
+        # GELU in the up-projection's epilogue (cuBLASLt GELU_AUX), with and without recomputing it.
+        "gelu_epilogue": [
+            ("torch 406m b16", torch_gpt + ["--batch", "16"]),
+            ("jaxdist 406m", JAXDIST + ["configs/gpt_406m.yaml"]),
+            ("cublaslt +profile", CUBLASLT + JAXDIST + ["configs/gpt_406m.yaml", "--profile", "/tmp/prof_lt"]),
+            ("cublaslt remat=none +profile", CUBLASLT + JAXDIST + ["configs/gpt_406m.yaml", "model.remat=none",
+                                                                    "--profile", "/tmp/prof_lt_none"]),
+            ("remat=none", JAXDIST + ["configs/gpt_406m.yaml", "model.remat=none"]),
+        ],
+        # The recipes with remat=none (GELU keeps only its input).
+        "remat_none": [
+            ("torch 406m b16", torch_gpt + ["--batch", "16"]),
+            ("jaxdist 406m", JAXDIST + ["configs/gpt_406m.yaml"]),
+            ("torch 1b4 b8", torch_gpt + ["--d", "2048", "--batch", "8"]),
+            ("jaxdist 1b4 b8", JAXDIST + ["configs/gpt_1b4.yaml"]),
+            ("jaxdist 1b4 remat=mlp", JAXDIST + ["configs/gpt_1b4.yaml", "model.remat=mlp"]),
         ],
         # The fused, chunked cross-entropy (model.loss_chunk): peak memory and step time per chunk size.
         "loss_chunk_406m": [
@@ -181,10 +222,13 @@ def main() -> None:
     gpus = args.gpus or int(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.count("GPU "))
     known = suites(args.peers, gpus)
     for suite in args.suites:
-        results = [run(label, command, args.timeout) for label, command in known[suite]]
-        if args.out:
-            with open(args.out, "a") as out:
-                out.writelines(json.dumps({"suite": suite, **r}) + "\n" for r in results)
+        results = []
+        for label, command in known[suite]:
+            results.append(run(label, command, args.timeout))
+            # Each result is kept as it comes, so a call cut short still returns what it measured.
+            if args.out:
+                with open(args.out, "a") as out:
+                    out.write(json.dumps({"suite": suite, **results[-1]}) + "\n")
         print(f"\n## {suite} ({gpus} GPU(s) present)\n{table(results)}\n", flush=True)
 
 

@@ -53,19 +53,23 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
     path = max(Path(args.profile_dir).rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
-    kernels = gpu_kernels(json.load(gzip.open(path)))
+    print_summary(gpu_kernels(json.load(gzip.open(path))), args.steps, args.top, str(path))
+
+
+def print_summary(kernels: list[dict], steps: int, top: int, source: str) -> None:
+    """Kernel time per step by kind, then the `top` kernels; `kernels` are events with name and dur (us)."""
     by_kind, by_name, calls = collections.Counter(), collections.Counter(), collections.Counter()
     for event in kernels:
-        ms = event["dur"] / 1e3 / args.steps
+        ms = event["dur"] / 1e3 / steps
         by_kind[kind(event["name"])] += ms
         by_name[event["name"]] += ms
         calls[event["name"]] += 1
-    print(f"kernel time per step: {sum(by_kind.values()):.2f} ms ({path})")
+    print(f"kernel time per step: {sum(by_kind.values()):.2f} ms ({source})")
     for label, ms in by_kind.most_common():
         print(f"  {label:<18} {ms:8.2f} ms")
-    print(f"top {args.top} kernels (ms per step, calls per step):")
-    for name, ms in by_name.most_common(args.top):
-        print(f"  {ms:7.2f} {calls[name] // args.steps:5d}  {kind(name):<10} {name[:110]}")
+    print(f"top {top} kernels (ms per step, calls per step):")
+    for name, ms in by_name.most_common(top):
+        print(f"  {ms:7.2f} {calls[name] // steps:5d}  {kind(name):<10} {name[:110]}")
 
 
 if __name__ == "__main__":
