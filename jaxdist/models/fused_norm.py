@@ -24,10 +24,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pallas_triton
 from jax.sharding import PartitionSpec
 
 from jaxdist.parallel import rules as rules_lib
+
+try:  # deprecated in jax 0.11 and to be removed: without it, the model keeps XLA's norms
+    from jax.experimental.pallas import triton as pallas_triton
+except ImportError:
+    pallas_triton = None
 
 # Rows per program in the forward, and per loop iteration in the backward (which also keeps the
 # scale/bias gradient sums in registers across iterations, so the partial sums stay small).
@@ -42,8 +46,10 @@ def supported(shape: tuple[int, ...], names) -> bool:
     """Whether the kernels take an activation of this (..., features) shape and logical names.
 
     Triton blocks need powers of two (features, and rows per shard); the feature axis must be whole
-    on each device.
+    on each device; the installed jax must still have Pallas's Triton backend.
     """
+    if pallas_triton is None:
+        return False
     sharded = _per_shard(tuple(names))
     shards = 1
     if sharded is not None:

@@ -80,7 +80,8 @@ class Norm(nnx.Module):
             return True
         if self.impl == "pallas":
             raise ValueError(f"model.norm_impl=pallas: the fused norm does not take activations of shape "
-                             f"{x.shape} here (powers of two per shard, features unsharded); use auto or xla")
+                             f"{x.shape} here (needs powers of two per shard, features unsharded, and Pallas's "
+                             "Triton backend in this jax); use auto or xla")
         return False
 
     def _bias(self) -> jax.Array | None:
