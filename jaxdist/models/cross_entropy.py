@@ -99,7 +99,7 @@ def _batch_shards() -> int:
     if active is None:
         return 1
     mesh, rules = active
-    return math.prod(mesh.shape[axis] for axis in rules.activations.get("batch", ()))
+    return math.prod(mesh.shape[axis] for axis in rules_lib.batch_axes(rules))
 
 
 def _scan_chunks(chunk, logits_dtype, hidden, head, targets, weights, *, with_grads: bool):

@@ -117,8 +117,11 @@ _norm.defvjp(_norm_fwd, _norm_bwd)
 # -- the kernels -------------------------------------------------------------------------------------
 
 
-def _normalize(total, rms: bool, eps: float):
-    """(rows, features) float32 -> (normalized rows before scale and bias, 1 / row std)."""
+def normalize(total, rms: bool, eps: float):
+    """(..., features) float32 -> (normalized rows before scale and bias, 1 / row std).
+
+    The norm's math, shared by the kernels and the model's plain XLA path.
+    """
     centered = total if rms else total - jnp.mean(total, axis=-1, keepdims=True)
     rstd = jax.lax.rsqrt(jnp.mean(centered * centered, axis=-1, keepdims=True) + eps)
     return centered * rstd, rstd
@@ -135,7 +138,7 @@ def _forward_kernel(*refs, rms, eps, has_delta, has_bias):
     if has_delta:
         total = (total.astype(jnp.float32) + delta_ref[...].astype(jnp.float32)).astype(total_ref.dtype)
         total_ref[...] = total
-    normed = _normalize(total.astype(jnp.float32), rms, eps)[0] * scale_ref[...].astype(jnp.float32)
+    normed = normalize(total.astype(jnp.float32), rms, eps)[0] * scale_ref[...].astype(jnp.float32)
     if has_bias:
         normed = normed + bias_ref[...].astype(jnp.float32)
     normed_ref[...] = normed.astype(normed_ref.dtype)
@@ -154,7 +157,7 @@ def _backward_kernel(*refs, rms, eps, has_residual_grad, has_bias, steps):
 
     def body(step, sums):
         rows = pl.ds((program * steps + step) * BACKWARD_ROWS, BACKWARD_ROWS)
-        normalized, rstd = _normalize(total_ref[rows, :].astype(jnp.float32), rms, eps)
+        normalized, rstd = normalize(total_ref[rows, :].astype(jnp.float32), rms, eps)
         d_normed = d_normed_ref[rows, :].astype(jnp.float32)
         grad = d_normed * scale
         # d/dx of the normalization: rstd * (g - mean(g) - xhat * mean(g * xhat)), without the
@@ -240,11 +243,8 @@ def _backward_local(rms, eps, has_bias, total, d_normed, d_total, scale):
 
 
 def _row_axes(spec: PartitionSpec) -> tuple[str, ...]:
-    axes: list[str] = []
-    for entry in tuple(spec)[:-1]:
-        if entry is not None:
-            axes.extend((entry,) if isinstance(entry, str) else entry)
-    return tuple(axes)
+    """The mesh axes that split the rows: those of every entry but the feature axis."""
+    return tuple(axis for entry in tuple(spec)[:-1] for axis in rules_lib.spec_axes(entry))
 
 
 def _per_shard(names):

@@ -88,10 +88,7 @@ class Norm(nnx.Module):
         return self.bias[...] if self.kind == "layernorm" else None
 
     def _xla(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        if self.kind == "layernorm":
-            x32 = x32 - x32.mean(-1, keepdims=True)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + EPS) * self.scale[...]
+        y = fused_norm.normalize(x.astype(jnp.float32), self.kind == "rmsnorm", EPS)[0] * self.scale[...]
         if self.kind == "layernorm":
             y = y + self.bias[...]
         return y.astype(x.dtype)

@@ -92,16 +92,22 @@ def _spec(table: Mapping[str, MeshAxes], names: Sequence[str | None], where: str
     return PartitionSpec(*entries)
 
 
-def _spec_axes(entry: Any) -> MeshAxes:
+def spec_axes(entry: Any) -> MeshAxes:
+    """The mesh axes one PartitionSpec entry names: None -> (), "a" -> ("a",), ("a", "b") as is."""
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def batch_axes(rules: Rules) -> tuple[str, ...]:
+    """The mesh axes the batch is split over (the activation rule for `batch`)."""
+    return tuple(rules.activations.get("batch", ()))
+
+
 def check_divisible(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, where: str) -> None:
     """Raises if a dimension is not divisible by the product of its mesh axes."""
     for dim, (size, entry) in enumerate(zip(shape, spec)):
-        axes = _spec_axes(entry)
+        axes = spec_axes(entry)
         unknown = [axis for axis in axes if axis not in mesh.shape]
         if unknown:
             raise UserError(f"rules: {where} names mesh axis '{unknown[0]}', which the mesh does not have")
@@ -265,6 +271,6 @@ def _names_str(names: Sequence[str | None]) -> str:
 def _spec_str(spec: PartitionSpec) -> str:
     parts = []
     for entry in spec:
-        axes = _spec_axes(entry)
+        axes = spec_axes(entry)
         parts.append("+".join(axes) if axes else "-")
     return "(" + ", ".join(parts) + ")"

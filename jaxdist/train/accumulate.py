@@ -69,11 +69,6 @@ def _zeros_like_shapes(tree: Any) -> Any:
     return jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), tree)
 
 
-def batch_axes(rules: rules_lib.Rules) -> tuple[str, ...]:
-    """The mesh axes the batch is split over (the activation rule for `batch`)."""
-    return tuple(rules.activations.get("batch", ()))
-
-
 def split_microbatches(x: jax.Array, microbatches: int) -> jax.Array:
     """(B, ...) -> (microbatches, B / microbatches, ...), each microbatch a slice of every shard.
 
@@ -100,7 +95,7 @@ def _reduce_per_microbatch(grad_fn: GradFn, params: Any, batch: Batch, microbatc
 
 
 def _without_axes(entry: Any, axes: tuple[str, ...]) -> Any:
-    kept = tuple(a for a in ((entry,) if isinstance(entry, str) else (entry or ())) if a not in axes)
+    kept = tuple(a for a in rules_lib.spec_axes(entry) if a not in axes)
     return kept[0] if len(kept) == 1 else (kept or None)
 
 
@@ -124,7 +119,7 @@ def _reduce_per_step(
     mesh: Mesh, rules: rules_lib.Rules, param_shardings: Any, reduce_dtype: jnp.dtype,
 ):
     """Sum over microbatches of (loss, aux, float32 grads), reduced across devices once, after the scan."""
-    axes = batch_axes(rules)
+    axes = rules_lib.batch_axes(rules)
     shards = math.prod(mesh.shape[axis] for axis in axes)
     # Inside the vmap each shard sees its own rows: `batch` maps to no mesh axis there, and the
     # vmapped shard axis carries the batch axes instead (spmd_axis_name).
@@ -182,7 +177,7 @@ def loss_and_grads(
     if reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"reduction={reduction!r}: use one of {GRAD_REDUCTIONS}")
     grad_fn = scaled_grad_fn(graphdef, loss_fn, loss_scale)
-    axes = batch_axes(rules)
+    axes = rules_lib.batch_axes(rules)
     shards = math.prod(mesh.shape[axis] for axis in axes)
     explicit = microbatches > 1 or reduce_dtype != "auto"
     if reduction == "per_step" and explicit and shards > 1:
