@@ -37,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("config", help="YAML config file")
         command.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
         if name == "bench":
-            command.add_argument("--steps", type=int, default=20, help="timed steps (median reported)")
+            command.add_argument("--steps", type=int, default=30,
+                                 help="timed steps, in windows of 10 (the median window is reported)")
             command.add_argument("--warmup", type=int, default=5, help="untimed steps after compiling")
             command.add_argument("--out", help="append the JSON result to this file")
             command.add_argument("--devices", type=int, help="use only the first N devices")

@@ -26,6 +26,11 @@ OVERLAP = ["env", "XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true "
 NO_DOT_MERGE = ["env", "XLA_FLAGS=--xla_gpu_dot_merger_threshold_mb=0"]
 # cuBLASLt lets XLA fuse GELU (and a bias) into the matmul's epilogue.
 CUBLASLT = ["env", "XLA_FLAGS=--xla_gpu_enable_cublaslt=true"]
+# XLA's collective matmul: all-gather -> matmul and matmul -> reduce-scatter run as chunked loops
+# whose transfers overlap the partial matmuls (needs sequence parallelism to produce those pairs).
+WINDOWED = ["env", "XLA_FLAGS=--xla_gpu_multi_streamed_windowed_einsum=true --xla_gpu_threshold_for_windowed_einsum_mib=0"]
+WINDOWED_LHS = ["env", "XLA_FLAGS=--xla_gpu_multi_streamed_windowed_einsum=true --xla_gpu_threshold_for_windowed_einsum_mib=0 "
+                "--xla_gpu_enable_latency_hiding_scheduler=true"]
 OVERLAP_8MB = ["env", "XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true "
                "--xla_gpu_all_reduce_combine_threshold_bytes=8388608"]
 
@@ -34,8 +39,11 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
     torch_gpt = [sys.executable, f"{peers}/torch_gpt.py"]
     dist = ["torchrun", "--standalone", f"--nproc_per_node={gpus}", f"{peers}/torch_dist.py"]
     b406 = 16 * gpus
-    dp = ["configs/gpt_406m.yaml", f"train.global_batch={b406}", "mesh.data=-1", "mesh.fsdp=1", "rules.preset=dp"]
-    fsdp = ["configs/gpt_406m.yaml", f"train.global_batch={b406}"]
+    # --devices: the first `gpus` GPUs, so a 2-GPU suite can run on a 4-GPU host (--gpus 2).
+    dp = ["configs/gpt_406m.yaml", f"train.global_batch={b406}", "mesh.data=-1", "mesh.fsdp=1", "rules.preset=dp",
+          "--devices", str(gpus)]
+    fsdp = ["configs/gpt_406m.yaml", f"train.global_batch={b406}", "--devices", str(gpus)]
+    tensor4 = ["configs/gpt_1b4.yaml", "mesh.fsdp=1", "mesh.tensor=4", "rules.preset=tp", "--devices", "4"]
     return {
         "1gpu_406m": [
             ("torch 406m b16", torch_gpt + ["--batch", "16"]),
@@ -160,6 +168,34 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("torch 1b4 b8", torch_gpt + ["--d", "2048", "--batch", "8"]),
             ("jaxdist 1b4 b8", JAXDIST + ["configs/gpt_1b4.yaml"]),
             ("jaxdist 1b4 remat=mlp", JAXDIST + ["configs/gpt_1b4.yaml", "model.remat=mlp"]),
+        ],
+        # Where the step's time goes besides kernels (profile idle gaps, host dispatch), whether XLA's
+        # command buffers (CUDA graphs) matter, and whether cuBLASLt now takes the GELU epilogue.
+        "gaps_406m": [
+            ("torch 406m b16", torch_gpt + ["--batch", "16"]),
+            ("jaxdist 406m +profile", JAXDIST + ["configs/gpt_406m.yaml", "--profile", "/tmp/jaxdist_profile"]),
+            ("jaxdist 406m cublaslt +hlo", ["env", "XLA_FLAGS=--xla_gpu_enable_cublaslt=true --xla_dump_to=/tmp/hlo_lt "
+                                            "--xla_dump_hlo_module_re=.*step.*"] + JAXDIST + ["configs/gpt_406m.yaml"]),
+            ("jaxdist 406m no command buffers", ["env", "XLA_FLAGS=--xla_gpu_enable_command_buffer="]
+             + JAXDIST + ["configs/gpt_406m.yaml"]),
+        ],
+        # Data parallelism on 2 GPUs (run with --gpus 2): the tail after the backward pass, traced
+        # back to back, and gradients crossing devices in bf16.
+        "dp_tail": [
+            ("jaxdist 406m 1gpu", JAXDIST + ["configs/gpt_406m.yaml", "mesh.fsdp=1", "--devices", "1"]),
+            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("jaxdist dp +profile", JAXDIST + dp + ["--profile", "/tmp/prof_dp"]),
+            ("jaxdist dp bf16 reduce", JAXDIST + dp + ["precision.grad_reduce=bfloat16"]),
+            ("jaxdist fsdp", JAXDIST + fsdp),
+        ],
+        # Tensor parallelism at 4 GPUs: sequence parallelism with XLA's collective matmul (windowed
+        # einsum: all-gather / reduce-scatter split into chunks that overlap the matmuls).
+        "tensor_overlap": [
+            ("jaxdist 1b4 1gpu", JAXDIST + ["configs/gpt_1b4.yaml", "mesh.fsdp=1", "--devices", "1"]),
+            ("jaxdist 1b4 tensor=4", JAXDIST + tensor4),
+            ("tensor=4 sp +windowed einsum", WINDOWED + JAXDIST + tensor4 + ["rules.activations.seq=tensor"]),
+            ("tensor=4 sp +windowed +lhs", WINDOWED_LHS + JAXDIST + tensor4 + ["rules.activations.seq=tensor"]),
+            ("tensor=4 batch 32", JAXDIST + tensor4 + ["train.global_batch=32"]),
         ],
         # The fused, chunked cross-entropy (model.loss_chunk): peak memory and step time per chunk size.
         "loss_chunk_406m": [

@@ -6,6 +6,9 @@ Reads the newest `perfetto_trace.json.gz` under PROFILE_DIR (written by `jaxdist
 --profile PROFILE_DIR`, which traces 3 steps) and sums the kernels on the GPU streams of the first
 GPU. Times are per step. Kinds are told apart by kernel names: cuBLAS/CUTLASS GEMMs, cuDNN
 attention, NCCL collectives, copies, and XLA's own fusions (elementwise and reductions).
+
+It also says how long the GPU sat idle inside a step (no kernel on any stream), in gap sizes, and
+where the longest gaps were: the difference between kernel time and step time.
 """
 
 from __future__ import annotations
@@ -46,6 +49,29 @@ def gpu_kernels(trace: dict) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and e["pid"] == gpu and e["tid"] in streams]
 
 
+def host_events(trace: dict) -> list[dict]:
+    """Complete events on the host's threads (JAX/XLA trace annotations and CUDA API calls), each
+    with its thread's name under "thread"."""
+    events = trace["traceEvents"]
+    processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "thread_name"}
+    host = {pid for pid, name in processes.items() if "GPU" not in name and "TPU" not in name}
+    return [dict(e, thread=threads.get((e["pid"], e["tid"]), "?")) for e in events
+            if e.get("ph") == "X" and e["pid"] in host]
+
+
+def print_host(events: list[dict], steps: int, top: int = 30) -> None:
+    """Host time per step by event name: where the thread that launches the step waits."""
+    total, calls, where = collections.Counter(), collections.Counter(), {}
+    for event in events:
+        total[event["name"]] += event["dur"] / 1e3 / steps
+        calls[event["name"]] += 1
+        where[event["name"]] = event["thread"]
+    print(f"host events, longest total per step (ms, calls per step, thread):")
+    for name, ms in total.most_common(top):
+        print(f"  {ms:8.2f} {calls[name] / steps:7.1f}  {where[name][:24]:<24} {name[:90]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("profile_dir")
@@ -53,7 +79,42 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
     path = max(Path(args.profile_dir).rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
-    print_summary(gpu_kernels(json.load(gzip.open(path))), args.steps, args.top, str(path))
+    trace = json.load(gzip.open(path))
+    print_summary(gpu_kernels(trace), args.steps, args.top, str(path))
+    print_host(host_events(trace), args.steps)
+
+
+# Idle gaps by length (us): launch bubbles are a few us; tens to hundreds of us are the host.
+GAP_BUCKETS_US = (2, 5, 10, 50, 500, 5000)
+
+
+def idle_gaps(kernels: list[dict]) -> list[tuple[float, str, str]]:
+    """(length us, kernel before, kernel after) for each time no kernel ran, on any stream.
+
+    `kernels` need "ts" and "dur" (us); the traced steps ran back to back (`jaxdist bench --profile`),
+    so gaps between steps count too.
+    """
+    gaps, busy_until, last = [], None, ""
+    for event in sorted(kernels, key=lambda e: e["ts"]):
+        if busy_until is not None and event["ts"] > busy_until:
+            gaps.append((event["ts"] - busy_until, last, event["name"]))
+        end = event["ts"] + event["dur"]
+        if busy_until is None or end > busy_until:
+            busy_until, last = end, event["name"]
+    return gaps
+
+
+def print_gaps(kernels: list[dict], steps: int, top: int = 8) -> None:
+    gaps = idle_gaps(kernels)
+    print(f"GPU idle: {sum(g for g, _, _ in gaps) / 1e3 / steps:.2f} ms per step, "
+          f"{len(gaps) / steps:.0f} gaps per step")
+    edges = (0, *GAP_BUCKETS_US, float("inf"))
+    for low, high in zip(edges, edges[1:]):
+        inside = [g for g, _, _ in gaps if low <= g < high]
+        print(f"  {low:>5}-{high:<5} us: {len(inside) / steps:8.1f} gaps {sum(inside) / 1e3 / steps:7.2f} ms")
+    print(f"longest {top} gaps (us, kernel before -> kernel after):")
+    for length, before, after in sorted(gaps, reverse=True)[:top]:
+        print(f"  {length:7.1f}  {before[:60]} -> {after[:60]}")
 
 
 def print_summary(kernels: list[dict], steps: int, top: int, source: str) -> None:
@@ -70,6 +131,8 @@ def print_summary(kernels: list[dict], steps: int, top: int, source: str) -> Non
     print(f"top {top} kernels (ms per step, calls per step):")
     for name, ms in by_name.most_common(top):
         print(f"  {ms:7.2f} {calls[name] // steps:5d}  {kind(name):<10} {name[:110]}")
+    if all("ts" in event for event in kernels):
+        print_gaps(kernels, steps)
 
 
 if __name__ == "__main__":
