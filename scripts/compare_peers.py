@@ -43,6 +43,8 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
     dp = ["configs/gpt_406m.yaml", f"train.global_batch={b406}", "mesh.data=-1", "mesh.fsdp=1", "rules.preset=dp",
           "--devices", str(gpus)]
     fsdp = ["configs/gpt_406m.yaml", f"train.global_batch={b406}", "--devices", str(gpus)]
+    dp2 = ["configs/gpt_406m.yaml", "train.global_batch=32", "mesh.data=-1", "mesh.fsdp=1", "rules.preset=dp",
+           "--devices", "2"]
     tensor4 = ["configs/gpt_1b4.yaml", "mesh.fsdp=1", "mesh.tensor=4", "rules.preset=tp", "--devices", "4"]
     return {
         "1gpu_406m": [
@@ -196,6 +198,15 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("tensor=4 sp +windowed einsum", WINDOWED + JAXDIST + tensor4 + ["rules.activations.seq=tensor"]),
             ("tensor=4 sp +windowed +lhs", WINDOWED_LHS + JAXDIST + tensor4 + ["rules.activations.seq=tensor"]),
             ("tensor=4 batch 32", JAXDIST + tensor4 + ["train.global_batch=32"]),
+        ],
+        # NCCL's Simple protocol only (the DP profile's all-reduce kernels were RING_LL, the low-latency
+        # protocol that spends more SM time per byte): data parallel at 2 GPUs, tensor=4 at 1.4B.
+        "nccl_simple": [
+            ("jaxdist 406m 1gpu", JAXDIST + ["configs/gpt_406m.yaml", "mesh.fsdp=1", "--devices", "1"]),
+            ("jaxdist dp2 NCCL_PROTO=Simple", ["env", "NCCL_PROTO=Simple"] + JAXDIST + dp2),
+            ("jaxdist dp2", JAXDIST + dp2),
+            ("jaxdist 1b4 tensor=4 NCCL_PROTO=Simple", ["env", "NCCL_PROTO=Simple"] + JAXDIST + tensor4),
+            ("jaxdist 1b4 tensor=4", JAXDIST + tensor4),
         ],
         # The fused, chunked cross-entropy (model.loss_chunk): peak memory and step time per chunk size.
         "loss_chunk_406m": [

@@ -67,7 +67,7 @@ def print_host(events: list[dict], steps: int, top: int = 30) -> None:
         total[event["name"]] += event["dur"] / 1e3 / steps
         calls[event["name"]] += 1
         where[event["name"]] = event["thread"]
-    print(f"host events, longest total per step (ms, calls per step, thread):")
+    print("host events, longest total per step (ms, calls per step, thread):")
     for name, ms in total.most_common(top):
         print(f"  {ms:8.2f} {calls[name] / steps:7.1f}  {where[name][:24]:<24} {name[:90]}")
 

@@ -1,0 +1,76 @@
+"""scripts/profile_summary.py reads a JAX profiler trace: kernel time by kind, GPU idle gaps, host events.
+
+The numbers in BENCHMARKS.md's profile tables come from it, so a miscount here would misreport them.
+"""
+
+import importlib.util
+from pathlib import Path
+
+spec = importlib.util.spec_from_file_location("profile_summary", Path(__file__).parents[1] / "scripts" / "profile_summary.py")
+profile_summary = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(profile_summary)
+
+
+def kernel(name: str, ts: float, dur: float, tid: int = 1, pid: int = 1) -> dict:
+    return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
+
+
+def trace() -> dict:
+    """GPU 0 with a compute and a collective stream, GPU 1, and the host: as `jax.profiler.trace` writes them."""
+    meta = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:1"}},
+        {"ph": "M", "name": "process_name", "pid": 9, "args": {"name": "/host:CPU"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 1, "args": {"name": "Stream #13(Compute)"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 2, "args": {"name": "Stream #20(Collective)"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 3, "args": {"name": "XLA Ops"}},
+        {"ph": "M", "name": "thread_name", "pid": 9, "tid": 7, "args": {"name": "python3"}},
+    ]
+    events = [
+        kernel("nvjet_sm90_gemm", 0, 100),
+        kernel("ncclDevKernel_AllReduce", 50, 100, tid=2),   # overlaps the GEMM: no gap
+        kernel("loop_add_fusion", 153, 10),                  # 3 us after the collective ends
+        kernel("Memset 0", 170, 1),                          # 7 us
+        kernel("cudnn_flash_fprop", 1171, 29),               # 1000 us: the host held the GPU up
+        kernel("loop_add_fusion", 0, 5000, tid=3),           # "XLA Ops" line: derived, not a kernel
+        kernel("nvjet_sm90_gemm", 0, 300, pid=2),            # the second GPU
+        kernel("cuGraphLaunch", 10, 80, tid=7, pid=9),
+        kernel("cuGraphLaunch", 500, 40, tid=7, pid=9),
+        kernel("PjitFunction(jit(step))", 0, 1200, tid=7, pid=9),
+    ]
+    return {"traceEvents": meta + events}
+
+
+def test_kernels_are_those_of_the_first_gpus_streams():
+    kernels = profile_summary.gpu_kernels(trace())
+    assert sorted(k["name"] for k in kernels) == sorted(
+        ["nvjet_sm90_gemm", "ncclDevKernel_AllReduce", "loop_add_fusion", "Memset 0", "cudnn_flash_fprop"])
+    kinds = [profile_summary.kind(k["name"]) for k in kernels]
+    assert sorted(kinds) == sorted(["matmul", "collective", "xla fusion/other", "copy", "attention"])
+
+
+def test_idle_gaps_count_time_when_no_stream_runs_a_kernel():
+    gaps = profile_summary.idle_gaps(profile_summary.gpu_kernels(trace()))
+    assert gaps == [
+        (3, "ncclDevKernel_AllReduce", "loop_add_fusion"),
+        (7, "loop_add_fusion", "Memset 0"),
+        (1000, "Memset 0", "cudnn_flash_fprop"),
+    ]
+
+
+def test_gap_report_buckets_per_step(capsys):
+    profile_summary.print_gaps(profile_summary.gpu_kernels(trace()), steps=1)
+    out = capsys.readouterr().out
+    assert "GPU idle: 1.01 ms per step, 3 gaps per step" in out
+    assert "500-5000  us:      1.0 gaps    1.00 ms" in out
+    assert "1000.0  Memset 0 -> cudnn_flash_fprop" in out
+
+
+def test_host_events_total_per_name_with_their_thread(capsys):
+    events = profile_summary.host_events(trace())
+    assert {e["name"] for e in events} == {"cuGraphLaunch", "PjitFunction(jit(step))"}
+    assert all(e["thread"] == "python3" for e in events)
+    profile_summary.print_host(events, steps=2)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[:2] == ["0.60", "0.5"] and lines[1].endswith("PjitFunction(jit(step))")
+    assert lines[2].split()[:2] == ["0.06", "1.0"] and lines[2].endswith("cuGraphLaunch")
