@@ -7,8 +7,9 @@ Reads the newest `perfetto_trace.json.gz` under PROFILE_DIR (written by `jaxdist
 GPU. Times are per step. Kinds are told apart by kernel names: cuBLAS/CUTLASS GEMMs, cuDNN
 attention, NCCL collectives, copies, and XLA's own fusions (elementwise and reductions).
 
-It also says how long the GPU sat idle inside a step (no kernel on any stream), in gap sizes, and
-where the longest gaps were: the difference between kernel time and step time.
+It also says how long the GPU sat idle (no kernel on any stream), in gap sizes, and where the
+longest gaps were: the difference between kernel time and step time; how much of the collectives'
+time other kernels ran beside them; and, from the host's threads, what the host spent its time in.
 """
 
 from __future__ import annotations
@@ -117,6 +118,40 @@ def print_gaps(kernels: list[dict], steps: int, top: int = 8) -> None:
         print(f"  {length:7.1f}  {before[:60]} -> {after[:60]}")
 
 
+def _merged(kernels: list[dict]) -> list[tuple[float, float]]:
+    """The kernels' (start, end) intervals, merged where they overlap, in time order."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted((k["ts"], k["ts"] + k["dur"]) for k in kernels):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total time inside both merged interval lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def collective_overlap(kernels: list[dict]) -> tuple[float, float]:
+    """(time any collective kernel ran, of it the time some other kernel ran too), in us."""
+    collectives = _merged([k for k in kernels if kind(k["name"]) == "collective"])
+    others = _merged([k for k in kernels if kind(k["name"]) != "collective"])
+    return _length(collectives), _intersection(collectives, others)
+
+
 def print_summary(kernels: list[dict], steps: int, top: int, source: str) -> None:
     """Kernel time per step by kind, then the `top` kernels; `kernels` are events with name and dur (us)."""
     by_kind, by_name, calls = collections.Counter(), collections.Counter(), collections.Counter()
@@ -133,6 +168,10 @@ def print_summary(kernels: list[dict], steps: int, top: int, source: str) -> Non
         print(f"  {ms:7.2f} {calls[name] // steps:5d}  {kind(name):<10} {name[:110]}")
     if all("ts" in event for event in kernels):
         print_gaps(kernels, steps)
+        running, overlapped = collective_overlap(kernels)
+        if running:
+            print(f"collectives running: {running / 1e3 / steps:.2f} ms per step, {overlapped / 1e3 / steps:.2f} "
+                  f"beside other kernels, {(running - overlapped) / 1e3 / steps:.2f} alone")
 
 
 if __name__ == "__main__":

@@ -74,3 +74,11 @@ def test_host_events_total_per_name_with_their_thread(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].split()[:2] == ["0.60", "0.5"] and lines[1].endswith("PjitFunction(jit(step))")
     assert lines[2].split()[:2] == ["0.06", "1.0"] and lines[2].endswith("cuGraphLaunch")
+
+
+def test_collective_time_is_split_into_overlapped_and_alone(capsys):
+    kernels = profile_summary.gpu_kernels(trace())
+    # The all-reduce runs 50-150 us; the GEMM beside it until 100 us.
+    assert profile_summary.collective_overlap(kernels) == (100, 50)
+    profile_summary.print_summary(kernels, steps=1, top=1, source="synthetic")
+    assert "collectives running: 0.10 ms per step, 0.05 beside other kernels, 0.05 alone" in capsys.readouterr().out
