@@ -95,6 +95,9 @@ def leaf_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     shapes = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            if _is_key(leaf):
+                # A typed PRNG key array is saved as its key data (uint32, one more axis or more).
+                leaf = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
             shapes[_dotted(path)] = (tuple(leaf.shape), str(np.dtype(leaf.dtype)))
     return shapes
 
@@ -223,6 +226,20 @@ def _state_to_write(state: Any) -> ocp.args.PyTreeSave:
     return ocp.args.PyTreeSave(jax.tree.unflatten(treedef, leaves), save_args=jax.tree.unflatten(treedef, save_args))
 
 
+def _is_key(leaf: Any) -> bool:
+    return hasattr(leaf, "dtype") and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
+def _as_target_keys(wanted: Any, restored: Any) -> Any:
+    """`restored` as a typed key array where `wanted` is one (Orbax gives back the key data)."""
+    if not _is_key(wanted) or _is_key(restored):
+        return restored
+    impls = []
+    # The implementation is known from the key type alone; key_impl reads it from a traced key.
+    jax.eval_shape(lambda key: impls.append(jax.random.key_impl(key)), jax.ShapeDtypeStruct(wanted.shape, wanted.dtype))
+    return jax.random.wrap_key_data(restored, impl=impls[0])
+
+
 def _chunked(array: jax.Array) -> ocp.SaveArgs:
     """Writes `array` in chunks no larger than one device's shard (or 1 MiB: Orbax warns below
     that), so that restoring onto many devices does not read a large array whole on each."""
@@ -325,12 +342,16 @@ class Checkpoints:
             raise CheckpointMismatch(f"checkpoint {self.path(step)} does not fit this model: {problem}", step)
 
     def restore(self, step: int, target: Any) -> Restored:
-        """Checkpoint `step` read into `target`'s shapes, dtypes and shardings (any mesh)."""
+        """Checkpoint `step` read into `target`'s shapes, dtypes and shardings (any mesh).
+
+        Typed PRNG key arrays in `target` come back typed, with their implementation.
+        """
         self.check_fits(step, target)
         restore_args = ocp.checkpoint_utils.construct_restore_args(target)
         args = ocp.args.Composite(**{STATE: ocp.args.PyTreeRestore(target, restore_args), META: ocp.args.JsonRestore()})
         restored = self._manager.restore(step, args=args)
-        return Restored(step, restored[STATE], dict(restored[META]), self.path(step))
+        state = jax.tree.map(_as_target_keys, target, restored[STATE])
+        return Restored(step, state, dict(restored[META]), self.path(step))
 
     def restore_latest(self, target: Any, newest: int | None = None) -> Restored | None:
         """The newest checkpoint (up to step `newest`) that reads back; None if there is none.

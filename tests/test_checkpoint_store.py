@@ -109,6 +109,40 @@ def test_restore_casts_to_the_target_dtype(tmp_path, mesh):
     np.testing.assert_array_equal(np.asarray(w, np.float32), np.asarray(jnp.arange(32.0).reshape(8, 4) * 1.5, jnp.bfloat16))
 
 
+def test_typed_prng_keys_restore_typed_onto_another_layout(tmp_path, mesh):
+    """A state may carry typed keys (`jax.random.key`, any implementation): they come back as keys
+    of the same implementation and value, split the way the target says."""
+    state = sharded_tree(mesh, 1)
+    state["rng"] = jax.random.key(7, impl="rbg")
+    state["per_device"] = jax.device_put(jax.random.split(jax.random.key(3), 8), NamedSharding(mesh, PartitionSpec("fsdp")))
+    store = Checkpoints(tmp_path)
+    store.save(1, state, {"step": 1})
+    store.wait()
+    other = make_mesh(data=2, fsdp=4, tensor=1)
+    target = abstract_state(sharded_tree(other, 0))
+    target["rng"] = jax.ShapeDtypeStruct((), state["rng"].dtype, sharding=NamedSharding(other, PartitionSpec()))
+    target["per_device"] = jax.ShapeDtypeStruct((8,), state["per_device"].dtype,
+                                                sharding=NamedSharding(other, PartitionSpec(("data", "fsdp"))))
+    restored = store.restore(1, target).state
+    store.close()
+    for name in ("rng", "per_device"):
+        assert restored[name].dtype == state[name].dtype  # key<rbg>, key<fry>
+        np.testing.assert_array_equal(np.asarray(jax.random.key_data(restored[name])),
+                                      np.asarray(jax.random.key_data(state[name])))
+        assert restored[name].sharding == target[name].sharding
+    assert float(jax.random.uniform(restored["rng"])) == float(jax.random.uniform(state["rng"]))
+
+
+def test_typed_key_of_another_shape_is_a_mismatch(tmp_path, mesh):
+    state = {"rngs": jax.random.split(jax.random.key(0), 4)}
+    store = Checkpoints(tmp_path)
+    store.save(1, state, {"step": 1})
+    store.wait()
+    with pytest.raises(CheckpointMismatch, match=r"rngs has shape \(4, 2\) in the checkpoint but \(2, 2\) in this model"):
+        store.restore(1, abstract_state({"rngs": jax.random.split(jax.random.key(0), 2)}))
+    store.close()
+
+
 @pytest.fixture
 def tiny_checkpoint(tmp_path):
     """A run_dir whose checkpoints hold the tiny GPT's initial state, as steps 3 and 5."""
