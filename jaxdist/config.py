@@ -79,6 +79,10 @@ class ModelConfig(Section):
     # > 0: the training and eval loss project to the vocabulary this many sequence positions at a
     # time (models/cross_entropy.py), never holding the full logits; 0: one projection.
     loss_chunk: int = Field(0, ge=0)
+    # > 1: every layer runs on this many slices of each device's batch in turn (unrolled layers), so
+    # one slice's tensor-parallel all-reduce can run while the next slice computes. For tensor
+    # parallelism; beside data/fsdp axes XLA may reduce each slice's weight gradients on its own.
+    batch_chunks: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _shapes(self) -> ModelConfig:
@@ -91,6 +95,8 @@ class ModelConfig(Section):
             )
         if self.norm_impl == "pallas" and self.scan_layers:
             raise ValueError("model.norm_impl=pallas needs model.scan_layers=false (the fused norms run on unrolled layers)")
+        if self.batch_chunks > 1 and self.scan_layers:
+            raise ValueError("model.batch_chunks > 1 needs model.scan_layers=false (the slices interleave unrolled layers)")
         if self.positions == "rope" and (self.d_model // self.heads) % 2:
             raise ValueError("model.positions=rope needs an even head dimension (d_model / heads)")
         return self
@@ -374,6 +380,12 @@ def check_against_devices(cfg: Config, device_count: int) -> dict[str, int]:
         raise UserError(
             f"train.microbatches={cfg.train.microbatches} does not divide the per-device batch "
             f"{per_shard} (train.global_batch / (mesh.data x mesh.fsdp)); pick a divisor of {per_shard}"
+        )
+    per_chunk = per_shard // cfg.train.microbatches
+    if per_chunk % cfg.model.batch_chunks:
+        raise UserError(
+            f"model.batch_chunks={cfg.model.batch_chunks} does not divide the {per_chunk} sequences each device "
+            f"runs at a time (train.global_batch / (mesh.data x mesh.fsdp) / train.microbatches); pick a divisor"
         )
     if cfg.model.heads % shape["tensor"]:
         raise UserError(

@@ -208,6 +208,21 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist 1b4 tensor=4 NCCL_PROTO=Simple", ["env", "NCCL_PROTO=Simple"] + JAXDIST + tensor4),
             ("jaxdist 1b4 tensor=4", JAXDIST + tensor4),
         ],
+        # Next to measure (4 GPUs). tensor=4: the latency-hiding scheduler alone (the backward's weight
+        # gradients do not wait for the activation all-reduces), and model.batch_chunks=2 (two slices
+        # of the batch per layer: one slice's all-reduces beside the other's compute). Data parallel:
+        # NCCL on fewer SMs, so the matmuls beside the all-reduces keep more of the GPU.
+        "next_overlap": [
+            ("jaxdist 1b4 1gpu", JAXDIST + ["configs/gpt_1b4.yaml", "mesh.fsdp=1", "--devices", "1"]),
+            ("jaxdist 1b4 tensor=4", JAXDIST + tensor4),
+            ("tensor=4 +lhs", LHS + JAXDIST + tensor4),
+            ("tensor=4 batch_chunks=2", JAXDIST + tensor4 + ["model.batch_chunks=2"]),
+            ("tensor=4 batch_chunks=2 +lhs", LHS + JAXDIST + tensor4 + ["model.batch_chunks=2"]),
+            ("jaxdist 406m 1gpu", JAXDIST + ["configs/gpt_406m.yaml", "mesh.fsdp=1", "--devices", "1"]),
+            ("jaxdist dp2", JAXDIST + dp2),
+            ("jaxdist dp2 NCCL_MAX_NCHANNELS=4", ["env", "NCCL_MAX_NCHANNELS=4"] + JAXDIST + dp2),
+            ("jaxdist dp2 NCCL_MAX_NCHANNELS=8", ["env", "NCCL_MAX_NCHANNELS=8"] + JAXDIST + dp2),
+        ],
         # The fused, chunked cross-entropy (model.loss_chunk): peak memory and step time per chunk size.
         "loss_chunk_406m": [
             ("torch 406m b16", torch_gpt + ["--batch", "16"]),

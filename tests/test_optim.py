@@ -225,6 +225,8 @@ def test_lr_scaling_rules_from_base_batch():
         ("optim.lr_scaling=linear", "optim.lr_scaling=linear needs optim.base_batch"),
         ("optim.min_lr_ratio=2", "optim.min_lr_ratio=2: input should be less than or equal to 1"),
         ("train.microbatches=3", "train.microbatches=3 does not divide the per-device batch 2"),
+        ("model.batch_chunks=2", "model.batch_chunks > 1 needs model.scan_layers=false"),
+        ("model.scan_layers=false model.batch_chunks=4", "model.batch_chunks=4 does not divide the 2 sequences each device"),
         ("train.grad_reduction=sometimes", "train.grad_reduction='sometimes': input should be 'per_step' or"),
         ("precision.compute=float16", "precision.compute=float16: XLA on CPU cannot compile float16 attention"),
     ],
@@ -232,7 +234,7 @@ def test_lr_scaling_rules_from_base_batch():
 def test_bad_input_is_one_line_and_exit_2_before_compiling(tmp_path, capsys, compiles, override, expected):
     config = tmp_path / "tiny.yaml"
     config.write_text(make_config(tmp_path / "run").to_yaml())  # 16 sequences over fsdp=8: 2 per device
-    assert cli.main(["train", str(config), override]) == 2
+    assert cli.main(["train", str(config), *override.split()]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("jaxdist: error: ") and expected in err, err
     assert compiles.count == 0

@@ -212,6 +212,25 @@ class Block(nnx.Module):
         return x, self.mlp(h)
 
 
+def split_batch(x: jax.Array, chunks: int) -> list[jax.Array]:
+    """(batch, ...) -> `chunks` arrays of batch / chunks rows; slice i holds rows i, i + chunks, ...
+
+    Rows are dealt out in turn, so every device's contiguous block of the sharded batch splits
+    evenly into the slices and no row moves between devices.
+    """
+    if chunks == 1:
+        return [x]
+    dealt = x.reshape(x.shape[0] // chunks, chunks, *x.shape[1:])
+    return [constrain(dealt[:, i], RESIDUAL) for i in range(chunks)]
+
+
+def merge_batch(xs: list[jax.Array | None]) -> jax.Array | None:
+    """The inverse of `split_batch`."""
+    if len(xs) == 1 or xs[0] is None:
+        return xs[0]
+    return constrain(jnp.stack(xs, axis=1).reshape(-1, *xs[0].shape[1:]), RESIDUAL)
+
+
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -285,10 +304,13 @@ class GPT(nnx.Module):
     def _run_blocks(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
         """The residual after the blocks, and the last block's output not yet added to it."""
         if not self.cfg.scan_layers:
-            delta = None
+            # Slices of the batch go through each layer one after the other: they are independent,
+            # so XLA may run one slice's collectives beside the next slice's compute.
+            xs, deltas = split_batch(x, self.cfg.batch_chunks), [None] * self.cfg.batch_chunks
             for block in self.blocks:
-                x, delta = self._remat(lambda carry, pending, b=block: b(carry, pending))(x, delta)
-            return x, delta
+                for i in range(len(xs)):
+                    xs[i], deltas[i] = self._remat(lambda carry, pending, b=block: b(carry, pending))(xs[i], deltas[i])
+            return merge_batch(xs), merge_batch(deltas)
         graphdef, stacked = nnx.split(self.blocks)
         run = functools.partial(self._run_layers, graphdef)
         return pipeline_lib.run_layers(run, stacked, x, self.pipeline, RESIDUAL), None
