@@ -223,6 +223,14 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist dp2 NCCL_MAX_NCHANNELS=4", ["env", "NCCL_MAX_NCHANNELS=4"] + JAXDIST + dp2),
             ("jaxdist dp2 NCCL_MAX_NCHANNELS=8", ["env", "NCCL_MAX_NCHANNELS=8"] + JAXDIST + dp2),
         ],
+        # Next to measure (1 GPU): XLA without its Triton GEMMs, where scripts/probe_gelu_epilogue.py
+        # shows whether the cuBLASLt rewriter then takes the GELU into the epilogue.
+        "next_1gpu": [
+            ("torch 406m b16", torch_gpt + ["--batch", "16"]),
+            ("jaxdist 406m", JAXDIST + ["configs/gpt_406m.yaml"]),
+            ("jaxdist 406m no triton gemm", ["env", "XLA_FLAGS=--xla_gpu_enable_triton_gemm=false"]
+             + JAXDIST + ["configs/gpt_406m.yaml"]),
+        ],
         # The fused, chunked cross-entropy (model.loss_chunk): peak memory and step time per chunk size.
         "loss_chunk_406m": [
             ("torch 406m b16", torch_gpt + ["--batch", "16"]),
