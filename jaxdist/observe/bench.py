@@ -104,7 +104,9 @@ def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = No
         "remat": cfg.model.remat,
         "step_ms": round(step_s * 1e3, 2),
         "step_ms_min_window": round(min(times) * 1e3, 2),
-        # Host time to launch one step; the device waits on the host when this nears step_ms.
+        # Host time per step call. Near step_ms, the host waited for the device (on GPU, in
+        # cuGraphLaunch while the previous step ran: harmless) or the device for the host; the
+        # GPU idle time in `--profile` tells which.
         "dispatch_ms": round(statistics.median(dispatch) * 1e3, 2),
         "tokens_per_sec": round(tokens_per_sec),
         "tokens_per_sec_per_device": round(per_device),
