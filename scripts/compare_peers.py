@@ -211,7 +211,9 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
         # Next to measure (4 GPUs). tensor=4: the latency-hiding scheduler alone (the backward's weight
         # gradients do not wait for the activation all-reduces), and model.batch_chunks=2 (two slices
         # of the batch per layer: one slice's all-reduces beside the other's compute). Data parallel:
-        # NCCL on fewer SMs, so the matmuls beside the all-reduces keep more of the GPU.
+        # the latency-hiding scheduler (profile: `profile_summary.py /tmp/prof_dp_lhs` says how much of
+        # the NCCL time ran beside compute), with one CUDA queue as NVIDIA advises for it, and NCCL on
+        # fewer SMs, so the matmuls beside the all-reduces keep more of the GPU.
         "next_overlap": [
             ("jaxdist 1b4 1gpu", JAXDIST + ["configs/gpt_1b4.yaml", "mesh.fsdp=1", "--devices", "1"]),
             ("jaxdist 1b4 tensor=4", JAXDIST + tensor4),
@@ -220,6 +222,8 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("tensor=4 batch_chunks=2 +lhs", LHS + JAXDIST + tensor4 + ["model.batch_chunks=2"]),
             ("jaxdist 406m 1gpu", JAXDIST + ["configs/gpt_406m.yaml", "mesh.fsdp=1", "--devices", "1"]),
             ("jaxdist dp2", JAXDIST + dp2),
+            ("jaxdist dp2 +lhs +profile", LHS + JAXDIST + dp2 + ["--profile", "/tmp/prof_dp_lhs"]),
+            ("jaxdist dp2 +lhs one CUDA queue", ["env", "CUDA_DEVICE_MAX_CONNECTIONS=1"] + LHS + JAXDIST + dp2),
             ("jaxdist dp2 NCCL_MAX_NCHANNELS=4", ["env", "NCCL_MAX_NCHANNELS=4"] + JAXDIST + dp2),
             ("jaxdist dp2 NCCL_MAX_NCHANNELS=8", ["env", "NCCL_MAX_NCHANNELS=8"] + JAXDIST + dp2),
         ],
