@@ -208,18 +208,20 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist 1b4 tensor=4 NCCL_PROTO=Simple", ["env", "NCCL_PROTO=Simple"] + JAXDIST + tensor4),
             ("jaxdist 1b4 tensor=4", JAXDIST + tensor4),
         ],
-        # Next to measure (4 GPUs). tensor=4: the latency-hiding scheduler alone (the backward's weight
-        # gradients do not wait for the activation all-reduces), and model.batch_chunks=2 (two slices
-        # of the batch per layer: one slice's all-reduces beside the other's compute). Data parallel:
-        # the latency-hiding scheduler (profile: `profile_summary.py /tmp/prof_dp_lhs` says how much of
-        # the NCCL time ran beside compute), with one CUDA queue as NVIDIA advises for it, and NCCL on
-        # fewer SMs, so the matmuls beside the all-reduces keep more of the GPU.
-        "next_overlap": [
+        # Next to measure (4 GPUs; one call each, about 6 minutes). tensor=4: the latency-hiding
+        # scheduler alone (the backward's weight gradients need not wait for the activation
+        # all-reduces), and model.batch_chunks=2 (one slice's all-reduces beside the other's compute).
+        "next_tensor": [
             ("jaxdist 1b4 1gpu", JAXDIST + ["configs/gpt_1b4.yaml", "mesh.fsdp=1", "--devices", "1"]),
             ("jaxdist 1b4 tensor=4", JAXDIST + tensor4),
             ("tensor=4 +lhs", LHS + JAXDIST + tensor4),
             ("tensor=4 batch_chunks=2", JAXDIST + tensor4 + ["model.batch_chunks=2"]),
             ("tensor=4 batch_chunks=2 +lhs", LHS + JAXDIST + tensor4 + ["model.batch_chunks=2"]),
+        ],
+        # Data parallel: the latency-hiding scheduler (`profile_summary.py /tmp/prof_dp_lhs` then says how
+        # much of the NCCL time ran beside compute), with one CUDA queue as NVIDIA advises for it, and
+        # NCCL on fewer SMs, so the matmuls beside the all-reduces keep more of the GPU.
+        "next_dp": [
             ("jaxdist 406m 1gpu", JAXDIST + ["configs/gpt_406m.yaml", "mesh.fsdp=1", "--devices", "1"]),
             ("jaxdist dp2", JAXDIST + dp2),
             ("jaxdist dp2 +lhs +profile", LHS + JAXDIST + dp2 + ["--profile", "/tmp/prof_dp_lhs"]),
