@@ -21,6 +21,7 @@ from jaxdist.config import ModelConfig, PipelineConfig
 from jaxdist.models import fused_norm
 from jaxdist.parallel import pipeline as pipeline_lib
 from jaxdist.parallel.rules import constrain
+from jaxdist.train.accumulate import split_microbatches
 
 Names = tuple[str | None, ...]
 
@@ -212,23 +213,9 @@ class Block(nnx.Module):
         return x, self.mlp(h)
 
 
-def split_batch(x: jax.Array, chunks: int) -> list[jax.Array]:
-    """(batch, ...) -> `chunks` arrays of batch / chunks rows; slice i holds rows i, i + chunks, ...
-
-    Rows are dealt out in turn, so every device's contiguous block of the sharded batch splits
-    evenly into the slices and no row moves between devices.
-    """
-    if chunks == 1:
-        return [x]
-    dealt = x.reshape(x.shape[0] // chunks, chunks, *x.shape[1:])
-    return [constrain(dealt[:, i], RESIDUAL) for i in range(chunks)]
-
-
-def merge_batch(xs: list[jax.Array | None]) -> jax.Array | None:
-    """The inverse of `split_batch`."""
-    if len(xs) == 1 or xs[0] is None:
-        return xs[0]
-    return constrain(jnp.stack(xs, axis=1).reshape(-1, *xs[0].shape[1:]), RESIDUAL)
+def _merge_slices(parts: list[jax.Array]) -> jax.Array:
+    """The batch again from its `split_microbatches` slices (model.batch_chunks)."""
+    return constrain(pipeline_lib.merge_microbatches(jnp.stack(parts)), RESIDUAL)
 
 
 _REMAT_POLICIES = {
@@ -305,12 +292,17 @@ class GPT(nnx.Module):
         """The residual after the blocks, and the last block's output not yet added to it."""
         if not self.cfg.scan_layers:
             # Slices of the batch go through each layer one after the other: they are independent,
-            # so XLA may run one slice's collectives beside the next slice's compute.
-            xs, deltas = split_batch(x, self.cfg.batch_chunks), [None] * self.cfg.batch_chunks
+            # so XLA may run one slice's collectives beside the next slice's compute. The slices
+            # are strided like microbatches, so splitting moves no rows between devices.
+            chunks = self.cfg.batch_chunks
+            xs = list(split_microbatches(x, chunks)) if chunks > 1 else [x]
+            deltas = [None] * chunks
             for block in self.blocks:
-                for i in range(len(xs)):
+                for i in range(chunks):
                     xs[i], deltas[i] = self._remat(lambda carry, pending, b=block: b(carry, pending))(xs[i], deltas[i])
-            return merge_batch(xs), merge_batch(deltas)
+            if chunks == 1:
+                return xs[0], deltas[0]
+            return _merge_slices(xs), _merge_slices(deltas)
         graphdef, stacked = nnx.split(self.blocks)
         run = functools.partial(self._run_layers, graphdef)
         return pipeline_lib.run_layers(run, stacked, x, self.pipeline, RESIDUAL), None
