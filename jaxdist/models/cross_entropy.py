@@ -20,7 +20,6 @@ logsumexp and the hidden-state gradient.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -99,7 +98,7 @@ def _batch_shards() -> int:
     if active is None:
         return 1
     mesh, rules = active
-    return math.prod(mesh.shape[axis] for axis in rules_lib.batch_axes(rules))
+    return rules_lib.axes_size(mesh, rules_lib.batch_axes(rules))
 
 
 def _scan_chunks(chunk, logits_dtype, hidden, head, targets, weights, *, with_grads: bool):

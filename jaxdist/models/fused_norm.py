@@ -56,7 +56,7 @@ def supported(shape: tuple[int, ...], names) -> bool:
         mesh, spec = sharded
         if spec[-1] is not None:
             return False
-        shards = int(np.prod([mesh.shape[axis] for axis in _row_axes(spec)]))
+        shards = rules_lib.axes_size(mesh, _row_axes(spec))
     rows = int(np.prod(shape[:-1])) // shards
     return _pow2(shape[-1]) and _pow2(rows) and rows >= FORWARD_ROWS * BACKWARD_ROWS
 

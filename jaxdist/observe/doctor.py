@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxdist import config as config_lib
 from jaxdist.config import Config
 from jaxdist.parallel import mesh as mesh_lib
+from jaxdist.parallel import rules as rules_lib
 
 COLLECTIVES = ("all-reduce", "all-gather", "ppermute")
 CHECK_WIDTH = 8  # values per device in the correctness checks
@@ -68,7 +69,7 @@ def expected_result(collective: str, x: np.ndarray, dims: tuple[int, ...]) -> np
 def _collective_body(collective: str, mesh: Mesh, axes: tuple[str, ...]) -> Callable[[jax.Array], jax.Array]:
     """The per-device function of `collective` over `axes`, on blocks of shape (1, ..., 1, k)."""
     names = tuple(mesh.axis_names)
-    group_size = int(np.prod([mesh.shape[axis] for axis in axes]))
+    group_size = rules_lib.axes_size(mesh, axes)
 
     def all_reduce(block):
         return jax.lax.psum(block, axes)
@@ -169,7 +170,7 @@ def measure_bandwidth(mesh: Mesh, megabytes: float) -> list[Bandwidth]:
     nbytes = width * 4
     results = []
     for axes in axis_groups(mesh):
-        size = int(np.prod([mesh.shape[axis] for axis in axes]))
+        size = rules_lib.axes_size(mesh, axes)
         reduce_s = _median_time(repeated_program("all-reduce", mesh, axes, TIMED_REPEATS), buffer) / TIMED_REPEATS
         permute_s = _median_time(repeated_program("ppermute", mesh, axes, TIMED_REPEATS), buffer) / TIMED_REPEATS
         results.append(Bandwidth(axes, size, reduce_s, nbytes / reduce_s * 2 * (size - 1) / size,

@@ -146,8 +146,8 @@ def run_layers(
     mesh, rules = active
     rules.activation_spec((STAGE, names[0]), "a pipeline buffer")  # a UserError if a rule is missing
     stage_axes = rules.activations[STAGE]
-    stages = _size(mesh, stage_axes)
-    if stages == 1 or x.shape[0] % (settings.microbatches * _size(mesh, rules.activations[names[0]])):
+    stages = rules_lib.axes_size(mesh, stage_axes)
+    if stages == 1 or x.shape[0] % (settings.microbatches * rules_lib.axes_size(mesh, rules.activations[names[0]])):
         return apply_layers(x, layers)
     schedule = Schedule(stages, settings.microbatches, settings.repeats)
     schedule.check(jax.tree.leaves(layers)[0].shape[0])
@@ -267,6 +267,3 @@ def _column(conveyor: jax.Array, index: jax.Array) -> jax.Array:
 def _set_column(conveyor: jax.Array, index: jax.Array, column: jax.Array) -> jax.Array:
     return jax.lax.dynamic_update_index_in_dim(conveyor, column, index, axis=1)
 
-
-def _size(mesh: Mesh, axes: tuple[str, ...]) -> int:
-    return math.prod(mesh.shape[axis] for axis in axes)

@@ -99,6 +99,11 @@ def spec_axes(entry: Any) -> MeshAxes:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def axes_size(mesh: Mesh, axes: Sequence[str]) -> int:
+    """How many ways `axes` of `mesh` split a dimension together: the product of their sizes."""
+    return math.prod(mesh.shape[axis] for axis in axes)
+
+
 def batch_axes(rules: Rules) -> tuple[str, ...]:
     """The mesh axes the batch is split over (the activation rule for `batch`)."""
     return tuple(rules.activations.get("batch", ()))
@@ -111,7 +116,7 @@ def check_divisible(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, where
         unknown = [axis for axis in axes if axis not in mesh.shape]
         if unknown:
             raise UserError(f"rules: {where} names mesh axis '{unknown[0]}', which the mesh does not have")
-        parts = math.prod(mesh.shape[axis] for axis in axes)
+        parts = axes_size(mesh, axes)
         if size % parts:
             split = " x ".join(f"{axis}={mesh.shape[axis]}" for axis in axes)
             raise UserError(

@@ -27,7 +27,6 @@ compute on GPU the matmul weights' gradients cross devices in bfloat16 (measured
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -120,7 +119,7 @@ def _reduce_per_step(
 ):
     """Sum over microbatches of (loss, aux, float32 grads), reduced across devices once, after the scan."""
     axes = rules_lib.batch_axes(rules)
-    shards = math.prod(mesh.shape[axis] for axis in axes)
+    shards = rules_lib.axes_size(mesh, axes)
     # Inside the vmap each shard sees its own rows: `batch` maps to no mesh axis there, and the
     # vmapped shard axis carries the batch axes instead (spmd_axis_name).
     inner_rules = rules.override(activations={"batch": None})
@@ -178,7 +177,7 @@ def loss_and_grads(
         raise ValueError(f"reduction={reduction!r}: use one of {GRAD_REDUCTIONS}")
     grad_fn = scaled_grad_fn(graphdef, loss_fn, loss_scale)
     axes = rules_lib.batch_axes(rules)
-    shards = math.prod(mesh.shape[axis] for axis in axes)
+    shards = rules_lib.axes_size(mesh, axes)
     explicit = microbatches > 1 or reduce_dtype != "auto"
     if reduction == "per_step" and explicit and shards > 1:
         wire_dtype = jnp.dtype("float32" if reduce_dtype == "auto" else reduce_dtype)
