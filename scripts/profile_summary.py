@@ -95,14 +95,8 @@ def idle_gaps(kernels: list[dict]) -> list[tuple[float, str, str]]:
     `kernels` need "ts" and "dur" (us); the traced steps ran back to back (`jaxdist bench --profile`),
     so gaps between steps count too.
     """
-    gaps, busy_until, last = [], None, ""
-    for event in sorted(kernels, key=lambda e: e["ts"]):
-        if busy_until is not None and event["ts"] > busy_until:
-            gaps.append((event["ts"] - busy_until, last, event["name"]))
-        end = event["ts"] + event["dur"]
-        if busy_until is None or end > busy_until:
-            busy_until, last = end, event["name"]
-    return gaps
+    spans = _busy_spans(kernels)
+    return [(after[0] - before[1], before[3], after[2]) for before, after in zip(spans, spans[1:])]
 
 
 def print_gaps(kernels: list[dict], steps: int, top: int = 8) -> None:
@@ -118,23 +112,26 @@ def print_gaps(kernels: list[dict], steps: int, top: int = 8) -> None:
         print(f"  {length:7.1f}  {before[:60]} -> {after[:60]}")
 
 
-def _merged(kernels: list[dict]) -> list[tuple[float, float]]:
-    """The kernels' (start, end) intervals, merged where they overlap, in time order."""
-    merged: list[tuple[float, float]] = []
-    for start, end in sorted((k["ts"], k["ts"] + k["dur"]) for k in kernels):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+def _busy_spans(kernels: list[dict]) -> list[tuple[float, float, str, str]]:
+    """The times some kernel ran, overlapping kernels merged, in time order: (start, end, the first
+    kernel's name, the name of the one that ended last)."""
+    spans: list[tuple[float, float, str, str]] = []
+    for event in sorted(kernels, key=lambda e: e["ts"]):
+        start, end = event["ts"], event["ts"] + event["dur"]
+        if spans and start <= spans[-1][1]:
+            if end > spans[-1][1]:
+                spans[-1] = (spans[-1][0], end, spans[-1][2], event["name"])
         else:
-            merged.append((start, end))
-    return merged
+            spans.append((start, end, event["name"], event["name"]))
+    return spans
 
 
-def _length(intervals: list[tuple[float, float]]) -> float:
-    return sum(end - start for start, end in intervals)
+def _length(spans: list[tuple]) -> float:
+    return sum(span[1] - span[0] for span in spans)
 
 
-def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Total time inside both merged interval lists."""
+def _intersection(a: list[tuple], b: list[tuple]) -> float:
+    """Total time inside both lists of spans (each in time order, not overlapping)."""
     total, i, j = 0.0, 0, 0
     while i < len(a) and j < len(b):
         total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
@@ -147,8 +144,8 @@ def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) ->
 
 def collective_overlap(kernels: list[dict]) -> tuple[float, float]:
     """(time any collective kernel ran, of it the time some other kernel ran too), in us."""
-    collectives = _merged([k for k in kernels if kind(k["name"]) == "collective"])
-    others = _merged([k for k in kernels if kind(k["name"]) != "collective"])
+    collectives = _busy_spans([k for k in kernels if kind(k["name"]) == "collective"])
+    others = _busy_spans([k for k in kernels if kind(k["name"]) != "collective"])
     return _length(collectives), _intersection(collectives, others)
 
 
