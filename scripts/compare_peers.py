@@ -236,6 +236,30 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist 406m", JAXDIST + ["configs/gpt_406m.yaml"]),
             ("jaxdist 406m no triton gemm", ["env", "XLA_FLAGS=--xla_gpu_enable_triton_gemm=false"]
              + JAXDIST + ["configs/gpt_406m.yaml"]),
+            ("406m no triton, cublaslt +prof", ["env", "XLA_FLAGS=--xla_gpu_enable_triton_gemm=false "
+                                                "--xla_gpu_enable_cublaslt=true"]
+             + JAXDIST + ["configs/gpt_406m.yaml", "--profile", "/tmp/prof_lt_notriton"]),
+        ],
+        # Fourth round, with Triton GEMMs off by default (the MLP's GELU in cuBLASLt's epilogue):
+        # data parallel on 2 GPUs (run with --gpus 2) with and without the latency-hiding scheduler,
+        # the scheduler's run profiled, and FSDP.
+        "r4_dp": [
+            ("jaxdist 406m 1gpu", JAXDIST + ["configs/gpt_406m.yaml", "mesh.fsdp=1", "--devices", "1"]),
+            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("jaxdist dp2", JAXDIST + dp2),
+            ("jaxdist dp2 +lhs +profile", LHS + JAXDIST + dp2 + ["--profile", "/tmp/prof_dp_lhs"]),
+            ("jaxdist dp2 +lhs one CUDA queue", ["env", "CUDA_DEVICE_MAX_CONNECTIONS=1"] + LHS + JAXDIST + dp2),
+            ("jaxdist dp2 NCCL_MAX_NCHANNELS=4", ["env", "NCCL_MAX_NCHANNELS=4"] + JAXDIST + dp2),
+            ("jaxdist fsdp", JAXDIST + fsdp),
+        ],
+        # ... 1.4B on one GPU against torch, and tensor=4 with the scheduler and/or model.batch_chunks=2.
+        "r4_tensor": [
+            ("torch 1b4 b8", torch_gpt + ["--d", "2048", "--batch", "8"]),
+            ("jaxdist 1b4 1gpu", JAXDIST + ["configs/gpt_1b4.yaml", "mesh.fsdp=1", "--devices", "1"]),
+            ("jaxdist 1b4 tensor=4", JAXDIST + tensor4),
+            ("tensor=4 +lhs", LHS + JAXDIST + tensor4),
+            ("tensor=4 batch_chunks=2", JAXDIST + tensor4 + ["model.batch_chunks=2"]),
+            ("tensor=4 batch_chunks=2 +lhs", LHS + JAXDIST + tensor4 + ["model.batch_chunks=2"]),
         ],
         # The fused, chunked cross-entropy (model.loss_chunk): peak memory and step time per chunk size.
         "loss_chunk_406m": [

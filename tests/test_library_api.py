@@ -60,6 +60,7 @@ def test_importing_jaxdist_adds_its_gpu_flags_and_keeps_the_users():
         out = subprocess.run([sys.executable, "-c", show], env=env, capture_output=True, text=True, check=True)
         return out.stdout.split()
 
-    assert "--xla_gpu_dot_merger_threshold_mb=0" in flags_after_import(None)
+    assert flags_after_import(None) == ["--xla_gpu_dot_merger_threshold_mb=0", "--xla_gpu_enable_triton_gemm=false"]
     mine = flags_after_import("--xla_gpu_dot_merger_threshold_mb=32 --xla_dump_to=/tmp/x")
-    assert mine == ["--xla_gpu_dot_merger_threshold_mb=32", "--xla_dump_to=/tmp/x"]
+    assert mine == ["--xla_gpu_dot_merger_threshold_mb=32", "--xla_dump_to=/tmp/x", "--xla_gpu_enable_triton_gemm=false"]
+    assert "--xla_gpu_enable_triton_gemm=true" in flags_after_import("--xla_gpu_enable_triton_gemm=true")
