@@ -2,7 +2,8 @@
 
 Same loss and gradients as the unchunked `lm_loss` (float32) under tensor-sharded vocabulary and
 data parallelism, with and without eval weights, tied and untied head; a smaller compiled step;
-the same training run; bad chunk sizes rejected before anything compiles.
+the same training run; bad chunk sizes rejected before anything compiles. The one-pass logsumexp
+is the two-pass one on extreme logits, and reads the logits in one reduction.
 """
 
 import json
@@ -19,7 +20,7 @@ from flax import nnx
 from jaxdist import cli, models
 from jaxdist import config as config_lib
 from jaxdist.data.pipeline import global_batch
-from jaxdist.models.cross_entropy import fused_linear_cross_entropy
+from jaxdist.models.cross_entropy import fused_linear_cross_entropy, reduce_logits
 from jaxdist.observe import hlo
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.parallel import rules as rules_lib
@@ -222,3 +223,22 @@ def test_bad_chunk_exits_2_before_compiling(config_file, capsys, compiles, overr
     for text in must_mention:
         assert text in err, (text, err)
     assert compiles.count == 0
+
+
+def test_one_pass_logsumexp_matches_two_passes_and_reduces_once():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0.0, 30.0, (3, 5, VOCAB)).astype(np.float32)
+    logits[0, 0, 7] = 3e4           # one huge logit: every other term rescales against it
+    logits[1, 2] = -1e4             # a row far below zero
+    logits[2, 1, ::2] = -np.inf     # masked entries
+    targets = rng.integers(0, VOCAB, (3, 5))
+    is_target = jnp.arange(VOCAB) == targets[..., None]
+
+    one = jax.jit(lambda x, t: reduce_logits(x, t, one_pass=True))
+    lse, target_logit = one(logits, is_target)
+    want_lse, want_target = reduce_logits(jnp.asarray(logits), is_target, one_pass=False)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-6)
+    np.testing.assert_array_equal(target_logit, want_target)
+    assert lse[0, 0] == 3e4 and np.isfinite(lse).all()
+    # One reduction over the logits: max, sum of exponentials and target logit in one kernel.
+    assert one.lower(logits, is_target).compile().as_text().count(" reduce(") == 1

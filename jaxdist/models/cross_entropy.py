@@ -101,6 +101,42 @@ def _batch_shards() -> int:
     return rules_lib.axes_size(mesh, rules_lib.batch_axes(rules))
 
 
+def _vocab_shards() -> int:
+    """How many ways the enclosing `activation_rules` split the vocabulary of the logits (1 outside them)."""
+    active = rules_lib.active()
+    if active is None:
+        return 1
+    mesh, rules = active
+    return rules_lib.axes_size(mesh, rules.activations.get("vocab", ()))
+
+
+def reduce_logits(logits: jax.Array, is_target: jax.Array, *, one_pass: bool) -> tuple[jax.Array, jax.Array]:
+    """(logsumexp, the target's logit) over the last axis of float32 `logits`.
+
+    `one_pass`: a single variadic reduction carries the running maximum, the sum of exponentials
+    relative to it, and the target's logit, so the logits are read once instead of twice (max,
+    then sum) and each element costs one `exp`. Its combiner is no sum or max, so it needs the
+    vocabulary unsplit: XLA's cross-device reductions only sum, max, min or multiply.
+    """
+    if not one_pass:
+        return jax.nn.logsumexp(logits, axis=-1), jnp.where(is_target, logits, 0.0).sum(-1)
+
+    def combine(left, right):
+        (max_l, sum_l, target_l), (max_r, sum_r, target_r) = left, right
+        # exp(smaller max - larger max) rescales the sum taken against the smaller one.
+        rescale = jnp.exp(-jnp.abs(max_l - max_r))
+        total = jnp.where(max_r > max_l, sum_l * rescale + sum_r, sum_l + sum_r * rescale)
+        return jnp.maximum(max_l, max_r), total, target_l + target_r
+
+    # Each element enters as (itself, exp(0) = 1, its logit if it is the target); the identity's
+    # maximum is float32's lowest finite value, not -inf, so that combining two identities gives
+    # exp(0), not exp(-inf + inf) = nan.
+    identity = (jnp.float32(jnp.finfo(jnp.float32).min), jnp.float32(0.0), jnp.float32(0.0))
+    operands = (logits, jnp.ones_like(logits), jnp.where(is_target, logits, 0.0))
+    maximum, total, target_logit = jax.lax.reduce(operands, identity, combine, (logits.ndim - 1,))
+    return maximum + jnp.log(total), target_logit
+
+
 def _scan_chunks(chunk, logits_dtype, hidden, head, targets, weights, *, with_grads: bool):
     """(weighted loss sum, (unnormalized d_hidden, d_head) or None) over every chunk.
 
@@ -113,6 +149,7 @@ def _scan_chunks(chunk, logits_dtype, hidden, head, targets, weights, *, with_gr
     # its own partial sum in the carry (a leading shard axis on the batch's mesh axes), so it is
     # reduced across devices once, after the scan, rather than in every chunk.
     shards = _batch_shards()
+    vocab_sharded = _vocab_shards() > 1
 
     def by_shard(x: jax.Array) -> jax.Array:
         return x.reshape(shards, batch // shards, *x.shape[1:])
@@ -121,10 +158,9 @@ def _scan_chunks(chunk, logits_dtype, hidden, head, targets, weights, *, with_gr
         hidden_c, targets_c = xs
         logits = jnp.einsum("bcd,dv->bcv", hidden_c, head_c, preferred_element_type=logits_dtype)
         logits = constrain(logits, ("batch", "length", "vocab")).astype(jnp.float32)
-        logsumexp = jax.nn.logsumexp(logits, axis=-1)
         # A compare against iota, not a gather: it stays elementwise over a sharded vocabulary.
         is_target = jnp.arange(vocab) == targets_c[..., None]
-        target_logit = jnp.where(is_target, logits, 0.0).sum(-1)
+        logsumexp, target_logit = reduce_logits(logits, is_target, one_pass=not vocab_sharded)
         sequence_losses = carry[0] + (logsumexp - target_logit).sum(-1)
         if not with_grads:
             return (sequence_losses,), None
