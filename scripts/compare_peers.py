@@ -261,6 +261,23 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("tensor=4 batch_chunks=2", JAXDIST + tensor4 + ["model.batch_chunks=2"]),
             ("tensor=4 batch_chunks=2 +lhs", LHS + JAXDIST + tensor4 + ["model.batch_chunks=2"]),
         ],
+        # ... after the one-pass logsumexp (1 GPU), and the embedding gradient as gathered rows (DP).
+        "r4b_1gpu": [
+            ("torch 406m b16", torch_gpt + ["--batch", "16"]),
+            ("jaxdist 406m +profile", JAXDIST + ["configs/gpt_406m.yaml", "--profile", "/tmp/prof_406m"]),
+            ("torch 1b4 b8", torch_gpt + ["--d", "2048", "--batch", "8"]),
+            ("jaxdist 1b4", JAXDIST + ["configs/gpt_1b4.yaml"]),
+        ],
+        "r4b_dp": [
+            ("jaxdist 406m 1gpu +hlo", ["env", f"XLA_FLAGS=--xla_dump_to={os.environ.get('OUT', '/tmp')}/hlo "
+                                        "--xla_dump_hlo_module_re=.*step.*"]
+             + JAXDIST + ["configs/gpt_406m.yaml", "mesh.fsdp=1", "--devices", "1"]),
+            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("jaxdist dp2", JAXDIST + dp2),
+            ("jaxdist dp2 +lhs +profile", LHS + JAXDIST + dp2 + ["--profile", "/tmp/prof_dp_lhs"]),
+            ("torch fsdp2", ["env", "MODE=fsdp"] + dist),
+            ("jaxdist fsdp", JAXDIST + fsdp),
+        ],
         # The fused, chunked cross-entropy (model.loss_chunk): peak memory and step time per chunk size.
         "loss_chunk_406m": [
             ("torch 406m b16", torch_gpt + ["--batch", "16"]),

@@ -15,6 +15,7 @@ time other kernels ran beside them; and, from the host's threads, what the host 
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import gzip
 import json
@@ -149,6 +150,26 @@ def collective_overlap(kernels: list[dict]) -> tuple[float, float]:
     return _length(collectives), _intersection(collectives, others)
 
 
+def lone_collectives(kernels: list[dict]) -> list[tuple[float, float, str, str]]:
+    """(us alone, us long, name, the last other kernel to start before it) for each collective
+    kernel: the time of it during which no other kernel ran, longest first."""
+    others = sorted((k for k in kernels if kind(k["name"]) != "collective"), key=lambda k: k["ts"])
+    spans = _busy_spans(others)
+    starts = [k["ts"] for k in others]
+    rows = []
+    for event in kernels:
+        if kind(event["name"]) != "collective":
+            continue
+        span = [(event["ts"], event["ts"] + event["dur"])]
+        before = others[max(0, _bisect(starts, event["ts"]) - 1)]["name"] if others else "-"
+        rows.append((event["dur"] - _intersection(span, spans), event["dur"], event["name"], before))
+    return sorted(rows, reverse=True)
+
+
+def _bisect(values: list[float], x: float) -> int:
+    return bisect.bisect_right(values, x)
+
+
 def print_summary(kernels: list[dict], steps: int, top: int, source: str) -> None:
     """Kernel time per step by kind, then the `top` kernels; `kernels` are events with name and dur (us)."""
     by_kind, by_name, calls = collections.Counter(), collections.Counter(), collections.Counter()
@@ -169,6 +190,9 @@ def print_summary(kernels: list[dict], steps: int, top: int, source: str) -> Non
         if running:
             print(f"collectives running: {running / 1e3 / steps:.2f} ms per step, {overlapped / 1e3 / steps:.2f} "
                   f"beside other kernels, {(running - overlapped) / 1e3 / steps:.2f} alone")
+            print("collectives longest alone (us alone of us long, name, the other kernel started last before it):")
+            for alone, long, name, before in lone_collectives(kernels)[:8]:
+                print(f"  {alone:7.1f} of {long:7.1f}  {name[:50]}  after {before[:50]}")
 
 
 if __name__ == "__main__":

@@ -82,3 +82,10 @@ def test_collective_time_is_split_into_overlapped_and_alone(capsys):
     assert profile_summary.collective_overlap(kernels) == (100, 50)
     profile_summary.print_summary(kernels, steps=1, top=1, source="synthetic")
     assert "collectives running: 0.10 ms per step, 0.05 beside other kernels, 0.05 alone" in capsys.readouterr().out
+
+
+def test_each_collective_has_its_time_alone_and_the_kernel_before_it(capsys):
+    kernels = profile_summary.gpu_kernels(trace())
+    assert profile_summary.lone_collectives(kernels) == [(50, 100, "ncclDevKernel_AllReduce", "nvjet_sm90_gemm")]
+    profile_summary.print_summary(kernels, steps=1, top=1, source="synthetic")
+    assert "     50.0 of   100.0  ncclDevKernel_AllReduce  after nvjet_sm90_gemm" in capsys.readouterr().out
