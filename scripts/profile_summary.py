@@ -161,13 +161,9 @@ def lone_collectives(kernels: list[dict]) -> list[tuple[float, float, str, str]]
         if kind(event["name"]) != "collective":
             continue
         span = [(event["ts"], event["ts"] + event["dur"])]
-        before = others[max(0, _bisect(starts, event["ts"]) - 1)]["name"] if others else "-"
+        before = others[max(0, bisect.bisect_right(starts, event["ts"]) - 1)]["name"] if others else "-"
         rows.append((event["dur"] - _intersection(span, spans), event["dur"], event["name"], before))
     return sorted(rows, reverse=True)
-
-
-def _bisect(values: list[float], x: float) -> int:
-    return bisect.bisect_right(values, x)
 
 
 def print_summary(kernels: list[dict], steps: int, top: int, source: str) -> None:

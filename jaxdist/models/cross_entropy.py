@@ -92,22 +92,13 @@ def _chunks(x: jax.Array, chunk: int) -> jax.Array:
     return jnp.moveaxis(x.reshape(x.shape[0], x.shape[1] // chunk, chunk, *x.shape[2:]), 1, 0)
 
 
-def _batch_shards() -> int:
-    """How many ways the enclosing `activation_rules` split the batch (1 outside them)."""
+def _shards(logical_axis: str) -> int:
+    """How many ways the enclosing `activation_rules` split an activation's logical axis (1 outside them)."""
     active = rules_lib.active()
     if active is None:
         return 1
     mesh, rules = active
-    return rules_lib.axes_size(mesh, rules_lib.batch_axes(rules))
-
-
-def _vocab_shards() -> int:
-    """How many ways the enclosing `activation_rules` split the vocabulary of the logits (1 outside them)."""
-    active = rules_lib.active()
-    if active is None:
-        return 1
-    mesh, rules = active
-    return rules_lib.axes_size(mesh, rules.activations.get("vocab", ()))
+    return rules_lib.axes_size(mesh, rules.activations.get(logical_axis, ()))
 
 
 def reduce_logits(logits: jax.Array, is_target: jax.Array, *, one_pass: bool) -> tuple[jax.Array, jax.Array]:
@@ -148,8 +139,8 @@ def _scan_chunks(chunk, logits_dtype, hidden, head, targets, weights, *, with_gr
     # The head's gradient sums over the batch, which is split over devices. Each batch shard keeps
     # its own partial sum in the carry (a leading shard axis on the batch's mesh axes), so it is
     # reduced across devices once, after the scan, rather than in every chunk.
-    shards = _batch_shards()
-    vocab_sharded = _vocab_shards() > 1
+    shards = _shards("batch")
+    vocab_sharded = _shards("vocab") > 1
 
     def by_shard(x: jax.Array) -> jax.Array:
         return x.reshape(shards, batch // shards, *x.shape[1:])
