@@ -13,10 +13,12 @@ shared memory while the tile's matmul runs and writes only `d_h`.
 
 Not in the model: on one H100 it matches XLA's matmul + pass at 406M (0.295 vs 0.310 ms per layer)
 and is 6% faster at 1.4B (0.451 vs 0.481 ms), not more, because its epilogue does not overlap the
-tensor cores (the bare matmul takes 0.181 / 0.348 ms; the epilogue's math costs about 7 us of each
-tile's 19), and the model would also need `down` transposed. Next: the matmul warpgroups write the
-raw bf16 product to shared memory (what XLA rounds to today) and move on to the next tile, while
-another warpgroup applies gelu' and stores; and `down` read untransposed.
+tensor cores (the bare matmul takes 0.181 / 0.348 ms), and the model would also need `down`
+transposed. Computing gelu' during the tile's matmul instead (one piece per step, beside the
+in-flight MMA, leaving a multiply for the epilogue) changed nothing (0.290-0.298 ms at 406M), so
+the math is not what stalls: more likely h coming in and d_h going out (256 MB per layer through
+memory) in bursts at each tile's start and end. Next: spread those over the matmul (stores of one
+tile during the next one's steps), and read `down` untransposed.
 
 Prints, for the 406M and 1.4B recipes' shapes, XLA's matmul alone, XLA's matmul and its
 GELU-gradient pass, and the kernel for a few tile choices with its largest difference from XLA.
@@ -61,7 +63,8 @@ def gelu_slope(x: jax.Array, form: str = "tanh") -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """Each consumer warpgroup's (rows, cols) output tile, the contraction step, the pipeline's
-    depth in steps, the epilogue's square sub-tile, and how many tiles wide the snake walk runs."""
+    depth in steps, the epilogue's square sub-tile, how many tiles wide the snake walk runs, and
+    the form of GELU's slope (`gelu_slope`)."""
 
     rows: int = 128
     cols: int = 128
