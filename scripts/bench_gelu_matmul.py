@@ -36,35 +36,17 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.extend import backend
 
+from jaxdist.models.gpt import gelu_slope
+
 try:  # Mosaic GPU: present in jaxlib builds with CUDA support
     from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:
     plgpu = None
 
-_SQRT_2_OVER_PI = 0.7978845608028654
-
-
-def gelu_slope(x: jax.Array, form: str = "tanh") -> jax.Array:
-    """d/dx of GELU's tanh approximation, float32 in and out.
-
-    `form="sigmoid"` writes it without `tanh`: with s = sigmoid(2u) for the tanh's argument u,
-    tanh(u) = 2s - 1 and 1 - tanh(u)^2 = 4s(1 - s) (one `exp` and one division instead).
-    """
-    x2 = x * x
-    u = x * (_SQRT_2_OVER_PI + _SQRT_2_OVER_PI * 0.044715 * x2)
-    d_u = _SQRT_2_OVER_PI + 3 * _SQRT_2_OVER_PI * 0.044715 * x2
-    if form == "sigmoid":
-        s = 1.0 / (1.0 + jnp.exp(-2.0 * u))
-        return s + 2.0 * x * s * (1.0 - s) * d_u
-    t = jnp.tanh(u)
-    return 0.5 + 0.5 * t + 0.5 * x * (1.0 - t * t) * d_u
-
-
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """Each consumer warpgroup's (rows, cols) output tile, the contraction step, the pipeline's
-    depth in steps, the epilogue's square sub-tile, how many tiles wide the snake walk runs, and
-    the form of GELU's slope (`gelu_slope`)."""
+    depth in steps, the epilogue's square sub-tile, and how many tiles wide the snake walk runs."""
 
     rows: int = 128
     cols: int = 128
@@ -72,7 +54,6 @@ class Tiles:
     stages: int = 3
     epilogue: int = 64
     snake_width: int = 4
-    slope_form: str = "tanh"
 
 
 def kernel_applies(rows: int, depth: int, cols: int, dtype, tiles: Tiles = Tiles()) -> bool:
@@ -186,7 +167,7 @@ def _hopper_body(a_gmem, b_gmem, h_gmem, out_gmem, *, tiles: Tiles):
                         plgpu.barrier_wait(h_arrived.at[wg * len(pieces) + n])
                         h = h_smem[wg, i, j].astype(jnp.float32)
                         part = product[i * epi:(i + 1) * epi, j * epi:(j + 1) * epi]
-                        h_smem[wg, i, j] = (part * gelu_slope(h, tiles.slope_form)).astype(h_gmem.dtype)
+                        h_smem[wg, i, j] = (part * gelu_slope(h)).astype(h_gmem.dtype)
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(h_smem.at[wg, i, j], piece_of(out_gmem, i, j))
 
@@ -196,7 +177,7 @@ def _hopper_body(a_gmem, b_gmem, h_gmem, out_gmem, *, tiles: Tiles):
 
 
 SHAPES = {"406m": (16 * 1024, 1024, 4096), "1b4": (8 * 1024, 2048, 8192)}  # rows, embed, mlp
-TILES = (Tiles(), Tiles(slope_form="sigmoid"), Tiles(depth=32, stages=6), Tiles(rows=64, stages=4))
+TILES = (Tiles(), Tiles(snake_width=8), Tiles(depth=32, stages=6), Tiles(rows=64, stages=4))
 
 
 def timed(fn, *args, repeats: int = 30) -> float:
@@ -227,7 +208,7 @@ def main() -> None:
         for tiles in TILES:
             if not kernel_applies(rows, embed, mlp, h.dtype, tiles):
                 continue
-            label = f"{tiles.rows}x{tiles.cols}x{tiles.depth} s{tiles.stages} e{tiles.epilogue} {tiles.slope_form}"
+            label = f"{tiles.rows}x{tiles.cols}x{tiles.depth} s{tiles.stages} snake{tiles.snake_width}"
             fn = jax.jit(lambda d, w, h, t=tiles: matmul_gelu_grad(d, w, h, t))
             try:
                 ms = timed(fn, d_out, down_t, h)

@@ -182,12 +182,15 @@ def _gelu_fwd(x):
 
 
 def _gelu_bwd(x, d_out):
-    x32 = x.astype(jnp.float32)
-    inner = _SQRT_2_OVER_PI * (x32 + 0.044715 * x32**3)
+    return ((d_out.astype(jnp.float32) * gelu_slope(x.astype(jnp.float32))).astype(x.dtype),)
+
+
+def gelu_slope(x: jax.Array) -> jax.Array:
+    """d/dx of `gelu` (the tanh approximation), float32 in and out."""
+    inner = _SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)
     t = jnp.tanh(inner)
-    d_inner = _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * x32 * x32)
-    slope = 0.5 * (1.0 + t) + 0.5 * x32 * (1.0 - t * t) * d_inner
-    return ((d_out.astype(jnp.float32) * slope).astype(x.dtype),)
+    d_inner = _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * x * x)
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner
 
 
 gelu.defvjp(_gelu_fwd, _gelu_bwd)
