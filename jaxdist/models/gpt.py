@@ -187,7 +187,7 @@ def _gelu_bwd(x, d_out):
 
 def gelu_slope(x: jax.Array) -> jax.Array:
     """d/dx of `gelu` (the tanh approximation), float32 in and out."""
-    inner = _SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)
+    inner = _SQRT_2_OVER_PI * (x + 0.044715 * x**3)
     t = jnp.tanh(inner)
     d_inner = _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * x * x)
     return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner
