@@ -74,6 +74,10 @@ class ModelConfig(Section):
     # Residual add + norm as one Pallas kernel each way (models/fused_norm.py): auto = on GPU where
     # the shapes allow, with the layers unrolled; xla = plain XLA fusions; pallas = always (errors if not possible).
     norm_impl: Literal["auto", "xla", "pallas"] = "auto"
+    # The MLP's backward matmul with GELU's gradient in cuBLASLt's epilogue (models/gelu_matmul.py,
+    # built on first use): auto = on GPU where it builds, with the layers unrolled and bf16
+    # activations; xla = a separate pass after the matmul; cublaslt = always (errors if not possible).
+    gelu_grad_impl: Literal["auto", "xla", "cublaslt"] = "auto"
     # dtype the output projection writes its logits in; the softmax is float32 either way.
     logits_dtype: Literal["float32", "compute"] = "float32"
     # > 0: the training and eval loss project to the vocabulary this many sequence positions at a
@@ -95,6 +99,8 @@ class ModelConfig(Section):
             )
         if self.norm_impl == "pallas" and self.scan_layers:
             raise ValueError("model.norm_impl=pallas needs model.scan_layers=false (the fused norms run on unrolled layers)")
+        if self.gelu_grad_impl == "cublaslt" and (self.scan_layers or self.activation != "gelu"):
+            raise ValueError("model.gelu_grad_impl=cublaslt needs model.activation=gelu and model.scan_layers=false")
         if self.batch_chunks > 1 and self.scan_layers:
             raise ValueError("model.batch_chunks > 1 needs model.scan_layers=false (the slices interleave unrolled layers)")
         if self.positions == "rope" and (self.d_model // self.heads) % 2:

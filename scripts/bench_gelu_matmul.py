@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import time
 
 import jax
@@ -36,7 +37,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.extend import backend
 
-from jaxdist.models.gpt import gelu_slope
+from jaxdist.models.gelu_matmul import gelu_grad_matmul, gelu_slope, unavailable_reason
 
 try:  # Mosaic GPU: present in jaxlib builds with CUDA support
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -191,6 +192,7 @@ def timed(fn, *args, repeats: int = 30) -> float:
 
 
 def main() -> None:
+    mosaic = "--mosaic" in sys.argv[1:]
     print(f"{'shape':<6} {'what':<34} {'ms':>7} {'TFLOP/s':>8} {'max |diff|':>11}")
     for name, (rows, embed, mlp) in SHAPES.items():
         keys = jax.random.split(jax.random.key(0), 3)
@@ -205,7 +207,15 @@ def main() -> None:
                                 ("xla matmul + gelu' pass", xla, (d_out, down_t, h))):
             ms = timed(fn, *args)
             print(f"{name:<6} {label:<34} {ms:7.3f} {flops / ms / 1e9:8.0f}")
-        for tiles in TILES:
+        if unavailable_reason() is None:
+            down = down_t.T.copy()  # (mlp, embed), as the model stores it
+            fn = jax.jit(lambda d, w, h: gelu_grad_matmul(d[None], w, h[None])[0])
+            ms = timed(fn, d_out, down, h)
+            diff = float(np.max(np.abs(np.asarray(fn(d_out, down, h).astype(jnp.float32) - want))))
+            print(f"{name:<6} {'cublaslt DGELU epilogue':<34} {ms:7.3f} {flops / ms / 1e9:8.0f} {diff:11.4f}")
+        else:
+            print(f"cublaslt unavailable: {unavailable_reason()}")
+        for tiles in TILES if mosaic else ():
             if not kernel_applies(rows, embed, mlp, h.dtype, tiles):
                 continue
             label = f"{tiles.rows}x{tiles.cols}x{tiles.depth} s{tiles.stages} snake{tiles.snake_width}"

@@ -263,6 +263,15 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("torch fsdp2", ["env", "MODE=fsdp"] + dist),
             ("jaxdist fsdp", JAXDIST + fsdp),
         ],
+        # Fifth round: the MLP's GELU gradient in cuBLASLt's epilogue (model.gelu_grad_impl) against
+        # XLA's separate pass, on one GPU at both sizes.
+        "r5_1gpu": [
+            ("torch 406m b16", torch_406m),
+            ("jaxdist 406m +profile", JAXDIST + ["configs/gpt_406m.yaml", "--profile", "/tmp/prof_406m"]),
+            ("jaxdist 406m gelu_grad_impl=xla", JAXDIST + ["configs/gpt_406m.yaml", "model.gelu_grad_impl=xla"]),
+            ("torch 1b4 b8", torch_1b4),
+            ("jaxdist 1b4", JAXDIST + ["configs/gpt_1b4.yaml"]),
+        ],
         # The fused, chunked cross-entropy (model.loss_chunk): peak memory and step time per chunk size.
         "loss_chunk_406m": [
             ("torch 406m b16", torch_406m),

@@ -1,0 +1,125 @@
+"""The MLP's `gelu(pre) @ down` and its backward (models/gelu_matmul.py), and the native build (native.py).
+
+The cuBLASLt handler itself needs a GPU: `scripts/bench_gelu_matmul.py` checks it against XLA
+there. Here: the custom VJP against autodiff, what its backward keeps, the per-shard wiring under
+a mesh (with the per-device call swapped for XLA's), the fallbacks, and the build-and-load path
+with a CPU handler.
+"""
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pydantic
+import pytest
+from conftest import make_config
+
+from jaxdist import native
+from jaxdist.config import ModelConfig
+from jaxdist.models import gelu_matmul
+from jaxdist.train import loop
+
+from test_fused_norm import _losses
+
+
+def _inputs(rows=(2, 8), mlp=64, embed=16):
+    keys = jax.random.split(jax.random.key(0), 3)
+    pre = 3.0 * jax.random.normal(keys[0], (*rows, mlp))
+    down = jax.random.normal(keys[1], (mlp, embed)) / 8
+    weights = jax.random.normal(keys[2], (*rows, embed))
+    return pre, down, weights
+
+
+def test_gelu_project_matches_autodiff_of_the_formula():
+    pre, down, weights = _inputs()
+    loss = lambda project: lambda pre, down: jnp.vdot(project(pre, down), weights)  # noqa: E731
+    ours = loss(lambda pre, down: gelu_matmul.gelu_project(pre, down, kernel=False))
+    formula = loss(lambda pre, down: jax.nn.gelu(pre, approximate=True) @ down)
+    np.testing.assert_allclose(ours(pre, down), formula(pre, down), rtol=1e-6)
+    for got, want in zip(jax.grad(ours, (0, 1))(pre, down), jax.grad(formula, (0, 1))(pre, down), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_backward_keeps_the_input_and_output_of_gelu_not_its_tanh():
+    pre, down, _ = _inputs()
+
+    def kept(fn):
+        _, backward = jax.vjp(fn, pre, down)
+        return [leaf for leaf in jax.tree.leaves(backward) if getattr(leaf, "shape", None) == pre.shape]
+
+    ours = kept(lambda pre, down: gelu_matmul.gelu_project(pre, down, kernel=False))
+    assert len(ours) == 2
+    np.testing.assert_array_equal(ours[0], pre)
+    np.testing.assert_array_equal(ours[1], gelu_matmul.gelu(pre))
+    assert len(kept(lambda pre, down: jax.nn.gelu(pre, approximate=True) @ down)) > 2
+
+
+def test_per_shard_wiring_trains_like_one_device(tmp_path, monkeypatch):
+    """data2 x fsdp2 x tensor2: the gradient matmul runs per shard (rows by batch, mlp by tensor)
+    with the per-device call done by XLA here; the losses equal a single device's."""
+    calls = []
+
+    def local(d_out, down, pre):
+        calls.append((d_out.shape, down.shape, pre.shape))
+        return gelu_matmul.xla_gelu_grad_matmul(d_out, down, pre)
+
+    single, sharded = tmp_path / "single", tmp_path / "sharded"
+    model = {"scan_layers": False, "norm_impl": "xla"}
+    loop.train(make_config(single, mesh={"data": 1, "fsdp": 1, "tensor": 1}, rules={"preset": "dp"},
+                           model={**model, "gelu_grad_impl": "xla"}), devices=jax.devices()[:1])
+    monkeypatch.setattr(gelu_matmul, "_local", local)
+    monkeypatch.setattr(gelu_matmul, "use_kernel", lambda impl, dtype: True)
+    loop.train(make_config(sharded, mesh={"data": 2, "fsdp": 2, "tensor": 2}, rules={"preset": "fsdp_tp"},
+                           model={**model, "gelu_grad_impl": "auto"}))
+    # Per device: 16 sequences / (data 2 x fsdp 2) of 32 positions; mlp 256 / tensor 2; embed whole.
+    assert calls and set(calls) == {((4, 32, 64), (128, 64), (4, 32, 128))}, set(calls)
+    want = _losses(single)
+    assert len(want) == 10 and want[-1] < want[0] - 0.5, want
+    np.testing.assert_allclose(_losses(sharded), want, rtol=1e-5, atol=0)
+
+
+def test_kernel_choice_falls_back_or_fails_clearly(monkeypatch):
+    assert not gelu_matmul.use_kernel("auto", jnp.bfloat16)  # on CPU
+    assert not gelu_matmul.use_kernel("xla", jnp.bfloat16)
+    assert gelu_matmul.unavailable_reason() == "not on a GPU"
+    with pytest.raises(RuntimeError, match="not on a GPU"):
+        gelu_matmul.use_kernel("cublaslt", jnp.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16"):
+        gelu_matmul.use_kernel("cublaslt", jnp.float32)
+    with monkeypatch.context() as patch:  # a GPU where the handler doesn't build: warn once, use XLA
+        patch.setattr(gelu_matmul, "unavailable_reason", lambda: "not found: cublasLt.h")
+        patch.setattr(jax, "default_backend", lambda: "gpu")
+        with pytest.warns(UserWarning, match="not found: cublasLt.h"):
+            assert not gelu_matmul.use_kernel("auto", jnp.bfloat16)
+    for bad in ({"scan_layers": True}, {"scan_layers": False, "activation": "swiglu"}):
+        with pytest.raises(pydantic.ValidationError, match="gelu_grad_impl=cublaslt"):
+            ModelConfig(gelu_grad_impl="cublaslt", **bad)
+
+
+def test_native_build_is_cached_and_the_handler_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXDIST_CACHE_DIR", str(tmp_path))
+    source = Path(__file__).with_name("native") / "double.cc"
+    library = native.build(source, [])
+    assert library.parent == tmp_path and library.name.startswith("double-")
+    built_at = library.stat().st_mtime_ns
+    assert native.build(source, []) == library and library.stat().st_mtime_ns == built_at  # cached
+    native.register_handler(library, "JaxdistTestDouble", "jaxdist_test_double", platform="cpu")
+    x = jnp.arange(6, dtype=jnp.float32)
+    doubled = jax.jit(jax.ffi.ffi_call("jaxdist_test_double", jax.ShapeDtypeStruct(x.shape, x.dtype)))(x)
+    np.testing.assert_array_equal(doubled, 2 * x)
+
+
+def test_native_build_says_what_is_missing(tmp_path, monkeypatch):
+    monkeypatch.setattr(native, "_cuda_roots", lambda: [tmp_path])
+    with pytest.raises(native.NativeBuildError, match=r"not found: cublasLt.h, driver_types.h and crt/host_defines.h, libcublasLt.so"):
+        native.find_cuda_library("cublasLt.h", "cublasLt")
+    for name in ("include/crt", "lib"):
+        (tmp_path / name).mkdir(parents=True)
+    for name in ("include/cublasLt.h", "include/driver_types.h", "include/crt/host_defines.h", "lib/libcublasLt.so.13"):
+        (tmp_path / name).touch()
+    found = native.find_cuda_library("cublasLt.h", "cublasLt")
+    assert found == native.CudaLibrary((str(tmp_path / "include"),), str(tmp_path / "lib" / "libcublasLt.so.13"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(native.NativeBuildError, match="failed"):
+        native.build(Path(__file__).with_name("native") / "double.cc", [])
