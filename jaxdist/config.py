@@ -207,6 +207,9 @@ class PrecisionConfig(Section):
     compute: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     params: Literal["float32", "bfloat16"] = "float32"
     grad_reduce: Literal["auto", "float32", "bfloat16"] = "auto"
+    # Keep the matmul weights' compute-dtype copies between steps, written by the optimizer's update,
+    # instead of casting every weight at the start of each step (same values and gradients).
+    compute_copies: bool = True
     loss_scale: Literal["auto", "dynamic", "none"] = "auto"
     loss_scale_init: float = Field(2.0**15, gt=0)
     loss_scale_period: int = Field(2000, gt=0)

@@ -51,7 +51,7 @@ def compiled_step(cfg: config_lib.Config):
         graphdef, entry.loss, tx, schedule, mesh, rules, shardings,
         cfg.train.microbatches, cfg.train.grad_reduction, cfg.precision.grad_reduce,
     )
-    return step.lower(state, {"inputs": tokens, "targets": tokens}).compile()
+    return step.lower(state, None, {"inputs": tokens, "targets": tokens}).compile()
 
 
 def reduced_elements(hlo_text: str) -> int:

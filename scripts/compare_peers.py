@@ -272,6 +272,44 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("torch 1b4 b8", torch_1b4),
             ("jaxdist 1b4", JAXDIST + ["configs/gpt_1b4.yaml"]),
         ],
+        # ... both sizes profiled, the kernel against XLA's pass at both.
+        "r5b_1gpu": [
+            ("torch 406m b16", torch_406m),
+            ("jaxdist 406m +profile", JAXDIST + ["configs/gpt_406m.yaml", "--profile", "/tmp/prof_406m"]),
+            ("jaxdist 406m gelu_grad_impl=xla", JAXDIST + ["configs/gpt_406m.yaml", "model.gelu_grad_impl=xla"]),
+            ("torch 1b4 b8", torch_1b4),
+            ("jaxdist 1b4 +profile", JAXDIST + ["configs/gpt_1b4.yaml", "--profile", "/tmp/prof_1b4"]),
+            ("jaxdist 1b4 gelu_grad_impl=xla", JAXDIST + ["configs/gpt_1b4.yaml", "model.gelu_grad_impl=xla"]),
+        ],
+        # ... with the matmul weights' compute-dtype copies kept between steps (precision.compute_copies).
+        "r5c_1gpu": [
+            ("torch 406m b16", torch_406m),
+            ("jaxdist 406m", JAXDIST + ["configs/gpt_406m.yaml"]),
+            ("jaxdist 406m compute_copies=false", JAXDIST + ["configs/gpt_406m.yaml", "precision.compute_copies=false"]),
+            ("torch 1b4 b8", torch_1b4),
+            ("jaxdist 1b4 +profile", JAXDIST + ["configs/gpt_1b4.yaml", "--profile", "/tmp/prof_1b4"]),
+            ("jaxdist 1b4 compute_copies=false", JAXDIST + ["configs/gpt_1b4.yaml", "precision.compute_copies=false"]),
+        ],
+        # ... data parallel and FSDP on 2 GPUs (run with --gpus 2 on a 4-GPU host), then tensor=4 at
+        # 1.4B: the kernel per shard under each layout.
+        "r5_multi": [
+            ("jaxdist 406m 1gpu", one_gpu_406m),
+            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("jaxdist dp2", JAXDIST + dp2),
+            ("jaxdist fsdp", JAXDIST + fsdp),
+            ("jaxdist 1b4 1gpu", one_gpu_1b4),
+            ("jaxdist 1b4 tensor=4", JAXDIST + tensor4),
+        ],
+        # ... the same with the compute-dtype copies (run with --gpus 2), and torch's FSDP2.
+        "r5c_multi": [
+            ("jaxdist 406m 1gpu", one_gpu_406m),
+            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("jaxdist dp2", JAXDIST + dp2),
+            ("torch fsdp2", ["env", "MODE=fsdp"] + dist),
+            ("jaxdist fsdp", JAXDIST + fsdp),
+            ("jaxdist 1b4 1gpu", one_gpu_1b4),
+            ("jaxdist 1b4 tensor=4", JAXDIST + tensor4),
+        ],
         # The fused, chunked cross-entropy (model.loss_chunk): peak memory and step time per chunk size.
         "loss_chunk_406m": [
             ("torch 406m b16", torch_406m),

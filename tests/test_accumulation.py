@@ -86,9 +86,9 @@ def _one_step(cfg, initial_params, trace: bool = False) -> Step:
         cfg.train.microbatches, cfg.train.grad_reduction, cfg.precision.grad_reduce,
     )
     batch = global_batch(_batch(cfg.model.seq_len), batch_sharding(mesh, rules))
-    jaxpr = step.trace(state, batch).jaxpr if trace else None
-    compiled = step.lower(state, batch).compile(FAST_COMPILE)
-    state, metrics = compiled(state, batch)
+    jaxpr = step.trace(state, None, batch).jaxpr if trace else None
+    compiled = step.lower(state, None, batch).compile(FAST_COMPILE)
+    state, _, metrics = compiled(state, None, batch)
     update = jax.tree.map(lambda new, old: new - old, jax.device_get(state.params), initial_params)
     layouts = jax.tree.leaves(layouts, is_leaf=_is_layout)
     return Step(float(metrics["loss"]), update, compiled.as_text(), mesh, layouts, jaxpr)

@@ -160,7 +160,7 @@ def _step_temp_bytes(cfg) -> int:
     step = make_train_step(graphdef, models.lm_loss, tx, None, mesh, rules, shardings)
     tokens = np.zeros((cfg.train.global_batch, cfg.model.seq_len), np.int32)
     batch = global_batch({"inputs": tokens, "targets": tokens}, batch_sharding(mesh, rules))
-    return step.lower(state, batch).compile(FAST_COMPILE).memory_analysis().temp_size_in_bytes
+    return step.lower(state, None, batch).compile(FAST_COMPILE).memory_analysis().temp_size_in_bytes
 
 
 def test_chunking_shrinks_the_compiled_steps_temporaries(tmp_path):

@@ -13,6 +13,7 @@ from flax import nnx
 from jaxdist.config import Config
 from jaxdist.errors import UserError
 from jaxdist.models.cross_entropy import fused_linear_cross_entropy
+from jaxdist.models import gpt
 from jaxdist.models.gpt import GPT
 from jaxdist.train import precision
 
@@ -43,6 +44,9 @@ class ModelEntry:
 
     create: Callable[[Config], Callable[[nnx.Rngs], nnx.Module]]
     loss: Callable[[nnx.Module, dict[str, jax.Array]], jax.Array]
+    # Which parameters (by pytree path) the model reads only in the compute dtype: these may be
+    # kept as compute-dtype copies between steps (`precision.compute_copies`, train/copies.py).
+    read_in_compute_dtype: Callable[[tuple], bool] | None = None
 
 
 def _gpt(cfg: Config) -> Callable[[nnx.Rngs], nnx.Module]:
@@ -53,7 +57,9 @@ def _gpt(cfg: Config) -> Callable[[nnx.Rngs], nnx.Module]:
     )
 
 
-MODELS: dict[str, ModelEntry] = {"gpt": ModelEntry(create=_gpt, loss=lm_loss)}
+MODELS: dict[str, ModelEntry] = {
+    "gpt": ModelEntry(create=_gpt, loss=lm_loss, read_in_compute_dtype=gpt.read_in_compute_dtype),
+}
 
 
 def get(name: str) -> ModelEntry:

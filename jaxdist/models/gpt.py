@@ -32,6 +32,17 @@ Names = tuple[str | None, ...]
 RESIDUAL: Names = ("batch", "seq", "embed")
 
 _normal = nnx.initializers.normal(0.02)
+
+# The parameters the model reads only cast to the compute dtype: the blocks' matmul weights. A copy
+# kept in that dtype can stand in for each (train/copies.py). Not the embedding (its rows are
+# added to the positions before the cast), the norms, or the head (the chunked loss sums its
+# gradient in float32 and hands it back in the head's own dtype).
+COMPUTE_DTYPE_PARAMS = frozenset({"qkv", "out", "up", "gate", "down"})
+
+
+def read_in_compute_dtype(path: tuple) -> bool:
+    """Whether the parameter at this pytree path is one of `COMPUTE_DTYPE_PARAMS`."""
+    return bool(path) and getattr(path[-1], "key", None) in COMPUTE_DTYPE_PARAMS
 EPS = 1e-5  # the norms' epsilon
 
 

@@ -37,6 +37,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.parallel import rules as rules_lib
+from jaxdist.train import copies
 
 Batch = dict[str, jax.Array]
 LossFn = Callable[[nnx.Module, Batch], "jax.Array | tuple[jax.Array, dict[str, jax.Array]]"]
@@ -50,11 +51,16 @@ def loss_and_aux(out) -> tuple[jax.Array, dict[str, jax.Array]]:
     return out if isinstance(out, tuple) else (out, {})
 
 
-def scaled_grad_fn(graphdef: nnx.GraphDef, loss_fn: LossFn, loss_scale: jax.Array | None) -> GradFn:
-    """`(params, batch) -> ((scaled loss, (loss, aux)), grads of the scaled loss)`."""
+def scaled_grad_fn(graphdef: nnx.GraphDef, loss_fn: LossFn, loss_scale: jax.Array | None,
+                   compute_copies: Any = None) -> GradFn:
+    """`(params, batch) -> ((scaled loss, (loss, aux)), grads of the scaled loss)`.
+
+    The model reads the leaves that have `compute_copies` (train/copies.py) from them.
+    """
 
     def scaled(params, batch):
-        loss, aux = loss_and_aux(loss_fn(nnx.merge(graphdef, params), batch))
+        model = nnx.merge(graphdef, copies.read_copies(params, compute_copies))
+        loss, aux = loss_and_aux(loss_fn(model, batch))
         return (loss if loss_scale is None else loss * loss_scale.astype(loss.dtype)), (loss, aux)
 
     return jax.value_and_grad(scaled, has_aux=True)
@@ -166,16 +172,18 @@ def loss_and_grads(
     rules: rules_lib.Rules,
     param_shardings: Any,
     loss_scale: jax.Array | None = None,
+    compute_copies: Any = None,
 ) -> tuple[jax.Array, dict[str, jax.Array], Any]:
     """Mean loss, mean aux metrics and mean float32 gradients of the unscaled loss over the global batch.
 
     Must be traced under `rules_lib.activation_rules(mesh, rules)`. With `loss_scale`, the loss
     is multiplied by it before differentiation and the float32 gradients divided by it after.
+    `compute_copies`: the parameters' compute-dtype copies the model reads (train/copies.py).
     `reduce_dtype`: the dtype gradients cross devices in (see the module docstring).
     """
     if reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"reduction={reduction!r}: use one of {GRAD_REDUCTIONS}")
-    grad_fn = scaled_grad_fn(graphdef, loss_fn, loss_scale)
+    grad_fn = scaled_grad_fn(graphdef, loss_fn, loss_scale, compute_copies)
     axes = rules_lib.batch_axes(rules)
     shards = rules_lib.axes_size(mesh, axes)
     explicit = microbatches > 1 or reduce_dtype != "auto"

@@ -5,6 +5,7 @@ Side effects (files, printing) live here and in the CLI; the step itself is pure
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ from jaxdist.observe.metrics import MetricsWriter, drop_after
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.parallel import pipeline as pipeline_lib
 from jaxdist.parallel import rules as rules_lib
-from jaxdist.train import precision
+from jaxdist.train import copies, precision
 from jaxdist.train.evaluate import Evaluator
 from jaxdist.train.generate import sample
 from jaxdist.train.optim import build_optimizer
@@ -58,11 +59,17 @@ def build_trainer(cfg: Config, devices: list | None = None) -> Trainer:
     create_model = entry.create(cfg)
     abstract = abstract_model(create_model, cfg.seed)
     tx, schedule = build_optimizer(cfg.optim, cfg.train, abstract[2])
+    make_copies = None
+    if cfg.precision.compute_copies and entry.read_in_compute_dtype is not None:
+        compute_dtype = precision.policy(cfg.precision, mesh.devices.flat[0].platform).compute_dtype
+        make_copies = functools.partial(copies.compute_copies, picks=entry.read_in_compute_dtype,
+                                        dtype=compute_dtype)
     return Trainer(
         create_model, entry.loss, tx, mesh, rules,
         seed=cfg.seed, microbatches=cfg.train.microbatches, grad_reduction=cfg.train.grad_reduction,
         grad_reduce_dtype=cfg.precision.grad_reduce,
         schedule=schedule, loss_scale=precision.initial_loss_scale(cfg.precision), abstract=abstract,
+        compute_copies=make_copies,
     )
 
 

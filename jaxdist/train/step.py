@@ -3,13 +3,14 @@
 Gradient accumulation is a `lax.scan` over microbatches inside the step (train/accumulate.py),
 so a step means the same thing at any microbatch count. The step is jitted with explicit
 shardings for the state and the batch, and donates the old state's buffers. Under dynamic loss
-scaling (train/precision.py) a step with non-finite gradients keeps the old parameters and
+scaling (train/copies.py) a step with non-finite gradients keeps the old parameters and
 optimizer state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import optax
@@ -38,15 +39,20 @@ def make_train_step(
     microbatches: int = 1,
     grad_reduction: str = "per_step",
     grad_reduce_dtype: str = "auto",
-) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
-    """The jitted `step(state, batch) -> (state, metrics)`; the input state is donated.
+    make_copies: Callable[[Any], Any] | None = None,
+    copy_shardings: Any = None,
+) -> Callable[[TrainState, Any, Batch], tuple[TrainState, Any, dict[str, jax.Array]]]:
+    """The jitted `step(state, copies, batch) -> (state, copies, metrics)`; state and copies are donated.
 
+    `copies` are the parameters' compute-dtype copies that the model reads (`make_copies(params)`,
+    train/copies.py, sharded as `copy_shardings`), made anew from the updated parameters; None
+    without `make_copies`.
     Metrics: `loss`, `grad_norm` (before clipping), the effective `learning_rate` (the schedule
     at the optimizer's own step count), the loss function's aux values, and under loss scaling
     `loss_scale` and `skipped_steps`.
     """
 
-    def step(state: TrainState, batch: Batch):
+    def step(state: TrainState, copies: Any, batch: Batch):
         scale = state.loss_scale
         with rules_lib.activation_rules(mesh, rules):
             loss, aux, grads = loss_and_grads(
@@ -54,6 +60,7 @@ def make_train_step(
                 microbatches=microbatches, reduction=grad_reduction, reduce_dtype=grad_reduce_dtype,
                 mesh=mesh, rules=rules,
                 param_shardings=state_shardings.params, loss_scale=None if scale is None else scale.scale,
+                compute_copies=copies,
             )
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -68,12 +75,18 @@ def make_train_step(
         if schedule is not None:
             metrics["learning_rate"] = schedule(optimizer_steps)
         new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, loss_scale=scale)
-        return new_state, metrics
+        return new_state, None if make_copies is None else make_copies(params), metrics
 
     replicated = NamedSharding(mesh, PartitionSpec())
     return jax.jit(
         step,
-        in_shardings=(state_shardings, batch_sharding(mesh, rules)),
-        out_shardings=(state_shardings, replicated),
-        donate_argnums=0,
+        in_shardings=(state_shardings, copy_shardings, batch_sharding(mesh, rules)),
+        out_shardings=(state_shardings, copy_shardings, replicated),
+        donate_argnums=(0, 1),
     )
+
+
+def copies_shardings(make_copies: Callable[[Any], Any], params: Any, param_shardings: Any) -> Any:
+    """Each compute-dtype copy sharded as its parameter (None where a parameter has no copy)."""
+    picked = jax.eval_shape(make_copies, params)
+    return jax.tree.map(lambda sharding, copy: None if copy is None else sharding, param_shardings, picked)

@@ -10,6 +10,7 @@ The CLI's training loop is built on the same object.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -21,7 +22,7 @@ from jaxdist.data.pipeline import global_batch
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.train.precision import LossScale
 from jaxdist.train.state import ModelFactory, TrainState, init_state
-from jaxdist.train.step import LossFn, batch_sharding, make_train_step
+from jaxdist.train.step import LossFn, batch_sharding, copies_shardings, make_train_step
 
 
 class Trainer:
@@ -42,8 +43,14 @@ class Trainer:
         schedule: optax.Schedule | None = None,
         loss_scale: LossScale | None = None,
         abstract: tuple | None = None,
+        compute_copies: Callable[[Any], Any] | None = None,
     ):
-        """`abstract`: `state.abstract_model(create_model, seed)`, if already computed (saves a trace)."""
+        """`abstract`: `state.abstract_model(create_model, seed)`, if already computed (saves a trace).
+
+        `compute_copies(params)`: the compute-dtype copies the model reads in place of some
+        parameters (e.g. `functools.partial(copies.compute_copies, picks=..., dtype=...)`),
+        kept between steps and made anew by each step; None: the model casts as it goes.
+        """
         self.mesh = mesh
         self.rules = rules
         self.state, self.state_shardings, self.graphdef, self.layouts = init_state(
@@ -53,9 +60,15 @@ class Trainer:
         # donated init aborted the XLA CPU runtime under load).
         self.state = jax.block_until_ready(self.state)
         self.batch_sharding = batch_sharding(mesh, rules)
+        copy_shardings = None
+        self._make_copies = None
+        if compute_copies is not None:
+            copy_shardings = copies_shardings(compute_copies, self.state.params, self.state_shardings.params)
+            self._make_copies = jax.jit(compute_copies, out_shardings=copy_shardings)
+        self._copies, self._copies_of = None, None
         self._step = make_train_step(
             self.graphdef, loss_fn, optimizer, schedule, mesh, rules, self.state_shardings, microbatches,
-            grad_reduction, grad_reduce_dtype,
+            grad_reduction, grad_reduce_dtype, compute_copies, copy_shardings,
         )
         self._compiled = None
         self.compile_time_s: float | None = None
@@ -71,7 +84,7 @@ class Trainer:
     def compile(self, batch: dict[str, jax.Array]) -> None:
         """Compiles the step ahead of time for this batch's shapes (timed in `compile_time_s`)."""
         start = time.perf_counter()
-        self._compiled = self._step.lower(self.state, batch).compile()
+        self._compiled = self._step.lower(self.state, self._current_copies(), batch).compile()
         self.compile_time_s = time.perf_counter() - start
 
     def step(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
@@ -80,10 +93,19 @@ class Trainer:
             batch = self.global_batch(batch)
         if self._compiled is None:
             self.compile(batch)
-        self.state, metrics = self._compiled(self.state, batch)
+        self.state, self._copies, metrics = self._compiled(self.state, self._current_copies(), batch)
+        self._copies_of = self.state
         if self._finish_each_step:
             jax.block_until_ready(metrics)
         return metrics
+
+    def _current_copies(self) -> Any:
+        """The compute-dtype copies of `self.state`'s parameters, made anew if the state was replaced
+        since the last step (a restore)."""
+        if self._make_copies is not None and self._copies_of is not self.state:
+            self._copies = self._make_copies(self.state.params)
+            self._copies_of = self.state
+        return self._copies
 
     def compiled_text(self) -> str:
         """The compiled step's HLO after SPMD partitioning (call `compile` or `step` first)."""
