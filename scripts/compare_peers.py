@@ -264,15 +264,7 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist fsdp", JAXDIST + fsdp),
         ],
         # Fifth round: the MLP's GELU gradient in cuBLASLt's epilogue (model.gelu_grad_impl) against
-        # XLA's separate pass, on one GPU at both sizes.
-        "r5_1gpu": [
-            ("torch 406m b16", torch_406m),
-            ("jaxdist 406m +profile", JAXDIST + ["configs/gpt_406m.yaml", "--profile", "/tmp/prof_406m"]),
-            ("jaxdist 406m gelu_grad_impl=xla", JAXDIST + ["configs/gpt_406m.yaml", "model.gelu_grad_impl=xla"]),
-            ("torch 1b4 b8", torch_1b4),
-            ("jaxdist 1b4", JAXDIST + ["configs/gpt_1b4.yaml"]),
-        ],
-        # ... both sizes profiled, the kernel against XLA's pass at both.
+        # XLA's separate pass, on one GPU at both sizes, both profiled.
         "r5b_1gpu": [
             ("torch 406m b16", torch_406m),
             ("jaxdist 406m +profile", JAXDIST + ["configs/gpt_406m.yaml", "--profile", "/tmp/prof_406m"]),
@@ -290,17 +282,8 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist 1b4 +profile", JAXDIST + ["configs/gpt_1b4.yaml", "--profile", "/tmp/prof_1b4"]),
             ("jaxdist 1b4 compute_copies=false", JAXDIST + ["configs/gpt_1b4.yaml", "precision.compute_copies=false"]),
         ],
-        # ... data parallel and FSDP on 2 GPUs (run with --gpus 2 on a 4-GPU host), then tensor=4 at
-        # 1.4B: the kernel per shard under each layout.
-        "r5_multi": [
-            ("jaxdist 406m 1gpu", one_gpu_406m),
-            ("torch ddp", ["env", "MODE=ddp"] + dist),
-            ("jaxdist dp2", JAXDIST + dp2),
-            ("jaxdist fsdp", JAXDIST + fsdp),
-            ("jaxdist 1b4 1gpu", one_gpu_1b4),
-            ("jaxdist 1b4 tensor=4", JAXDIST + tensor4),
-        ],
-        # ... the same with the compute-dtype copies (run with --gpus 2), and torch's FSDP2.
+        # ... data parallel, FSDP and their torch peers on 2 GPUs (run with --gpus 2 on a 4-GPU
+        # host), then tensor=4 at 1.4B: the kernel per shard under each layout.
         "r5c_multi": [
             ("jaxdist 406m 1gpu", one_gpu_406m),
             ("torch ddp", ["env", "MODE=ddp"] + dist),

@@ -106,7 +106,7 @@ def _gelu_project_fwd(kernel, pre, down):
 def _gelu_project_bwd(kernel, residuals, d_out):
     pre, post, down = residuals
     d_pre = gelu_grad_matmul(d_out, down, pre) if kernel else xla_gelu_grad_matmul(d_out, down, pre)
-    d_down = jnp.einsum("btm,bte->me", post, d_out)
+    d_down = jnp.einsum("...m,...e->me", post, d_out)
     return d_pre, d_down
 
 
