@@ -18,6 +18,8 @@ from conftest import make_config
 from jaxdist import native
 from jaxdist.config import ModelConfig
 from jaxdist.models import gelu_matmul
+from jaxdist.parallel import mesh as mesh_lib
+from jaxdist.parallel import rules as rules_lib
 from jaxdist.train import loop
 
 from test_fused_norm import _losses
@@ -92,6 +94,16 @@ def test_kernel_choice_falls_back_or_fails_clearly(monkeypatch):
         patch.setattr(jax, "default_backend", lambda: "gpu")
         with pytest.warns(UserWarning, match="not found: cublasLt.h"):
             assert not gelu_matmul.use_kernel("auto", jnp.bfloat16)
+    with monkeypatch.context() as patch:  # a GPU where it builds, under rules that split `embed`
+        patch.setattr(gelu_matmul, "unavailable_reason", lambda: None)
+        patch.setattr(jax, "default_backend", lambda: "gpu")
+        assert gelu_matmul.use_kernel("auto", jnp.bfloat16)
+        mesh = mesh_lib.build_mesh({"data": 1, "stage": 1, "fsdp": 1, "tensor": 2}, jax.devices()[:2])
+        split_embed = rules_lib.preset("tp").override(activations={"embed": "tensor"})
+        with rules_lib.activation_rules(mesh, split_embed):
+            assert not gelu_matmul.use_kernel("auto", jnp.bfloat16)
+            with pytest.raises(ValueError, match="embed"):
+                gelu_matmul.use_kernel("cublaslt", jnp.bfloat16)
     for bad in ({"scan_layers": True}, {"scan_layers": False, "activation": "swiglu"}):
         with pytest.raises(pydantic.ValidationError, match="gelu_grad_impl=cublaslt"):
             ModelConfig(gelu_grad_impl="cublaslt", **bad)

@@ -71,6 +71,10 @@ def use_kernel(impl: str, dtype) -> bool:
         if impl == "cublaslt":
             raise ValueError(f"model.gelu_grad_impl=cublaslt needs bfloat16 activations, not {jnp.dtype(dtype)}")
         return False
+    if _embed_split():
+        if impl == "cublaslt":
+            raise ValueError("model.gelu_grad_impl=cublaslt needs `embed` whole on each device; the rules split it")
+        return False
     reason = unavailable_reason()
     if reason is None:
         return True
@@ -126,12 +130,16 @@ def gelu_grad_matmul(d_out: jax.Array, down: jax.Array, pre: jax.Array) -> jax.A
         return _local(d_out, down, pre)
     mesh, rules = active
     pre_spec = _padded(rules.activation_spec(PRE_NAMES), 3)
-    out_spec = _padded(rules.activation_spec(OUT_NAMES), 3)
-    if out_spec[2] is not None:
-        raise ValueError(f"the cuBLASLt GELU gradient needs `embed` whole on each device, not split as {out_spec}")
+    out_spec = _padded(rules.activation_spec(OUT_NAMES), 3)  # `embed` whole: `use_kernel` checked
     down_spec = PartitionSpec(pre_spec[2], None)
     return jax.shard_map(_local, mesh=mesh, in_specs=(out_spec, down_spec, pre_spec), out_specs=pre_spec,
                          check_vma=False)(d_out, down, pre)
+
+
+def _embed_split() -> bool:
+    """Whether the enclosing activation rules split the MLP output's `embed` axis over devices."""
+    active = rules_lib.active()
+    return active is not None and _padded(active[1].activation_spec(OUT_NAMES), 3)[2] is not None
 
 
 def _padded(spec: PartitionSpec, rank: int) -> PartitionSpec:
