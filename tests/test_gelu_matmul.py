@@ -71,7 +71,7 @@ def test_per_shard_wiring_trains_like_one_device(tmp_path, monkeypatch):
     loop.train(make_config(single, mesh={"data": 1, "fsdp": 1, "tensor": 1}, rules={"preset": "dp"},
                            model={**model, "gelu_grad_impl": "xla"}), devices=jax.devices()[:1])
     monkeypatch.setattr(gelu_matmul, "_local", local)
-    monkeypatch.setattr(gelu_matmul, "use_kernel", lambda impl, dtype: True)
+    monkeypatch.setattr(gelu_matmul, "use_kernel", lambda impl, pre, down: True)
     loop.train(make_config(sharded, mesh={"data": 2, "fsdp": 2, "tensor": 2}, rules={"preset": "fsdp_tp"},
                            model={**model, "gelu_grad_impl": "auto"}))
     # Per device: 16 sequences / (data 2 x fsdp 2) of 32 positions; mlp 256 / tensor 2; embed whole.
@@ -82,28 +82,36 @@ def test_per_shard_wiring_trains_like_one_device(tmp_path, monkeypatch):
 
 
 def test_kernel_choice_falls_back_or_fails_clearly(monkeypatch):
-    assert not gelu_matmul.use_kernel("auto", jnp.bfloat16)  # on CPU
-    assert not gelu_matmul.use_kernel("xla", jnp.bfloat16)
+    pre, down = jnp.zeros((2, 8, 64), jnp.bfloat16), jnp.zeros((64, 16), jnp.bfloat16)
+    assert not gelu_matmul.use_kernel("auto", pre, down)  # on CPU
+    assert not gelu_matmul.use_kernel("xla", pre, down)
     assert gelu_matmul.unavailable_reason() == "not on a GPU"
     with pytest.raises(RuntimeError, match="not on a GPU"):
-        gelu_matmul.use_kernel("cublaslt", jnp.bfloat16)
+        gelu_matmul.use_kernel("cublaslt", pre, down)
     with pytest.raises(ValueError, match="bfloat16"):
-        gelu_matmul.use_kernel("cublaslt", jnp.float32)
+        gelu_matmul.use_kernel("cublaslt", pre.astype(jnp.float32), down.astype(jnp.float32))
     with monkeypatch.context() as patch:  # a GPU where the handler doesn't build: warn once, use XLA
         patch.setattr(gelu_matmul, "unavailable_reason", lambda: "not found: cublasLt.h")
         patch.setattr(jax, "default_backend", lambda: "gpu")
         with pytest.warns(UserWarning, match="not found: cublasLt.h"):
-            assert not gelu_matmul.use_kernel("auto", jnp.bfloat16)
-    with monkeypatch.context() as patch:  # a GPU where it builds, under rules that split `embed`
+            assert not gelu_matmul.use_kernel("auto", pre, down)
+    with monkeypatch.context() as patch:  # a GPU where it builds: operands and layouts it doesn't take
         patch.setattr(gelu_matmul, "unavailable_reason", lambda: None)
         patch.setattr(jax, "default_backend", lambda: "gpu")
-        assert gelu_matmul.use_kernel("auto", jnp.bfloat16)
+        assert gelu_matmul.use_kernel("auto", pre, down)
+        assert not gelu_matmul.use_kernel("auto", pre[..., :60], down[:60])  # mlp 60: rows not 16 bytes
+        with pytest.raises(ValueError, match="multiples of 8"):
+            gelu_matmul.use_kernel("cublaslt", pre[..., :60], down[:60])
+        assert gelu_matmul.use_kernel("auto", pre[..., :40], down[:40])  # mlp 40, whole
         mesh = mesh_lib.build_mesh({"data": 1, "stage": 1, "fsdp": 1, "tensor": 2}, jax.devices()[:2])
+        with rules_lib.activation_rules(mesh, rules_lib.preset("tp")):
+            assert gelu_matmul.use_kernel("auto", pre, down)  # 32 of mlp per device
+            assert not gelu_matmul.use_kernel("auto", pre[..., :40], down[:40])  # 20 per device
         split_embed = rules_lib.preset("tp").override(activations={"embed": "tensor"})
         with rules_lib.activation_rules(mesh, split_embed):
-            assert not gelu_matmul.use_kernel("auto", jnp.bfloat16)
+            assert not gelu_matmul.use_kernel("auto", pre, down)
             with pytest.raises(ValueError, match="embed"):
-                gelu_matmul.use_kernel("cublaslt", jnp.bfloat16)
+                gelu_matmul.use_kernel("cublaslt", pre, down)
     for bad in ({"scan_layers": True}, {"scan_layers": False, "activation": "swiglu"}):
         with pytest.raises(pydantic.ValidationError, match="gelu_grad_impl=cublaslt"):
             ModelConfig(gelu_grad_impl="cublaslt", **bad)

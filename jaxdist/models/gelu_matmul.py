@@ -60,20 +60,18 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def use_kernel(impl: str, dtype) -> bool:
-    """Whether `model.gelu_grad_impl` = `impl` runs the cuBLASLt kernel for activations of `dtype`.
+def use_kernel(impl: str, pre: jax.Array, down: jax.Array) -> bool:
+    """Whether `model.gelu_grad_impl` = `impl` runs the cuBLASLt kernel for `gelu(pre) @ down` here.
 
-    `auto` takes it on a GPU where it builds, warning once where it doesn't; `cublaslt` insists.
+    `auto` takes it on a GPU where it builds and the operands suit it, warning once where it doesn't
+    build; `cublaslt` insists, raising with the reason.
     """
     if impl == "xla" or (impl == "auto" and jax.default_backend() != "gpu"):
         return False
-    if jnp.dtype(dtype) != jnp.bfloat16:
+    reason = _unsuited(pre, down)
+    if reason is not None:
         if impl == "cublaslt":
-            raise ValueError(f"model.gelu_grad_impl=cublaslt needs bfloat16 activations, not {jnp.dtype(dtype)}")
-        return False
-    if _embed_split():
-        if impl == "cublaslt":
-            raise ValueError("model.gelu_grad_impl=cublaslt needs `embed` whole on each device; the rules split it")
+            raise ValueError(f"model.gelu_grad_impl=cublaslt: {reason}")
         return False
     reason = unavailable_reason()
     if reason is None:
@@ -82,6 +80,24 @@ def use_kernel(impl: str, dtype) -> bool:
         raise RuntimeError(f"model.gelu_grad_impl=cublaslt: the cuBLASLt handler is unavailable: {reason}")
     _warn_once(reason)
     return False
+
+
+def _unsuited(pre: jax.Array, down: jax.Array) -> str | None:
+    """Why these operands (under the enclosing rules) don't suit the kernel, or None."""
+    if pre.dtype != jnp.bfloat16 or down.dtype != jnp.bfloat16:
+        return f"it takes bfloat16 activations, not {pre.dtype}"
+    mlp_shards, embed_split = 1, False
+    active = rules_lib.active()
+    if active is not None:
+        mesh, rules = active
+        mlp_shards = rules_lib.axes_size(mesh, rules_lib.spec_axes(_padded(rules.activation_spec(PRE_NAMES), 3)[2]))
+        embed_split = _padded(rules.activation_spec(OUT_NAMES), 3)[2] is not None
+    if embed_split:
+        return "it needs `embed` whole on each device; the rules split it"
+    # Rows of 16 bytes: what cuBLASLt's bf16 kernels need of a matrix's leading dimension.
+    if down.shape[1] % 8 or (down.shape[0] // mlp_shards) % 8:
+        return f"embed ({down.shape[1]}) and mlp per device ({down.shape[0] // mlp_shards}) must be multiples of 8"
+    return None
 
 
 @functools.cache
@@ -130,16 +146,10 @@ def gelu_grad_matmul(d_out: jax.Array, down: jax.Array, pre: jax.Array) -> jax.A
         return _local(d_out, down, pre)
     mesh, rules = active
     pre_spec = _padded(rules.activation_spec(PRE_NAMES), 3)
-    out_spec = _padded(rules.activation_spec(OUT_NAMES), 3)  # `embed` whole: `use_kernel` checked
+    out_spec = _padded(rules.activation_spec(OUT_NAMES), 3)  # `embed` whole: `use_kernel` checks
     down_spec = PartitionSpec(pre_spec[2], None)
     return jax.shard_map(_local, mesh=mesh, in_specs=(out_spec, down_spec, pre_spec), out_specs=pre_spec,
                          check_vma=False)(d_out, down, pre)
-
-
-def _embed_split() -> bool:
-    """Whether the enclosing activation rules split the MLP output's `embed` axis over devices."""
-    active = rules_lib.active()
-    return active is not None and _padded(active[1].activation_spec(OUT_NAMES), 3)[2] is not None
 
 
 def _padded(spec: PartitionSpec, rank: int) -> PartitionSpec:

@@ -178,7 +178,7 @@ class Mlp(nnx.Module):
             return (jax.nn.silu(gate) * h) @ down
         # Its backward keeps `h` and gelu(h), not the formula's tanh, and on GPU puts GELU's
         # gradient into the matmul's epilogue (models/gelu_matmul.py).
-        return gelu_matmul.gelu_project(h, down, kernel=gelu_matmul.use_kernel(self.gelu_grad_impl, h.dtype))
+        return gelu_matmul.gelu_project(h, down, kernel=gelu_matmul.use_kernel(self.gelu_grad_impl, h, down))
 
 
 class Block(nnx.Module):
