@@ -32,6 +32,7 @@ Names = tuple[str | None, ...]
 RESIDUAL: Names = ("batch", "seq", "embed")
 
 _normal = nnx.initializers.normal(0.02)
+EPS = 1e-5  # the norms' epsilon
 
 # The parameters the model reads only cast to the compute dtype: the blocks' matmul weights. A copy
 # kept in that dtype can stand in for each (train/copies.py). Not the embedding (its rows are
@@ -43,7 +44,6 @@ COMPUTE_DTYPE_PARAMS = frozenset({"qkv", "out", "up", "gate", "down"})
 def read_in_compute_dtype(path: tuple) -> bool:
     """Whether the parameter at this pytree path is one of `COMPUTE_DTYPE_PARAMS`."""
     return bool(path) and getattr(path[-1], "key", None) in COMPUTE_DTYPE_PARAMS
-EPS = 1e-5  # the norms' epsilon
 
 
 def _param(rngs: nnx.Rngs, init, shape: Sequence[int], names: Names, dtype) -> nnx.Param:

@@ -3,7 +3,7 @@
 Gradient accumulation is a `lax.scan` over microbatches inside the step (train/accumulate.py),
 so a step means the same thing at any microbatch count. The step is jitted with explicit
 shardings for the state and the batch, and donates the old state's buffers. Under dynamic loss
-scaling (train/copies.py) a step with non-finite gradients keeps the old parameters and
+scaling (train/precision.py) a step with non-finite gradients keeps the old parameters and
 optimizer state.
 """
 
