@@ -102,17 +102,18 @@ def build(source: Path, libraries: list[CudaLibrary]) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as partial:
-        command = [compiler, *flags, str(source), "-o", partial.name, *links]
+    handle, partial = tempfile.mkstemp(dir=target.parent, suffix=".so")  # this process's own file
+    os.close(handle)
+    command = [compiler, *flags, str(source), "-o", partial, *links]
     try:
         done = subprocess.run(command, capture_output=True, text=True)
         error = done.stderr[-3000:] if done.returncode else None
     except OSError as failure:
         error = str(failure)
     if error is not None:
-        os.unlink(partial.name)
+        os.unlink(partial)
         raise NativeBuildError(f"{' '.join(command)} failed:\n{error}")
-    os.replace(partial.name, target)
+    os.replace(partial, target)
     return target
 
 

@@ -254,7 +254,7 @@ def _per_shard(names):
         return None
     mesh, rules = active
     spec = tuple(rules.activation_spec(names))
-    return mesh, PartitionSpec(*spec, *([None] * (len(names) - len(spec))))  # padded to one entry per axis
+    return mesh, rules_lib.padded_spec(spec, len(names))
 
 
 def _run_per_shard(names, local, arrays: dict, row_wise: set[str], out_specs):

@@ -90,8 +90,9 @@ def _unsuited(pre: jax.Array, down: jax.Array) -> str | None:
     active = rules_lib.active()
     if active is not None:
         mesh, rules = active
-        mlp_shards = rules_lib.axes_size(mesh, rules_lib.spec_axes(_padded(rules.activation_spec(PRE_NAMES), 3)[2]))
-        embed_split = _padded(rules.activation_spec(OUT_NAMES), 3)[2] is not None
+        pre_spec, out_spec = _specs(rules)
+        mlp_shards = rules_lib.axes_size(mesh, rules_lib.spec_axes(pre_spec[2]))
+        embed_split = out_spec[2] is not None
     if embed_split:
         return "it needs `embed` whole on each device; the rules split it"
     # Rows of 16 bytes: what cuBLASLt's bf16 kernels need of a matrix's leading dimension.
@@ -145,15 +146,16 @@ def gelu_grad_matmul(d_out: jax.Array, down: jax.Array, pre: jax.Array) -> jax.A
     if active is None or active[0].size == 1:
         return _local(d_out, down, pre)
     mesh, rules = active
-    pre_spec = _padded(rules.activation_spec(PRE_NAMES), 3)
-    out_spec = _padded(rules.activation_spec(OUT_NAMES), 3)  # `embed` whole: `use_kernel` checks
+    pre_spec, out_spec = _specs(rules)  # `embed` whole in out_spec: `use_kernel` checks
     down_spec = PartitionSpec(pre_spec[2], None)
     return jax.shard_map(_local, mesh=mesh, in_specs=(out_spec, down_spec, pre_spec), out_specs=pre_spec,
                          check_vma=False)(d_out, down, pre)
 
 
-def _padded(spec: PartitionSpec, rank: int) -> PartitionSpec:
-    return PartitionSpec(*spec, *([None] * (rank - len(spec))))
+def _specs(rules: rules_lib.Rules) -> tuple[PartitionSpec, PartitionSpec]:
+    """The specs of `pre` and of `d_out` under these rules, one entry per dimension."""
+    return (rules_lib.padded_spec(rules.activation_spec(PRE_NAMES), 3),
+            rules_lib.padded_spec(rules.activation_spec(OUT_NAMES), 3))
 
 
 def _local(d_out: jax.Array, down: jax.Array, pre: jax.Array) -> jax.Array:

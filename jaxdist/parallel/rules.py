@@ -104,6 +104,11 @@ def axes_size(mesh: Mesh, axes: Sequence[str]) -> int:
     return math.prod(mesh.shape[axis] for axis in axes)
 
 
+def padded_spec(spec: PartitionSpec, rank: int) -> PartitionSpec:
+    """`spec` with one entry per dimension of a rank-`rank` array (trailing entries None)."""
+    return PartitionSpec(*spec, *([None] * (rank - len(spec))))
+
+
 def batch_axes(rules: Rules) -> tuple[str, ...]:
     """The mesh axes the batch is split over (the activation rule for `batch`)."""
     return tuple(rules.activations.get("batch", ()))

@@ -114,4 +114,3 @@ def all_finite(tree: Any) -> jax.Array:
 def keep_if_not_finite(finite: jax.Array, new: Any, old: Any) -> Any:
     """`new` where the step was finite, else `old`, leaf by leaf (no control flow, no copy of `old`)."""
     return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-
