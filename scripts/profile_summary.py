@@ -1,6 +1,6 @@
 """Where a profiled step spends its GPU time: kernel time by kind, and the top kernels.
 
-    python3 scripts/profile_summary.py PROFILE_DIR [--steps 3] [--top 25]
+    python3 scripts/profile_summary.py PROFILE_DIR [--steps 3] [--top 25] [--against OTHER_DIR]
 
 Reads the newest `perfetto_trace.json.gz` under PROFILE_DIR (written by `jaxdist bench
 --profile PROFILE_DIR`, which traces 3 steps) and sums the kernels on the GPU streams of the first
@@ -10,6 +10,8 @@ attention, NCCL collectives, copies, and XLA's own fusions (elementwise and redu
 It also says how long the GPU sat idle (no kernel on any stream), in gap sizes, and where the
 longest gaps were: the difference between kernel time and step time; how much of the collectives'
 time other kernels ran beside them; and, from the host's threads, what the host spent its time in.
+With `--against`, it also says which kernels take longer or shorter than in another profile (say, data
+parallel against one GPU): whether a layout loses its time in collectives or in slower compute.
 """
 
 from __future__ import annotations
@@ -79,11 +81,46 @@ def main() -> None:
     parser.add_argument("profile_dir")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--against", help="a second profile folder to compare kernel times with")
     args = parser.parse_args()
-    path = max(Path(args.profile_dir).rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
-    trace = json.load(gzip.open(path))
-    print_summary(gpu_kernels(trace), args.steps, args.top, str(path))
+    trace = load_trace(args.profile_dir)
+    kernels = gpu_kernels(trace)
+    print_summary(kernels, args.steps, args.top, args.profile_dir)
     print_host(host_events(trace), args.steps)
+    if args.against:
+        print_difference(kernels, gpu_kernels(load_trace(args.against)), args.steps, args.top)
+
+
+def load_trace(profile_dir: str) -> dict:
+    """The newest perfetto trace under `profile_dir`."""
+    path = max(Path(profile_dir).rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    return json.load(gzip.open(path))
+
+
+def kernel_ms(kernels: list[dict], steps: int) -> tuple[collections.Counter, collections.Counter]:
+    """Kernel time per step (ms) by kind and by kernel name."""
+    by_kind, by_name = collections.Counter(), collections.Counter()
+    for event in kernels:
+        by_kind[kind(event["name"])] += event["dur"] / 1e3 / steps
+        by_name[event["name"]] += event["dur"] / 1e3 / steps
+    return by_kind, by_name
+
+
+def print_difference(kernels: list[dict], other: list[dict], steps: int, top: int) -> None:
+    """Kernel time per step by kind in this profile and the other, then the kernels whose time
+    changed most (XLA names fusions by their HLO, so the same program's kernels keep their names)."""
+    kinds, names = kernel_ms(kernels, steps)
+    other_kinds, other_names = kernel_ms(other, steps)
+    print("against the other profile (ms per step: this, other, difference):")
+    for label in sorted(set(kinds) | set(other_kinds), key=lambda k: -abs(kinds[k] - other_kinds[k])):
+        print(f"  {label:<18} {kinds[label]:8.2f} {other_kinds[label]:8.2f} {kinds[label] - other_kinds[label]:+8.2f}")
+    total, other_total = sum(kinds.values()), sum(other_kinds.values())
+    print(f"  {'all kernels':<18} {total:8.2f} {other_total:8.2f} {total - other_total:+8.2f}")
+    changed = sorted(set(names) | set(other_names), key=lambda n: -abs(names[n] - other_names[n]))
+    print(f"the {top} kernels whose time changed most:")
+    for name in changed[:top]:
+        print(f"  {names[name]:7.2f} {other_names[name]:7.2f} {names[name] - other_names[name]:+7.2f}  "
+              f"{kind(name):<10} {name[:90]}")
 
 
 # Idle gaps by length (us): launch bubbles are a few us; tens to hundreds of us are the host.
@@ -168,12 +205,8 @@ def lone_collectives(kernels: list[dict]) -> list[tuple[float, float, str, str]]
 
 def print_summary(kernels: list[dict], steps: int, top: int, source: str) -> None:
     """Kernel time per step by kind, then the `top` kernels; `kernels` are events with name and dur (us)."""
-    by_kind, by_name, calls = collections.Counter(), collections.Counter(), collections.Counter()
-    for event in kernels:
-        ms = event["dur"] / 1e3 / steps
-        by_kind[kind(event["name"])] += ms
-        by_name[event["name"]] += ms
-        calls[event["name"]] += 1
+    by_kind, by_name = kernel_ms(kernels, steps)
+    calls = collections.Counter(event["name"] for event in kernels)
     print(f"kernel time per step: {sum(by_kind.values()):.2f} ms ({source})")
     for label, ms in by_kind.most_common():
         print(f"  {label:<18} {ms:8.2f} ms")

@@ -89,3 +89,22 @@ def test_each_collective_has_its_time_alone_and_the_kernel_before_it(capsys):
     assert profile_summary.lone_collectives(kernels) == [(50, 100, "ncclDevKernel_AllReduce", "nvjet_sm90_gemm")]
     profile_summary.print_summary(kernels, steps=1, top=1, source="synthetic")
     assert "     50.0 of   100.0  ncclDevKernel_AllReduce  after nvjet_sm90_gemm" in capsys.readouterr().out
+
+
+def test_difference_against_another_profile_by_kind_and_kernel(capsys):
+    data_parallel = profile_summary.gpu_kernels(trace())
+    one_gpu = [kernel("nvjet_sm90_gemm", 0, 80), kernel("loop_add_fusion", 100, 10), kernel("only_here", 120, 4)]
+    profile_summary.print_difference(data_parallel, one_gpu, steps=1, top=3)
+    lines = capsys.readouterr().out.splitlines()
+    by_kind = {line[:20].strip(): line[20:].split() for line in lines[1:7]}
+    assert by_kind == {
+        "collective": ["0.10", "0.00", "+0.10"],
+        "attention": ["0.03", "0.00", "+0.03"],
+        "matmul": ["0.10", "0.08", "+0.02"],
+        "xla fusion/other": ["0.01", "0.01", "-0.00"],
+        "copy": ["0.00", "0.00", "+0.00"],
+        "all kernels": ["0.24", "0.09", "+0.15"],
+    }
+    changed = lines[lines.index("the 3 kernels whose time changed most:") + 1:]
+    assert [line.split()[-1] for line in changed] == ["ncclDevKernel_AllReduce", "cudnn_flash_fprop", "nvjet_sm90_gemm"]
+    assert changed[0].split()[:3] == ["0.10", "0.00", "+0.10"]
