@@ -81,6 +81,26 @@ def test_per_shard_wiring_trains_like_one_device(tmp_path, monkeypatch):
     np.testing.assert_allclose(_losses(sharded), want, rtol=1e-5, atol=0)
 
 
+def test_the_ffi_call_runs_per_shard_under_vmap(tmp_path, monkeypatch):
+    """The real ffi_call path, with a CPU stand-in for the cuBLASLt handler (same operands and
+    results), where the gradients are vmapped over batch shards: precision.grad_reduce=bfloat16
+    with 2 microbatches on data2 x fsdp2 x tensor2. The losses equal XLA's way."""
+    monkeypatch.setenv("JAXDIST_CACHE_DIR", str(tmp_path / "cache"))
+    library = native.build(Path(__file__).with_name("native") / "gelu_grad_reference.cc", [])
+    native.register_handler(library, "JaxdistTestGeluGrad", "jaxdist_test_gelu_grad", platform="cpu")
+    shards = {"mesh": {"data": 2, "fsdp": 2, "tensor": 2}, "rules": {"preset": "fsdp_tp"},
+              "precision": {"grad_reduce": "bfloat16"}, "train": {"microbatches": 2}}
+    model = {"scan_layers": False, "norm_impl": "xla"}
+    xla, kernel = tmp_path / "xla", tmp_path / "kernel"
+    loop.train(make_config(xla, model={**model, "gelu_grad_impl": "xla"}, **shards))
+    monkeypatch.setattr(gelu_matmul, "TARGET", "jaxdist_test_gelu_grad")
+    monkeypatch.setattr(gelu_matmul, "use_kernel", lambda impl, pre, down: True)
+    loop.train(make_config(kernel, model={**model, "gelu_grad_impl": "auto"}, **shards))
+    want = _losses(xla)
+    assert len(want) == 10 and want[-1] < want[0] - 0.5, want
+    np.testing.assert_allclose(_losses(kernel), want, rtol=1e-5, atol=0)
+
+
 def test_kernel_choice_falls_back_or_fails_clearly(monkeypatch):
     pre, down = jnp.zeros((2, 8, 64), jnp.bfloat16), jnp.zeros((64, 16), jnp.bfloat16)
     assert not gelu_matmul.use_kernel("auto", pre, down)  # on CPU

@@ -160,9 +160,12 @@ def _specs(rules: rules_lib.Rules) -> tuple[PartitionSpec, PartitionSpec]:
 
 def _local(d_out: jax.Array, down: jax.Array, pre: jax.Array) -> jax.Array:
     embed, mlp = down.shape[1], down.shape[0]
+    # Under vmap (the per-shard gradients of precision.grad_reduce and train.microbatches) each
+    # device holds one shard, so calling once per mapped index costs nothing.
     call = jax.ffi.ffi_call(
         TARGET,
         (jax.ShapeDtypeStruct((pre.size // mlp, mlp), pre.dtype), jax.ShapeDtypeStruct((WORKSPACE_BYTES,), jnp.uint8)),
+        vmap_method="sequential",
     )
     d_pre, _ = call(d_out.reshape(-1, embed), down, pre.reshape(-1, mlp))
     return d_pre.reshape(pre.shape)
