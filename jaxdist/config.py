@@ -87,6 +87,11 @@ class ModelConfig(Section):
     # one slice's tensor-parallel all-reduce can run while the next slice computes. For tensor
     # parallelism; beside data/fsdp axes XLA may reduce each slice's weight gradients on its own.
     batch_chunks: int = Field(1, ge=1)
+    # Unrolled layers: each layer's weight gradients, and their reduction across devices, are made
+    # while the layer below runs its backward, not where XLA's scheduler puts them: after the whole
+    # backward (parallel/grad_order.py). Off: on 2 GPUs of one host the reductions then run beside
+    # compute, which slows by as much (BENCHMARKS.md).
+    overlap_grad_reduce: bool = False
 
     @model_validator(mode="after")
     def _shapes(self) -> ModelConfig:

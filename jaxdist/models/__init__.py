@@ -26,9 +26,9 @@ def lm_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
     """
     chunk = getattr(getattr(model, "cfg", None), "loss_chunk", 0)
     if chunk:
+        hidden, head = model.features(batch["inputs"])
         return fused_linear_cross_entropy(
-            model.hidden(batch["inputs"]), model.head_weights(), batch["targets"], batch.get("weights"),
-            chunk=chunk, logits_dtype=model.logits_dtype,
+            hidden, head, batch["targets"], batch.get("weights"), chunk=chunk, logits_dtype=model.logits_dtype,
         )
     logits = model(batch["inputs"]).astype(jnp.float32)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])

@@ -19,6 +19,7 @@ from flax import nnx
 
 from jaxdist.config import ModelConfig, PipelineConfig
 from jaxdist.models import fused_norm, gelu_matmul
+from jaxdist.parallel import grad_order
 from jaxdist.parallel import pipeline as pipeline_lib
 from jaxdist.parallel.rules import constrain
 from jaxdist.train.accumulate import split_microbatches
@@ -201,6 +202,13 @@ class Block(nnx.Module):
         return x, self.mlp(h)
 
 
+def _tie_block(block: Block, x: jax.Array) -> tuple[Block, jax.Array]:
+    """`block` and `x` through `grad_order.tie`: the block's gradient is ready before `x`'s."""
+    graphdef, state = nnx.split(block)
+    state, x = grad_order.tie(state, x)
+    return nnx.merge(graphdef, state), x
+
+
 def _merge_slices(parts: list[jax.Array]) -> jax.Array:
     """The batch again from its `split_microbatches` slices (model.batch_chunks)."""
     return constrain(pipeline_lib.merge_microbatches(jnp.stack(parts)), RESIDUAL)
@@ -215,8 +223,8 @@ _REMAT_POLICIES = {
 class GPT(nnx.Module):
     """Decoder-only transformer; `__call__(tokens)` gives logits (batch, length, vocab).
 
-    `hidden(tokens)` and `head_weights()` give the two inputs of that last projection separately,
-    for losses that never form the full logits (models/cross_entropy.py).
+    `features(tokens)` gives the two inputs of that last projection separately, for losses that
+    never form the full logits (models/cross_entropy.py).
 
     With `pipeline` settings and a stage axis in the mesh, the blocks run as a pipeline.
     """
@@ -253,19 +261,20 @@ class GPT(nnx.Module):
             self.head = _param(rngs, _normal, (cfg.d_model, cfg.vocab), ("embed", "vocab"), param_dtype)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        x = self.hidden(tokens)
-        logits = jnp.einsum("btd,dv->btv", x, _cast(self.head_weights(), x.dtype),
-                            preferred_element_type=self.logits_dtype)
+        x, head = self.features(tokens)
+        logits = jnp.einsum("btd,dv->btv", x, _cast(head, x.dtype), preferred_element_type=self.logits_dtype)
         return constrain(logits, ("batch", "length", "vocab"))
 
-    def hidden(self, tokens: jax.Array) -> jax.Array:
-        """The final normed hidden states (batch, length, embed) in the compute dtype: the head's input."""
+    def features(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The output projection's two inputs: the final normed hidden states (batch, length, embed)
+        in the compute dtype, and `head_weights()`, their gradient ordered into the backward pass
+        with the layers' (`model.overlap_grad_reduce`)."""
         x = jnp.take(self.embed[...], tokens, axis=0)
         if self.cfg.positions == "learned":
             x = x + self.positions[: tokens.shape[1]]
         x = constrain(_cast(x, self.compute_dtype), RESIDUAL)
-        x, delta = self._run_blocks(x)
-        return self.final_norm.add(x, delta)[1]
+        x, delta, head = self._run_blocks(x, self.head_weights())
+        return self.final_norm.add(x, delta)[1], head
 
     def head_weights(self) -> jax.Array:
         """The output projection (embed, vocab) in the parameter dtype; the embedding transposed when tied."""
@@ -276,8 +285,9 @@ class GPT(nnx.Module):
         """The dtype the output projection writes its logits in (`model.logits_dtype`)."""
         return jnp.float32 if self.cfg.logits_dtype == "float32" else self.compute_dtype
 
-    def _run_blocks(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-        """The residual after the blocks, and the last block's output not yet added to it."""
+    def _run_blocks(self, x: jax.Array, head: jax.Array) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+        """The residual after the blocks, the last block's output not yet added to it, and `head`
+        (the parameters used after the blocks)."""
         if not self.cfg.scan_layers:
             # Slices of the batch go through each layer one after the other: they are independent,
             # so XLA may run one slice's collectives beside the next slice's compute. The slices
@@ -285,15 +295,22 @@ class GPT(nnx.Module):
             chunks = self.cfg.batch_chunks
             xs = list(split_microbatches(x, chunks)) if chunks > 1 else [x]
             deltas = [None] * chunks
-            for block in self.blocks:
-                for i in range(chunks):
-                    xs[i], deltas[i] = self._remat(lambda carry, pending, b=block: b(carry, pending))(xs[i], deltas[i])
+            blocks = list(self.blocks)
+            for i in range(len(blocks)):
+                if self.cfg.overlap_grad_reduce:
+                    # What runs after layer i gets its gradient during layer i's backward.
+                    if i + 1 < len(blocks):
+                        blocks[i + 1], xs[0] = _tie_block(blocks[i + 1], xs[0])
+                    else:
+                        head, xs[0] = grad_order.tie(head, xs[0])
+                for j in range(chunks):
+                    xs[j], deltas[j] = self._remat(lambda carry, pending, b=blocks[i]: b(carry, pending))(xs[j], deltas[j])
             if chunks == 1:
-                return xs[0], deltas[0]
-            return _merge_slices(xs), _merge_slices(deltas)
+                return xs[0], deltas[0], head
+            return _merge_slices(xs), _merge_slices(deltas), head
         graphdef, stacked = nnx.split(self.blocks)
         run = functools.partial(self._run_layers, graphdef)
-        return pipeline_lib.run_layers(run, stacked, x, self.pipeline, RESIDUAL), None
+        return pipeline_lib.run_layers(run, stacked, x, self.pipeline, RESIDUAL), None, head
 
     def _run_layers(self, graphdef: nnx.GraphDef, x: jax.Array, stacked: nnx.State) -> jax.Array:
         """Scans the blocks whose parameters are stacked in `stacked`, in order."""
