@@ -293,6 +293,45 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist 1b4 1gpu", one_gpu_1b4),
             ("jaxdist 1b4 tensor=4", JAXDIST + tensor4),
         ],
+        # Sixth round, data parallel on 2 GPUs (run with --gpus 2): both steps profiled (and the DP
+        # step's optimized HLO dumped) to see where DP loses its time against one GPU; DP as two
+        # processes of one GPU each, as torchrun runs DDP; the scheduler; bf16 gradient reduction.
+        "r6_dp": [
+            ("jaxdist 406m 1gpu +profile", one_gpu_406m + ["--profile", "/tmp/prof_1gpu"]),
+            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("jaxdist dp2 +profile +hlo", ["env", f"XLA_FLAGS=--xla_dump_to={os.environ.get('OUT', '/tmp')}/hlo_dp2 "
+                                           "--xla_dump_hlo_module_re=.*step.*"]
+             + JAXDIST + dp2 + ["--profile", "/tmp/prof_dp2"]),
+            ("jaxdist dp2 two processes", [sys.executable, "-m", "jaxdist.cli", "launch", "-n", "2", "--", "bench"]
+             + dp2[:-2]),
+            ("jaxdist dp2 +lhs +profile", LHS + JAXDIST + dp2 + ["--profile", "/tmp/prof_dp2_lhs"]),
+            ("jaxdist dp2 grad_reduce=bf16", JAXDIST + dp2 + ["precision.grad_reduce=bfloat16"]),
+        ],
+        # ... each layer's gradient reduction ordered into the backward (model.overlap_grad_reduce,
+        # parallel/grad_order.py) against XLA's own order, under data parallelism and FSDP.
+        "r6b_dp": [
+            ("jaxdist 406m 1gpu", one_gpu_406m),
+            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("jaxdist dp2 +profile +hlo", ["env", f"XLA_FLAGS=--xla_dump_to={os.environ.get('OUT', '/tmp')}/hlo_dp2 "
+                                           "--xla_dump_hlo_module_re=.*step.*"]
+             + JAXDIST + dp2 + ["--profile", "/tmp/prof_dp2"]),
+            ("dp2 overlap_grad_reduce=false", JAXDIST + dp2 + ["model.overlap_grad_reduce=false"]),
+            ("jaxdist dp2 +lhs", LHS + JAXDIST + dp2),
+            ("jaxdist fsdp", JAXDIST + fsdp),
+            ("fsdp overlap_grad_reduce=false", JAXDIST + fsdp + ["model.overlap_grad_reduce=false"]),
+            ("jaxdist 406m 1gpu again", one_gpu_406m),
+        ],
+        # ... with the reductions beside compute, fewer NCCL channels (fewer SMs taken from the
+        # matmuls) or NCCL's Simple protocol.
+        "r6c_dp": [
+            ("jaxdist 406m 1gpu", one_gpu_406m),
+            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("jaxdist dp2", JAXDIST + dp2),
+            ("dp2 NCCL_MAX_NCHANNELS=4", ["env", "NCCL_MAX_NCHANNELS=4"] + JAXDIST + dp2),
+            ("dp2 NCCL_MAX_NCHANNELS=2", ["env", "NCCL_MAX_NCHANNELS=2"] + JAXDIST + dp2),
+            ("dp2 NCCL_PROTO=Simple", ["env", "NCCL_PROTO=Simple"] + JAXDIST + dp2),
+            ("dp2 overlap_grad_reduce=false", JAXDIST + dp2 + ["model.overlap_grad_reduce=false"]),
+        ],
         # The fused, chunked cross-entropy (model.loss_chunk): peak memory and step time per chunk size.
         "loss_chunk_406m": [
             ("torch 406m b16", torch_406m),
@@ -310,7 +349,8 @@ def run(label: str, command: list[str], timeout: int) -> dict:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"label": label, "error": f"timed out after {timeout} s"}
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    # `jaxdist launch` prefixes each process's lines with "[i] "; process 0 prints the result.
+    lines = [line.removeprefix("[0] ") for line in proc.stdout.splitlines() if line.removeprefix("[0] ").startswith("{")]
     if proc.returncode or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
         print("\n".join(tail), flush=True)
