@@ -149,12 +149,21 @@ class TrainConfig(Section):
     microbatch count; each device holds its unreduced fp32 gradients, unsharded along the batch
     axes, during the scan). per_microbatch: reduce inside every scan step (k reductions per step;
     gradients stay sharded like the parameters, which is lighter on memory under FSDP).
+
+    `fsdp_gather` says when the weights the model reads are gathered over the `fsdp` axis.
+    per_layer (FSDP, ZeRO-3): each layer's, in the forward and again in the backward. per_step
+    (ZeRO-2): the compute-dtype copies (`precision.compute_copies`) are kept whole on every device
+    and gathered once per step, by the update that writes them; the float32 weights and optimizer
+    state stay sharded, gradients are reduce-scattered, and each device updates its shard only.
+    Weights without a copy (for the GPT: embeddings, norms, head) are gathered where used, as
+    under per_layer.
     """
 
     steps: int = Field(300, gt=0)
     global_batch: int = Field(32, gt=0)
     microbatches: int = Field(1, gt=0)
     grad_reduction: Literal["per_step", "per_microbatch"] = "per_step"
+    fsdp_gather: Literal["per_layer", "per_step"] = "per_layer"
 
 
 class OptimConfig(Section):
@@ -280,6 +289,13 @@ class Config(Section):
                 f"precision.grad_reduce={self.precision.grad_reduce} needs train.grad_reduction=per_step "
                 f"(per_microbatch reductions happen inside XLA's gradient, in float32)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _gathered_copies(self) -> Config:
+        if self.train.fsdp_gather == "per_step" and not self.precision.compute_copies:
+            raise ValueError("train.fsdp_gather=per_step gathers the compute-dtype copies of the weights: "
+                             "it needs precision.compute_copies=true")
         return self
 
     def to_yaml(self) -> str:

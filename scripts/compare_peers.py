@@ -332,6 +332,17 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("dp2 NCCL_PROTO=Simple", ["env", "NCCL_PROTO=Simple"] + JAXDIST + dp2),
             ("dp2 overlap_grad_reduce=false", JAXDIST + dp2 + ["model.overlap_grad_reduce=false"]),
         ],
+        # Next: ZeRO-2 (train.fsdp_gather=per_step: the optimizer on half the parameters per GPU, the
+        # bf16 copies gathered once per step) and bf16 gradient reduction, against data parallel.
+        "r7_dp": [
+            ("jaxdist 406m 1gpu", one_gpu_406m),
+            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("jaxdist dp2", JAXDIST + dp2),
+            ("jaxdist zero2", JAXDIST + fsdp + ["train.fsdp_gather=per_step"]),
+            ("jaxdist zero2 +profile", JAXDIST + fsdp + ["train.fsdp_gather=per_step", "--profile", "/tmp/prof_zero2"]),
+            ("jaxdist dp2 grad_reduce=bf16", JAXDIST + dp2 + ["precision.grad_reduce=bfloat16"]),
+            ("jaxdist fsdp", JAXDIST + fsdp),
+        ],
         # The fused, chunked cross-entropy (model.loss_chunk): peak memory and step time per chunk size.
         "loss_chunk_406m": [
             ("torch 406m b16", torch_406m),

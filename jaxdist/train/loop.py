@@ -19,6 +19,7 @@ from jaxdist import models
 from jaxdist.checkpoint import RunCheckpoints
 from jaxdist.config import Config
 from jaxdist.data import loader
+from jaxdist.errors import UserError
 from jaxdist.observe.metrics import MetricsWriter, drop_after
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.parallel import pipeline as pipeline_lib
@@ -60,16 +61,22 @@ def build_trainer(cfg: Config, devices: list | None = None) -> Trainer:
     abstract = abstract_model(create_model, cfg.seed)
     tx, schedule = build_optimizer(cfg.optim, cfg.train, abstract[2])
     make_copies = None
+    dtypes = precision.policy(cfg.precision, mesh.devices.flat[0].platform)
     if cfg.precision.compute_copies and entry.read_in_compute_dtype is not None:
-        compute_dtype = precision.policy(cfg.precision, mesh.devices.flat[0].platform).compute_dtype
         make_copies = functools.partial(copies.compute_copies, picks=entry.read_in_compute_dtype,
-                                        dtype=compute_dtype)
+                                        dtype=dtypes.compute_dtype)
+    if cfg.train.fsdp_gather == "per_step" and (make_copies is None or dtypes.compute_dtype == dtypes.param_dtype):
+        raise UserError(
+            f"train.fsdp_gather=per_step gathers the weights' compute-dtype copies, and here there are none "
+            f"(model {cfg.model.name}, compute {dtypes.compute_dtype.name}, params {dtypes.param_dtype.name}): "
+            f"use per_layer, or a compute dtype other than the parameters'"
+        )
     return Trainer(
         create_model, entry.loss, tx, mesh, rules,
         seed=cfg.seed, microbatches=cfg.train.microbatches, grad_reduction=cfg.train.grad_reduction,
         grad_reduce_dtype=cfg.precision.grad_reduce,
         schedule=schedule, loss_scale=precision.initial_loss_scale(cfg.precision), abstract=abstract,
-        compute_copies=make_copies,
+        compute_copies=make_copies, copies_whole_over=("fsdp",) if cfg.train.fsdp_gather == "per_step" else (),
     )
 
 

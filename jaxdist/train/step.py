@@ -86,7 +86,22 @@ def make_train_step(
     )
 
 
-def copies_shardings(make_copies: Callable[[Any], Any], params: Any, param_shardings: Any) -> Any:
-    """Each compute-dtype copy sharded as its parameter (None where a parameter has no copy)."""
+def copies_shardings(make_copies: Callable[[Any], Any], params: Any, param_shardings: Any,
+                     whole_over: tuple[str, ...] = ()) -> Any:
+    """Each compute-dtype copy sharded as its parameter, but whole along the mesh axes `whole_over`
+    (`train.fsdp_gather=per_step`: ("fsdp",)); None where a parameter has no copy."""
     picked = jax.eval_shape(make_copies, params)
-    return jax.tree.map(lambda sharding, copy: None if copy is None else sharding, param_shardings, picked)
+
+    def sharding(param: NamedSharding, copy) -> NamedSharding | None:
+        if copy is None:
+            return None
+        return NamedSharding(param.mesh, PartitionSpec(*(_without(entry, whole_over) for entry in param.spec)))
+
+    return jax.tree.map(sharding, param_shardings, picked)
+
+
+def _without(entry: str | tuple[str, ...] | None, axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
+    """A partition spec entry with the mesh axes `axes` taken out."""
+    names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    kept = tuple(name for name in names if name not in axes)
+    return kept[0] if len(kept) == 1 else (kept or None)

@@ -44,12 +44,15 @@ class Trainer:
         loss_scale: LossScale | None = None,
         abstract: tuple | None = None,
         compute_copies: Callable[[Any], Any] | None = None,
+        copies_whole_over: tuple[str, ...] = (),
     ):
         """`abstract`: `state.abstract_model(create_model, seed)`, if already computed (saves a trace).
 
         `compute_copies(params)`: the compute-dtype copies the model reads in place of some
         parameters (e.g. `functools.partial(copies.compute_copies, picks=..., dtype=...)`),
         kept between steps and made anew by each step; None: the model casts as it goes.
+        `copies_whole_over`: mesh axes the copies are whole along though their parameters are split
+        (("fsdp",): ZeRO-2, `train.fsdp_gather=per_step`).
         """
         self.mesh = mesh
         self.rules = rules
@@ -63,7 +66,8 @@ class Trainer:
         copy_shardings = None
         self._make_copies = None
         if compute_copies is not None:
-            copy_shardings = copies_shardings(compute_copies, self.state.params, self.state_shardings.params)
+            copy_shardings = copies_shardings(compute_copies, self.state.params, self.state_shardings.params,
+                                              copies_whole_over)
             self._make_copies = jax.jit(compute_copies, out_shardings=copy_shardings)
         self._copies, self._copies_of = None, None
         self._step = make_train_step(
