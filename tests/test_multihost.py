@@ -345,7 +345,8 @@ def test_scale_numbers_follow_from_the_parameter_count(capsys):
     hsdp = scaling.layout_cost(model, hw, 8, {"data": 8, "stage": 1, "fsdp": 8, "tensor": 1}, 1024)
     assert hsdp.traffic["data"].network == pytest.approx(2 * 7 / 8 * grads / 8) and hsdp.traffic["data"].nvlink == 0
     assert hsdp.traffic["fsdp"].nvlink == pytest.approx(3 * 7 / 8 * grads) and hsdp.traffic["fsdp"].network == 0
-    assert hsdp.state_bytes == pytest.approx(16 * model.params / 8)
+    assert model.copied_params == layers * 12 * d * d  # the blocks' matmul weights, copied in bf16
+    assert hsdp.state_bytes == pytest.approx((16 * model.params + 2 * model.copied_params) / 8)
     assert scaling.checkpoint_cost(model, hw, 8, ddp).total_bytes == 12 * model.params
 
     big = config.load(REPO / "configs" / "gpt_1b4.yaml", ["model.d_model=4096", "model.layers=32", "model.heads=32"])

@@ -59,17 +59,24 @@ class ModelSize:
     remat: str
     flops_per_token: float
     loss_chunk: int = 0
+    copied_params: int = 0  # parameters also kept as compute-dtype copies (precision.compute_copies)
 
 
 def model_size(cfg: Config) -> ModelSize:
     """The recipe's sizes; the parameter count is read off the abstract model (nothing allocated)."""
-    _, abstract_params, _ = abstract_model(models.get(cfg.model.name).create(cfg), cfg.seed)
+    entry = models.get(cfg.model.name)
+    _, abstract_params, _ = abstract_model(entry.create(cfg), cfg.seed)
     params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_params))
+    param_bytes, compute_bytes = _dtype_bytes(cfg.precision.params), _dtype_bytes(cfg.precision.compute)
+    copied = 0
+    if cfg.precision.compute_copies and entry.read_in_compute_dtype is not None and compute_bytes != param_bytes:
+        copied = sum(math.prod(leaf.shape) for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]
+                     if entry.read_in_compute_dtype(path))
     m = cfg.model
     return ModelSize(
         params=params, layers=m.layers, d_model=m.d_model, heads=m.heads, seq_len=m.seq_len, vocab=m.vocab,
-        param_bytes=_dtype_bytes(cfg.precision.params), compute_bytes=_dtype_bytes(cfg.precision.compute),
-        remat=m.remat, flops_per_token=flops_per_token(cfg), loss_chunk=m.loss_chunk,
+        param_bytes=param_bytes, compute_bytes=compute_bytes,
+        remat=m.remat, flops_per_token=flops_per_token(cfg), loss_chunk=m.loss_chunk, copied_params=copied,
     )
 
 
@@ -90,7 +97,7 @@ class LayoutCost:
     shape: dict[str, int]
     across: dict[str, int]
     batch_per_shard: float  # sequences per (data x fsdp) shard
-    state_bytes: float  # params + fp32 grads + Adam moments, per GPU
+    state_bytes: float  # params + fp32 grads + Adam moments + compute-dtype copies, per GPU
     activation_bytes: float  # per GPU, estimated
     traffic: dict[str, AxisTraffic]
     network_s: float
@@ -121,8 +128,9 @@ def layout_cost(model: ModelSize, hw: Hardware, hosts: int, shape: dict[str, int
     gpus = math.prod(shape.values())
     batch_per_shard = global_batch / (data * fsdp)
     shard_params = model.params / (fsdp * tensor)
-    # fp32 gradients (jaxdist averages them in fp32), Adam's two moments in the parameter dtype.
-    state = shard_params * (3 * model.param_bytes + 4)
+    # fp32 gradients (jaxdist averages them in fp32), Adam's two moments in the parameter dtype,
+    # and the compute-dtype copies, split as their parameters (train.fsdp_gather=per_layer).
+    state = shard_params * (3 * model.param_bytes + 4) + model.copied_params / (fsdp * tensor) * model.compute_bytes
     params_per_tensor_shard = model.params / tensor
     activation = activation_bytes_per_sequence(model, tensor) * batch_per_shard
     grad_bytes = params_per_tensor_shard * 4
