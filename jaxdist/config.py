@@ -106,6 +106,8 @@ class ModelConfig(Section):
             raise ValueError("model.norm_impl=pallas needs model.scan_layers=false (the fused norms run on unrolled layers)")
         if self.gelu_grad_impl == "cublaslt" and (self.scan_layers or self.activation != "gelu"):
             raise ValueError("model.gelu_grad_impl=cublaslt needs model.activation=gelu and model.scan_layers=false")
+        if self.overlap_grad_reduce and self.scan_layers:
+            raise ValueError("model.overlap_grad_reduce needs model.scan_layers=false (it ties each unrolled layer)")
         if self.batch_chunks > 1 and self.scan_layers:
             raise ValueError("model.batch_chunks > 1 needs model.scan_layers=false (the slices interleave unrolled layers)")
         if self.positions == "rope" and (self.d_model // self.heads) % 2:

@@ -7,6 +7,8 @@ per tied layer (every block but the first, and the head) where XLA's scheduler w
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pydantic
+import pytest
 from conftest import make_config
 from flax import nnx
 
@@ -64,3 +66,8 @@ def test_data_parallel_training_is_unchanged(tmp_path):
         runs[overlap] = _losses(run_dir)
     assert len(runs[False]) == 10 and runs[False][-1] < runs[False][0] - 0.5, runs[False]
     np.testing.assert_allclose(runs[True], runs[False], rtol=1e-6, atol=0)
+
+
+def test_overlap_needs_unrolled_layers():
+    with pytest.raises(pydantic.ValidationError, match="overlap_grad_reduce needs model.scan_layers=false"):
+        ModelConfig(overlap_grad_reduce=True, scan_layers=True)
