@@ -20,10 +20,9 @@ def _trainer(tmp_path, gather: str):
 
 
 def _specs(tree) -> dict[str, tuple]:
-    """The partition spec of each leaf, by the last key of its path."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {f"{path[-3].key}.{path[-1].key}" if len(path) > 2 else str(path[-1].key): tuple(leaf.sharding.spec)
-            for path, leaf in leaves}
+    """The partition spec of each leaf, by its path."""
+    return {jax.tree_util.keystr(path): tuple(leaf.sharding.spec)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def test_per_step_gather_trains_like_fsdp_with_whole_copies_and_sharded_weights(tmp_path):
