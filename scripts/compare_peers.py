@@ -341,6 +341,8 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist zero2", JAXDIST + fsdp + ["train.fsdp_gather=per_step"]),
             ("jaxdist zero2 +profile", JAXDIST + fsdp + ["train.fsdp_gather=per_step", "--profile", "/tmp/prof_zero2"]),
             ("jaxdist dp2 grad_reduce=bf16", JAXDIST + dp2 + ["precision.grad_reduce=bfloat16"]),
+            ("jaxdist zero2 grad_reduce=bf16", JAXDIST + fsdp + ["train.fsdp_gather=per_step",
+                                                                 "precision.grad_reduce=bfloat16"]),
             ("jaxdist fsdp", JAXDIST + fsdp),
         ],
         # The fused, chunked cross-entropy (model.loss_chunk): peak memory and step time per chunk size.
