@@ -88,7 +88,7 @@ def _spec(table: Mapping[str, MeshAxes], names: Sequence[str | None], where: str
                     f"a mesh axis can split only one dimension: change {key}.{name} or {key}.{used[axis]}"
                 )
             used[axis] = name
-        entries.append(axes[0] if len(axes) == 1 else (axes or None))
+        entries.append(spec_entry(axes))
     return PartitionSpec(*entries)
 
 
@@ -97,6 +97,11 @@ def spec_axes(entry: Any) -> MeshAxes:
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def spec_entry(axes: Sequence[str]) -> str | tuple[str, ...] | None:
+    """The PartitionSpec entry naming `axes`: () -> None, ("a",) -> "a", ("a", "b") as is (`spec_axes` inverted)."""
+    return axes[0] if len(axes) == 1 else (tuple(axes) or None)
 
 
 def axes_size(mesh: Mesh, axes: Sequence[str]) -> int:

@@ -95,13 +95,8 @@ def copies_shardings(make_copies: Callable[[Any], Any], params: Any, param_shard
     def sharding(param: NamedSharding, copy) -> NamedSharding | None:
         if copy is None:
             return None
-        return NamedSharding(param.mesh, PartitionSpec(*(_without(entry, whole_over) for entry in param.spec)))
+        entries = (rules_lib.spec_entry([axis for axis in rules_lib.spec_axes(entry) if axis not in whole_over])
+                   for entry in param.spec)
+        return NamedSharding(param.mesh, PartitionSpec(*entries))
 
     return jax.tree.map(sharding, param_shardings, picked)
-
-
-def _without(entry: str | tuple[str, ...] | None, axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
-    """A partition spec entry with the mesh axes `axes` taken out."""
-    names = (entry,) if isinstance(entry, str) else tuple(entry or ())
-    kept = tuple(name for name in names if name not in axes)
-    return kept[0] if len(kept) == 1 else (kept or None)
