@@ -16,7 +16,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 import jax
 from jax.experimental import profiler as exp_profiler
@@ -28,18 +27,10 @@ from jaxdist.train.loop import build_trainer
 LHS = {"xla_gpu_enable_latency_hiding_scheduler": True}
 
 
-def timed(trainer, batch, steps: int = 30) -> float:
-    """Median step time (ms) over windows of 10 steps, after 5 warm-up steps."""
-    for _ in range(5):
-        jax.block_until_ready(trainer.step(batch))
-    windows = []
-    for _ in range(steps // 10):
-        start = time.perf_counter()
-        for _ in range(10):
-            metrics = trainer.step(batch)
-        jax.block_until_ready(metrics)
-        windows.append((time.perf_counter() - start) / 10 * 1e3)
-    return round(statistics.median(windows), 2)
+def timed(trainer, batch) -> float:
+    """Median step time (ms), timed as `jaxdist bench` does."""
+    windows, _, _ = bench.time_steps(trainer, batch, steps=30, warmup=5)
+    return round(statistics.median(windows) * 1e3, 2)
 
 
 def profile(trainer, batch, steps: int = 3) -> bytes:

@@ -49,18 +49,9 @@ def _windows(steps: int, size: int = 10) -> list[int]:
     return [size] * (steps // size) + ([steps % size] if steps % size else [])
 
 
-def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = None, profile_dir: str | None = None) -> dict:
-    """Builds the trainer as `train` does, then times `steps` steps after `warmup` steps.
-
-    With `profile_dir`, three more steps are traced by the JAX profiler into that folder.
-    """
-    from jaxdist.train.loop import build_trainer
-
-    start = time.perf_counter()
-    trainer = build_trainer(cfg, devices)
-    batch = trainer.global_batch(random_tokens(cfg, jax.process_index(), jax.process_count()))
-    trainer.compile(batch)
-    setup_s = time.perf_counter() - start
+def time_steps(trainer, batch: dict, steps: int, warmup: int) -> tuple[list[float], list[float], dict]:
+    """After `warmup` steps, `steps` steps of `trainer` timed: seconds per step of each window, the
+    host's seconds in each step call, and the last step's metrics."""
     for _ in range(warmup):
         jax.block_until_ready(trainer.step(batch))
     # Steps are timed in windows with no sync inside, so host dispatch overlaps device work as
@@ -75,6 +66,22 @@ def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = No
             dispatch.append(time.perf_counter() - called)
         jax.block_until_ready(metrics)
         times.append((time.perf_counter() - t0) / window)
+    return times, dispatch, metrics
+
+
+def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = None, profile_dir: str | None = None) -> dict:
+    """Builds the trainer as `train` does, then times `steps` steps after `warmup` steps.
+
+    With `profile_dir`, three more steps are traced by the JAX profiler into that folder.
+    """
+    from jaxdist.train.loop import build_trainer
+
+    start = time.perf_counter()
+    trainer = build_trainer(cfg, devices)
+    batch = trainer.global_batch(random_tokens(cfg, jax.process_index(), jax.process_count()))
+    trainer.compile(batch)
+    setup_s = time.perf_counter() - start
+    times, dispatch, metrics = time_steps(trainer, batch, steps, warmup)
     if profile_dir:
         # Back to back, as timed: a sync per step would hide waits that only happen while the
         # previous step is still running.
