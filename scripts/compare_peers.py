@@ -35,6 +35,11 @@ OVERLAP_8MB = ["env", "XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true 
                "--xla_gpu_all_reduce_combine_threshold_bytes=8388608"]
 
 
+def hlo_dump(folder: str) -> list[str]:
+    """Runs a command with XLA writing the step's HLO into $OUT/folder (what a device call brings back)."""
+    return ["env", f"XLA_FLAGS=--xla_dump_to={os.environ.get('OUT', '/tmp')}/{folder} --xla_dump_hlo_module_re=.*step.*"]
+
+
 def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
     torch_gpt = [sys.executable, f"{peers}/torch_gpt.py"]
     dist = ["torchrun", "--standalone", f"--nproc_per_node={gpus}", f"{peers}/torch_dist.py"]
@@ -254,9 +259,7 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist 1b4", JAXDIST + ["configs/gpt_1b4.yaml"]),
         ],
         "r4b_dp": [
-            ("jaxdist 406m 1gpu +hlo", ["env", f"XLA_FLAGS=--xla_dump_to={os.environ.get('OUT', '/tmp')}/hlo "
-                                        "--xla_dump_hlo_module_re=.*step.*"]
-             + one_gpu_406m),
+            ("jaxdist 406m 1gpu +hlo", hlo_dump("hlo") + one_gpu_406m),
             ("torch ddp", ["env", "MODE=ddp"] + dist),
             ("jaxdist dp2", JAXDIST + dp2),
             ("jaxdist dp2 +lhs +profile", LHS + JAXDIST + dp2 + ["--profile", "/tmp/prof_dp_lhs"]),
@@ -299,9 +302,7 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
         "r6_dp": [
             ("jaxdist 406m 1gpu +profile", one_gpu_406m + ["--profile", "/tmp/prof_1gpu"]),
             ("torch ddp", ["env", "MODE=ddp"] + dist),
-            ("jaxdist dp2 +profile +hlo", ["env", f"XLA_FLAGS=--xla_dump_to={os.environ.get('OUT', '/tmp')}/hlo_dp2 "
-                                           "--xla_dump_hlo_module_re=.*step.*"]
-             + JAXDIST + dp2 + ["--profile", "/tmp/prof_dp2"]),
+            ("jaxdist dp2 +profile +hlo", hlo_dump("hlo_dp2") + JAXDIST + dp2 + ["--profile", "/tmp/prof_dp2"]),
             ("jaxdist dp2 two processes", [sys.executable, "-m", "jaxdist.cli", "launch", "-n", "2", "--", "bench"]
              + dp2[:-2]),
             ("jaxdist dp2 +lhs +profile", LHS + JAXDIST + dp2 + ["--profile", "/tmp/prof_dp2_lhs"]),
@@ -312,9 +313,7 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
         "r6b_dp": [
             ("jaxdist 406m 1gpu", one_gpu_406m),
             ("torch ddp", ["env", "MODE=ddp"] + dist),
-            ("jaxdist dp2 +profile +hlo", ["env", f"XLA_FLAGS=--xla_dump_to={os.environ.get('OUT', '/tmp')}/hlo_dp2 "
-                                           "--xla_dump_hlo_module_re=.*step.*"]
-             + JAXDIST + dp2 + ["--profile", "/tmp/prof_dp2"]),
+            ("jaxdist dp2 +profile +hlo", hlo_dump("hlo_dp2") + JAXDIST + dp2 + ["--profile", "/tmp/prof_dp2"]),
             ("dp2 overlap_grad_reduce=false", JAXDIST + dp2 + ["model.overlap_grad_reduce=false"]),
             ("jaxdist dp2 +lhs", LHS + JAXDIST + dp2),
             ("jaxdist fsdp", JAXDIST + fsdp),
