@@ -153,12 +153,13 @@ class TrainConfig(Section):
     gradients stay sharded like the parameters, which is lighter on memory under FSDP).
 
     `fsdp_gather` says when the weights the model reads are gathered over the `fsdp` axis.
-    per_layer (FSDP, ZeRO-3): each layer's, in the forward and again in the backward. per_step
-    (ZeRO-2): the compute-dtype copies (`precision.compute_copies`) are kept whole on every device
-    and gathered once per step, by the update that writes them; the float32 weights and optimizer
-    state stay sharded, gradients are reduce-scattered, and each device updates its shard only.
-    Weights without a copy (for the GPT: embeddings, norms, head) are gathered where used, as
-    under per_layer.
+    per_layer (FSDP, ZeRO-3): each layer's, in the forward and again in the backward; a device
+    holds one layer's whole weights at a time. per_step (ZeRO-2): the compute-dtype copies
+    (`precision.compute_copies`) are gathered whole once per step, in the forward, and kept for the
+    backward (PyTorch FSDP2's reshard_after_forward=False); XLA hoists the gather out of the
+    microbatch scan, as the copies do not change inside it. The float32 weights and optimizer state
+    stay sharded, gradients are reduce-scattered, and each device updates its shard only. Weights
+    without a copy (for the GPT: embeddings, norms, head) are gathered where used, as under per_layer.
     """
 
     steps: int = Field(300, gt=0)
@@ -295,9 +296,9 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _gathered_copies(self) -> Config:
-        if self.train.fsdp_gather == "per_step" and not self.precision.compute_copies:
-            raise ValueError("train.fsdp_gather=per_step gathers the compute-dtype copies of the weights: "
-                             "it needs precision.compute_copies=true")
+        if self.train.fsdp_gather != "per_layer" and not self.precision.compute_copies:
+            raise ValueError(f"train.fsdp_gather={self.train.fsdp_gather} gathers the compute-dtype copies of "
+                             f"the weights: it needs precision.compute_copies=true")
         return self
 
     def to_yaml(self) -> str:

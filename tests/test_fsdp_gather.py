@@ -1,5 +1,5 @@
-"""train.fsdp_gather=per_step (ZeRO-2): the compute-dtype copies whole on every device, gathered
-once per step by the update; the float32 weights and optimizer state stay sharded over `fsdp`."""
+"""train.fsdp_gather=per_step (ZeRO-2): the compute-dtype copies gathered whole once per step, in
+the forward, and kept for the backward; weights, copies and optimizer state stay sharded over `fsdp`."""
 
 import jax
 import numpy as np
@@ -13,38 +13,54 @@ from jaxdist.train import loop
 from test_copies import _batches
 
 
-def _trainer(tmp_path, gather: str):
-    cfg = make_config(tmp_path, precision={"compute": "bfloat16"}, train={"fsdp_gather": gather},
-                      mesh={"data": 2, "fsdp": 4, "tensor": 1}, rules={"preset": "fsdp"})
-    return loop.build_trainer(cfg)
-
-
 def _specs(tree) -> dict[str, tuple]:
     """The partition spec of each leaf, by its path."""
     return {jax.tree_util.keystr(path): tuple(leaf.sharding.spec)
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def test_per_step_gather_trains_like_fsdp_with_whole_copies_and_sharded_weights(tmp_path):
-    batches = _batches(4)
-    losses, gathered = {}, {}
-    for gather in ("per_layer", "per_step"):
-        trainer = _trainer(tmp_path / gather, gather)
-        losses[gather] = [float(trainer.step(batch)["loss"]) for batch in batches]
-        gathered[gather] = sum(hlo.bytes_per_call(trainer.compiled_text())["all-gather"].values())
-        if gather == "per_step":
-            # XLA on CPU gathers bf16 as float32: 4 bytes for each element of a copy's 1/fsdp shard.
-            copy_shard_bytes = sum(copy.size for copy in jax.tree.leaves(trainer._copies)) // 4 * 4
-            copies, params = _specs(trainer._copies), _specs(trainer.params)
-            assert copies and all("fsdp" not in str(spec) for spec in copies.values()), copies
-            assert all("fsdp" in str(params[name]) for name in copies), params  # the weights stay split
-            opt_specs = {str(leaf.sharding.spec) for leaf in jax.tree.leaves(trainer.state.opt_state)
-                         if getattr(leaf, "ndim", 0) == 2}
-            assert opt_specs and all("fsdp" in spec for spec in opt_specs), opt_specs
-    assert losses["per_layer"][-1] < losses["per_layer"][0]
-    np.testing.assert_allclose(losses["per_step"], losses["per_layer"], rtol=2e-3)
+def _copy_shard_bytes(trainer) -> int:
+    # XLA on CPU gathers bf16 as float32: 4 bytes for each element of a copy's 1/fsdp shard.
+    return sum(copy.addressable_shards[0].data.size for copy in jax.tree.leaves(trainer._copies)) * 4
+
+
+def _train(tmp_path, gather: str, steps: int, **sections):
+    sections = {"mesh": {"data": 2, "fsdp": 4, "tensor": 1}, "rules": {"preset": "fsdp"}, **sections}
+    cfg = make_config(tmp_path / gather, train={"fsdp_gather": gather, **sections.pop("train", {})},
+                      precision={"compute": "bfloat16", **sections.pop("precision", {})}, **sections)
+    trainer = loop.build_trainer(cfg)
+    losses = [float(trainer.step(batch)["loss"]) for batch in _batches(steps)]
+    gathered = sum(hlo.bytes_per_call(trainer.compiled_text())["all-gather"].values())
+    return trainer, losses, gathered
+
+
+def test_per_step_gathers_the_copies_once_and_trains_like_fsdp(tmp_path):
+    per_layer, per_layer_losses, per_layer_gathered = _train(tmp_path, "per_layer", 4)
+    per_step, losses, gathered = _train(tmp_path, "per_step", 4)
+    assert per_layer_losses[-1] < per_layer_losses[0]
+    np.testing.assert_allclose(losses, per_layer_losses, rtol=2e-3)
     # Per layer gathers the matmul weights in the forward and again in the backward; per step once.
-    assert gathered["per_layer"] - gathered["per_step"] == copy_shard_bytes, (gathered, copy_shard_bytes)
+    assert per_layer_gathered - gathered == _copy_shard_bytes(per_step), (per_layer_gathered, gathered)
+    copies, params = _specs(per_step._copies), _specs(per_step.params)
+    assert copies and all("fsdp" in str(spec) for spec in copies.values()), copies  # split between steps
+    assert all("fsdp" in str(params[name]) for name in copies), params
+    opt_specs = {str(leaf.sharding.spec) for leaf in jax.tree.leaves(per_step.state.opt_state)
+                 if getattr(leaf, "ndim", 0) == 2}
+    assert opt_specs and all("fsdp" in spec for spec in opt_specs), opt_specs
+
+
+def test_per_step_gathers_once_across_microbatches_beside_a_tensor_axis(tmp_path):
+    """bfloat16 reduction and 2 microbatches take the per-shard gradient path (vmapped, reduced once
+    after the scan). The copies do not change inside the scan, so XLA gathers them once before it:
+    per_layer gathers 2 microbatches x (forward + backward) = 4 copies' worth, per_step 1. The copies
+    stay split over `tensor`."""
+    sections = {"precision": {"grad_reduce": "bfloat16"}, "train": {"microbatches": 2},
+                "mesh": {"data": 1, "fsdp": 4, "tensor": 2}, "rules": {"preset": "fsdp_tp"}}
+    _, per_layer_losses, per_layer_gathered = _train(tmp_path, "per_layer", 3, **sections)
+    per_step, losses, gathered = _train(tmp_path, "per_step", 3, **sections)
+    np.testing.assert_allclose(losses, per_layer_losses, rtol=2e-3)
+    assert per_layer_gathered - gathered == 3 * _copy_shard_bytes(per_step), (per_layer_gathered, gathered)
+    assert any("tensor" in str(spec) for spec in _specs(per_step._copies).values())
 
 
 def test_per_step_gather_needs_copies_to_gather(tmp_path):

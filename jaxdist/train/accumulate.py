@@ -27,6 +27,7 @@ compute on GPU the matmul weights' gradients cross devices in bfloat16 (measured
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -52,14 +53,15 @@ def loss_and_aux(out) -> tuple[jax.Array, dict[str, jax.Array]]:
 
 
 def scaled_grad_fn(graphdef: nnx.GraphDef, loss_fn: LossFn, loss_scale: jax.Array | None,
-                   compute_copies: Any = None) -> GradFn:
+                   compute_copies: Any = None, copies_gather: copies.Gather | None = None) -> GradFn:
     """`(params, batch) -> ((scaled loss, (loss, aux)), grads of the scaled loss)`.
 
-    The model reads the leaves that have `compute_copies` (train/copies.py) from them.
+    The model reads the leaves that have `compute_copies` (train/copies.py) from them, gathered
+    first with `copies_gather`.
     """
 
     def scaled(params, batch):
-        model = nnx.merge(graphdef, copies.read_copies(params, compute_copies))
+        model = nnx.merge(graphdef, copies.read_copies(params, compute_copies, copies_gather))
         loss, aux = loss_and_aux(loss_fn(model, batch))
         return (loss if loss_scale is None else loss * loss_scale.astype(loss.dtype)), (loss, aux)
 
@@ -173,27 +175,32 @@ def loss_and_grads(
     param_shardings: Any,
     loss_scale: jax.Array | None = None,
     compute_copies: Any = None,
+    copies_gather: copies.Gather | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array], Any]:
     """Mean loss, mean aux metrics and mean float32 gradients of the unscaled loss over the global batch.
 
     Must be traced under `rules_lib.activation_rules(mesh, rules)`. With `loss_scale`, the loss
     is multiplied by it before differentiation and the float32 gradients divided by it after.
-    `compute_copies`: the parameters' compute-dtype copies the model reads (train/copies.py).
+    `compute_copies`: the parameters' compute-dtype copies the model reads (train/copies.py);
+    `copies_gather`: where they are gathered to first (train.fsdp_gather=per_step).
     `reduce_dtype`: the dtype gradients cross devices in (see the module docstring).
     """
     if reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"reduction={reduction!r}: use one of {GRAD_REDUCTIONS}")
-    grad_fn = scaled_grad_fn(graphdef, loss_fn, loss_scale, compute_copies)
     axes = rules_lib.batch_axes(rules)
     shards = rules_lib.axes_size(mesh, axes)
     explicit = microbatches > 1 or reduce_dtype != "auto"
     if reduction == "per_step" and explicit and shards > 1:
         wire_dtype = jnp.dtype("float32" if reduce_dtype == "auto" else reduce_dtype)
+        # Each shard's gradients stay unreduced until after the scan: none reduce-scattered inside.
+        per_shard_gather = None if copies_gather is None else dataclasses.replace(copies_gather, split=None)
+        grad_fn = scaled_grad_fn(graphdef, loss_fn, loss_scale, compute_copies, per_shard_gather)
         loss, aux, grads = _reduce_per_step(
             grad_fn, params, batch, microbatches, mesh, rules, param_shardings, wire_dtype
         )
         count = shards * microbatches
     else:
+        grad_fn = scaled_grad_fn(graphdef, loss_fn, loss_scale, compute_copies, copies_gather)
         loss, aux, grads = _reduce_per_microbatch(grad_fn, params, batch, microbatches)
         count = microbatches
     grad_divisor = count if loss_scale is None else count * loss_scale

@@ -65,9 +65,9 @@ def build_trainer(cfg: Config, devices: list | None = None) -> Trainer:
     if cfg.precision.compute_copies and entry.read_in_compute_dtype is not None:
         make_copies = functools.partial(copies.compute_copies, picks=entry.read_in_compute_dtype,
                                         dtype=dtypes.compute_dtype)
-    if cfg.train.fsdp_gather == "per_step" and (make_copies is None or dtypes.compute_dtype == dtypes.param_dtype):
+    if cfg.train.fsdp_gather != "per_layer" and (make_copies is None or dtypes.compute_dtype == dtypes.param_dtype):
         raise UserError(
-            f"train.fsdp_gather=per_step gathers the weights' compute-dtype copies, and here there are none "
+            f"train.fsdp_gather={cfg.train.fsdp_gather} gathers the weights' compute-dtype copies, and here there are none "
             f"(model {cfg.model.name}, compute {dtypes.compute_dtype.name}, params {dtypes.param_dtype.name}): "
             f"use per_layer, or a compute dtype other than the parameters'"
         )
@@ -76,7 +76,7 @@ def build_trainer(cfg: Config, devices: list | None = None) -> Trainer:
         seed=cfg.seed, microbatches=cfg.train.microbatches, grad_reduction=cfg.train.grad_reduction,
         grad_reduce_dtype=cfg.precision.grad_reduce,
         schedule=schedule, loss_scale=precision.initial_loss_scale(cfg.precision), abstract=abstract,
-        compute_copies=make_copies, copies_whole_over=("fsdp",) if cfg.train.fsdp_gather == "per_step" else (),
+        compute_copies=make_copies, fsdp_gather=cfg.train.fsdp_gather,
     )
 
 

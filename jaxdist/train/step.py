@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.parallel import rules as rules_lib
+from jaxdist.train import copies as copies_lib
 from jaxdist.train import precision
 from jaxdist.train.accumulate import Batch, LossFn, loss_and_grads
 from jaxdist.train.state import TrainState
@@ -41,12 +42,13 @@ def make_train_step(
     grad_reduce_dtype: str = "auto",
     make_copies: Callable[[Any], Any] | None = None,
     copy_shardings: Any = None,
+    copies_gather: copies_lib.Gather | None = None,
 ) -> Callable[[TrainState, Any, Batch], tuple[TrainState, Any, dict[str, jax.Array]]]:
     """The jitted `step(state, copies, batch) -> (state, copies, metrics)`; state and copies are donated.
 
     `copies` are the parameters' compute-dtype copies that the model reads (`make_copies(params)`,
     train/copies.py, sharded as `copy_shardings`), made anew from the updated parameters; None
-    without `make_copies`.
+    without `make_copies`. `copies_gather`: where the model's reads gather them to first.
     Metrics: `loss`, `grad_norm` (before clipping), the effective `learning_rate` (the schedule
     at the optimizer's own step count), the loss function's aux values, and under loss scaling
     `loss_scale` and `skipped_steps`.
@@ -60,7 +62,7 @@ def make_train_step(
                 microbatches=microbatches, reduction=grad_reduction, reduce_dtype=grad_reduce_dtype,
                 mesh=mesh, rules=rules,
                 param_shardings=state_shardings.params, loss_scale=None if scale is None else scale.scale,
-                compute_copies=copies,
+                compute_copies=copies, copies_gather=copies_gather,
             )
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -89,7 +91,7 @@ def make_train_step(
 def copies_shardings(make_copies: Callable[[Any], Any], params: Any, param_shardings: Any,
                      whole_over: tuple[str, ...] = ()) -> Any:
     """Each compute-dtype copy sharded as its parameter, but whole along the mesh axes `whole_over`
-    (`train.fsdp_gather=per_step`: ("fsdp",)); None where a parameter has no copy."""
+    (("fsdp",): where `train.fsdp_gather=per_step` gathers them to); None where a parameter has no copy."""
     picked = jax.eval_shape(make_copies, params)
 
     def sharding(param: NamedSharding, copy) -> NamedSharding | None:

@@ -20,9 +20,12 @@ from jax.sharding import Mesh
 
 from jaxdist.data.pipeline import global_batch
 from jaxdist.parallel import rules as rules_lib
+from jaxdist.train import copies as copies_lib
 from jaxdist.train.precision import LossScale
 from jaxdist.train.state import ModelFactory, TrainState, init_state
 from jaxdist.train.step import LossFn, batch_sharding, copies_shardings, make_train_step
+
+FSDP_GATHERS = ("per_layer", "per_step")
 
 
 class Trainer:
@@ -44,15 +47,16 @@ class Trainer:
         loss_scale: LossScale | None = None,
         abstract: tuple | None = None,
         compute_copies: Callable[[Any], Any] | None = None,
-        copies_whole_over: tuple[str, ...] = (),
+        fsdp_gather: str = "per_layer",
     ):
         """`abstract`: `state.abstract_model(create_model, seed)`, if already computed (saves a trace).
 
         `compute_copies(params)`: the compute-dtype copies the model reads in place of some
         parameters (e.g. `functools.partial(copies.compute_copies, picks=..., dtype=...)`),
         kept between steps and made anew by each step; None: the model casts as it goes.
-        `copies_whole_over`: mesh axes the copies are whole along though their parameters are split
-        (("fsdp",): ZeRO-2, `train.fsdp_gather=per_step`).
+        `fsdp_gather` (`train.fsdp_gather`, config.py): per_layer, XLA gathers each copy split over
+        `fsdp` at each use; per_step, the step gathers the copies whole once and keeps them for the
+        backward (ZeRO-2; needs `compute_copies`).
         """
         self.mesh = mesh
         self.rules = rules
@@ -63,16 +67,22 @@ class Trainer:
         # donated init aborted the XLA CPU runtime under load).
         self.state = jax.block_until_ready(self.state)
         self.batch_sharding = batch_sharding(mesh, rules)
-        copy_shardings = None
+        if fsdp_gather not in FSDP_GATHERS:
+            raise ValueError(f"fsdp_gather={fsdp_gather!r}: use one of {FSDP_GATHERS}")
+        if fsdp_gather == "per_step" and compute_copies is None:
+            raise ValueError("fsdp_gather=per_step gathers the compute-dtype copies: pass compute_copies")
+        copy_shardings, copies_gather = None, None
         self._make_copies = None
         if compute_copies is not None:
-            copy_shardings = copies_shardings(compute_copies, self.state.params, self.state_shardings.params,
-                                              copies_whole_over)
+            copy_shardings = copies_shardings(compute_copies, self.state.params, self.state_shardings.params)
+            if fsdp_gather == "per_step":
+                whole = copies_shardings(compute_copies, self.state.params, self.state_shardings.params, ("fsdp",))
+                copies_gather = copies_lib.Gather(whole=whole, split=copy_shardings)
             self._make_copies = jax.jit(compute_copies, out_shardings=copy_shardings)
         self._copies, self._copies_of = None, None
         self._step = make_train_step(
             self.graphdef, loss_fn, optimizer, schedule, mesh, rules, self.state_shardings, microbatches,
-            grad_reduction, grad_reduce_dtype, compute_copies, copy_shardings,
+            grad_reduction, grad_reduce_dtype, compute_copies, copy_shardings, copies_gather,
         )
         self._compiled = None
         self.compile_time_s: float | None = None
