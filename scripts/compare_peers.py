@@ -285,6 +285,13 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist 1b4 +profile", JAXDIST + ["configs/gpt_1b4.yaml", "--profile", "/tmp/prof_1b4"]),
             ("jaxdist 1b4 compute_copies=false", JAXDIST + ["configs/gpt_1b4.yaml", "precision.compute_copies=false"]),
         ],
+        # The final code's 1-GPU ratios, on whichever card the call gets.
+        "r8_1gpu": [
+            ("torch 406m b16", torch_406m),
+            ("jaxdist 406m", JAXDIST + ["configs/gpt_406m.yaml"]),
+            ("torch 1b4 b8", torch_1b4),
+            ("jaxdist 1b4", JAXDIST + ["configs/gpt_1b4.yaml"]),
+        ],
         # ... data parallel, FSDP and their torch peers on 2 GPUs (run with --gpus 2 on a 4-GPU
         # host), then tensor=4 at 1.4B: the kernel per shard under each layout.
         "r5c_multi": [
@@ -331,8 +338,8 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("dp2 NCCL_PROTO=Simple", ["env", "NCCL_PROTO=Simple"] + JAXDIST + dp2),
             ("dp2 overlap_grad_reduce=false", JAXDIST + dp2 + ["model.overlap_grad_reduce=false"]),
         ],
-        # Next: ZeRO-2 (train.fsdp_gather=per_step: the optimizer on half the parameters per GPU, the
-        # bf16 copies gathered once per step) and bf16 gradient reduction, against data parallel.
+        # ZeRO-2 in its first form (train.fsdp_gather=per_step with the bf16 copies kept whole between
+        # steps, gathered by the update; replaced after r8_dp) and bf16 gradient reduction.
         "r7_dp": [
             ("jaxdist 406m 1gpu", one_gpu_406m),
             ("torch ddp", ["env", "MODE=ddp"] + dist),
@@ -343,6 +350,30 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist zero2 grad_reduce=bf16", JAXDIST + fsdp + ["train.fsdp_gather=per_step",
                                                                  "precision.grad_reduce=bfloat16"]),
             ("jaxdist fsdp", JAXDIST + fsdp),
+        ],
+        # The copies gathered whole in the forward and kept for the backward (FSDP2's
+        # reshard_after_forward=False); this call ran it as `fsdp_gather=per_microbatch`, which
+        # then replaced per_step's gathering by the update (r7_dp's "zero2").
+        "r8_dp": [
+            ("jaxdist 406m 1gpu", one_gpu_406m),
+            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("jaxdist dp2", JAXDIST + dp2),
+            ("jaxdist dp2 grad_reduce=bf16", JAXDIST + dp2 + ["precision.grad_reduce=bfloat16"]),
+            ("jaxdist fsdp", JAXDIST + fsdp),
+            ("jaxdist zero2", JAXDIST + fsdp + ["train.fsdp_gather=per_step"]),
+            ("jaxdist zero2 grad_reduce=bf16", JAXDIST + fsdp + ["train.fsdp_gather=per_step",
+                                                                 "precision.grad_reduce=bfloat16"]),
+            ("jaxdist zero2 +profile", JAXDIST + fsdp + ["train.fsdp_gather=per_step", "--profile", "/tmp/prof_pm"]),
+        ],
+        # ... again, with both ZeRO-2 steps' HLO (which collectives carry the gradients).
+        "r8b_dp": [
+            ("jaxdist 406m 1gpu", one_gpu_406m),
+            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("jaxdist dp2", JAXDIST + dp2),
+            ("jaxdist fsdp", JAXDIST + fsdp),
+            ("jaxdist zero2 +hlo", hlo_dump("hlo_zero2") + JAXDIST + fsdp + ["train.fsdp_gather=per_step"]),
+            ("jaxdist zero2 bf16 +hlo", hlo_dump("hlo_zero2_bf16") + JAXDIST + fsdp + [
+                "train.fsdp_gather=per_step", "precision.grad_reduce=bfloat16"]),
         ],
         # The fused, chunked cross-entropy (model.loss_chunk): peak memory and step time per chunk size.
         "loss_chunk_406m": [
