@@ -14,8 +14,12 @@ import math
 import re
 from collections import defaultdict
 
-REDUCTIONS = ("all-reduce", "all-reduce-start", "reduce-scatter")
-_COLLECTIVES = (*REDUCTIONS, "all-gather", "all-gather-start", "all-to-all", "collective-permute")
+# Each also as its asynchronous `-start`: XLA prints an async collective either as an `async-start`
+# whose called computation holds the plain op (HLO dumps) or as `reduce-scatter-start(...)` with the
+# attributes inline (`compiled.as_text()` on GPU); the `-done` halves carry no operand bytes.
+REDUCTIONS = ("all-reduce", "all-reduce-start", "reduce-scatter", "reduce-scatter-start")
+_COLLECTIVES = (*REDUCTIONS, "all-gather", "all-gather-start", "all-to-all", "all-to-all-start",
+                "collective-permute", "collective-permute-start")
 
 _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
@@ -26,7 +30,7 @@ _CALLED = re.compile(r"\b(?:calls|to_apply|branch_computations|called_computatio
 _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 _CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_OPERAND = re.compile(r"%([\w.\-]+)")
+_OPERAND = re.compile(r"%([\w.\-]+)(?:#(\d+))?")  # `%x#1`: element 1 of the tuple `%x`
 _NAME = re.compile(r"%?([\w.\-]+)")
 
 
@@ -63,6 +67,25 @@ def _bytes_by_dtype(shape_text: str) -> dict[str, int]:
 
 def _dims(shape_text: str) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(int(d) for d in dims.split(",") if d) for _, dims in _ARRAY_SHAPE.findall(shape_text))
+
+
+def _tuple_element(shape_text: str, index: int) -> str:
+    """Element `index` of a tuple shape's text, "(bf16[4]{0}, s8[64]{0})" -> "s8[64]{0}" for 1."""
+    inner = re.sub(r"/\*.*?\*/", "", shape_text).strip()[1:-1]
+    elements, depth, start = [], 0, 0
+    for position, char in enumerate(inner):
+        depth += char in "([{"
+        depth -= char in ")]}"
+        if char == "," and depth == 0:
+            elements.append(inner[start:position])
+            start = position + 1
+    elements.append(inner[start:])
+    return elements[index].strip()
+
+
+def _operand_shape(shapes: dict[str, str], name: str, index: str) -> str:
+    shape = shapes.get(name, "")
+    return _tuple_element(shape, int(index)) if index and shape.startswith("(") else shape
 
 
 def _parse(hlo_text: str) -> tuple[dict[str, _Computation], str]:
@@ -123,7 +146,7 @@ def collectives(hlo_text: str, opcodes: tuple[str, ...] = _COLLECTIVES) -> list[
             if opcode not in opcodes:
                 continue
             args = rest.split(")", 1)[0]
-            operands = " ".join(comp.shapes.get(operand, "") for operand in _OPERAND.findall(args))
+            operands = " ".join(_operand_shape(comp.shapes, name, index) for name, index in _OPERAND.findall(args))
             found.append(Collective(opcode, comp_name, _dims(operands), counts[comp_name], _bytes_by_dtype(operands)))
     return found
 
