@@ -242,3 +242,34 @@ def test_one_pass_logsumexp_matches_two_passes_and_reduces_once():
     assert lse[0, 0] == 3e4 and np.isfinite(lse).all()
     # One reduction over the logits: max, sum of exponentials and target logit in one kernel.
     assert one.lower(logits, is_target).compile().as_text().count(" reduce(") == 1
+
+
+def _sharding_constraints(jaxpr, in_loop: bool = False):
+    """(in a loop?, shape, spec) of every sharding constraint in a jaxpr and its sub-jaxprs."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "sharding_constraint":
+            found.append((in_loop, eqn.invars[0].aval.shape, tuple(eqn.params["sharding"].spec)))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += _sharding_constraints(inner, in_loop or eqn.primitive.name in ("scan", "while"))
+    return found
+
+
+def test_the_head_is_laid_out_whole_over_fsdp_before_the_chunk_loop():
+    """Under FSDP the head is split along `embed`; the chunk loop reads it whole. Constrained before
+    the loop, it is gathered once per step (on GPU, XLA otherwise gathered it in every chunk)."""
+    mesh = mesh_lib.make_mesh(fsdp=2, tensor=2, devices=jax.devices()[:4])
+    hidden = jnp.zeros((4, 32, 64), jnp.bfloat16)
+    head = jnp.zeros((64, VOCAB), jnp.float32)
+    targets = jnp.zeros((4, 32), jnp.int32)
+
+    def loss(hidden, head):
+        return fused_linear_cross_entropy(hidden, head, targets, chunk=CHUNK, logits_dtype=jnp.bfloat16)
+
+    with rules_lib.activation_rules(mesh, rules_lib.preset("fsdp_tp")):
+        jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(hidden, head).jaxpr
+    head_layouts = [(in_loop, spec) for in_loop, shape, spec in _sharding_constraints(jaxpr) if shape == (64, VOCAB)]
+    assert head_layouts == [(False, (None, "tensor"))], head_layouts
