@@ -153,13 +153,14 @@ class TrainConfig(Section):
     gradients stay sharded like the parameters, which is lighter on memory under FSDP).
 
     `fsdp_gather` says when the weights the model reads are gathered over the `fsdp` axis.
-    per_layer (FSDP, ZeRO-3): each layer's, in the forward and again in the backward; a device
-    holds one layer's whole weights at a time. per_step (ZeRO-2): the compute-dtype copies
-    (`precision.compute_copies`) are gathered whole once per step, in the forward, and kept for the
-    backward (PyTorch FSDP2's reshard_after_forward=False); XLA hoists the gather out of the
-    microbatch scan, as the copies do not change inside it. The float32 weights and optimizer state
-    stay sharded, gradients are reduce-scattered, and each device updates its shard only. Weights
-    without a copy (for the GPT: embeddings, norms, head) are gathered where used, as under per_layer.
+    per_layer (FSDP, ZeRO-3): XLA gathers each layer's where it is used, in the forward and again
+    in the backward unless it keeps the forward's for the backward (on GPU it did, 406M GPT).
+    per_step (ZeRO-2): the compute-dtype copies (`precision.compute_copies`) are gathered whole once
+    per step, in the forward, and kept for the backward (PyTorch FSDP2's
+    reshard_after_forward=False); XLA hoists the gather out of the microbatch scan, as the copies do
+    not change inside it. The float32 weights and optimizer state stay sharded, gradients are
+    reduce-scattered, and each device updates its shard only. Weights without a copy (for the GPT:
+    embeddings, norms, head) are gathered where used, as under per_layer.
     """
 
     steps: int = Field(300, gt=0)

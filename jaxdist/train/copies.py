@@ -9,7 +9,7 @@ those of the cast: `read_copies` hands the model the copy and its gradient back 
 Under FSDP the copies are split like their parameters. `Gather` (train.fsdp_gather=per_step)
 makes each copy whole before the model reads it, so the forward's all-gather is the one the
 backward reads too (PyTorch FSDP2's reshard_after_forward=False); without it XLA gathers each
-weight at each use, once in the forward and again in the backward.
+weight at each use, in the forward and again in the backward unless it keeps the first.
 """
 
 from __future__ import annotations
