@@ -104,6 +104,11 @@ def spec_entry(axes: Sequence[str]) -> str | tuple[str, ...] | None:
     return axes[0] if len(axes) == 1 else (tuple(axes) or None)
 
 
+def spec_without(spec: PartitionSpec, axes: Sequence[str]) -> PartitionSpec:
+    """`spec` with the mesh axes `axes` taken out of every entry (those dimensions no longer split by them)."""
+    return PartitionSpec(*(spec_entry([axis for axis in spec_axes(entry) if axis not in axes]) for entry in spec))
+
+
 def axes_size(mesh: Mesh, axes: Sequence[str]) -> int:
     """How many ways `axes` of `mesh` split a dimension together: the product of their sizes."""
     return math.prod(mesh.shape[axis] for axis in axes)

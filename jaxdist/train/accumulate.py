@@ -101,15 +101,9 @@ def _reduce_per_microbatch(grad_fn: GradFn, params: Any, batch: Batch, microbatc
     return total
 
 
-def _without_axes(entry: Any, axes: tuple[str, ...]) -> Any:
-    kept = tuple(a for a in rules_lib.spec_axes(entry) if a not in axes)
-    return kept[0] if len(kept) == 1 else (kept or None)
-
-
 def _unreduced_sharding(sharding: NamedSharding, axes: tuple[str, ...]) -> NamedSharding:
     """(shards, *param): the shard axis over the batch axes, the rest as the param minus those axes."""
-    spec = PartitionSpec(axes, *(_without_axes(entry, axes) for entry in sharding.spec))
-    return NamedSharding(sharding.mesh, spec)
+    return NamedSharding(sharding.mesh, PartitionSpec(axes, *rules_lib.spec_without(sharding.spec, axes)))
 
 
 def _sum_over_shards(x: jax.Array, dtype: jnp.dtype) -> jax.Array:

@@ -88,17 +88,7 @@ def make_train_step(
     )
 
 
-def copies_shardings(make_copies: Callable[[Any], Any], params: Any, param_shardings: Any,
-                     whole_over: tuple[str, ...] = ()) -> Any:
-    """Each compute-dtype copy sharded as its parameter, but whole along the mesh axes `whole_over`
-    (("fsdp",): where `train.fsdp_gather=per_step` gathers them to); None where a parameter has no copy."""
+def copies_shardings(make_copies: Callable[[Any], Any], params: Any, param_shardings: Any) -> Any:
+    """Each compute-dtype copy sharded as its parameter; None where a parameter has no copy."""
     picked = jax.eval_shape(make_copies, params)
-
-    def sharding(param: NamedSharding, copy) -> NamedSharding | None:
-        if copy is None:
-            return None
-        entries = (rules_lib.spec_entry([axis for axis in rules_lib.spec_axes(entry) if axis not in whole_over])
-                   for entry in param.spec)
-        return NamedSharding(param.mesh, PartitionSpec(*entries))
-
-    return jax.tree.map(sharding, param_shardings, picked)
+    return jax.tree.map(lambda sharding, copy: None if copy is None else sharding, param_shardings, picked)

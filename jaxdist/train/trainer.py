@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from jaxdist.data.pipeline import global_batch
 from jaxdist.parallel import rules as rules_lib
@@ -76,7 +76,8 @@ class Trainer:
         if compute_copies is not None:
             copy_shardings = copies_shardings(compute_copies, self.state.params, self.state_shardings.params)
             if fsdp_gather == "per_step":
-                whole = copies_shardings(compute_copies, self.state.params, self.state_shardings.params, ("fsdp",))
+                whole = jax.tree.map(lambda s: NamedSharding(s.mesh, rules_lib.spec_without(s.spec, ("fsdp",))),
+                                     copy_shardings)
                 copies_gather = copies_lib.Gather(whole=whole, split=copy_shardings)
             self._make_copies = jax.jit(compute_copies, out_shardings=copy_shardings)
         self._copies, self._copies_of = None, None
