@@ -24,6 +24,11 @@ OVERLAP = ["env", "XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true "
            "--xla_gpu_all_reduce_combine_threshold_bytes=67108864"]
 # XLA merges dots that share an operand (q, k and v's projections) into one and then slices its output.
 NO_DOT_MERGE = ["env", "XLA_FLAGS=--xla_gpu_dot_merger_threshold_mb=0"]
+# NCCL's symmetric-memory kernels / zero-copy registered buffers for XLA's collectives.
+SYMMETRIC = ["env", "XLA_FLAGS=--xla_gpu_experimental_enable_nccl_symmetric_buffers=true"]
+USER_BUFFERS = ["env", "XLA_FLAGS=--xla_gpu_enable_nccl_user_buffers=true"]
+SYMMETRIC_USER = ["env", "XLA_FLAGS=--xla_gpu_experimental_enable_nccl_symmetric_buffers=true "
+                  "--xla_gpu_enable_nccl_user_buffers=true"]
 # cuBLASLt lets XLA fuse GELU (and a bias) into the matmul's epilogue.
 CUBLASLT = ["env", "XLA_FLAGS=--xla_gpu_enable_cublaslt=true"]
 # XLA's collective matmul: all-gather -> matmul and matmul -> reduce-scatter run as chunked loops
@@ -374,6 +379,41 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist zero2 +hlo", hlo_dump("hlo_zero2") + JAXDIST + fsdp + ["train.fsdp_gather=per_step"]),
             ("jaxdist zero2 bf16 +hlo", hlo_dump("hlo_zero2_bf16") + JAXDIST + fsdp + [
                 "train.fsdp_gather=per_step", "precision.grad_reduce=bfloat16"]),
+        ],
+        # NCCL's symmetric-memory kernels (XLA places the collectives' buffers in memory registered
+        # with NCCL: fewer SMs per byte) and zero-copy user buffers, under data parallel; FSDP and
+        # ZeRO-2 with the head gathered once per step (the chunked loss's fix).
+        "r9_dp": [
+            ("jaxdist 406m 1gpu", one_gpu_406m),
+            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("jaxdist dp2", JAXDIST + dp2),
+            ("jaxdist dp2 symmetric", SYMMETRIC + JAXDIST + dp2),
+            ("jaxdist dp2 user buffers", USER_BUFFERS + JAXDIST + dp2),
+            ("jaxdist dp2 symmetric cta=1", ["env", "NCCL_CTA_POLICY=1"] + SYMMETRIC + JAXDIST + dp2),
+            ("jaxdist fsdp", JAXDIST + fsdp),
+            ("jaxdist zero2", JAXDIST + fsdp + ["train.fsdp_gather=per_step"]),
+        ],
+        # r9_dp's NCCL settings again, alone and together, with bf16 gradient reduction; dp2 twice (noise).
+        "r9b_dp": [
+            ("jaxdist 406m 1gpu", one_gpu_406m),
+            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("jaxdist dp2", JAXDIST + dp2),
+            ("jaxdist dp2 user buffers", USER_BUFFERS + JAXDIST + dp2),
+            ("jaxdist dp2 cta=1", ["env", "NCCL_CTA_POLICY=1"] + JAXDIST + dp2),
+            ("jaxdist dp2 sym+ub cta=1", ["env", "NCCL_CTA_POLICY=1"] + SYMMETRIC_USER + JAXDIST + dp2),
+            ("jaxdist dp2 bf16", JAXDIST + dp2 + ["precision.grad_reduce=bfloat16"]),
+            ("jaxdist dp2 bf16 sym+ub cta=1", ["env", "NCCL_CTA_POLICY=1"] + SYMMETRIC_USER + JAXDIST + dp2
+             + ["precision.grad_reduce=bfloat16"]),
+            ("jaxdist dp2 again", JAXDIST + dp2),
+        ],
+        # FSDP and ZeRO-2 with the head gathered once, again on a second machine (FSDP twice: noise).
+        "r9d_dp": [
+            ("jaxdist 406m 1gpu", one_gpu_406m),
+            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("jaxdist dp2", JAXDIST + dp2),
+            ("jaxdist fsdp", JAXDIST + fsdp),
+            ("jaxdist zero2", JAXDIST + fsdp + ["train.fsdp_gather=per_step"]),
+            ("jaxdist fsdp again", JAXDIST + fsdp),
         ],
         # The fused, chunked cross-entropy (model.loss_chunk): peak memory and step time per chunk size.
         "loss_chunk_406m": [
