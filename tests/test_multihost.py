@@ -338,16 +338,33 @@ def test_scale_numbers_follow_from_the_parameter_count(capsys):
     d, layers, vocab, seq = 1024, 24, 50304, 1024
     assert model.params == layers * (12 * d * d + 4 * d) + 2 * vocab * d + seq * d + 2 * d  # 406,259,712
     hw = scaling.Hardware()
+    matmul = layers * 12 * d * d  # the blocks' matmul weights: read, copied and differentiated in bf16
+    assert model.matmul_params == model.copied_params == matmul
+    # As the compiled 406M data-parallel step all-reduces them (BENCHMARKS.md, 2 x H200): 576.0 MiB
+    # of bf16 matmul gradients and 397.4 MiB of float32 ones (embedding, head, norms, positions).
+    grads = 2 * matmul + 4 * (model.params - matmul)
+    assert model.gradient_bytes == grads
+    assert 2 * matmul / 2**20 == pytest.approx(576.0) and grads / 2**20 == pytest.approx(576.0 + 397.4, rel=1e-3)
     ddp = scaling.layout_cost(model, hw, 8, {"data": 64, "stage": 1, "fsdp": 1, "tensor": 1}, 1024)
-    grads = 4 * model.params
     assert ddp.traffic["data"].network == pytest.approx(2 * 7 / 8 * grads / 8)  # hierarchical: 1/8 per NIC
     assert ddp.traffic["data"].nvlink == pytest.approx(2 * 7 / 8 * grads)
     hsdp = scaling.layout_cost(model, hw, 8, {"data": 8, "stage": 1, "fsdp": 8, "tensor": 1}, 1024)
     assert hsdp.traffic["data"].network == pytest.approx(2 * 7 / 8 * grads / 8) and hsdp.traffic["data"].nvlink == 0
-    assert hsdp.traffic["fsdp"].nvlink == pytest.approx(3 * 7 / 8 * grads) and hsdp.traffic["fsdp"].network == 0
-    assert model.copied_params == layers * 12 * d * d  # the blocks' matmul weights, copied in bf16
+    # per_layer: the bf16 copies and the other float32 weights gathered twice, the gradients reduce-scattered.
+    gathered = 2 * matmul + 4 * (model.params - matmul)
+    assert hsdp.traffic["fsdp"].nvlink == pytest.approx(7 / 8 * (2 * gathered + grads))
+    assert hsdp.traffic["fsdp"].network == 0
     assert hsdp.state_bytes == pytest.approx((16 * model.params + 2 * model.copied_params) / 8)
     assert scaling.checkpoint_cost(model, hw, 8, ddp).total_bytes == 12 * model.params
+
+    # ZeRO-2 gathers once; bf16 gradient reduction halves the float32 gradients' bytes.
+    zero2 = scaling.model_size(config.load(REPO / "configs" / "gpt_406m.yaml",
+                                           ["train.fsdp_gather=per_step", "precision.grad_reduce=bfloat16"]))
+    assert zero2.gradient_bytes == 2 * model.params
+    fsdp8 = {"data": 1, "stage": 1, "fsdp": 8, "tensor": 1}
+    assert scaling.layout_cost(zero2, hw, 1, fsdp8, 128).traffic["fsdp"].nvlink == pytest.approx(
+        7 / 8 * (gathered + 2 * model.params))
+    assert "gradients cross devices as 1.02 GB" in scaling.report(cfg, hosts=1)
 
     big = config.load(REPO / "configs" / "gpt_1b4.yaml", ["model.d_model=4096", "model.layers=32", "model.heads=32"])
     costs = [scaling.layout_cost(scaling.model_size(big), hw, 128, shape, 4096)

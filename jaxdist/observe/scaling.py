@@ -3,10 +3,15 @@
 Everything here is arithmetic on the parameter count (taken from the model itself, built
 abstractly) and stated hardware numbers; nothing runs on a device. Per step and per GPU:
 
-- data axis: the gradient all-reduce of the GPU's parameter shard (fp32, as jaxdist averages
-  gradients in fp32): 2(n-1)/n x bytes;
-- fsdp axis: all-gather of the parameters in the forward pass and again in the backward pass, and
-  a reduce-scatter of the gradients: 3 x (n-1)/n x bytes;
+- data axis: the gradient all-reduce of the GPU's parameter shard: 2(n-1)/n x bytes. Gradients
+  cross in `precision.grad_reduce`; under `auto`, as the compiled steps do, the matmul weights'
+  gradients in the compute dtype (the dtype their matmuls make them in) and the rest (embedding,
+  head, norms) in the parameter dtype;
+- fsdp axis: all-gathers of the weights the model reads, in the compute dtype where compute-dtype
+  copies stand in for them (`precision.compute_copies`), twice per step under
+  `train.fsdp_gather: per_layer` (forward and backward: an upper bound, since XLA on GPU kept the
+  forward's for the backward) and once under `per_step`; and a reduce-scatter of the gradients:
+  (gathers x gathered bytes + gradient bytes) x (n-1)/n;
 - tensor axis: two all-reduces per layer forward and two backward (Megatron), plus the embedding
   lookup's, of one activation (batch x length x d_model, compute dtype): 2(n-1)/n x bytes each.
 
@@ -60,6 +65,21 @@ class ModelSize:
     flops_per_token: float
     loss_chunk: int = 0
     copied_params: int = 0  # parameters also kept as compute-dtype copies (precision.compute_copies)
+    matmul_params: int = 0  # parameters the model reads in the compute dtype (their gradients come out in it)
+    grad_reduce: str = "auto"  # precision.grad_reduce
+    fsdp_gathers: int = 2  # all-gathers of each weight per step over fsdp (train.fsdp_gather)
+
+    @property
+    def gradient_bytes(self) -> int:
+        """Bytes of the whole gradient as it crosses devices (`precision.grad_reduce`)."""
+        if self.grad_reduce != "auto":
+            return self.params * _dtype_bytes(self.grad_reduce)
+        return self.matmul_params * self.compute_bytes + (self.params - self.matmul_params) * self.param_bytes
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes of every weight once, as FSDP gathers them: the compute-dtype copies where kept."""
+        return self.copied_params * self.compute_bytes + (self.params - self.copied_params) * self.param_bytes
 
 
 def model_size(cfg: Config) -> ModelSize:
@@ -68,15 +88,18 @@ def model_size(cfg: Config) -> ModelSize:
     _, abstract_params, _ = abstract_model(entry.create(cfg), cfg.seed)
     params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_params))
     param_bytes, compute_bytes = _dtype_bytes(cfg.precision.params), _dtype_bytes(cfg.precision.compute)
-    copied = 0
-    if cfg.precision.compute_copies and entry.read_in_compute_dtype is not None and compute_bytes != param_bytes:
-        copied = sum(math.prod(leaf.shape) for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]
+    matmul = 0
+    if entry.read_in_compute_dtype is not None:
+        matmul = sum(math.prod(leaf.shape) for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]
                      if entry.read_in_compute_dtype(path))
+    copied = matmul if cfg.precision.compute_copies and compute_bytes != param_bytes else 0
     m = cfg.model
     return ModelSize(
         params=params, layers=m.layers, d_model=m.d_model, heads=m.heads, seq_len=m.seq_len, vocab=m.vocab,
         param_bytes=param_bytes, compute_bytes=compute_bytes,
         remat=m.remat, flops_per_token=flops_per_token(cfg), loss_chunk=m.loss_chunk, copied_params=copied,
+        matmul_params=matmul, grad_reduce=cfg.precision.grad_reduce,
+        fsdp_gathers=1 if cfg.train.fsdp_gather == "per_step" else 2,
     )
 
 
@@ -114,7 +137,8 @@ class LayoutCost:
 def hierarchical_bytes(factor: float, nbytes: float, across: int, within: int) -> AxisTraffic:
     """Bytes per GPU of a collective of `nbytes` (full size) over `across` hosts x `within` GPUs each.
 
-    `factor` is 2 for an all-reduce and 1 for an all-gather or a reduce-scatter (ring algorithms).
+    `factor` is 2 for an all-reduce and 1 for an all-gather or a reduce-scatter (ring algorithms),
+    times the number of such collectives per step.
     """
     nvlink = factor * (within - 1) / within * nbytes
     network = factor * (across - 1) / across * nbytes / within
@@ -128,16 +152,15 @@ def layout_cost(model: ModelSize, hw: Hardware, hosts: int, shape: dict[str, int
     gpus = math.prod(shape.values())
     batch_per_shard = global_batch / (data * fsdp)
     shard_params = model.params / (fsdp * tensor)
-    # fp32 gradients (jaxdist averages them in fp32), Adam's two moments in the parameter dtype,
-    # and the compute-dtype copies, split as their parameters (train.fsdp_gather=per_layer).
+    # fp32 gradients (summed and clipped in fp32), Adam's two moments in the parameter dtype, and
+    # the compute-dtype copies, split as their parameters (train.fsdp_gather=per_layer).
     state = shard_params * (3 * model.param_bytes + 4) + model.copied_params / (fsdp * tensor) * model.compute_bytes
-    params_per_tensor_shard = model.params / tensor
     activation = activation_bytes_per_sequence(model, tensor) * batch_per_shard
-    grad_bytes = params_per_tensor_shard * 4
+    grad_bytes = model.gradient_bytes / tensor
     traffic = {
         "data": hierarchical_bytes(2, grad_bytes / fsdp, across["data"], within["data"]),
         "fsdp": _sum(
-            hierarchical_bytes(2, params_per_tensor_shard * model.param_bytes, across["fsdp"], within["fsdp"]),
+            hierarchical_bytes(model.fsdp_gathers, model.gathered_bytes / tensor, across["fsdp"], within["fsdp"]),
             hierarchical_bytes(1, grad_bytes, across["fsdp"], within["fsdp"]),
         ),
         "tensor": _scale(
@@ -259,6 +282,9 @@ def report(cfg: Config, hosts: int, gpus_per_host: int = 8, batch_per_gpu: int |
         f"assumed: NVLink {hw.nvlink_bw / GB:.0f} GB/s and network {hw.network_bw / GB:.0f} GB/s per GPU per "
         f"direction; {hw.gpu_memory / GB:.0f} GB per GPU; {hw.peak_flops / 1e12:.0f} TFLOP/s at "
         f"{hw.mfu:.0%} MFU; storage {hw.storage_bw / GB:.1f} GB/s per host",
+        f"gradients cross devices as {model.gradient_bytes / GB:.2f} GB (precision.grad_reduce "
+        f"{model.grad_reduce}); fsdp gathers {model.gathered_bytes / GB:.2f} GB of weights "
+        f"{model.fsdp_gathers}x per step (train.fsdp_gather {cfg.train.fsdp_gather})",
         "",
         f"{'layout':<28} {'state GB':>8} {'act GB':>7} {'net GB':>7} {'nvl GB':>7} {'net ms':>7} "
         f"{'nvl ms':>7} {'compute ms':>10}  verdict",
