@@ -53,11 +53,14 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
     dp = ["configs/gpt_406m.yaml", f"train.global_batch={b406}", "mesh.data=-1", "mesh.fsdp=1", "rules.preset=dp",
           "--devices", str(gpus)]
     fsdp = ["configs/gpt_406m.yaml", f"train.global_batch={b406}", "--devices", str(gpus)]
+    zero2 = fsdp + ["train.fsdp_gather=per_step"]
     dp2 = ["configs/gpt_406m.yaml", "train.global_batch=32", "mesh.data=-1", "mesh.fsdp=1", "rules.preset=dp",
            "--devices", "2"]
     tensor4 = ["configs/gpt_1b4.yaml", "mesh.fsdp=1", "mesh.tensor=4", "rules.preset=tp", "--devices", "4"]
     torch_406m = torch_gpt + ["--batch", "16"]
     torch_1b4 = torch_gpt + ["--d", "2048", "--batch", "8"]
+    torch_ddp = ["env", "MODE=ddp"] + dist
+    torch_fsdp2 = ["env", "MODE=fsdp"] + dist
     # jaxdist's own 1-GPU step, the baseline of the multi-GPU ratios (first GPU of a larger host).
     one_gpu_406m = JAXDIST + ["configs/gpt_406m.yaml", "mesh.fsdp=1", "--devices", "1"]
     one_gpu_1b4 = JAXDIST + ["configs/gpt_1b4.yaml", "mesh.fsdp=1", "--devices", "1"]
@@ -101,8 +104,8 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
         ],
         "multi_406m": [
             ("jaxdist 406m 1gpu", one_gpu_406m),
-            ("torch ddp", ["env", "MODE=ddp"] + dist),
-            ("torch fsdp2", ["env", "MODE=fsdp"] + dist),
+            ("torch ddp", torch_ddp),
+            ("torch fsdp2", torch_fsdp2),
             ("jaxdist dp", JAXDIST + dp),
             ("jaxdist dp +lhs", LHS + JAXDIST + dp),
             ("jaxdist fsdp", JAXDIST + fsdp),
@@ -110,14 +113,14 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
         ],
         "multi_406m_short": [
             ("jaxdist 406m 1gpu", one_gpu_406m),
-            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("torch ddp", torch_ddp),
             ("jaxdist dp", JAXDIST + dp),
             ("jaxdist dp +lhs", LHS + JAXDIST + dp),
             ("jaxdist fsdp", JAXDIST + fsdp),
         ],
         "dp_406m": [
             ("jaxdist 406m 1gpu", one_gpu_406m),
-            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("torch ddp", torch_ddp),
             ("jaxdist dp", JAXDIST + dp),
             ("jaxdist dp bf16 reduce", JAXDIST + dp + ["precision.grad_reduce=bfloat16"]),
             ("jaxdist dp +overlap", OVERLAP + JAXDIST + dp),
@@ -126,7 +129,7 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
         ],
         "final_multi": [
             ("jaxdist 406m 1gpu", one_gpu_406m),
-            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("torch ddp", torch_ddp),
             ("jaxdist dp", JAXDIST + dp),
             ("jaxdist dp +overlap 8MB", OVERLAP_8MB + JAXDIST + dp),
             ("jaxdist fsdp", JAXDIST + fsdp),
@@ -138,7 +141,7 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
         ],
         "multi_final": [
             ("jaxdist 406m 1gpu", one_gpu_406m),
-            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("torch ddp", torch_ddp),
             ("jaxdist dp +profile", JAXDIST + dp + ["--profile", "/tmp/prof_dp"]),
             ("jaxdist fsdp", JAXDIST + fsdp),
         ],
@@ -200,7 +203,7 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
         # back to back, and gradients crossing devices in bf16.
         "dp_tail": [
             ("jaxdist 406m 1gpu", one_gpu_406m),
-            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("torch ddp", torch_ddp),
             ("jaxdist dp +profile", JAXDIST + dp + ["--profile", "/tmp/prof_dp"]),
             ("jaxdist dp bf16 reduce", JAXDIST + dp + ["precision.grad_reduce=bfloat16"]),
             ("jaxdist fsdp", JAXDIST + fsdp),
@@ -239,7 +242,7 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
         # the scheduler's run profiled, and FSDP.
         "r4_dp": [
             ("jaxdist 406m 1gpu", one_gpu_406m),
-            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("torch ddp", torch_ddp),
             ("jaxdist dp2", JAXDIST + dp2),
             ("jaxdist dp2 +lhs +profile", LHS + JAXDIST + dp2 + ["--profile", "/tmp/prof_dp_lhs"]),
             ("jaxdist dp2 +lhs one CUDA queue", ["env", "CUDA_DEVICE_MAX_CONNECTIONS=1"] + LHS + JAXDIST + dp2),
@@ -265,10 +268,10 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
         ],
         "r4b_dp": [
             ("jaxdist 406m 1gpu +hlo", hlo_dump("hlo") + one_gpu_406m),
-            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("torch ddp", torch_ddp),
             ("jaxdist dp2", JAXDIST + dp2),
             ("jaxdist dp2 +lhs +profile", LHS + JAXDIST + dp2 + ["--profile", "/tmp/prof_dp_lhs"]),
-            ("torch fsdp2", ["env", "MODE=fsdp"] + dist),
+            ("torch fsdp2", torch_fsdp2),
             ("jaxdist fsdp", JAXDIST + fsdp),
         ],
         # Fifth round: the MLP's GELU gradient in cuBLASLt's epilogue (model.gelu_grad_impl) against
@@ -301,9 +304,9 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
         # host), then tensor=4 at 1.4B: the kernel per shard under each layout.
         "r5c_multi": [
             ("jaxdist 406m 1gpu", one_gpu_406m),
-            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("torch ddp", torch_ddp),
             ("jaxdist dp2", JAXDIST + dp2),
-            ("torch fsdp2", ["env", "MODE=fsdp"] + dist),
+            ("torch fsdp2", torch_fsdp2),
             ("jaxdist fsdp", JAXDIST + fsdp),
             ("jaxdist 1b4 1gpu", one_gpu_1b4),
             ("jaxdist 1b4 tensor=4", JAXDIST + tensor4),
@@ -313,7 +316,7 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
         # processes of one GPU each, as torchrun runs DDP; the scheduler; bf16 gradient reduction.
         "r6_dp": [
             ("jaxdist 406m 1gpu +profile", one_gpu_406m + ["--profile", "/tmp/prof_1gpu"]),
-            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("torch ddp", torch_ddp),
             ("jaxdist dp2 +profile +hlo", hlo_dump("hlo_dp2") + JAXDIST + dp2 + ["--profile", "/tmp/prof_dp2"]),
             ("jaxdist dp2 two processes", [sys.executable, "-m", "jaxdist.cli", "launch", "-n", "2", "--", "bench"]
              + dp2[:-2]),
@@ -324,7 +327,7 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
         # parallel/grad_order.py) against XLA's own order, under data parallelism and FSDP.
         "r6b_dp": [
             ("jaxdist 406m 1gpu", one_gpu_406m),
-            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("torch ddp", torch_ddp),
             ("jaxdist dp2 +profile +hlo", hlo_dump("hlo_dp2") + JAXDIST + dp2 + ["--profile", "/tmp/prof_dp2"]),
             ("dp2 overlap_grad_reduce=false", JAXDIST + dp2 + ["model.overlap_grad_reduce=false"]),
             ("jaxdist dp2 +lhs", LHS + JAXDIST + dp2),
@@ -336,7 +339,7 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
         # matmuls) or NCCL's Simple protocol.
         "r6c_dp": [
             ("jaxdist 406m 1gpu", one_gpu_406m),
-            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("torch ddp", torch_ddp),
             ("jaxdist dp2", JAXDIST + dp2),
             ("dp2 NCCL_MAX_NCHANNELS=4", ["env", "NCCL_MAX_NCHANNELS=4"] + JAXDIST + dp2),
             ("dp2 NCCL_MAX_NCHANNELS=2", ["env", "NCCL_MAX_NCHANNELS=2"] + JAXDIST + dp2),
@@ -347,13 +350,12 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
         # steps, gathered by the update; replaced after r8_dp) and bf16 gradient reduction.
         "r7_dp": [
             ("jaxdist 406m 1gpu", one_gpu_406m),
-            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("torch ddp", torch_ddp),
             ("jaxdist dp2", JAXDIST + dp2),
-            ("jaxdist zero2", JAXDIST + fsdp + ["train.fsdp_gather=per_step"]),
-            ("jaxdist zero2 +profile", JAXDIST + fsdp + ["train.fsdp_gather=per_step", "--profile", "/tmp/prof_zero2"]),
+            ("jaxdist zero2", JAXDIST + zero2),
+            ("jaxdist zero2 +profile", JAXDIST + zero2 + ["--profile", "/tmp/prof_zero2"]),
             ("jaxdist dp2 grad_reduce=bf16", JAXDIST + dp2 + ["precision.grad_reduce=bfloat16"]),
-            ("jaxdist zero2 grad_reduce=bf16", JAXDIST + fsdp + ["train.fsdp_gather=per_step",
-                                                                 "precision.grad_reduce=bfloat16"]),
+            ("jaxdist zero2 grad_reduce=bf16", JAXDIST + zero2 + ["precision.grad_reduce=bfloat16"]),
             ("jaxdist fsdp", JAXDIST + fsdp),
         ],
         # The copies gathered whole in the forward and kept for the backward (FSDP2's
@@ -361,42 +363,41 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
         # then replaced per_step's gathering by the update (r7_dp's "zero2").
         "r8_dp": [
             ("jaxdist 406m 1gpu", one_gpu_406m),
-            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("torch ddp", torch_ddp),
             ("jaxdist dp2", JAXDIST + dp2),
             ("jaxdist dp2 grad_reduce=bf16", JAXDIST + dp2 + ["precision.grad_reduce=bfloat16"]),
             ("jaxdist fsdp", JAXDIST + fsdp),
-            ("jaxdist zero2", JAXDIST + fsdp + ["train.fsdp_gather=per_step"]),
-            ("jaxdist zero2 grad_reduce=bf16", JAXDIST + fsdp + ["train.fsdp_gather=per_step",
-                                                                 "precision.grad_reduce=bfloat16"]),
-            ("jaxdist zero2 +profile", JAXDIST + fsdp + ["train.fsdp_gather=per_step", "--profile", "/tmp/prof_pm"]),
+            ("jaxdist zero2", JAXDIST + zero2),
+            ("jaxdist zero2 grad_reduce=bf16", JAXDIST + zero2 + ["precision.grad_reduce=bfloat16"]),
+            ("jaxdist zero2 +profile", JAXDIST + zero2 + ["--profile", "/tmp/prof_pm"]),
         ],
         # ... again, with both ZeRO-2 steps' HLO (which collectives carry the gradients).
         "r8b_dp": [
             ("jaxdist 406m 1gpu", one_gpu_406m),
-            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("torch ddp", torch_ddp),
             ("jaxdist dp2", JAXDIST + dp2),
             ("jaxdist fsdp", JAXDIST + fsdp),
-            ("jaxdist zero2 +hlo", hlo_dump("hlo_zero2") + JAXDIST + fsdp + ["train.fsdp_gather=per_step"]),
-            ("jaxdist zero2 bf16 +hlo", hlo_dump("hlo_zero2_bf16") + JAXDIST + fsdp + [
-                "train.fsdp_gather=per_step", "precision.grad_reduce=bfloat16"]),
+            ("jaxdist zero2 +hlo", hlo_dump("hlo_zero2") + JAXDIST + zero2),
+            ("jaxdist zero2 bf16 +hlo", hlo_dump("hlo_zero2_bf16") + JAXDIST + zero2 + [
+                "precision.grad_reduce=bfloat16"]),
         ],
         # NCCL's symmetric-memory kernels (XLA places the collectives' buffers in memory registered
         # with NCCL: fewer SMs per byte) and zero-copy user buffers, under data parallel; FSDP and
         # ZeRO-2 with the head gathered once per step (the chunked loss's fix).
         "r9_dp": [
             ("jaxdist 406m 1gpu", one_gpu_406m),
-            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("torch ddp", torch_ddp),
             ("jaxdist dp2", JAXDIST + dp2),
             ("jaxdist dp2 symmetric", SYMMETRIC + JAXDIST + dp2),
             ("jaxdist dp2 user buffers", USER_BUFFERS + JAXDIST + dp2),
             ("jaxdist dp2 symmetric cta=1", ["env", "NCCL_CTA_POLICY=1"] + SYMMETRIC + JAXDIST + dp2),
             ("jaxdist fsdp", JAXDIST + fsdp),
-            ("jaxdist zero2", JAXDIST + fsdp + ["train.fsdp_gather=per_step"]),
+            ("jaxdist zero2", JAXDIST + zero2),
         ],
         # r9_dp's NCCL settings again, alone and together, with bf16 gradient reduction; dp2 twice (noise).
         "r9b_dp": [
             ("jaxdist 406m 1gpu", one_gpu_406m),
-            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("torch ddp", torch_ddp),
             ("jaxdist dp2", JAXDIST + dp2),
             ("jaxdist dp2 user buffers", USER_BUFFERS + JAXDIST + dp2),
             ("jaxdist dp2 cta=1", ["env", "NCCL_CTA_POLICY=1"] + JAXDIST + dp2),
@@ -409,10 +410,10 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
         # FSDP and ZeRO-2 with the head gathered once, again on a second machine (FSDP twice: noise).
         "r9d_dp": [
             ("jaxdist 406m 1gpu", one_gpu_406m),
-            ("torch ddp", ["env", "MODE=ddp"] + dist),
+            ("torch ddp", torch_ddp),
             ("jaxdist dp2", JAXDIST + dp2),
             ("jaxdist fsdp", JAXDIST + fsdp),
-            ("jaxdist zero2", JAXDIST + fsdp + ["train.fsdp_gather=per_step"]),
+            ("jaxdist zero2", JAXDIST + zero2),
             ("jaxdist fsdp again", JAXDIST + fsdp),
         ],
         # The fused, chunked cross-entropy (model.loss_chunk): peak memory and step time per chunk size.
