@@ -11,25 +11,14 @@ XLA's result (the log prints each cuBLASLt algorithm's time, timed once per shap
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxdist.models.gelu_matmul import gelu_grad_matmul, unavailable_reason, xla_gelu_grad_matmul
+from jaxdist.observe.bench import time_calls
 
 SHAPES = {"406m": (16 * 1024, 1024, 4096), "1b4": (8 * 1024, 2048, 8192)}  # rows, embed, mlp
-
-
-def timed(fn, *args, repeats: int = 30) -> float:
-    """Milliseconds per call, `repeats` calls without a sync between them."""
-    jax.block_until_ready(fn(*args))
-    start = time.perf_counter()
-    for _ in range(repeats):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / repeats * 1e3
 
 
 def main() -> None:
@@ -47,7 +36,7 @@ def main() -> None:
         runs = (("xla matmul alone", jax.jit(lambda d, w, p: jnp.einsum("...e,me->...m", d, w))),
                 ("xla matmul + gelu' pass", xla), ("cublaslt DGELU epilogue", jax.jit(gelu_grad_matmul)))
         for label, fn in runs:
-            ms = timed(fn, d_out, down, pre)
+            ms = time_calls(fn, d_out, down, pre)
             diff = "" if label == "xla matmul alone" else \
                 f"{np.max(np.abs(np.asarray(fn(d_out, down, pre).astype(jnp.float32)) - want)):11.4f}"
             print(f"{name:<6} {label:<26} {ms:7.3f} {flops / ms / 1e9:8.0f} {diff}")

@@ -44,6 +44,17 @@ def peak_memory_bytes(devices) -> int | None:
     return max(peaks) if all(p is not None for p in peaks) else None
 
 
+def time_calls(fn, *args, repeats: int = 30) -> float:
+    """Milliseconds per call of `fn(*args)` (after one untimed call), `repeats` calls queued
+    without a sync between them: the kernel benchmarks' timer."""
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
 def _windows(steps: int, size: int = 10) -> list[int]:
     """`steps` split into windows of about `size` steps (at least one window)."""
     return [size] * (steps // size) + ([steps % size] if steps % size else [])
