@@ -83,6 +83,10 @@ class ModelConfig(Section):
     # > 0: the training and eval loss project to the vocabulary this many sequence positions at a
     # time (models/cross_entropy.py), never holding the full logits; 0: one projection.
     loss_chunk: int = Field(0, ge=0)
+    # The chunked loss's softmax, per-row loss and logits gradient as one Pallas kernel per chunk
+    # (models/softmax_grad.py): auto = on GPU where the vocabulary is whole on each device; xla = a
+    # reduction and a gradient pass; pallas = always (errors if not possible). Needs loss_chunk > 0.
+    loss_impl: Literal["auto", "xla", "pallas"] = "auto"
     # > 1: every layer runs on this many slices of each device's batch in turn (unrolled layers), so
     # one slice's tensor-parallel all-reduce can run while the next slice computes. For tensor
     # parallelism; beside data/fsdp axes XLA may reduce each slice's weight gradients on its own.
@@ -102,6 +106,8 @@ class ModelConfig(Section):
                 f"model.loss_chunk={self.loss_chunk} does not divide model.seq_len={self.seq_len}; use a "
                 f"divisor of {self.seq_len}, or 0 for the unchunked loss"
             )
+        if self.loss_impl == "pallas" and not self.loss_chunk:
+            raise ValueError("model.loss_impl=pallas needs model.loss_chunk > 0 (the kernel runs inside the chunked loss)")
         if self.norm_impl == "pallas" and self.scan_layers:
             raise ValueError("model.norm_impl=pallas needs model.scan_layers=false (the fused norms run on unrolled layers)")
         if self.gelu_grad_impl == "cublaslt" and (self.scan_layers or self.activation != "gelu"):

@@ -416,6 +416,23 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist zero2", JAXDIST + zero2),
             ("jaxdist fsdp again", JAXDIST + fsdp),
         ],
+        # Ninth round: each loss chunk's softmax and logits gradient as one Pallas kernel
+        # (model.loss_impl: auto) against XLA's two passes, on one GPU, then data parallel on 2.
+        "r10_1gpu": [
+            ("torch 406m b16", torch_406m),
+            ("jaxdist 406m", JAXDIST + ["configs/gpt_406m.yaml"]),
+            ("jaxdist 406m loss_impl=xla", JAXDIST + ["configs/gpt_406m.yaml", "model.loss_impl=xla"]),
+            ("torch 1b4 b8", torch_1b4),
+            ("jaxdist 1b4", JAXDIST + ["configs/gpt_1b4.yaml"]),
+            ("jaxdist 1b4 loss_impl=xla", JAXDIST + ["configs/gpt_1b4.yaml", "model.loss_impl=xla"]),
+        ],
+        "r10_dp": [
+            ("jaxdist 406m 1gpu", one_gpu_406m),
+            ("torch ddp", torch_ddp),
+            ("jaxdist dp2", JAXDIST + dp2),
+            ("jaxdist fsdp", JAXDIST + fsdp),
+            ("jaxdist dp2 loss_impl=xla", JAXDIST + dp2 + ["model.loss_impl=xla"]),
+        ],
         # The fused, chunked cross-entropy (model.loss_chunk): peak memory and step time per chunk size.
         "loss_chunk_406m": [
             ("torch 406m b16", torch_406m),

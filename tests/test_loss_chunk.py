@@ -76,23 +76,28 @@ def _relative_error(a, b) -> float:
 
 FSDP4_TENSOR2 = ({"data": 1, "fsdp": 4, "tensor": 2}, "fsdp_tp", 1)
 DATA8_2MICROBATCHES = ({"data": 8, "fsdp": 1, "tensor": 1}, "dp", 2)
+FSDP8 = ({"data": 1, "fsdp": 8, "tensor": 1}, "fsdp", 1)
 
 
 @pytest.mark.parametrize(
-    "layout, tied",
-    [(FSDP4_TENSOR2, False), (FSDP4_TENSOR2, True), (DATA8_2MICROBATCHES, False)],
-    ids=["fsdp4_tensor2-untied", "fsdp4_tensor2-tied", "data8_2microbatches-untied"],
+    "layout, tied, impl",
+    [(FSDP4_TENSOR2, False, "xla"), (FSDP4_TENSOR2, True, "xla"), (DATA8_2MICROBATCHES, False, "xla"),
+     (DATA8_2MICROBATCHES, False, "pallas"), (FSDP8, True, "pallas")],
+    ids=["fsdp4_tensor2-untied", "fsdp4_tensor2-tied", "data8_2microbatches-untied",
+         "data8_2microbatches-untied-kernel", "fsdp8-tied-kernel"],
 )
-def test_loss_and_gradients_equal_the_unchunked_loss(tmp_path, layout, tied):
+def test_loss_and_gradients_equal_the_unchunked_loss(tmp_path, layout, tied, impl):
     """fsdp_tp splits the vocabulary (head or tied embedding, and the logits) over tensor and the
     batch over fsdp; data8 with 2 microbatches runs the loss under the per-shard vmap of per_step
-    gradient reduction."""
+    gradient reduction. `impl` pallas: each chunk's softmax and gradient by the Pallas kernel
+    (models/softmax_grad.py, in the interpreter here), run per batch shard."""
     mesh, preset, microbatches = layout
 
     def config(chunk):
         return make_config(
             tmp_path, mesh=mesh, rules={"preset": preset}, train={"global_batch": GLOBAL_BATCH},
-            model={"vocab": VOCAB, "layers": 1, "tied_embeddings": tied, "loss_chunk": chunk},
+            model={"vocab": VOCAB, "layers": 1, "tied_embeddings": tied, "loss_chunk": chunk,
+                   "loss_impl": impl if chunk else "auto"},
         )
 
     plain_cfg, chunked_cfg = config(0), config(CHUNK)
@@ -111,6 +116,7 @@ def test_loss_and_gradients_equal_the_unchunked_loss(tmp_path, layout, tied):
         errors = jax.tree.leaves(jax.tree.map(_relative_error, grads, plain_grads))
         assert max(errors) <= 1.5e-6, (name, max(errors))
     np.testing.assert_allclose(chunked["eval"], plain["eval"], rtol=1e-6)
+    assert ("softmax_grad" in chunked_hlo) == (impl == "pallas")
     if microbatches == 1:
         np.testing.assert_allclose(plain["eval"], plain["weighted"][0], rtol=1e-6)
     # The weights matter: the weighted mean differs from the plain mean.
@@ -214,6 +220,7 @@ def config_file(tmp_path):
     [
         ("model.loss_chunk=5", ["model.loss_chunk=5", "model.seq_len=32", "divisor of 32"]),
         ("model.loss_chunk=-8", ["model.loss_chunk=-8", "greater than or equal to 0"]),
+        ("model.loss_impl=pallas", ["model.loss_impl=pallas", "model.loss_chunk > 0"]),
     ],
 )
 def test_bad_chunk_exits_2_before_compiling(config_file, capsys, compiles, override, must_mention):

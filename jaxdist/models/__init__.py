@@ -24,11 +24,13 @@ def lm_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
     With per-sequence `weights` (eval batches: 0 marks padding) it is the weighted mean. A model
     with `cfg.loss_chunk` > 0 is scored chunk by chunk, never forming the full logits.
     """
-    chunk = getattr(getattr(model, "cfg", None), "loss_chunk", 0)
+    cfg = getattr(model, "cfg", None)
+    chunk = getattr(cfg, "loss_chunk", 0)
     if chunk:
         hidden, head = model.features(batch["inputs"])
         return fused_linear_cross_entropy(
             hidden, head, batch["targets"], batch.get("weights"), chunk=chunk, logits_dtype=model.logits_dtype,
+            impl=cfg.loss_impl,
         )
     logits = model(batch["inputs"]).astype(jnp.float32)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])

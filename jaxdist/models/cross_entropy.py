@@ -14,7 +14,9 @@ array instead of the logits.
 
 All operations are plain jnp ops with logical-name constraints, so a vocabulary sharded over a
 mesh axis (rules presets tp, fsdp_tp) stays sharded and XLA inserts the reductions for the
-logsumexp and the hidden-state gradient.
+logsumexp and the hidden-state gradient. Where the vocabulary is whole on each device, the
+softmax, per-row loss and logits gradient of each chunk can run as one Pallas kernel instead
+(`impl`, models/softmax_grad.py).
 """
 
 from __future__ import annotations
@@ -24,8 +26,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxdist.models import softmax_grad
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.parallel.rules import constrain
+
+IMPLS = ("auto", "xla", "pallas")
+LOGITS = softmax_grad.LOGITS  # the logits' logical axes
 
 
 def fused_linear_cross_entropy(
@@ -36,6 +42,7 @@ def fused_linear_cross_entropy(
     *,
     chunk: int,
     logits_dtype=jnp.float32,
+    impl: str = "xla",
 ) -> jax.Array:
     """Mean cross-entropy (float32) of `softmax(hidden @ head)` against integer `targets`.
 
@@ -44,29 +51,35 @@ def fused_linear_cross_entropy(
     targets: (batch, length) integers; weights: optional (batch,) per-sequence weights, giving
     the weighted mean (eval batches: 0 marks padding). `chunk` positions of every sequence are
     projected at a time and must divide `length`; logits are written in `logits_dtype`, the
-    softmax is float32.
+    softmax is float32. `impl` (`model.loss_impl`) says where the softmax and the logits' gradient
+    are computed when differentiated: "xla" (a reduction and a gradient pass), "pallas" (one
+    kernel per chunk, models/softmax_grad.py; needs the vocabulary whole on each device), or
+    "auto" (the kernel on GPU where it applies).
     """
     length = hidden.shape[1]
     if chunk <= 0 or length % chunk:
         raise ValueError(f"chunk={chunk} must be a positive divisor of the sequence length {length}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}: use one of {IMPLS}")
     if weights is None:
         weights = jnp.ones(hidden.shape[:1], jnp.float32)
-    return _fused(chunk, jnp.dtype(logits_dtype), hidden, head, targets, weights.astype(jnp.float32))
+    return _fused(chunk, jnp.dtype(logits_dtype), impl, hidden, head, targets, weights.astype(jnp.float32))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _fused(chunk, logits_dtype, hidden, head, targets, weights):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fused(chunk, logits_dtype, impl, hidden, head, targets, weights):
     loss_sum, _ = _scan_chunks(chunk, logits_dtype, hidden, head, targets, weights, with_grads=False)
     return loss_sum / _total_weight(hidden, weights)
 
 
-def _fused_fwd(chunk, logits_dtype, hidden, head, targets, weights):
-    loss_sum, (d_hidden, d_head) = _scan_chunks(chunk, logits_dtype, hidden, head, targets, weights, with_grads=True)
+def _fused_fwd(chunk, logits_dtype, impl, hidden, head, targets, weights):
+    loss_sum, (d_hidden, d_head) = _scan_chunks(chunk, logits_dtype, hidden, head, targets, weights, with_grads=True,
+                                                kernel=_use_kernel(impl))
     total = _total_weight(hidden, weights)
     return loss_sum / total, (d_hidden, d_head, total)
 
 
-def _fused_bwd(chunk, logits_dtype, residuals, cotangent):
+def _fused_bwd(chunk, logits_dtype, impl, residuals, cotangent):
     d_hidden, d_head, total = residuals
     # The mean's 1/total is applied here, in float32, not to the low-precision logits gradient:
     # per token it is about 1/(batch x length), which would underflow float16.
@@ -80,6 +93,18 @@ def _fused_bwd(chunk, logits_dtype, residuals, cotangent):
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def _use_kernel(impl: str) -> bool:
+    """Whether `impl` runs the chunks' softmax and gradient as the Pallas kernel here."""
+    if impl == "xla":
+        return False
+    if not softmax_grad.supported():
+        if impl == "pallas":
+            raise ValueError("model.loss_impl=pallas: the kernel needs the vocabulary whole on each device and "
+                             "Pallas's Triton backend in this jax; use auto or xla")
+        return False
+    return impl == "pallas" or jax.default_backend() == "gpu"
 
 
 def _total_weight(hidden: jax.Array, weights: jax.Array) -> jax.Array:
@@ -128,10 +153,26 @@ def reduce_logits(logits: jax.Array, is_target: jax.Array, *, one_pass: bool) ->
     return maximum + jnp.log(total), target_logit
 
 
-def _scan_chunks(chunk, logits_dtype, hidden, head, targets, weights, *, with_grads: bool):
+def xla_loss_and_grad(logits, targets, weights, *, grad_dtype, one_pass: bool):
+    """`softmax_grad.loss_and_grad` as XLA ops: (per-row loss, `(softmax - one-hot) * weights`).
+
+    A reduction (`reduce_logits`) and a gradient pass over the float32 logits; it also takes a
+    vocabulary split over devices (`one_pass` False). The gradient, unused, costs nothing: XLA
+    drops it when the loss is not differentiated.
+    """
+    logits = logits.astype(jnp.float32)
+    # A compare against iota, not a gather: it stays elementwise over a sharded vocabulary.
+    is_target = jnp.arange(logits.shape[-1]) == targets[..., None]
+    logsumexp, target_logit = reduce_logits(logits, is_target, one_pass=one_pass)
+    d_logits = (jnp.exp(logits - logsumexp[..., None]) - is_target) * weights[:, None, None]
+    return logsumexp - target_logit, d_logits.astype(grad_dtype)
+
+
+def _scan_chunks(chunk, logits_dtype, hidden, head, targets, weights, *, with_grads: bool, kernel: bool = False):
     """(weighted loss sum, (unnormalized d_hidden, d_head) or None) over every chunk.
 
     d_hidden has hidden's dtype; d_head is summed in float32 and returned in head's dtype.
+    `kernel`: each chunk's softmax, per-row loss and logits gradient by models/softmax_grad.py.
     """
     batch, _, embed = hidden.shape
     vocab = head.shape[1]
@@ -151,15 +192,16 @@ def _scan_chunks(chunk, logits_dtype, hidden, head, targets, weights, *, with_gr
     def body(carry, xs):
         hidden_c, targets_c = xs
         logits = jnp.einsum("bcd,dv->bcv", hidden_c, head_c, preferred_element_type=logits_dtype)
-        logits = constrain(logits, ("batch", "length", "vocab")).astype(jnp.float32)
-        # A compare against iota, not a gather: it stays elementwise over a sharded vocabulary.
-        is_target = jnp.arange(vocab) == targets_c[..., None]
-        logsumexp, target_logit = reduce_logits(logits, is_target, one_pass=not vocab_sharded)
-        sequence_losses = carry[0] + (logsumexp - target_logit).sum(-1)
+        logits = constrain(logits, LOGITS)
+        if kernel:
+            row_losses, d_logits = softmax_grad.loss_and_grad(logits, targets_c, weights, grad_dtype=hidden.dtype)
+        else:
+            row_losses, d_logits = xla_loss_and_grad(logits, targets_c, weights, grad_dtype=hidden.dtype,
+                                                     one_pass=not vocab_sharded)
+        sequence_losses = carry[0] + row_losses.sum(-1)
         if not with_grads:
             return (sequence_losses,), None
-        d_logits = (jnp.exp(logits - logsumexp[..., None]) - is_target) * weights[:, None, None]
-        d_logits = constrain(d_logits.astype(hidden.dtype), ("batch", "length", "vocab"))
+        d_logits = constrain(d_logits, LOGITS)
         d_hidden_c = constrain(jnp.einsum("bcv,dv->bcd", d_logits, head_c), ("batch", "length", "embed"))
         d_head_c = jnp.einsum("sbcd,sbcv->sdv", by_shard(hidden_c), by_shard(d_logits),
                               preferred_element_type=jnp.float32)

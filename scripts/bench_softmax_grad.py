@@ -1,0 +1,56 @@
+"""One loss chunk's softmax pass: XLA's reduction + gradient pass against the one-kernel version (GPU).
+
+    python3 scripts/bench_softmax_grad.py [--configs 4096,4 2048,8 ...]
+
+For a chunk of the 406M and 1.4B recipes' loss (16 or 8 sequences x 256 positions x 50,304 bf16
+logits) this prints XLA's two passes (`cross_entropy.xla_loss_and_grad`: the one-pass logsumexp,
+then `(softmax - one-hot) * weight`) and the kernel of models/softmax_grad.py at each (block,
+warps), with its largest difference from XLA's result and the HBM bandwidth it reaches counting
+one read and one write of the logits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdist.models import cross_entropy, softmax_grad
+from jaxdist.observe.bench import time_calls
+
+SHAPES = {"406m": (16, 256, 50304), "1b4": (8, 256, 50304)}  # batch, chunk, vocab
+
+xla_passes = jax.jit(functools.partial(cross_entropy.xla_loss_and_grad, grad_dtype=jnp.bfloat16, one_pass=True))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="*", default=["4096,4", "4096,8", "2048,8"],
+                        help="block,warps for the kernel")
+    args = parser.parse_args()
+    print(f"{'shape':<6} {'what':<22} {'ms':>7} {'GB/s':>6} {'max |diff| loss':>16} {'grad':>9}")
+    for name, (batch, chunk, vocab) in SHAPES.items():
+        keys = jax.random.split(jax.random.key(0), 2)
+        logits = (jax.random.normal(keys[0], (batch, chunk, vocab)) * 3).astype(jnp.bfloat16)
+        targets = jax.random.randint(keys[1], (batch, chunk), 0, vocab)
+        weights = jnp.ones((batch,), jnp.float32)
+        gigabytes = 2 * logits.size * logits.dtype.itemsize / 1e9
+        ref_loss, ref_grad = xla_passes(logits, targets, weights)
+        ms = time_calls(xla_passes, logits, targets, weights, repeats=50)
+        print(f"{name:<6} {'xla two passes':<22} {ms:7.3f} {gigabytes / ms * 1e3:6.0f}")
+        for config in args.configs:
+            block, warps = (int(v) for v in config.split(","))
+            kernel = jax.jit(functools.partial(softmax_grad._local, grad_dtype=jnp.bfloat16, block=block, warps=warps))
+            loss, grad = kernel(logits, targets, weights)
+            loss_diff = float(np.abs(np.asarray(loss) - np.asarray(ref_loss)).max())
+            grad_diff = float(np.abs(np.asarray(grad, np.float32) - np.asarray(ref_grad, np.float32)).max())
+            ms = time_calls(kernel, logits, targets, weights, repeats=50)
+            print(f"{name:<6} {f'kernel {block} w{warps}':<22} {ms:7.3f} {gigabytes / ms * 1e3:6.0f} "
+                  f"{loss_diff:16.2e} {grad_diff:9.2e}")
+
+
+if __name__ == "__main__":
+    main()
