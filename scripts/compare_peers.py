@@ -16,6 +16,8 @@ import subprocess
 import sys
 import time
 
+from jaxdist.observe import clocks
+
 JAXDIST = [sys.executable, "-m", "jaxdist.cli", "bench"]
 # XLA's latency-hiding scheduler: overlaps collectives with compute.
 LHS = ["env", "XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true"]
@@ -443,11 +445,15 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
     }
 
 
-def run(label: str, command: list[str], timeout: int) -> dict:
+def run(label: str, command: list[str], timeout: int, gpus: int) -> dict:
     start = time.perf_counter()
     print(f"=== {label}: {' '.join(command)}", flush=True)
+    # The GPUs' clocks around the whole command, for the peers, whose steps are its busiest part
+    # (`jaxdist bench` reports its own, sampled over exactly the timed steps).
+    sampler = clocks.ClockSampler(list(range(gpus)), interval_s=0.5)
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        with sampler:
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"label": label, "error": f"timed out after {timeout} s"}
     # `jaxdist launch` prefixes each process's lines with "[i] "; process 0 prints the result.
@@ -456,7 +462,7 @@ def run(label: str, command: list[str], timeout: int) -> dict:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
         print("\n".join(tail), flush=True)
         return {"label": label, "error": f"exit {proc.returncode}"}
-    result = json.loads(lines[-1])
+    result = {**sampler.summary(busy_share=0.8), **json.loads(lines[-1])}
     result.update(label=label, wall_s=round(time.perf_counter() - start, 1))
     print(json.dumps(result), flush=True)
     return result
@@ -471,7 +477,8 @@ def per_device(result: dict) -> float | None:
 
 def table(results: list[dict]) -> str:
     base = next((per_device(r) for r in results if "error" not in r), None)
-    rows = [f"{'run':<28} {'step ms':>8} {'tok/s/dev':>10} {'MFU':>6} {'mem GiB':>8} {'compile s':>9} {'vs first':>8}"]
+    rows = [f"{'run':<28} {'step ms':>8} {'tok/s/dev':>10} {'MFU':>6} {'mem GiB':>8} {'compile s':>9} {'vs first':>8}"
+            f" {'MHz':>5} {'W':>4}"]
     for r in results:
         if "error" in r:
             rows.append(f"{r['label']:<28} {r['error']}")
@@ -480,7 +487,7 @@ def table(results: list[dict]) -> str:
         mem = r.get("peak_mem_gib") or r.get("peak_mem_GiB") or ""
         rows.append(
             f"{r['label']:<28} {r['step_ms']:>8} {tps:>10,} {r['mfu']:>6.3f} {mem!s:>8} "
-            f"{r.get('compile_s', '')!s:>9} {tps / base:>8.3f}"
+            f"{r.get('compile_s', '')!s:>9} {tps / base:>8.3f} {r.get('sm_clock_mhz', '')!s:>5} {r.get('power_w', '')!s:>4}"
         )
     return "\n".join(rows)
 
@@ -498,7 +505,7 @@ def main() -> None:
     for suite in args.suites:
         results = []
         for label, command in known[suite]:
-            results.append(run(label, command, args.timeout))
+            results.append(run(label, command, args.timeout, gpus))
             # Each result is kept as it comes, so a call cut short still returns what it measured.
             if args.out:
                 with open(args.out, "a") as out:

@@ -10,6 +10,7 @@ as the peers count it (shared/peers/README.md), so numbers compare:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -20,7 +21,7 @@ import jax
 import numpy as np
 
 from jaxdist.config import Config
-from jaxdist.observe import hlo
+from jaxdist.observe import clocks, hlo
 from jaxdist.parallel import mesh as mesh_lib
 
 PEAK_FLOPS_BF16 = 989e12  # H100/H200 dense bf16 datasheet, as the peers use
@@ -60,23 +61,26 @@ def _windows(steps: int, size: int = 10) -> list[int]:
     return [size] * (steps // size) + ([steps % size] if steps % size else [])
 
 
-def time_steps(trainer, batch: dict, steps: int, warmup: int) -> tuple[list[float], list[float], dict]:
+def time_steps(trainer, batch: dict, steps: int, warmup: int,
+               while_timed: contextlib.AbstractContextManager | None = None) -> tuple[list[float], list[float], dict]:
     """After `warmup` steps, `steps` steps of `trainer` timed: seconds per step of each window, the
-    host's seconds in each step call, and the last step's metrics."""
+    host's seconds in each step call, and the last step's metrics. `while_timed` is entered
+    around the timed steps only (a `clocks.ClockSampler`)."""
     for _ in range(warmup):
         jax.block_until_ready(trainer.step(batch))
     # Steps are timed in windows with no sync inside, so host dispatch overlaps device work as
     # in training (a sync per step would add the dispatch latency to every step). Each window
     # still pays one dispatch and one sync: windows of 10 keep that under a tenth per step.
     times, dispatch = [], []
-    for window in _windows(steps):
-        t0 = time.perf_counter()
-        for _ in range(window):
-            called = time.perf_counter()
-            metrics = trainer.step(batch)
-            dispatch.append(time.perf_counter() - called)
-        jax.block_until_ready(metrics)
-        times.append((time.perf_counter() - t0) / window)
+    with while_timed or contextlib.nullcontext():
+        for window in _windows(steps):
+            t0 = time.perf_counter()
+            for _ in range(window):
+                called = time.perf_counter()
+                metrics = trainer.step(batch)
+                dispatch.append(time.perf_counter() - called)
+            jax.block_until_ready(metrics)
+            times.append((time.perf_counter() - t0) / window)
     return times, dispatch, metrics
 
 
@@ -92,7 +96,9 @@ def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = No
     batch = trainer.global_batch(random_tokens(cfg, jax.process_index(), jax.process_count()))
     trainer.compile(batch)
     setup_s = time.perf_counter() - start
-    times, dispatch, metrics = time_steps(trainer, batch, steps, warmup)
+    local = [d for d in trainer.mesh.devices.flatten() if d.process_index == jax.process_index()]
+    sampler = clocks.ClockSampler(clocks.smi_indices([d.local_hardware_id for d in local if d.platform == "gpu"]))
+    times, dispatch, metrics = time_steps(trainer, batch, steps, warmup, while_timed=sampler)
     if profile_dir:
         # Back to back, as timed: a sync per step would hide waits that only happen while the
         # previous step is still running.
@@ -104,7 +110,7 @@ def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = No
     devices = trainer.mesh.devices.flatten().tolist()
     tokens_per_sec = cfg.train.global_batch * cfg.model.seq_len / step_s
     per_device = tokens_per_sec / len(devices)
-    peak = peak_memory_bytes([d for d in devices if d.process_index == jax.process_index()])
+    peak = peak_memory_bytes(local)
     return {
         "name": "jaxdist",
         "layout": mesh_lib.describe(trainer.mesh),
@@ -137,6 +143,9 @@ def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = No
         },
         "setup_s": round(setup_s, 1),
         "loss": float(metrics["loss"]),
+        # This process's GPUs during the timed steps (nvidia-smi; absent without it): the SM clock
+        # and power the step time was measured at, and how often the power limit held the clock.
+        **sampler.summary(),
     }
 
 
