@@ -42,7 +42,7 @@ def fused_linear_cross_entropy(
     *,
     chunk: int,
     logits_dtype=jnp.float32,
-    impl: str = "xla",
+    impl: str = "auto",
 ) -> jax.Array:
     """Mean cross-entropy (float32) of `softmax(hidden @ head)` against integer `targets`.
 

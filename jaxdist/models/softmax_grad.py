@@ -2,8 +2,8 @@
 
 The chunked loss (models/cross_entropy.py) needs, for each row of a chunk's logits, the
 logsumexp, the target's logit and the gradient `(softmax - one-hot) * weight`. XLA makes that
-two passes over the logits: a reduction (which runs at about a third of the memory bandwidth on
-H100/H200), then an elementwise pass that reads the logits again and writes the gradient. Here one
+two passes over the logits: a reduction (measured at about 1.5 TB/s, a third of an H200's memory
+bandwidth), then an elementwise pass that reads the logits again and writes the gradient. Here one
 program per row walks it twice: first an online max / sum of exponentials / target logit over
 blocks of the vocabulary, then the gradient, reading the blocks again soon after, when L2 may
 still hold them. At 406M a chunk (412 MB of bf16 logits) takes 0.37 ms instead of XLA's 0.49

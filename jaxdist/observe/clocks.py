@@ -47,11 +47,11 @@ def parse(text: str) -> list[Sample]:
 def smi_indices(cuda_ordinals: list[int]) -> list[int]:
     """nvidia-smi's indices of the GPUs CUDA numbers `cuda_ordinals` in this process.
 
-    Under CUDA_VISIBLE_DEVICES the ordinals index its list; without it they are taken as
-    nvidia-smi's own (the same order on hosts of identical GPUs).
+    Under CUDA_VISIBLE_DEVICES (as indices) the ordinals index its list; without it, or with
+    UUIDs there, they are taken as nvidia-smi's own (the same order on hosts of identical GPUs).
     """
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-    if all(entry.strip().isdigit() for entry in visible) and visible != [""]:
+    if all(entry.strip().isdigit() for entry in visible):
         return [int(visible[ordinal]) for ordinal in cuda_ordinals if ordinal < len(visible)]
     return list(cuda_ordinals)
 
