@@ -1,7 +1,7 @@
 """What the GPUs ran at while a benchmark timed them: SM clock, power draw, power-cap throttling.
 
 A training step that keeps an H100 or H200 busy draws the card's power limit (700 W on SXM
-parts), and the driver then lowers the SM clock (to about 1620-1700 MHz from 1980 for GPT 406M)
+parts), and the driver then lowers the SM clock (to about 1520-1700 MHz from 1980 for GPT 406M)
 by a few percent more or less from one run to the next: enough to move a step by 1%. `jaxdist bench`
 samples the clocks while it times steps, so that a step time can be read with the clock it ran
 at. The samples come from `nvidia-smi` (in a background thread, one query every `interval_s`);
