@@ -50,7 +50,7 @@ def supported(shape: tuple[int, ...], names) -> bool:
     """
     if pallas_triton is None:
         return False
-    sharded = _per_shard(tuple(names))
+    sharded = rules_lib.sharded_activation(tuple(names))
     shards = 1
     if sharded is not None:
         mesh, spec = sharded
@@ -247,16 +247,6 @@ def _row_axes(spec: PartitionSpec) -> tuple[str, ...]:
     return tuple(axis for entry in tuple(spec)[:-1] for axis in rules_lib.spec_axes(entry))
 
 
-def _per_shard(names):
-    """(mesh, the activation's spec) when a mesh of several devices is active, else None."""
-    active = rules_lib.active()
-    if active is None or active[0].size == 1:
-        return None
-    mesh, rules = active
-    spec = tuple(rules.activation_spec(names))
-    return mesh, rules_lib.padded_spec(spec, len(names))
-
-
 def _run_per_shard(names, local, arrays: dict, row_wise: set[str], out_specs):
     """`local(**arrays)` on each shard of the rows (or once, with no mesh); None entries stay out."""
     present = {name: value for name, value in arrays.items() if value is not None}
@@ -264,7 +254,7 @@ def _run_per_shard(names, local, arrays: dict, row_wise: set[str], out_specs):
     def run(present):
         return local(**{**dict.fromkeys(arrays), **present})
 
-    sharded = _per_shard(names)
+    sharded = rules_lib.sharded_activation(names)
     if sharded is None:
         return run(present)
     mesh, spec = sharded

@@ -42,8 +42,8 @@ def supported() -> bool:
     """Whether the kernel applies under the active rules: the vocabulary whole on each device."""
     if pallas_triton is None:
         return False
-    spec = _spec()
-    return spec is None or spec[-1] is None
+    sharded = rules_lib.sharded_activation(LOGITS)
+    return sharded is None or sharded[1][-1] is None
 
 
 def loss_and_grad(logits: jax.Array, targets: jax.Array, weights: jax.Array, *,
@@ -56,22 +56,14 @@ def loss_and_grad(logits: jax.Array, targets: jax.Array, weights: jax.Array, *,
     (default: the logits' dtype).
     """
     local = functools.partial(_local, grad_dtype=jnp.dtype(grad_dtype or logits.dtype))
-    spec = _spec()
-    if spec is None:
+    sharded = rules_lib.sharded_activation(LOGITS)
+    if sharded is None:
         return local(logits, targets, weights)
-    mesh, _ = rules_lib.active()
+    mesh, spec = sharded
     return jax.shard_map(
         local, mesh=mesh, in_specs=(spec, PartitionSpec(*spec[:2]), PartitionSpec(spec[0])),
         out_specs=(PartitionSpec(*spec[:2]), spec), check_vma=False,
     )(logits, targets, weights)
-
-
-def _spec() -> PartitionSpec | None:
-    """The logits' spec under the active rules, or None without a mesh of several devices."""
-    active = rules_lib.active()
-    if active is None or active[0].size == 1:
-        return None
-    return rules_lib.padded_spec(active[1].activation_spec(LOGITS), len(LOGITS))
 
 
 def _kernel(logits_ref, targets_ref, weights_ref, losses_ref, grad_ref, *, vocab: int, block: int):

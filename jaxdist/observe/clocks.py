@@ -99,7 +99,8 @@ class ClockSampler:
         """
         samples = self.samples
         if samples and busy_share is not None:
-            samples = [s for s in samples if s.power_w >= busy_share * max(s.power_w for s in self.samples)]
+            threshold = busy_share * max(s.power_w for s in samples)
+            samples = [s for s in samples if s.power_w >= threshold]
         if not samples:
             return {}
         return {

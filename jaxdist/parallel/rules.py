@@ -208,6 +208,16 @@ def active() -> tuple[Mesh, Rules] | None:
     return _ACTIVE.get()
 
 
+def sharded_activation(names: Sequence[str | None]) -> tuple[Mesh, PartitionSpec] | None:
+    """(mesh, the activation's spec padded to `names`) under `activation_rules` over several
+    devices; None otherwise. For kernels that run per shard with `shard_map`."""
+    active = _ACTIVE.get()
+    if active is None or active[0].size == 1:
+        return None
+    mesh, rules = active
+    return mesh, padded_spec(rules.activation_spec(names), len(names))
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Constrains an activation's sharding by logical names; a no-op outside `activation_rules`."""
     active = _ACTIVE.get()
