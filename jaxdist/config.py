@@ -1,7 +1,7 @@
 """Typed run configuration: YAML file + dotted overrides, validated before anything compiles.
 
 One pydantic model per section. Unknown keys and wrong types are rejected with a `UserError`
-naming the dotted key; `check_against_devices` adds the checks that need the device count.
+naming the dotted key; `jaxdist.parallel.layout` adds the checks that need the devices.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from jaxdist.errors import UserError
-from jaxdist.parallel import pipeline
 
 MESH_AXES = ("data", "stage", "fsdp", "tensor")
 
@@ -404,33 +403,3 @@ def resolve_mesh_shape(mesh: MeshConfig, device_count: int) -> dict[str, int]:
             f"{device_count} or set one axis to -1"
         )
     return sizes
-
-
-def check_against_devices(cfg: Config, device_count: int) -> dict[str, int]:
-    """The checks that need the device count; returns the resolved mesh shape."""
-    shape = resolve_mesh_shape(cfg.mesh, device_count)
-    batch_shards = shape["data"] * shape["fsdp"]
-    if cfg.train.global_batch % batch_shards:
-        raise UserError(
-            f"train.global_batch={cfg.train.global_batch} is not divisible by mesh.data x mesh.fsdp = "
-            f"{batch_shards}; use a multiple of {batch_shards}"
-        )
-    per_shard = cfg.train.global_batch // batch_shards
-    if per_shard % cfg.train.microbatches:
-        raise UserError(
-            f"train.microbatches={cfg.train.microbatches} does not divide the per-device batch "
-            f"{per_shard} (train.global_batch / (mesh.data x mesh.fsdp)); pick a divisor of {per_shard}"
-        )
-    per_chunk = per_shard // cfg.train.microbatches
-    if per_chunk % cfg.model.batch_chunks:
-        raise UserError(
-            f"model.batch_chunks={cfg.model.batch_chunks} does not divide the {per_chunk} sequences each device "
-            f"runs at a time (train.global_batch / (mesh.data x mesh.fsdp) / train.microbatches); pick a divisor"
-        )
-    if cfg.model.heads % shape["tensor"]:
-        raise UserError(
-            f"model.heads={cfg.model.heads} is not divisible by mesh.tensor={shape['tensor']}; "
-            f"use a tensor size that divides {cfg.model.heads}"
-        )
-    pipeline.check_config(cfg, shape)
-    return shape

@@ -21,7 +21,7 @@ import jaxdist  # noqa: F401  (applies JAXDIST_CPU_DEVICES)
 from jaxdist import config as config_lib
 from jaxdist import models
 from jaxdist.observe import hlo
-from jaxdist.parallel import mesh as mesh_lib
+from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.train.optim import build_optimizer
 from jaxdist.train.state import TrainState, abstract_model, opt_state_shardings
@@ -30,7 +30,7 @@ from jaxdist.train.step import make_train_step
 
 def compiled_step(cfg: config_lib.Config):
     """The step compiled for abstract inputs of this config's shapes and shardings."""
-    mesh = mesh_lib.build_mesh(config_lib.check_against_devices(cfg, jax.device_count()))
+    mesh = layout_lib.from_config(cfg).mesh
     rules = rules_lib.from_config(cfg.rules)
     entry = models.get(cfg.model.name)
     graphdef, abstract_params, names = abstract_model(entry.create(cfg), cfg.seed)

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from jaxdist import config as config_lib
+from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import pipeline
 from jaxdist.train import loop
 
@@ -111,7 +112,7 @@ def main() -> None:
         for micro in microbatches:
             schedule = pipeline.Schedule(stages, micro, repeats)
             cfg = _config(args, args.layers, stages, micro, repeats)
-            config_lib.check_against_devices(cfg, stages)
+            layout_lib.from_config(cfg, devices)
             step = time_step(cfg, devices, args.warmup, args.steps)
             row = {
                 "schedule": "gpipe" if repeats == 1 else "circular", "stages": stages, "repeats": repeats,

@@ -48,7 +48,7 @@ def profile(trainer, batch, steps: int = 3) -> bytes:
 def main() -> None:
     cfg = config.load(sys.argv[1], sys.argv[2:])
     trainer = build_trainer(cfg, None)
-    batch = trainer.global_batch(bench.random_tokens(cfg, 0, 1))
+    batch = trainer.global_batch(bench.random_tokens(cfg))
     trainer.compile(batch)
     # The probe swaps the trainer's compiled step for recompiled ones (private attributes).
     lowered = trainer._step.lower(trainer.state, trainer._current_copies(), batch)

@@ -3,7 +3,7 @@
     python tests/data_process.py PORT PROCESS_ID SHARD_DIR OUT_JSON
 
 Reads two epochs of train batches and one eval pass through the config-driven iterators, builds
-each global batch on a mesh spanning both processes, and writes what this process read and the
+each global batch on the config's mesh spanning both processes, and writes what this process read and the
 gathered global batches as JSON.
 """
 
@@ -14,10 +14,10 @@ import jaxdist  # noqa: F401  (applies JAXDIST_CPU_DEVICES before JAX starts)
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jaxdist import config
-from jaxdist.data import loader, pipeline
+from jaxdist.data import loader
+from jaxdist.parallel import feed, layout
 
 
 def main(port: str, process_id: str, shard_dir: str, out: str) -> None:
@@ -26,14 +26,14 @@ def main(port: str, process_id: str, shard_dir: str, out: str) -> None:
         "data": {"source": "arrayrecord", "path": shard_dir},
         "model": {"seq_len": 16}, "train": {"global_batch": 8}, "eval": {"every": 1},
     })
-    mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Auto,))
-    sharding = NamedSharding(mesh, PartitionSpec("data"))
+    run_layout = layout.from_config(cfg)
+    rows = run_layout.process_rows(cfg.train.global_batch)
     steps = -(-2 * len(loader.open_split(cfg, "train")) // 8)
-    result = {}
-    for name, batches in (("train", loader.train_iterator(cfg)), ("eval", loader.eval_iterator(cfg))):
+    result = {"rows": list(rows.rows)}
+    for name, batches in (("train", loader.train_iterator(cfg, rows)), ("eval", loader.eval_iterator(cfg, rows))):
         local, gathered, weights = [], [], []
         for _, batch in zip(range(steps), batches):
-            global_batch = pipeline.global_batch(batch, sharding)
+            global_batch = feed.assemble(batch, run_layout.batch_sharding, cfg.train.global_batch)
             local.append(batch["inputs"].tolist())
             gathered.append(np.asarray(multihost_utils.process_allgather(global_batch["inputs"], tiled=True)).tolist())
             if "weights" in batch:

@@ -10,16 +10,15 @@ import pytest
 from conftest import FAST_COMPILE, make_config
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxdist import config as config_lib
 from jaxdist.errors import UserError
 from jaxdist import models
-from jaxdist.data.pipeline import global_batch
 from jaxdist.observe import hlo
-from jaxdist.parallel import mesh as mesh_lib
+from jaxdist.parallel import feed
+from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.train.optim import build_optimizer
 from jaxdist.train.state import TrainState, abstract_model, opt_state_shardings, param_dict
-from jaxdist.train.step import batch_sharding, make_train_step
+from jaxdist.train.step import make_train_step
 
 LAYOUTS = {
     "data8": ({"data": 8, "fsdp": 1, "tensor": 1}, "dp"),
@@ -68,7 +67,7 @@ def initial_params(tmp_path_factory):
 
 def _one_step(cfg, initial_params, trace: bool = False) -> Step:
     """One SGD step through the config's optimizer and the real compiled step, on the config's mesh."""
-    mesh = mesh_lib.build_mesh(config_lib.check_against_devices(cfg, jax.device_count()))
+    mesh = layout_lib.from_config(cfg).mesh
     rules = rules_lib.from_config(cfg.rules)
     graphdef, abstract_params, names = abstract_model(models.get("gpt").create(cfg), cfg.seed)
     layouts = rules_lib.param_layouts(abstract_params, names, rules, mesh)
@@ -85,7 +84,7 @@ def _one_step(cfg, initial_params, trace: bool = False) -> Step:
         graphdef, models.get("gpt").loss, tx, schedule, mesh, rules, shardings,
         cfg.train.microbatches, cfg.train.grad_reduction, cfg.precision.grad_reduce,
     )
-    batch = global_batch(_batch(cfg.model.seq_len), batch_sharding(mesh, rules))
+    batch = feed.assemble(_batch(cfg.model.seq_len), feed.batch_sharding(mesh, rules))
     jaxpr = step.trace(state, None, batch).jaxpr if trace else None
     compiled = step.lower(state, None, batch).compile(FAST_COMPILE)
     state, _, metrics = compiled(state, None, batch)

@@ -22,7 +22,7 @@ def config_file(tmp_path):
         ("train.steps=abc", ["train.steps", "'abc'", "integer"]),
         ("model.nrom=rmsnorm", ["model.nrom", "unknown key"]),
         ("mesh.fsdp=3", ["mesh.fsdp=3", "6 devices", "8 are present"]),
-        ("train.global_batch=10", ["train.global_batch=10", "mesh.data x mesh.fsdp = 4", "multiple of 4"]),
+        ("train.global_batch=10", ["train.global_batch=10", "4 batch shards (the batch is split over mesh.data x mesh.fsdp)", "multiple of 4"]),
         ("mesh.tensor=8", ["mesh", "mesh.tensor=8"]),
         ("optim.lr=-1", ["optim.lr", "greater than 0"]),
         ("rules.preset=zero3", ["rules.preset", "dp, fsdp, tp, fsdp_tp"]),

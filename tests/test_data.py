@@ -1,4 +1,4 @@
-"""Grain pipelines: each process reads a disjoint share, epochs reshuffle, a position restores exactly."""
+"""Grain pipelines: each process reads the rows it holds, epochs reshuffle, a position restores exactly."""
 
 from itertools import islice
 
@@ -10,6 +10,7 @@ from data_helpers import prepared, random_documents, window_ids
 from jaxdist.data import loader, pipeline, prepare, sources
 from jaxdist.data.tokenizer import ByteTokenizer
 from jaxdist.errors import UserError
+from jaxdist.parallel.feed import BatchRows
 
 SEQ_LEN = 16
 GLOBAL_BATCH = 8
@@ -44,19 +45,20 @@ def window_index(source: pipeline.TokenWindows) -> dict[bytes, int]:
     return index
 
 
+def shares(process_count: int) -> list[BatchRows]:
+    """The rows of each of `process_count` processes that split the batch in contiguous parts."""
+    local = GLOBAL_BATCH // process_count
+    return [BatchRows(GLOBAL_BATCH, tuple(range(p * local, (p + 1) * local))) for p in range(process_count)]
+
+
 def global_stream(source, process_count: int, steps: int, seed: int = 0, start_example: int = 0) -> list[int]:
     """Window ids in global stream order, reassembled from what each simulated process read."""
-    local = GLOBAL_BATCH // process_count
-    reads = []
-    for process in range(process_count):
-        batches = pipeline.train_batches(
-            source, local, seed, start_example, process_index=process, process_count=process_count
-        )
-        reads.append(window_ids(list(islice(batches, steps)), window_index(source)))
-    # Process p's k-th row is stream position start + p + k * P (the pipeline's contract).
     stream = [0] * (steps * GLOBAL_BATCH)
-    for process, ids in enumerate(reads):
-        stream[process::process_count] = ids
+    for rows in shares(process_count):
+        batches = pipeline.train_batches(source, rows, seed, start_example)
+        for step, ids in enumerate(window_ids([batch], window_index(source)) for batch in islice(batches, steps)):
+            for row, window in zip(rows.rows, ids, strict=True):  # row r of batch s: stream position s * G + r
+                stream[step * GLOBAL_BATCH + row] = window
     return stream
 
 
@@ -90,9 +92,23 @@ def test_each_epoch_reads_every_example_once_under_any_process_count(tmp_path, d
     for epoch in range(2):
         part = stream[epoch * n : (epoch + 1) * n]
         assert sorted(part) == list(range(n))  # every example once: no duplicates, nothing lost
-        shares = [set(part[p::process_count]) for p in range(process_count)]
-        assert sum(len(share) for share in shares) == n  # the processes' shares are disjoint
+        local = GLOBAL_BATCH // process_count
+        held = [{i for s, i in enumerate(part) if ((epoch * n + s) % GLOBAL_BATCH) // local == p} for p in range(process_count)]
+        assert sum(len(share) for share in held) == n  # the processes' shares are disjoint
     assert stream == global_stream(source, 1, steps)  # the same global stream at any process count
+
+
+def test_processes_that_hold_the_same_rows_read_the_same_examples(tmp_path, dataset):
+    """Rows held by two processes (a non-batch axis across them) are read alike by both, and a
+    process holding scattered rows reads exactly those positions of the stream."""
+    source = loader.open_split(data_config(tmp_path, dataset[0]), "train")
+    index = window_index(source)
+    stream = global_stream(source, 1, 6, start_example=5)
+    replica = [window_ids(list(islice(pipeline.train_batches(source, shares(2)[1], 0, 5), 6)), index) for _ in range(2)]
+    assert replica[0] == replica[1] == [w for s in range(6) for w in stream[s * 8 + 4 : s * 8 + 8]]
+    scattered = BatchRows(GLOBAL_BATCH, (0, 1, 6, 7))
+    ids = window_ids(list(islice(pipeline.train_batches(source, scattered, 0, 5), 6)), index)
+    assert ids == [stream[s * 8 + r] for s in range(6) for r in scattered.rows]
 
 
 def test_epochs_reshuffle_and_the_seed_fixes_the_order(tmp_path, dataset):
@@ -111,11 +127,12 @@ def test_restored_iterator_yields_the_same_next_20_batches(tmp_path, dataset):
     cfg = data_config(tmp_path, dataset[0])
     source = loader.open_split(cfg, "train")
     done = len(source) // GLOBAL_BATCH - 5  # the next 20 batches cross into the next epoch
-    running = loader.train_iterator(cfg)
+    everything = shares(1)[0]
+    running = loader.train_iterator(cfg, everything)
     for _ in range(done):
         next(running)
     expected = list(islice(running, 20))
-    restored = list(islice(loader.train_iterator(cfg, start_example=done * GLOBAL_BATCH), 20))
+    restored = list(islice(loader.train_iterator(cfg, everything, start_example=done * GLOBAL_BATCH), 20))
     for a, b in zip(expected, restored, strict=True):
         np.testing.assert_array_equal(a["inputs"], b["inputs"])
         np.testing.assert_array_equal(a["targets"], b["targets"])
@@ -131,8 +148,8 @@ def test_eval_pass_covers_the_split_once_with_padding_weighted_zero(tmp_path, da
     n = len(source)
     index = window_index(source)
     real, padding, batches = [], 0, 0
-    for process in range(process_count):
-        for batch in pipeline.eval_batches(source, GLOBAL_BATCH // process_count, process, process_count):
+    for rows in shares(process_count):
+        for batch in pipeline.eval_batches(source, rows):
             assert batch["inputs"].shape == (GLOBAL_BATCH // process_count, SEQ_LEN)
             ids = window_ids([batch], index)
             real += [i for i, w in zip(ids, batch["weights"]) if w == 1]
@@ -145,7 +162,7 @@ def test_eval_pass_covers_the_split_once_with_padding_weighted_zero(tmp_path, da
 
 def test_eval_batches_limits_the_pass(tmp_path, dataset):
     cfg = data_config(tmp_path, dataset[0], eval={"every": 5, "batches": 2})
-    batches = list(loader.eval_iterator(cfg))
+    batches = list(loader.eval_iterator(cfg, shares(1)[0]))
     assert len(batches) == 2 and all(b["weights"].sum() == GLOBAL_BATCH for b in batches)
 
 
@@ -158,7 +175,8 @@ def test_in_memory_arrays_split_rows_between_train_and_eval(tmp_path):
     eval_rows = [int(held_out[i]["x"][0]) for i in range(len(held_out))]
     assert len(eval_rows) == 20 and sorted(train_rows + eval_rows) == list(range(200))
     assert all(held_out[i]["label"] == eval_rows[i] % 7 for i in range(20))
-    seen = [int(x) for b in islice(loader.train_iterator(cfg), len(train) // 16) for x in b["x"][:, 0]]
+    rows = BatchRows(16, tuple(range(16)))
+    seen = [int(x) for b in islice(loader.train_iterator(cfg, rows), len(train) // 16) for x in b["x"][:, 0]]
     assert len(seen) == len(set(seen)) == 180 // 16 * 16 and set(seen) <= set(train_rows)
 
 
@@ -170,8 +188,9 @@ def test_epochs_decide_the_number_of_steps(tmp_path, dataset):
 
 def test_worker_processes_yield_the_same_batches(dataset, tmp_path):
     source = loader.open_split(data_config(tmp_path, dataset[0]), "train")
-    threads = list(islice(pipeline.train_batches(source, 4, seed=3, start_example=11), 6))
-    workers = list(islice(pipeline.train_batches(source, 4, seed=3, start_example=11, workers=2), 6))
+    rows = BatchRows(GLOBAL_BATCH, (1, 2, 5, 6))
+    threads = list(islice(pipeline.train_batches(source, rows, seed=3, start_example=11), 6))
+    workers = list(islice(pipeline.train_batches(source, rows, seed=3, start_example=11, workers=2), 6))
     for a, b in zip(threads, workers, strict=True):
         np.testing.assert_array_equal(a["inputs"], b["inputs"])
 

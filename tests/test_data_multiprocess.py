@@ -1,4 +1,5 @@
-"""Two real JAX processes (jax.distributed on CPU) read disjoint shares that make up every epoch."""
+"""Two real JAX processes (jax.distributed on CPU) read the rows their devices hold: disjoint shares
+that make up every epoch, each global batch a contiguous slice of the stream."""
 
 import json
 import os
@@ -51,10 +52,10 @@ def test_two_processes_read_each_example_once_per_epoch(tmp_path):
             assert sorted(ids(gathered)) == sorted(local[0][step] + local[1][step])
         n = len(source)
         if split == "train":
-            # Process p's k-th row is stream position p + 2k: rebuild the stream, check both epochs.
-            stream = [0] * (2 * sum(len(batch) for batch in local[0]))
-            stream[0::2] = [i for batch in local[0] for i in batch]
-            stream[1::2] = [i for batch in local[1] for i in batch]
+            # Global batch b is stream positions 8b .. 8b + 7, process p holding rows 4p .. 4p + 3:
+            # rebuild the stream, check both epochs.
+            assert [result["rows"] for result in results] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+            stream = [i for step in range(len(local[0])) for i in local[0][step] + local[1][step]]
             for epoch in range(2):
                 part = stream[epoch * n : (epoch + 1) * n]
                 assert sorted(part) == list(range(n))

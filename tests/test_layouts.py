@@ -89,7 +89,7 @@ def test_batch_chunks_change_neither_the_math_nor_what_crosses_devices(tmp_path)
     for chunks in (1, 2):
         cfg = make_config(tmp_path / str(chunks), model={"scan_layers": False, "batch_chunks": chunks}, **layout)
         trainer = loop.build_trainer(cfg, devices)
-        trainer.compile(trainer.global_batch(random_tokens(cfg, 0, 1)))
+        trainer.compile(trainer.global_batch(random_tokens(cfg)))
         text = trainer.compiled_text()
         calls = collections.Counter()
         for op in hlo.collectives(text):

@@ -18,16 +18,16 @@ from conftest import FAST_COMPILE, make_config
 from flax import nnx
 
 from jaxdist import cli, models
-from jaxdist import config as config_lib
-from jaxdist.data.pipeline import global_batch
 from jaxdist.models.cross_entropy import fused_linear_cross_entropy, reduce_logits
 from jaxdist.observe import hlo
+from jaxdist.parallel import feed
+from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.train import loop
 from jaxdist.train.accumulate import loss_and_grads
 from jaxdist.train.state import abstract_model, init_state, param_dict
-from jaxdist.train.step import batch_sharding, make_train_step
+from jaxdist.train.step import make_train_step
 
 CHUNK = 8
 VOCAB = 512  # divisible by tensor=2; the chunked scan then runs 32 / 8 = 4 chunks
@@ -45,7 +45,7 @@ def _batch(seq_len: int) -> dict[str, np.ndarray]:
 def _losses_and_grads(cfg, params, batch, microbatches):
     """({with/without weights: (loss, grads), eval: loss}, compiled HLO) through the step's own
     `loss_and_grads` and, for eval, the loss alone, on cfg's mesh."""
-    mesh = mesh_lib.build_mesh(config_lib.check_against_devices(cfg, jax.device_count()))
+    mesh = layout_lib.from_config(cfg).mesh
     rules = rules_lib.from_config(cfg.rules)
     graphdef, abstract_params, names = abstract_model(models.get("gpt").create(cfg), cfg.seed)
     param_shardings = rules_lib.layout_shardings(rules_lib.param_layouts(abstract_params, names, rules, mesh), mesh)
@@ -65,7 +65,7 @@ def _losses_and_grads(cfg, params, batch, microbatches):
             return results
 
     params = jax.device_put(params, param_shardings)
-    batch = global_batch(batch, batch_sharding(mesh, rules))
+    batch = feed.assemble(batch, feed.batch_sharding(mesh, rules))
     compiled = jax.jit(both).lower(params, batch).compile(FAST_COMPILE)
     return jax.device_get(compiled(params, batch)), compiled.as_text()
 
@@ -159,13 +159,13 @@ def test_bfloat16_compute_matches_the_unchunked_loss_to_bfloat16_rounding():
 
 def _step_temp_bytes(cfg) -> int:
     """Temporary bytes per device of the real compiled train step for this config."""
-    mesh = mesh_lib.build_mesh(config_lib.check_against_devices(cfg, 1), jax.devices()[:1])
+    mesh = layout_lib.from_config(cfg, jax.devices()[:1]).mesh
     rules = rules_lib.from_config(cfg.rules)
     tx = optax.adamw(1e-3)
     state, shardings, graphdef, _ = init_state(models.get("gpt").create(cfg), tx, mesh, rules, cfg.seed)
     step = make_train_step(graphdef, models.lm_loss, tx, None, mesh, rules, shardings)
     tokens = np.zeros((cfg.train.global_batch, cfg.model.seq_len), np.int32)
-    batch = global_batch({"inputs": tokens, "targets": tokens}, batch_sharding(mesh, rules))
+    batch = feed.assemble({"inputs": tokens, "targets": tokens}, feed.batch_sharding(mesh, rules))
     return step.lower(state, None, batch).compile(FAST_COMPILE).memory_analysis().temp_size_in_bytes
 
 

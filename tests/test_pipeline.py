@@ -10,13 +10,13 @@ from conftest import make_config
 from flax import nnx
 
 from jaxdist import cli, models
-from jaxdist import config as config_lib
+from jaxdist.parallel import layout as layout_lib
+from jaxdist.parallel.feed import batch_sharding
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.parallel import pipeline
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.train import loop
 from jaxdist.train.state import abstract_model, param_dict
-from jaxdist.train.step import batch_sharding
 
 # 8 layers so that stages x repeats in {2, 4, 8} divide them; small enough to compile in seconds.
 PIPE_GPT = {"d_model": 32, "layers": 8, "heads": 4, "seq_len": 16, "vocab": 256}
@@ -134,9 +134,8 @@ def _max_relative_error(got, expected) -> float:
 def test_pipelined_loss_and_grads_match_unpipelined(tmp_path, devices, reference, stages, microbatches, repeats, data, tensor):
     params, batch, expected_loss, expected_grads = reference
     cfg = _pipe_config(tmp_path, stages, microbatches, repeats, data, tensor)
-    shape = config_lib.check_against_devices(cfg, len(devices))
-    mesh = mesh_lib.build_mesh(shape, devices)
-    rules = pipeline.rules_from_config(cfg.rules, shape)
+    layout = layout_lib.from_config(cfg, devices)
+    mesh, rules = layout.mesh, layout.rules
     _, abstract, names = abstract_model(models.get("gpt").create(cfg), cfg.seed)
     layouts = rules_lib.param_layouts(abstract, names, rules, mesh)
     sharded = jax.device_put(params, rules_lib.layout_shardings(layouts, mesh))
@@ -201,7 +200,7 @@ def _has_mu(x) -> bool:
         (["pipeline.microbatches=2"], r"pipeline.microbatches=2 is less than mesh.stage=4"),
         (["pipeline.microbatches=6"], r"pipeline.microbatches=6 is not a multiple of mesh.stage=4; use a multiple such as 8"),
         (["pipeline.microbatches=8", "train.microbatches=2"],
-         r"pipeline.microbatches=8 does not divide the 4 rows each data shard gets"),
+         r"pipeline.microbatches=8 does not divide the 4 rows each batch shard gets"),
     ],
     ids=["layers", "layers_repeats", "too_few_microbatches", "not_multiple", "batch"],
 )

@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import grain
 import numpy as np
 
 from jaxdist.config import Config
 from jaxdist.data import corpus, pipeline, sources
 from jaxdist.data import tokenizer as tokenizer_lib
 from jaxdist.errors import UserError
+from jaxdist.parallel.feed import BatchRows
 
 Batch = dict[str, np.ndarray]
 
@@ -81,21 +81,6 @@ def tokenizer(cfg: Config) -> tokenizer_lib.Tokenizer:
     return tokenizer_lib.ByteTokenizer()
 
 
-def _shard() -> grain.sharding.ShardOptions:
-    return grain.sharding.ShardByJaxProcess()
-
-
-def local_batch_size(cfg: Config) -> int:
-    """Rows each process reads per global batch: `train.global_batch / process count`."""
-    count = _shard().shard_count
-    if cfg.train.global_batch % count:
-        raise UserError(
-            f"train.global_batch={cfg.train.global_batch} is not divisible by the {count} processes; "
-            f"use a multiple of {count}"
-        )
-    return cfg.train.global_batch // count
-
-
 def resolve_steps(cfg: Config, train_examples: int) -> Config:
     """`cfg` with `train.steps` set to `data.epochs` passes over `train_examples` (when set)."""
     if cfg.data.epochs is None:
@@ -109,25 +94,23 @@ def resolve_steps(cfg: Config, train_examples: int) -> Config:
     return cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": steps})})
 
 
-def train_iterator(cfg: Config, start_example: int = 0, source=None) -> Iterator[Batch]:
-    """This process's train batches from global example `start_example` on (0: the beginning).
+def train_iterator(cfg: Config, rows: BatchRows, start_example: int = 0, source=None) -> Iterator[Batch]:
+    """This process's train batches (the `rows` it feeds of each global batch) from global example
+    `start_example` on (0: the beginning).
 
     After global step s the position is `s * train.global_batch`, under any process count.
     """
-    shard = _shard()
     return pipeline.train_batches(
         open_split(cfg, "train") if source is None else source,
-        local_batch_size(cfg), cfg.seed, start_example=start_example,
-        process_index=shard.shard_index, process_count=shard.shard_count,
+        rows, cfg.seed, start_example=start_example,
         read_threads=cfg.data.read_threads, prefetch=cfg.data.prefetch, workers=cfg.data.workers,
     )
 
 
-def eval_iterator(cfg: Config, source=None) -> Iterator[Batch]:
-    """This process's batches of one pass over the eval split, with `weights` (0 on padding rows)."""
+def eval_iterator(cfg: Config, rows: BatchRows, source=None) -> Iterator[Batch]:
+    """This process's batches (its `rows` of each) of one pass over the eval split, with `weights`
+    (0 on padding rows)."""
     source = open_split(cfg, "eval") if source is None else source
-    shard = _shard()
     return pipeline.eval_batches(
-        source, local_batch_size(cfg), shard.shard_index, shard.shard_count,
-        max_batches=cfg.eval.batches, read_threads=cfg.data.read_threads, prefetch=cfg.data.prefetch,
+        source, rows, max_batches=cfg.eval.batches, read_threads=cfg.data.read_threads, prefetch=cfg.data.prefetch,
     )

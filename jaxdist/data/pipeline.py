@@ -1,21 +1,23 @@
-"""Grain pipelines: packed token windows, shuffled per epoch, each process reading its share.
+"""Grain pipelines: packed token windows, shuffled per epoch, each process reading the rows it feeds.
 
 The global stream of examples is fixed by (seed, dataset): epoch e is a permutation seeded by
-(seed, e). Global step s consumes examples [s * global_batch, (s + 1) * global_batch) of that
-stream; process p of P reads every P-th of them. So the data position is one number, the global
-example index, and it means the same thing under any process count.
+(seed, e). Global step s consumes examples [start + s * G, start + (s + 1) * G) of that stream
+(G = global batch), row r of its batch being example start + s * G + r. A process reads the rows
+its devices hold (`jaxdist.parallel.feed.BatchRows`): processes holding the same rows read the
+same examples. So the data position is one number, the global example index, and it means the
+same thing under any process count and layout.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
 import grain
-import jax
 import numpy as np
 from absl import flags
-from jax.sharding import NamedSharding
 
+from jaxdist.parallel.feed import BatchRows
 from jaxdist.errors import UserError
 
 
@@ -40,13 +42,31 @@ class TokenWindows:
         return {"inputs": window[:-1], "targets": window[1:]}
 
 
+class _RowsOf(grain.transforms.DatasetSelectionMap):
+    """Local index -> (0, the stream index of that row of this process's batches)."""
+
+    def __init__(self, rows: BatchRows, start: int, batches: int | None):
+        self.rows, self.start = rows, start
+        self.length = sys.maxsize if batches is None else batches * rows.local_batch
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[int, int]:
+        return 0, self.rows.example(index, self.start)
+
+
+def _rows_of(stream: grain.MapDataset, rows: BatchRows, start: int = 0, batches: int | None = None) -> grain.MapDataset:
+    """This process's batches of `stream`: `rows` of each global batch, from stream index `start` on."""
+    mine = grain.MapDataset.select_from_datasets([stream], _RowsOf(rows, start, batches))
+    return mine.batch(rows.local_batch, drop_remainder=True)
+
+
 def train_batches(
     source,
-    local_batch: int,
+    rows: BatchRows,
     seed: int,
     start_example: int = 0,
-    process_index: int = 0,
-    process_count: int = 1,
     read_threads: int = 2,
     prefetch: int = 4,
     workers: int = 0,
@@ -56,9 +76,7 @@ def train_batches(
     `workers` > 0 reads in that many grain worker processes; the batches are the same.
     """
     stream = grain.MapDataset.source(source).shuffle(seed=seed).repeat(None)
-    mine = stream[start_example + process_index :: process_count]
-    batches = mine.batch(local_batch, drop_remainder=True)
-    return _iterate(batches, read_threads, prefetch, workers)
+    return _iterate(_rows_of(stream, rows, start_example), read_threads, prefetch, workers)
 
 
 class _WeightedRow:
@@ -74,25 +92,22 @@ class _WeightedRow:
 
 def eval_batches(
     source,
-    local_batch: int,
-    process_index: int = 0,
-    process_count: int = 1,
+    rows: BatchRows,
     max_batches: int | None = None,
     read_threads: int = 2,
     prefetch: int = 4,
 ) -> Iterator[dict[str, np.ndarray]]:
     """This process's share of one in-order pass over `source`, every example exactly once.
 
-    Global batch b holds examples [b * G, (b + 1) * G) with G = local_batch * process_count;
-    process p reads every P-th. The last batch is filled up with `weights` 0 rows, so a metric
+    Global batch b holds examples [b * G, (b + 1) * G) (G = `rows.global_batch`); the process
+    reads the rows it feeds. The last batch is filled up with `weights` 0 rows, so a metric
     weighted by `weights` is exact. `max_batches` stops after that many global batches.
     """
-    global_size = local_batch * process_count
-    count = -(-len(source) // global_size)
+    count = -(-len(source) // rows.global_batch)
     if max_batches is not None:
         count = min(count, max_batches)
-    rows = grain.MapDataset.range(count * global_size)[process_index::process_count]
-    return _iterate(rows.map(_WeightedRow(source)).batch(local_batch), read_threads, prefetch, workers=0)
+    padded = grain.MapDataset.range(count * rows.global_batch).map(_WeightedRow(source))
+    return _iterate(_rows_of(padded, rows, batches=count), read_threads, prefetch, workers=0)
 
 
 def _iterate(batches: grain.MapDataset, read_threads: int, prefetch: int, workers: int) -> Iterator:
@@ -104,8 +119,3 @@ def _iterate(batches: grain.MapDataset, read_threads: int, prefetch: int, worker
             flags.FLAGS.mark_as_parsed()
         stream = stream.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
     return iter(stream)
-
-
-def global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
-    """Assembles each process's local rows into one global `jax.Array` per key."""
-    return {key: jax.make_array_from_process_local_data(sharding, value) for key, value in local.items()}

@@ -15,6 +15,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -33,10 +34,13 @@ def flops_per_token(cfg: Config) -> float:
     return 6 * matmul_params + 12 * m.layers * m.d_model * m.seq_len
 
 
-def random_tokens(cfg: Config, process_index: int, process_count: int) -> dict[str, np.ndarray]:
-    local = cfg.train.global_batch // process_count
-    rng = np.random.default_rng(cfg.seed + process_index)
-    tokens = rng.integers(0, cfg.model.vocab, (local, cfg.model.seq_len + 1), dtype=np.int32)
+def random_tokens(cfg: Config, rows: Sequence[int] | None = None) -> dict[str, np.ndarray]:
+    """The `rows` (default: all) of a global batch of random tokens drawn from `cfg.seed`: the same
+    rows hold the same tokens on every process."""
+    rng = np.random.default_rng(cfg.seed)
+    tokens = rng.integers(0, cfg.model.vocab, (cfg.train.global_batch, cfg.model.seq_len + 1), dtype=np.int32)
+    if rows is not None:
+        tokens = tokens[np.asarray(rows)]
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
@@ -93,7 +97,7 @@ def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = No
 
     start = time.perf_counter()
     trainer = build_trainer(cfg, devices)
-    batch = trainer.global_batch(random_tokens(cfg, jax.process_index(), jax.process_count()))
+    batch = trainer.global_batch(random_tokens(cfg, trainer.process_rows(cfg.train.global_batch).rows))
     trainer.compile(batch)
     setup_s = time.perf_counter() - start
     local = [d for d in trainer.mesh.devices.flatten() if d.process_index == jax.process_index()]

@@ -94,14 +94,15 @@ class Schedule:
             )
         if batch is not None and batch % micro:
             raise UserError(
-                f"pipeline.microbatches={micro} does not divide the {batch} rows each data shard "
-                f"gets per gradient-accumulation step (train.global_batch / (mesh.data x mesh.fsdp) / "
+                f"pipeline.microbatches={micro} does not divide the {batch} rows each batch shard "
+                f"gets per gradient-accumulation step (train.global_batch / batch shards / "
                 f"train.microbatches); pick a divisor of {batch}"
             )
 
 
-def check_config(cfg: Config, mesh_shape: dict[str, int]) -> None:
-    """The pipeline checks `config.check_against_devices` runs before anything compiles."""
+def check_config(cfg: Config, mesh_shape: dict[str, int], rows: int) -> None:
+    """The pipeline checks `layout.check` runs before anything compiles; `rows` is what each
+    batch shard gets per gradient-accumulation step."""
     if mesh_shape["stage"] == 1:
         return
     if not cfg.model.scan_layers:
@@ -109,7 +110,6 @@ def check_config(cfg: Config, mesh_shape: dict[str, int]) -> None:
             f"mesh.stage={mesh_shape['stage']} pipelines the stacked layer stack, but model.scan_layers=false "
             f"gives each layer its own parameters; set model.scan_layers=true"
         )
-    rows = cfg.train.global_batch // (mesh_shape["data"] * mesh_shape["fsdp"]) // cfg.train.microbatches
     Schedule(mesh_shape["stage"], cfg.pipeline.microbatches, cfg.pipeline.repeats).check(cfg.model.layers, rows)
 
 

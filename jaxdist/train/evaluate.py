@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.train.accumulate import LossFn, loss_and_aux
-from jaxdist.train.step import batch_sharding
+from jaxdist.parallel.feed import batch_sharding
 
 Batch = dict[str, Any]
 

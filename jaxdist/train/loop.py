@@ -12,17 +12,16 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
 
-from jaxdist import config as config_lib
 from jaxdist import models
 from jaxdist.checkpoint import RunCheckpoints
 from jaxdist.config import Config
 from jaxdist.data import loader
 from jaxdist.errors import UserError
 from jaxdist.observe.metrics import MetricsWriter, drop_after
+from jaxdist.parallel import feed
+from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import mesh as mesh_lib
-from jaxdist.parallel import pipeline as pipeline_lib
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.train import copies, precision
 from jaxdist.train.evaluate import Evaluator
@@ -39,22 +38,20 @@ def log(message: str) -> None:
         print(message, flush=True)
 
 
-def _mesh_and_rules(cfg: Config, devices: list | None) -> tuple[Mesh, rules_lib.Rules]:
-    devices = list(jax.devices() if devices is None else devices)
-    shape = config_lib.check_against_devices(cfg, len(devices))
-    return mesh_lib.build_mesh(shape, devices), pipeline_lib.rules_from_config(cfg.rules, shape)
-
-
 def param_layouts(cfg: Config, devices: list | None = None):
     """Each parameter's checked placement under this config, computed without allocating or compiling."""
-    mesh, rules = _mesh_and_rules(cfg, devices)
+    layout = layout_lib.from_config(cfg, devices)
     _, abstract_params, names = abstract_model(models.get(cfg.model.name).create(cfg), cfg.seed)
-    return rules_lib.param_layouts(abstract_params, names, rules, mesh)
+    return rules_lib.param_layouts(abstract_params, names, layout.rules, layout.mesh)
 
 
-def build_trainer(cfg: Config, devices: list | None = None) -> Trainer:
-    """Checks the config against the devices, then builds the mesh, the sharded state and the step."""
-    mesh, rules = _mesh_and_rules(cfg, devices)
+def build_trainer(cfg: Config, devices: list | None = None, layout: layout_lib.Layout | None = None) -> Trainer:
+    """Checks the config against the devices, then builds the mesh, the sharded state and the step.
+
+    `layout`: `jaxdist.parallel.layout.from_config(cfg, devices)`, where the caller already has it.
+    """
+    layout = layout or layout_lib.from_config(cfg, devices)
+    mesh, rules = layout.mesh, layout.rules
     precision.check_backend(cfg.precision, mesh.devices.flat[0].platform)
     entry = models.get(cfg.model.name)
     create_model = entry.create(cfg)
@@ -89,11 +86,14 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
     train_source = loader.open_split(cfg, "train")
     eval_source = loader.open_split(cfg, "eval") if cfg.eval.every else None
     cfg = loader.resolve_steps(cfg, len(train_source))
+    layout = layout_lib.from_config(cfg, devices)
+    rows = layout.process_rows(cfg.train.global_batch)
     checkpoints = RunCheckpoints(cfg, log)
     planned = checkpoints.prepare()
-    batches = loader.train_iterator(cfg, start_example=planned.example, source=train_source)
+    batches = loader.train_iterator(cfg, rows, start_example=planned.example, source=train_source)
     first_local = next(batches)
-    trainer = build_trainer(cfg, devices)
+    feed.check_replicas_agree(first_local, layout.batch_sharding, rows)
+    trainer = build_trainer(cfg, layout=layout)
     run_dir = Path(cfg.run_dir)
     is_writer = jax.process_index() == 0
     if is_writer:
@@ -103,7 +103,7 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
         f"({jax.process_count()} process(es)); rules preset {cfg.rules.preset}")
     start = checkpoints.resume(trainer)
     if start != planned:  # the planned checkpoint failed to read: an older one was restored
-        batches = loader.train_iterator(cfg, start_example=start.example, source=train_source)
+        batches = loader.train_iterator(cfg, rows, start_example=start.example, source=train_source)
         first_local = next(batches)
     if is_writer and start.step:
         drop_after(run_dir, start.step)
@@ -114,7 +114,7 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
         return trainer
 
     evaluate = None if eval_source is None else Evaluator(
-        trainer, models.get(cfg.model.name).loss, lambda: loader.eval_iterator(cfg, eval_source)
+        trainer, models.get(cfg.model.name).loss, lambda: loader.eval_iterator(cfg, rows, eval_source)
     )
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
 
@@ -149,12 +149,12 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
         checkpoints.close()
 
     if cfg.sample.tokens:
-        write_sample(cfg, trainer)
+        write_sample(cfg, trainer, layout.batch_shards)
     return trainer
 
 
-def write_sample(cfg: Config, trainer: Trainer) -> None:
-    rows = trainer.mesh.shape["data"] * trainer.mesh.shape["fsdp"]
+def write_sample(cfg: Config, trainer: Trainer, rows: int) -> None:
+    """Prints a continuation of `sample.prompt`; `rows` continuations are drawn, one per batch shard."""
     tokenizer = loader.tokenizer(cfg)
     tokens = sample(
         trainer.graphdef, trainer.params, tokenizer.encode(cfg.sample.prompt), cfg.sample.tokens,

@@ -18,15 +18,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.parallel import rules as rules_lib
+from jaxdist.parallel.feed import batch_sharding
 from jaxdist.train import copies as copies_lib
 from jaxdist.train import precision
 from jaxdist.train.accumulate import Batch, LossFn, loss_and_grads
 from jaxdist.train.state import TrainState
-
-
-def batch_sharding(mesh: Mesh, rules: rules_lib.Rules) -> NamedSharding:
-    """Sharding of every batch array: leading (example) dim split as the `batch` rule says."""
-    return NamedSharding(mesh, rules.activation_spec(("batch",), "the input batch"))
 
 
 def make_train_step(

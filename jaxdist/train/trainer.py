@@ -18,12 +18,12 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from jaxdist.data.pipeline import global_batch
+from jaxdist.parallel import feed
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.train import copies as copies_lib
 from jaxdist.train.precision import LossScale
 from jaxdist.train.state import ModelFactory, TrainState, init_state
-from jaxdist.train.step import LossFn, batch_sharding, copies_shardings, make_train_step
+from jaxdist.train.step import LossFn, copies_shardings, make_train_step
 
 FSDP_GATHERS = ("per_layer", "per_step")
 
@@ -66,7 +66,7 @@ class Trainer:
         # The first step donates these buffers; let their init finish first (an in-flight
         # donated init aborted the XLA CPU runtime under load).
         self.state = jax.block_until_ready(self.state)
-        self.batch_sharding = batch_sharding(mesh, rules)
+        self.batch_sharding = feed.batch_sharding(mesh, rules)
         if fsdp_gather not in FSDP_GATHERS:
             raise ValueError(f"fsdp_gather={fsdp_gather!r}: use one of {FSDP_GATHERS}")
         if fsdp_gather == "per_step" and compute_copies is None:
@@ -92,9 +92,14 @@ class Trainer:
         # seen under load). On CPU there is little to overlap anyway, so each step finishes first.
         self._finish_each_step = mesh.devices.flat[0].platform == "cpu" and mesh.devices.size > 1
 
+    def process_rows(self, global_batch: int) -> feed.BatchRows:
+        """Which rows of a global batch of `global_batch` rows this process must feed: those its
+        devices hold under the batch sharding (processes that hold the same rows feed the same ones)."""
+        return feed.process_rows(self.batch_sharding, global_batch)
+
     def global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """This process's rows -> the global batch, sharded over the mesh."""
-        return global_batch(local, self.batch_sharding)
+        """This process's rows (`process_rows`, in order) -> the global batch, sharded over the mesh."""
+        return feed.assemble(local, self.batch_sharding)
 
     def compile(self, batch: dict[str, jax.Array]) -> None:
         """Compiles the step ahead of time for this batch's shapes (timed in `compile_time_s`)."""

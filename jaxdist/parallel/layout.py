@@ -1,0 +1,82 @@
+"""A config's layout on the devices at hand: the mesh, the rules, the batch sharding, checked.
+
+Everything here runs before anything compiles, so a layout the devices or the data cannot carry
+is a `UserError` naming the config key. The batch axes come from the rules (`activations.batch`),
+the one place that says how the batch is split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from jaxdist.config import Config, resolve_mesh_shape
+from jaxdist.errors import UserError
+from jaxdist.parallel import feed, pipeline
+from jaxdist.parallel import mesh as mesh_lib
+from jaxdist.parallel import rules as rules_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The mesh and the rules a config runs under."""
+
+    mesh: Mesh
+    rules: rules_lib.Rules
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        """Sharding of every batch array: the leading (example) dim split as the `batch` rule says."""
+        return feed.batch_sharding(self.mesh, self.rules)
+
+    @property
+    def batch_shards(self) -> int:
+        """How many distinct parts the batch rule splits a global batch into."""
+        return rules_lib.axes_size(self.mesh, rules_lib.batch_axes(self.rules))
+
+    def process_rows(self, global_batch: int, process_index: int | None = None) -> feed.BatchRows:
+        """The rows of each global batch that a process (default: this one) feeds."""
+        return feed.process_rows(self.batch_sharding, global_batch, process_index)
+
+
+def from_config(cfg: Config, devices: list | None = None) -> Layout:
+    """The checked layout of `cfg` on `devices` (default: all devices of all processes)."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = resolve_mesh_shape(cfg.mesh, len(devices))
+    mesh = mesh_lib.build_mesh(shape, devices)
+    layout = Layout(mesh, pipeline.rules_from_config(cfg.rules, shape))
+    rules_lib.check_mesh_axes(layout.rules, mesh)
+    check(cfg, layout)
+    return layout
+
+
+def check(cfg: Config, layout: Layout) -> None:
+    """The checks that need the mesh: batch sizes against the batch shards, heads against tensor."""
+    shards = layout.batch_shards
+    axes = " x ".join(f"mesh.{axis}" for axis in rules_lib.batch_axes(layout.rules)) or "nothing (replicated)"
+    if cfg.train.global_batch % shards:
+        raise UserError(
+            f"train.global_batch={cfg.train.global_batch} is not divisible by the {shards} batch shards "
+            f"(the batch is split over {axes}); use a multiple of {shards}"
+        )
+    per_shard = cfg.train.global_batch // shards
+    if per_shard % cfg.train.microbatches:
+        raise UserError(
+            f"train.microbatches={cfg.train.microbatches} does not divide the per-device batch "
+            f"{per_shard} (train.global_batch / {shards} batch shards); pick a divisor of {per_shard}"
+        )
+    per_chunk = per_shard // cfg.train.microbatches
+    if per_chunk % cfg.model.batch_chunks:
+        raise UserError(
+            f"model.batch_chunks={cfg.model.batch_chunks} does not divide the {per_chunk} sequences each device "
+            f"runs at a time (train.global_batch / {shards} batch shards / train.microbatches); pick a divisor"
+        )
+    tensor = layout.mesh.shape["tensor"]
+    if cfg.model.heads % tensor:
+        raise UserError(
+            f"model.heads={cfg.model.heads} is not divisible by mesh.tensor={tensor}; "
+            f"use a tensor size that divides {cfg.model.heads}"
+        )
+    pipeline.check_config(cfg, dict(layout.mesh.shape), per_chunk)
