@@ -1,7 +1,8 @@
 """`jaxdist train | rules | bench | data prepare | launch | doctor | scale | export`: the command line.
 
-Exit codes: 0 done, 1 crash, 2 user error; `launch` also 124 when it stopped a stuck run. Every command that runs JAX first joins the other
-processes of the run (`jaxdist.parallel.distributed.initialize`).
+Exit codes: 0 done, 1 crash, 2 user error; `launch` also 124 when it stopped a stuck run. Every
+command that runs JAX first joins the other processes of the run
+(`jaxdist.parallel.distributed.initialize`).
 """
 
 from __future__ import annotations
