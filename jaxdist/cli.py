@@ -1,7 +1,8 @@
 """`jaxdist train | rules | bench | data prepare | launch | doctor | scale | export`: the command line.
 
-Exit codes: 0 done, 1 crash, 2 user error. Every command that runs JAX first joins the other
-processes of the run (`jaxdist.parallel.distributed.initialize`).
+Exit codes: 0 done, 1 crash, 2 user error; `launch` also 124 when it stopped a stuck run. Every
+command that runs JAX first joins the other processes of the run
+(`jaxdist.parallel.distributed.initialize`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import sys
 
 from jaxdist.data import prepare
 from jaxdist.errors import UserError
+from jaxdist.launch import die_with_launcher
 
 
 class _OneLineErrors(argparse.ArgumentParser):
@@ -47,6 +49,10 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("-n", "--num", type=int, required=True, help="number of processes")
     launch.add_argument("--devices-per-process", type=int, default=1,
                         help="GPUs (or simulated CPU devices) per process (default 1)")
+    launch.add_argument("--timeout", type=float, metavar="SECONDS",
+                        help="stop every process (exit 124) when none printed a line, on stdout or stderr, for "
+                             "this long (default: off); any line counts as progress and only process 0 logs "
+                             "steps, so allow for start-up, compiling and log.every steps")
     launch.add_argument("program", nargs=argparse.REMAINDER, help="-- train CONFIG [overrides]")
     doctor = commands.add_parser("doctor", help="check devices and collectives on every mesh axis")
     doctor.add_argument("--config", help="YAML config whose mesh to check (default: data = process count)")
@@ -100,7 +106,7 @@ def _bench(args) -> None:
 def _launch(args) -> int:
     from jaxdist import launch
 
-    return launch.launch(args.num, args.devices_per_process, args.program)
+    return launch.launch(args.num, args.devices_per_process, args.program, args.timeout)
 
 
 def _doctor(args) -> int:
@@ -131,6 +137,7 @@ _OFFLINE = {"launch", "scale", "data", "export"}
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_launcher()  # a no-op unless `jaxdist launch` started this process
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     # Overrides may also follow options (`bench CONFIG --steps 5 train.steps=1`).

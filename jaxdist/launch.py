@@ -1,11 +1,26 @@
-"""`jaxdist launch -n N [--devices-per-process K] -- train CONFIG ...`: N processes on this host.
+"""`jaxdist launch -n N [--devices-per-process K] [--timeout S] -- train CONFIG ...`: N processes on this host.
 
 Each process runs `jaxdist <command>` with `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES` and
 `JAX_PROCESS_ID` set, so it joins the others through `jax.distributed` like processes on separate
 hosts would. Process i gets K devices: GPUs i*K .. i*K+K-1 (`JAX_LOCAL_DEVICE_IDS`) where GPUs
-exist, else K simulated CPU devices (`JAXDIST_CPU_DEVICES`). Every output line is prefixed with
-`[i] `. If a process fails, the others are stopped (each child leads its own process group, so
-its own children go too) and the launcher exits with the failed process's code.
+exist, else K simulated CPU devices (`JAXDIST_CPU_DEVICES`, set for each process from K; a
+different value in the launcher's own environment is refused rather than silently replaced).
+Every output line is prefixed with `[i] `.
+
+The launcher never waits forever; it stops every process (each child leads its own process
+group, so the child's own children go too) when:
+
+- a process fails: the exit code is that process's;
+- no process printed a line for `--timeout` seconds: exit code 124. Progress is any output line,
+  from any process: only process 0 reports steps, and since every step is collective, one stuck
+  process silences all of them. So the timeout must exceed the longest quiet stretch: start-up,
+  compiling, `log.every` steps, a checkpoint save or an eval;
+- a process exited 0 and others still run `PEER_EXIT_GRACE_S` later (they wait in a collective
+  for a peer that is gone): exit code 124.
+
+SIGINT or SIGTERM to the launcher is forwarded to every process as SIGTERM (a training run saves a
+checkpoint and stops); the launcher exits 0 if every process then exits 0, else 128 + the signal.
+Each process dies with the launcher, even if the launcher is killed outright (`die_with_launcher`).
 """
 
 from __future__ import annotations
@@ -19,7 +34,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import BinaryIO, TextIO
 
 from jaxdist.errors import UserError
@@ -29,6 +44,13 @@ from jaxdist.errors import UserError
 # told to stop (Ctrl-C, a scheduler's preemption) they get time to save a checkpoint.
 FAILURE_GRACE_S = 3.0
 SIGNAL_GRACE_S = 120.0
+# Processes of one run finish together (the end of a run is collective); a process still running
+# this long after another exited 0 is waiting for a peer that will never come.
+PEER_EXIT_GRACE_S = 60.0
+# The launcher's exit code when it stopped a run that made no progress (the code `timeout` uses).
+STUCK_EXIT = 124
+# Where a child finds the launcher's pid (see die_with_launcher).
+LAUNCHER_PID = "JAXDIST_LAUNCHER_PID"
 _POLL_S = 0.1
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -51,6 +73,7 @@ def process_env(base: dict[str, str], coordinator: str, num_processes: int, proc
         "JAX_PROCESS_ID": str(process_id),
         "JAX_LOCAL_DEVICE_IDS": ",".join(str(first + i) for i in range(devices_per_process)),
         "JAXDIST_CPU_DEVICES": str(devices_per_process),
+        LAUNCHER_PID: str(os.getpid()),
         "PYTHONUNBUFFERED": "1",
     }
 
@@ -60,18 +83,24 @@ def child_command(program: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "jaxdist.cli", *program]
 
 
-def launch(num_processes: int, devices_per_process: int, program: Sequence[str],
+def launch(num_processes: int, devices_per_process: int, program: Sequence[str], timeout_s: float | None = None,
            stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
-    """Runs `jaxdist <program>` as `num_processes` processes; returns the exit code for the launcher."""
+    """Runs `jaxdist <program>` as `num_processes` processes; returns the exit code for the launcher.
+
+    `timeout_s`: stop everything when no process printed a line for this long (None: no limit).
+    """
     program = list(program[1:] if program and program[0] == "--" else program)
     if num_processes < 1:
         raise UserError(f"launch -n {num_processes}: the process count must be at least 1")
     if devices_per_process < 1:
         raise UserError(f"launch --devices-per-process {devices_per_process}: must be at least 1")
+    if timeout_s is not None and timeout_s <= 0:
+        raise UserError(f"launch --timeout {timeout_s:g}: must be more than 0 seconds")
     if not program:
         raise UserError("launch: no command given; e.g. jaxdist launch -n 2 -- train configs/tiny.yaml")
+    _check_cpu_devices(os.environ.get("JAXDIST_CPU_DEVICES"), devices_per_process)
     coordinator = f"127.0.0.1:{free_port()}"
-    group = _Group(stdout or sys.stdout, stderr or sys.stderr)
+    group = _Group(stdout or sys.stdout, stderr or sys.stderr, timeout_s)
     with _signals_stop(group):
         for process_id in range(num_processes):
             env = process_env(dict(os.environ), coordinator, num_processes, process_id, devices_per_process)
@@ -81,21 +110,57 @@ def launch(num_processes: int, devices_per_process: int, program: Sequence[str],
         return group.wait()
 
 
-class _Group:
-    """The child processes, their output relays, and the stop-everything policy."""
+def _check_cpu_devices(requested: str | None, devices_per_process: int) -> None:
+    """The launcher sets each process's JAXDIST_CPU_DEVICES itself; a different value set by the
+    user would be ambiguous (per process or in all?), so it is refused instead of overridden."""
+    if requested and requested != str(devices_per_process):
+        raise UserError(
+            f"JAXDIST_CPU_DEVICES={requested} is set, but launch gives each process --devices-per-process="
+            f"{devices_per_process} device(s); pass --devices-per-process (devices per process) and unset "
+            f"JAXDIST_CPU_DEVICES"
+        )
 
-    def __init__(self, stdout: TextIO, stderr: TextIO):
+
+def die_with_launcher() -> None:
+    """In a process started by `jaxdist launch`: die with the launcher, even if it is killed outright.
+
+    The launcher passes its pid in JAXDIST_LAUNCHER_PID. On Linux this asks the kernel to SIGKILL
+    this process when its parent dies; if the parent is already gone (it died before the request),
+    this process exits at once. The variable is removed, so programs started from here ignore it.
+    A no-op without the variable. Call it first thing: it runs after exec, where a `preexec_fn`
+    would run between fork and exec, which is unsafe while the launcher's threads run.
+    """
+    launcher = os.environ.pop(LAUNCHER_PID, None)
+    if launcher is None:
+        return
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != int(launcher):
+        raise SystemExit(1)  # the launcher is gone, and with it whoever read our output
+
+
+class _Group:
+    """The child processes, their output relays, and the stop-everything policy.
+
+    `timeout_s`: the longest time without an output line from any child (None: no limit);
+    `peer_exit_grace_s`: how long the others may run after a child exited 0.
+    """
+
+    def __init__(self, stdout: TextIO, stderr: TextIO, timeout_s: float | None = None,
+                 peer_exit_grace_s: float = PEER_EXIT_GRACE_S):
         self.stdout, self.stderr = stdout, stderr
+        self.timeout_s = timeout_s
+        self.peer_exit_grace_s = peer_exit_grace_s
         self.children: list[subprocess.Popen] = []
         self.relays: list[threading.Thread] = []
         self.lock = threading.Lock()
         self.stop_signal: int | None = None
+        self.last_output = time.monotonic()
+        self.clean_exit: tuple[int, float] | None = None  # the first process seen to exit 0, and when
 
     def start(self, process_id: int, command: list[str], env: dict[str, str]) -> None:
-        child = subprocess.Popen(
-            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True, preexec_fn=_die_with_parent,
-        )
+        child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 start_new_session=True)
         self.children.append(child)
         for pipe, out in ((child.stdout, self.stdout), (child.stderr, self.stderr)):
             relay = threading.Thread(target=self._relay, args=(pipe, out, f"[{process_id}] "), daemon=True)
@@ -107,37 +172,60 @@ class _Group:
             with self.lock:
                 out.write(prefix + line.decode("utf-8", errors="replace").rstrip("\n") + "\n")
                 out.flush()
+                self.last_output = time.monotonic()
         pipe.close()
 
     def wait(self) -> int:
-        """Waits for all children; on the first failure (or a signal) stops the rest. The exit code."""
-        failure: int | None = None
-        grace = FAILURE_GRACE_S
-        while True:
-            codes = [child.poll() for child in self.children]  # poll each one: it updates returncode
-            if all(code is not None for code in codes):
-                break
-            if self.stop_signal is not None:
-                self.say(f"received signal {self.stop_signal}; stopping all processes")
-                failure = 128 + self.stop_signal
-                grace = SIGNAL_GRACE_S
-                break
-            failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
-            if failed:
-                process_id, code = failed[0]
-                running = codes.count(None)
-                self.say(f"process {process_id} exited with {_describe_exit(code)}; "
-                         f"stopping the other {running} process(es)")
-                failure = _exit_code(code)
-                break
-            time.sleep(_POLL_S)
-        self._stop_all(grace)
+        """Relays output until every child exited or the run must stop (see the module docstring);
+        returns the launcher's exit code."""
+        code = self._watch()
         for relay in self.relays:
             relay.join()
-        if failure is not None:
-            return failure
+        return code
+
+    def _watch(self) -> int:
+        while True:
+            codes = [child.poll() for child in self.children]  # poll each one: it updates returncode
+            if None not in codes:
+                return next((_exit_code(code) for code in codes if code != 0), 0)
+            if self.stop_signal is not None:
+                return self._forward_signal()
+            if self.clean_exit is None and 0 in codes:
+                self.clean_exit = (codes.index(0), time.monotonic())
+            problem = self._problem(codes)
+            if problem is not None:
+                message, exit_code = problem
+                running = [i for i, code in enumerate(codes) if code is None]
+                self.say(f"{message}; stopping {_processes(running)}")
+                self._stop_all(FAILURE_GRACE_S)
+                return exit_code
+            time.sleep(_POLL_S)
+
+    def _problem(self, codes: list[int | None]) -> tuple[str, int] | None:
+        """Why the running children must be stopped, and the exit code; None while all is well."""
+        failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            process_id, code = failed[0]
+            return f"process {process_id} exited with {_describe_exit(code)}", _exit_code(code)
+        now = time.monotonic()
+        if self.timeout_s is not None and now - self.last_output > self.timeout_s:
+            return (f"no process printed a line for {self.timeout_s:g} s (--timeout {self.timeout_s:g}): "
+                    f"the run is stuck", STUCK_EXIT)
+        if self.clean_exit is not None and now - self.clean_exit[1] > self.peer_exit_grace_s:
+            return (f"process {self.clean_exit[0]} exited with code 0 and the others still run "
+                    f"{self.peer_exit_grace_s:g} s later (waiting for a peer that is gone)", STUCK_EXIT)
+        return None
+
+    def _forward_signal(self) -> int:
+        """SIGTERM to every child (a run saves and stops); 0 if all then exit 0, else 128 + the signal."""
+        name = signal.Signals(self.stop_signal).name
+        self.say(f"received {name}; sending SIGTERM to every process ({SIGNAL_GRACE_S:g} s to save and stop)")
+        self._stop_all(SIGNAL_GRACE_S)
         codes = [child.returncode for child in self.children]
-        return next((_exit_code(code) for code in codes if code != 0), 0)
+        if all(code == 0 for code in codes):
+            self.say(f"every process exited 0 after {name}")
+            return 0
+        return 128 + self.stop_signal
 
     def _stop_all(self, grace_s: float) -> None:
         """SIGTERM to every child's process group, then SIGKILL to what is left after `grace_s`."""
@@ -165,12 +253,6 @@ def _signal_group(child: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: if the launcher is killed outright, the kernel kills the child."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 @contextlib.contextmanager
 def _signals_stop(group: _Group) -> Iterator[None]:
     """While children run, SIGINT/SIGTERM to the launcher stop them all instead of orphaning them."""
@@ -184,6 +266,12 @@ def _signals_stop(group: _Group) -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _processes(ids: Iterable[int]) -> str:
+    """'process 1' or 'processes 0, 2'."""
+    ids = [str(i) for i in ids]
+    return f"process {ids[0]}" if len(ids) == 1 else f"processes {', '.join(ids)}"
 
 
 def _exit_code(returncode: int) -> int:

@@ -4,6 +4,7 @@ The multi-process tests start `jaxdist launch -n 2 --devices-per-process 4` (or 
 deliberately wrong settings) as real subprocesses on localhost.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -148,41 +150,97 @@ def _pids_alive(pids: list[int]) -> list[int]:
     return alive
 
 
-def test_killing_one_process_stops_the_launcher(tmp_path):
-    cfg = make_config(tmp_path / "run", **LAYOUT, train={"steps": 100_000}, log={"every": 1})
-    config_file = write_config(tmp_path / "long.yaml", cfg)
+@contextlib.contextmanager
+def launch_in_background(config_file: Path) -> Iterator[tuple[subprocess.Popen, list[str]]]:
+    """`launch -n 2 --devices-per-process 4 -- train CONFIG` running: yields the launcher (read its
+    stdout) and the list its stderr lines collect in. Its --timeout bounds every read of its output."""
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "jaxdist.cli", "launch", "-n", "2", "--devices-per-process", "4", "--",
-         "train", str(config_file)],
+        [sys.executable, "-m", "jaxdist.cli", "launch", "-n", "2", "--devices-per-process", "4", "--timeout", "120",
+         "--", "train", str(config_file)],
         env=jaxdist_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
     )
     stderr_lines: list[str] = []
     drain = threading.Thread(target=lambda: stderr_lines.extend(launcher.stderr), daemon=True)
     drain.start()
     try:
-        for line in launcher.stdout:  # both joined and process 0 compiled: about to step together
-            if line.startswith("[0] compiled the train step"):
-                break
-        else:
-            pytest.fail("the launched run never compiled: " + "".join(stderr_lines)[-3000:])
-        started = next(line for line in stderr_lines if "started 2 process(es)" in line)
-        pids = [int(pid) for pid in started.rsplit("pids ", 1)[1].split(", ")]
+        yield launcher, stderr_lines
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()  # its processes die with it
+        drain.join(timeout=10)
 
+
+def read_until(launcher: subprocess.Popen, pattern: str, stderr_lines: list[str]) -> str:
+    """The first line of the launcher's stdout that matches `pattern` (a regular expression)."""
+    for line in launcher.stdout:
+        if re.match(pattern, line):
+            return line
+    pytest.fail(f"no line matched {pattern!r}: " + "".join(stderr_lines)[-3000:])
+
+
+def launched_pids(stderr_lines: list[str]) -> list[int]:
+    started = next(line for line in stderr_lines if "started 2 process(es)" in line)
+    return [int(pid) for pid in started.rsplit("pids ", 1)[1].split(", ")]
+
+
+def test_killing_one_process_stops_the_launcher(tmp_path):
+    cfg = make_config(tmp_path / "run", **LAYOUT, train={"steps": 100_000}, log={"every": 1})
+    with launch_in_background(write_config(tmp_path / "long.yaml", cfg)) as (launcher, stderr_lines):
+        # Both joined and process 0 compiled: about to step together.
+        read_until(launcher, re.escape("[0] compiled the train step"), stderr_lines)
+        pids = launched_pids(stderr_lines)
         os.kill(pids[1], signal.SIGKILL)
         killed_at = time.monotonic()
         launcher.stdout.read()
         code = launcher.wait(timeout=60)
         elapsed = time.monotonic() - killed_at
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-    drain.join(timeout=10)
     assert code != 0
     assert elapsed < 60, elapsed
     assert _pids_alive(pids) == []  # neither process nor anything in their process groups is left
-    assert any("process 1 exited with signal SIGKILL; stopping the other 1 process(es)" in line
+    assert any("process 1 exited with signal SIGKILL; stopping process 0" in line
                for line in stderr_lines), stderr_lines[-5:]
     print(f"launcher exited {code} {elapsed:.2f} s after process 1 was killed")
+
+
+# fsdp spans both processes, so each process writes its own shards: a checkpoint shows who saved it.
+SPREAD = {"mesh": {"data": 1, "fsdp": 8, "tensor": 1}, "rules": {"preset": "fsdp"}}
+
+
+def test_sigterm_to_the_launcher_saves_at_one_step_and_resumes(tmp_path):
+    """SIGTERM to the launcher reaches JAX's preemption notifier in both processes: both stop after
+    the same step, save it together, exit 0, and a resumed run continues the uninterrupted losses."""
+    from jaxdist.checkpoint import Checkpoints
+
+    run_dir = tmp_path / "run"
+    cfg = make_config(run_dir, **SPREAD, train={"steps": 1000}, checkpoint={"every": 1000})
+    with launch_in_background(write_config(tmp_path / "long.yaml", cfg)) as (launcher, stderr_lines):
+        first = int(read_until(launcher, r"\[0\] step +\d+ +loss", stderr_lines).split()[2])
+        launcher.send_signal(signal.SIGTERM)
+        rest = launcher.stdout.read()
+        code = launcher.wait(timeout=60)
+    stopped = re.search(r"^\[0\] stopped by SIGTERM after step (\d+); checkpoint saved in (\S+);", rest, re.M)
+    assert stopped, rest[-3000:] + "".join(stderr_lines)[-3000:]
+    step = int(stopped.group(1))
+    assert code == 0, "".join(stderr_lines)[-3000:]
+    assert "jaxdist launch: every process exited 0 after SIGTERM\n" in stderr_lines
+    assert _pids_alive(launched_pids(stderr_lines)) == []
+    assert first <= step < cfg.train.steps
+
+    saved = run_dir / "checkpoints" / str(step)
+    assert stopped.group(2) == str(saved)
+    with Checkpoints(run_dir / "checkpoints", create=False) as store:
+        assert store.steps() == [step]  # complete, and nothing saved at another step
+        assert store.meta(step)["process_count"] == 2
+    # Saving is collective: process 1 wrote its shards of this very step, so it stopped there too.
+    assert sorted(path.name for path in (saved / "state").glob("ocdbt.process_*")) == [
+        "ocdbt.process_0", "ocdbt.process_1"]
+
+    loop.train(make_config(run_dir, **SPREAD, train={"steps": step + 2}, checkpoint={"every": 1000}))
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, step + 3)), steps  # resumed after `step`, not restarted
+    reference = tmp_path / "uninterrupted"
+    loop.train(make_config(reference, **SPREAD, train={"steps": step + 2}))
+    np.testing.assert_allclose(losses(run_dir), losses(reference), rtol=1e-5, atol=0)
 
 
 # -- doctor ----------------------------------------------------------------------------------------

@@ -1,0 +1,134 @@
+"""The launcher's stop policy, on plain Python children: a stuck group, a peer gone, a forwarded
+signal, a conflicting JAXDIST_CPU_DEVICES, and children that die with the launcher."""
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from jaxdist import cli, launch
+
+# Children that, like a JAX process with its preemption notifier, survive SIGTERM: only SIGKILL ends them.
+IGNORE_SIGTERM = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+HANG = IGNORE_SIGTERM + "time.sleep(600)"
+
+
+def python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def start_group(commands: list[list[str]], **options) -> tuple[launch._Group, io.StringIO, io.StringIO]:
+    out, err = io.StringIO(), io.StringIO()
+    group = launch._Group(out, err, **options)
+    for process_id, command in enumerate(commands):
+        group.start(process_id, command, dict(os.environ))
+    return group, out, err
+
+
+def assert_all_gone(group: launch._Group) -> None:
+    for child in group.children:
+        assert child.returncode is not None
+        with pytest.raises(ProcessLookupError):
+            os.killpg(child.pid, 0)  # nothing is left in the child's process group either
+
+
+def test_a_silent_group_is_stopped_after_its_timeout():
+    """Any line from any process is progress: process 1 stays silent throughout (as a training
+    run's process 1 does), process 0 prints three lines a second apart and then hangs."""
+    timeout_s = 2.0
+    talks_then_hangs = IGNORE_SIGTERM + "[(print(i, flush=True), time.sleep(1)) for i in range(3)]; time.sleep(600)"
+    started = time.monotonic()
+    group, out, err = start_group([python(talks_then_hangs), python(HANG)], timeout_s=timeout_s)
+    code = group.wait()
+    elapsed = time.monotonic() - started
+
+    assert code == launch.STUCK_EXIT == 124
+    assert out.getvalue().splitlines() == ["[0] 0", "[0] 1", "[0] 2"]
+    assert err.getvalue().splitlines() == [
+        "jaxdist launch: no process printed a line for 2 s (--timeout 2): the run is stuck; stopping processes 0, 1"
+    ]
+    last_line_at = 2.0  # process 0's third line, after its start-up
+    assert last_line_at + timeout_s < elapsed < last_line_at + timeout_s + launch.FAILURE_GRACE_S + 3, elapsed
+    assert_all_gone(group)
+
+
+def test_processes_left_running_after_a_peer_exited_0_are_stopped():
+    started = time.monotonic()
+    group, _, err = start_group([python("pass"), python(HANG)], peer_exit_grace_s=1.0)
+    code = group.wait()
+    elapsed = time.monotonic() - started
+
+    assert code == launch.STUCK_EXIT
+    assert err.getvalue().splitlines() == [
+        "jaxdist launch: process 0 exited with code 0 and the others still run 1 s later (waiting for a peer "
+        "that is gone); stopping process 1"
+    ]
+    assert elapsed < 1.0 + launch.FAILURE_GRACE_S + 3, elapsed
+    assert_all_gone(group)
+
+
+@pytest.mark.parametrize("codes, expected", [((0, 0), 0), ((0, 3), 128 + signal.SIGTERM)], ids=["clean", "failed"])
+def test_a_signal_is_forwarded_and_clean_exits_give_0(codes, expected):
+    """SIGTERM to the launcher reaches every child; the launcher exits 0 only if all of them do."""
+    commands = [
+        python(f"import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit({code})); "
+               f"print('ready', flush=True); time.sleep(600)")
+        for code in codes
+    ]
+    group, out, err = start_group(commands)
+
+    def signal_once_ready() -> None:
+        while out.getvalue().count("ready") < len(codes):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)  # caught by _signals_stop's handler, as in the launcher
+
+    threading.Thread(target=signal_once_ready, daemon=True).start()
+    with launch._signals_stop(group):
+        code = group.wait()
+
+    assert code == expected
+    assert [child.returncode for child in group.children] == list(codes)
+    lines = err.getvalue().splitlines()
+    assert lines[0] == "jaxdist launch: received SIGTERM; sending SIGTERM to every process (120 s to save and stop)"
+    assert ("jaxdist launch: every process exited 0 after SIGTERM" in lines) == (expected == 0)
+
+
+def test_a_conflicting_cpu_device_count_is_refused(monkeypatch, capsys):
+    monkeypatch.setenv("JAXDIST_CPU_DEVICES", "8")
+    assert cli.main(["launch", "-n", "2", "--devices-per-process", "4", "--", "train", "any.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("jaxdist: error: JAXDIST_CPU_DEVICES=8 is set"), err
+    assert "--devices-per-process=4" in err
+    launch._check_cpu_devices("4", 4)  # the same count is no conflict
+
+
+# A stand-in for the launcher: starts `CHILD` with its own pid as JAXDIST_LAUNCHER_PID, then waits.
+LAUNCHER = textwrap.dedent("""
+    import os, subprocess, sys
+    env = {**os.environ, "JAXDIST_LAUNCHER_PID": sys.argv[1] or str(os.getpid())}
+    subprocess.run([sys.executable, "-c", sys.argv[2]], env=env)
+""")
+# It sleeps for less than a minute so that a failing run of the test leaves nothing behind for long.
+CHILD = ("from jaxdist.launch import die_with_launcher; die_with_launcher(); import time; "
+         "print('ready', flush=True); time.sleep(50)")
+
+
+def test_children_die_with_the_launcher():
+    """A child whose launcher is killed outright gets SIGKILL; one whose launcher is already gone
+    (another pid than its parent's) exits at once."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    killed, orphan = (
+        subprocess.Popen(python(LAUNCHER) + [pid, CHILD], env=env, stdout=subprocess.PIPE, text=True)
+        for pid in ("", "1")
+    )
+    assert killed.stdout.readline() == "ready\n"
+    killed.kill()
+    # The pipe closes once the child is gone too; a surviving child would keep it open.
+    assert killed.communicate(timeout=30)[0] == ""
+    assert orphan.communicate(timeout=60)[0] == ""  # it never printed 'ready'
