@@ -1,7 +1,8 @@
 """`jaxdist train | rules | bench | data prepare | launch | doctor | scale | export`: the command line.
 
-Exit codes: 0 done, 1 crash, 2 user error; `launch` also 124 when it stopped a stuck run. Every
-command that runs JAX first joins the other processes of the run
+Exit codes: 0 done, 1 crash, 2 user error; `launch` also 124 when it stopped a stuck run. Before
+anything else every command applies jaxdist's process-wide settings (`JAXDIST_CPU_DEVICES`, the XLA
+GPU flags: `jaxdist.runtime`); every command that runs JAX then joins the other processes of the run
 (`jaxdist.parallel.distributed.initialize`).
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jaxdist import runtime
 from jaxdist.data import prepare
 from jaxdist.errors import UserError
 from jaxdist.launch import die_with_launcher
@@ -146,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = [*getattr(args, "overrides", []), *extra]
     try:
+        runtime.use_cpu_devices()
+        runtime.gpu_defaults()
         if args.command not in _OFFLINE:
             from jaxdist.parallel import distributed
 

@@ -129,7 +129,8 @@ class DataConfig(Section):
 
     `eval_fraction` holds out that share of stdlib files or array rows (prepared shards fix their
     eval split when written); `epochs`, when set, decides `train.steps`; `workers` > 0 reads in
-    that many grain worker processes (the batches are the same at any count).
+    that many grain worker processes (the batches are the same at any count; absl's flags are then
+    marked parsed, as grain's workers need).
     """
 
     source: Literal["stdlib", "arrayrecord", "arrays"] = "stdlib"

@@ -17,7 +17,7 @@ import math
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-import jaxdist  # noqa: F401  (applies JAXDIST_CPU_DEVICES)
+import jaxdist
 from jaxdist import config as config_lib
 from jaxdist import models
 from jaxdist.observe import hlo
@@ -64,6 +64,8 @@ def reduced_elements(hlo_text: str) -> int:
 
 
 def main() -> None:
+    jaxdist.use_cpu_devices()
+    jaxdist.gpu_defaults()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")

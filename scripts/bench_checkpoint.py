@@ -29,6 +29,7 @@ from pathlib import Path
 
 import jax
 
+import jaxdist
 from jaxdist import checkpoint
 from jaxdist import config as config_lib
 from jaxdist.data import loader
@@ -36,6 +37,8 @@ from jaxdist.train import loop
 
 
 def main() -> None:
+    jaxdist.use_cpu_devices()
+    jaxdist.gpu_defaults()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?", default="configs/tiny.yaml")
     parser.add_argument("overrides", nargs="*")

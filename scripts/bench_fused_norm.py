@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxdist
 from jaxdist.models import fused_norm
 from jaxdist.models.gpt import RESIDUAL
 
@@ -65,6 +66,8 @@ def median_ms(fn, args, repeats=50) -> float:
 
 
 def main() -> None:
+    jaxdist.use_cpu_devices()
+    jaxdist.gpu_defaults()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", type=int, nargs=3, default=[16, 1024, 1024])
     parser.add_argument("--norm", choices=["layernorm", "rmsnorm"], default="layernorm")

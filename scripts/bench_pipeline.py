@@ -28,6 +28,7 @@ import time
 import jax
 import numpy as np
 
+import jaxdist
 from jaxdist import config as config_lib
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import pipeline
@@ -95,6 +96,8 @@ def time_step(cfg: config_lib.Config, devices: list, warmup: int, steps: int) ->
 
 
 def main() -> None:
+    jaxdist.use_cpu_devices()
+    jaxdist.gpu_defaults()
     args = _arguments()
     devices = jax.devices()
     stages = len(devices)

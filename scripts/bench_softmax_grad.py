@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxdist
 from jaxdist.models import cross_entropy, softmax_grad
 from jaxdist.observe.bench import time_calls
 
@@ -27,6 +28,8 @@ xla_passes = jax.jit(functools.partial(cross_entropy.xla_loss_and_grad, grad_dty
 
 
 def main() -> None:
+    jaxdist.use_cpu_devices()
+    jaxdist.gpu_defaults()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="*", default=["4096,4", "4096,8", "2048,8"],
                         help="block,warps for the kernel")

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import jaxdist
 from jaxdist.observe import clocks
 
 JAXDIST = [sys.executable, "-m", "jaxdist.cli", "bench"]
@@ -500,6 +501,8 @@ def main() -> None:
     parser.add_argument("--out", help="append every result as a JSON line")
     parser.add_argument("--timeout", type=int, default=420)
     args = parser.parse_args()
+    # Every run inherits jaxdist's XLA flags, so the plain-JAX peer compiles under the same ones.
+    jaxdist.gpu_defaults()
     gpus = args.gpus or int(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.count("GPU "))
     known = suites(args.peers, gpus)
     for suite in args.suites:

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import argparse
 
-from accumulation_memory import compiled_step  # scripts/ is on sys.path; applies JAXDIST_CPU_DEVICES
+from accumulation_memory import compiled_step  # scripts/ is on sys.path
 
+import jaxdist
 from jaxdist import config as config_lib
 
 
 def main() -> None:
+    jaxdist.use_cpu_devices()
+    jaxdist.gpu_defaults()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, str(Path(__file__).parent))
 from profile_summary import gpu_kernels  # noqa: E402
 
+import jaxdist  # noqa: E402
 from jaxdist.observe.bench import time_calls  # noqa: E402
 
 
@@ -60,6 +61,8 @@ def collectives(n: int) -> dict:
 
 
 def main() -> None:
+    jaxdist.use_cpu_devices()
+    jaxdist.gpu_defaults()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--elements", type=int, default=256 * 2**20, help="gradient elements per GPU")

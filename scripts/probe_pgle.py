@@ -20,6 +20,7 @@ import tempfile
 import jax
 from jax.experimental import profiler as exp_profiler
 
+import jaxdist
 from jaxdist import config
 from jaxdist.observe import bench
 from jaxdist.train.loop import build_trainer
@@ -46,6 +47,8 @@ def profile(trainer, batch, steps: int = 3) -> bytes:
 
 
 def main() -> None:
+    jaxdist.use_cpu_devices()
+    jaxdist.gpu_defaults()
     cfg = config.load(sys.argv[1], sys.argv[2:])
     trainer = build_trainer(cfg, None)
     batch = trainer.global_batch(bench.random_tokens(cfg))

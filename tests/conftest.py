@@ -11,8 +11,10 @@ import tempfile  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-import jaxdist  # noqa: E402,F401  (applies JAXDIST_CPU_DEVICES before any computation)
+import jaxdist  # noqa: E402
 from jaxdist import config as config_lib  # noqa: E402
+
+jaxdist.use_cpu_devices()  # before any computation
 
 # Tests build the same tiny programs many times (and in subprocesses: pass them
 # jax.config.jax_compilation_cache_dir): compile each once per session, through JAX's persistent cache.

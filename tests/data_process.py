@@ -10,17 +10,18 @@ gathered global batches as JSON.
 import json
 import sys
 
-import jaxdist  # noqa: F401  (applies JAXDIST_CPU_DEVICES before JAX starts)
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+import jaxdist
 from jaxdist import config
 from jaxdist.data import loader
 from jaxdist.parallel import feed, layout
 
 
 def main(port: str, process_id: str, shard_dir: str, out: str) -> None:
+    jaxdist.use_cpu_devices()
     jax.distributed.initialize(f"127.0.0.1:{port}", 2, int(process_id))
     cfg = config.from_dict({
         "data": {"source": "arrayrecord", "path": shard_dir},

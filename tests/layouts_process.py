@@ -12,9 +12,9 @@ import json
 import sys
 from pathlib import Path
 
-import jaxdist  # noqa: F401  (applies JAXDIST_CPU_DEVICES before JAX starts)
 import jax
 
+import jaxdist
 from jaxdist import config
 from jaxdist.errors import UserError
 from jaxdist.parallel import layout
@@ -22,6 +22,7 @@ from jaxdist.train import loop
 
 
 def main(port: str, process_id: str, num_processes: str, cases_file: str) -> None:
+    jaxdist.use_cpu_devices()
     jax.distributed.initialize(f"127.0.0.1:{port}", int(num_processes), int(process_id))
     for raw in json.loads(Path(cases_file).read_text()):
         cfg = config.from_dict(raw)

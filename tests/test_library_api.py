@@ -48,19 +48,3 @@ def test_readme_example_trains_with_rule_shardings(tmp_path):
     assert result["w1_shard"] == [4, 32]
     assert result["w2_shard"] == [32, 2]
 
-
-def test_importing_jaxdist_adds_its_gpu_flags_and_keeps_the_users():
-    """jaxdist's default XLA GPU flags go into XLA_FLAGS at import; a flag the user set stays as set."""
-    show = "import os, jaxdist; print(os.environ['XLA_FLAGS'])"
-
-    def flags_after_import(user_flags: str | None) -> list[str]:
-        env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
-        if user_flags is not None:
-            env["XLA_FLAGS"] = user_flags
-        out = subprocess.run([sys.executable, "-c", show], env=env, capture_output=True, text=True, check=True)
-        return out.stdout.split()
-
-    assert flags_after_import(None) == ["--xla_gpu_dot_merger_threshold_mb=0", "--xla_gpu_enable_triton_gemm=false"]
-    mine = flags_after_import("--xla_gpu_dot_merger_threshold_mb=32 --xla_dump_to=/tmp/x")
-    assert mine == ["--xla_gpu_dot_merger_threshold_mb=32", "--xla_dump_to=/tmp/x", "--xla_gpu_enable_triton_gemm=false"]
-    assert "--xla_gpu_enable_triton_gemm=true" in flags_after_import("--xla_gpu_enable_triton_gemm=true")

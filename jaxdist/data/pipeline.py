@@ -73,7 +73,9 @@ def train_batches(
 ) -> Iterator[dict[str, np.ndarray]]:
     """This process's batches of the endless, per-epoch-reshuffled stream, from `start_example` on.
 
-    `workers` > 0 reads in that many grain worker processes; the batches are the same.
+    `workers` > 0 reads in that many grain worker processes; the batches are the same. grain's
+    workers read absl flags, so then absl's `FLAGS` are marked parsed if the program has not parsed
+    them; with `workers=0` (the default) absl is left untouched.
     """
     stream = grain.MapDataset.source(source).shuffle(seed=seed).repeat(None)
     return _iterate(_rows_of(stream, rows, start_example), read_threads, prefetch, workers)
@@ -114,7 +116,8 @@ def _iterate(batches: grain.MapDataset, read_threads: int, prefetch: int, worker
     options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=prefetch)
     stream = batches.to_iter_dataset(options)
     if workers:
-        # grain's worker processes read absl flags; a program that never parsed any must say so.
+        # Only here, where the caller asked for workers: grain's worker processes read absl flags,
+        # and a program that never parsed any must say so; without workers absl stays as it was.
         if not flags.FLAGS.is_parsed():
             flags.FLAGS.mark_as_parsed()
         stream = stream.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))

@@ -1,0 +1,64 @@
+"""Process-wide settings jaxdist offers but never applies on import: simulated CPU devices
+(`JAXDIST_CPU_DEVICES`) and jaxdist's default XLA GPU flags.
+
+Both only take effect before JAX starts its backend (the first computation or device query), so a
+program calls them first thing; the `jaxdist` command does.
+"""
+
+import os
+
+import jax
+
+from jaxdist.errors import UserError
+
+
+def use_cpu_devices(n: int | None = None) -> None:
+    """Gives JAX `n` simulated CPU devices; with `n` None, the count in `JAXDIST_CPU_DEVICES`.
+
+    Unset or empty, the variable changes nothing. A count that is not a positive integer raises
+    `UserError`. Call it before the first JAX computation. Where an accelerator exists it stays
+    the default backend, so the setting is harmless there.
+    """
+    if n is None:
+        n = _count_from_environment()
+        if n is None:
+            return
+    if n < 1:
+        raise UserError(f"use_cpu_devices({n}): the device count must be a positive integer")
+    # JAX refuses any update once its backend started, even to the current value: skipping it
+    # lets a second call with the same count pass (a test session and the code it runs).
+    if jax.config.jax_num_cpu_devices != n:
+        jax.config.update("jax_num_cpu_devices", n)
+
+
+def _count_from_environment() -> int | None:
+    text = os.environ.get("JAXDIST_CPU_DEVICES", "")
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise UserError(f"JAXDIST_CPU_DEVICES={text!r} must be a positive integer")
+    return int(text)
+
+
+# XLA GPU flags jaxdist sets unless XLA_FLAGS already names them (each measured in BENCHMARKS.md):
+# - dot merger off: XLA merges the q, k and v projections (dots sharing their input) into one and
+#   then copies each out with a slice, forward and backward (406M, H100: 1 ms/step slower).
+# - Triton GEMMs off: XLA wraps dots in Triton fusions before its cuBLAS rewriter looks for epilogues,
+#   so with them on the MLP's GELU stays a separate pass; off, cuBLASLt computes it in the
+#   up-projection's epilogue (GELU_AUX: it writes the pre-activation for the backward too).
+#   406M, H100: 87.63 -> 85.78 ms.
+GPU_FLAGS = {"--xla_gpu_dot_merger_threshold_mb": "0", "--xla_gpu_enable_triton_gemm": "false"}
+
+
+def gpu_defaults() -> None:
+    """Adds jaxdist's XLA GPU flags (`GPU_FLAGS`) to the `XLA_FLAGS` environment variable.
+
+    A flag already named in `XLA_FLAGS` keeps the user's value. XLA reads the variable when JAX's
+    backend starts, so call this before the first JAX computation; processes started afterwards
+    inherit the flags. The `jaxdist` command calls it; a library user opts in.
+    """
+    current = os.environ.get("XLA_FLAGS", "")
+    named = {flag.split("=", 1)[0] for flag in current.split()}
+    extra = [f"{flag}={value}" for flag, value in GPU_FLAGS.items() if flag not in named]
+    if extra:
+        os.environ["XLA_FLAGS"] = " ".join([current, *extra]).strip()

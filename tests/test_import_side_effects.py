@@ -1,0 +1,105 @@
+"""Importing jaxdist changes nothing outside it; the CLI applies jaxdist's process-wide settings itself."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxdist import cli, runtime
+from jaxdist.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+USER_FLAGS = "--xla_gpu_autotune_level=2 --xla_gpu_enable_triton_gemm=true"
+
+# Run in a fresh interpreter: what the process looks like before jaxdist, after importing every
+# jaxdist module, after using the sharding API (and a data pipeline without workers), and the
+# device count JAX then gives. With the argument "use", jaxdist.use_cpu_devices() runs after the imports.
+PROBE = """
+import importlib, json, os, pkgutil, sys
+import jax
+import numpy as np
+from absl import flags
+
+def state():
+    return {"xla_flags": os.environ.get("XLA_FLAGS"), "cpu_devices": jax.config.jax_num_cpu_devices,
+            "absl_parsed": flags.FLAGS.is_parsed()}
+
+report = {"fresh": state()}
+import jaxdist
+from jaxdist.parallel import rules
+for module in pkgutil.walk_packages(jaxdist.__path__, "jaxdist."):
+    importlib.import_module(module.name)
+report["imported"] = state()
+if sys.argv[1:] == ["use"]:
+    jaxdist.use_cpu_devices()
+from jaxdist.data import pipeline
+mesh = jaxdist.make_mesh(fsdp=-1)
+rules.check_mesh_axes(rules.preset("fsdp"), mesh)
+sharding = jax.sharding.NamedSharding(mesh, rules.preset("fsdp").param_spec(("embed", "mlp")))
+assert float(jax.device_put(np.ones((6, 4), np.float32), sharding).sum()) == 24
+windows = pipeline.TokenWindows(np.arange(64, dtype=np.int32), seq_len=4)
+next(pipeline.train_batches(windows, local_batch=2, seed=0))
+assert jaxdist.Trainer is not None
+report["used"] = state()
+report["device_count"] = jax.device_count()
+report["mesh_size"] = mesh.size
+print(json.dumps(report))
+"""
+
+
+def probe(*args: str) -> dict:
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("JAX", "XLA_"))}
+    env.update(XLA_FLAGS=USER_FLAGS, JAXDIST_CPU_DEVICES="3", PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, "-c", PROBE, *args], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_importing_and_using_jaxdist_leaves_the_process_alone():
+    report = probe()
+    assert report["fresh"]["xla_flags"] == USER_FLAGS
+    assert report["imported"] == report["fresh"]
+    assert report["used"] == report["fresh"]
+    assert report["device_count"] == report["mesh_size"] == 1  # JAXDIST_CPU_DEVICES=3 is not applied
+
+
+def test_use_cpu_devices_applies_the_variable():
+    report = probe("use")
+    assert report["device_count"] == report["mesh_size"] == 3
+    assert report["used"]["cpu_devices"] == 3
+    assert report["used"]["xla_flags"] == USER_FLAGS
+
+
+def test_gpu_defaults_add_jaxdist_flags_and_keep_the_users(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    runtime.gpu_defaults()
+    assert os.environ["XLA_FLAGS"].split() == ["--xla_gpu_dot_merger_threshold_mb=0", "--xla_gpu_enable_triton_gemm=false"]
+    monkeypatch.setenv("XLA_FLAGS", USER_FLAGS)
+    runtime.gpu_defaults()
+    assert os.environ["XLA_FLAGS"].split() == [*USER_FLAGS.split(), "--xla_gpu_dot_merger_threshold_mb=0"]
+
+
+def test_the_cli_applies_gpu_defaults(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", USER_FLAGS)
+    assert cli.main(["scale", str(ROOT / "configs/gpt_406m.yaml"), "--hosts", "2"]) == 0
+    assert os.environ["XLA_FLAGS"].split() == [*USER_FLAGS.split(), "--xla_gpu_dot_merger_threshold_mb=0"]
+
+
+@pytest.mark.parametrize("value", ["eight", "0", "-1"])
+def test_a_bad_device_count_is_a_user_error(monkeypatch, value):
+    monkeypatch.setenv("JAXDIST_CPU_DEVICES", value)
+    with pytest.raises(UserError, match="JAXDIST_CPU_DEVICES"):
+        runtime.use_cpu_devices()
+    with pytest.raises(UserError, match="positive integer"):
+        runtime.use_cpu_devices(0)
+
+
+def test_the_cli_exits_2_with_one_line_on_a_bad_device_count():
+    env = {**os.environ, "JAXDIST_CPU_DEVICES": "eight", "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-m", "jaxdist.cli", "rules", "configs/tiny.yaml"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert run.stderr.splitlines() == ["jaxdist: error: JAXDIST_CPU_DEVICES='eight' must be a positive integer"]
