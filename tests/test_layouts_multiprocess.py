@@ -190,3 +190,21 @@ def test_batch_rule_decides_the_rows_each_process_feeds(devices):
     digests = np.array([[11, 22], [12, -1], [-1, 22]])
     assert feed.disagreeing_replicas(digests, shards) == "rows 0..2 differ between processes 0 vs processes 1"
     assert feed.disagreeing_replicas(digests[[0, 2]], shards) is None
+
+
+def test_bench_feeds_each_process_its_rows(capsys):
+    """`jaxdist bench` over stages on two processes starts from the one-process first loss: the
+    random batch is drawn globally and each process feeds the rows its devices hold."""
+    from jaxdist import cli
+    from test_multihost import run_jaxdist
+
+    program = ["bench", "configs/tiny.yaml", "model.d_model=32", "model.layers=4", "model.heads=8", "model.seq_len=16",
+               "mesh.stage=2", "mesh.fsdp=4", "mesh.tensor=1", "pipeline.microbatches=2", "train.global_batch=16",
+               "--steps", "1", "--warmup", "0"]
+    assert cli.main(program) == 0
+    one = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    result = run_jaxdist("launch", "-n", "2", "--devices-per-process", "4", "--", *program)
+    assert result.returncode == 0, result.stderr[-3000:]
+    two = json.loads(next(line[4:] for line in result.stdout.splitlines() if line.startswith("[0] {")))
+    assert two["layout"] == one["layout"] == "data=1 x stage=2 x fsdp=4 x tensor=1"
+    np.testing.assert_allclose(two["first_loss"], one["first_loss"], rtol=1e-6)

@@ -100,6 +100,7 @@ def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = No
     batch = trainer.global_batch(random_tokens(cfg, trainer.process_rows(cfg.train.global_batch).rows))
     trainer.compile(batch)
     setup_s = time.perf_counter() - start
+    first_loss = float(trainer.step(batch)["loss"])  # the untrained model's: the same under any layout
     local = [d for d in trainer.mesh.devices.flatten() if d.process_index == jax.process_index()]
     sampler = clocks.ClockSampler(clocks.smi_indices([d.local_hardware_id for d in local if d.platform == "gpu"]))
     times, dispatch, metrics = time_steps(trainer, batch, steps, warmup, while_timed=sampler)
@@ -146,6 +147,7 @@ def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = No
             for opcode, by_dtype in hlo.bytes_per_call(trainer.compiled_text()).items()
         },
         "setup_s": round(setup_s, 1),
+        "first_loss": first_loss,
         "loss": float(metrics["loss"]),
         # This process's GPUs during the timed steps (nvidia-smi; absent without it): the SM clock
         # and power the step time was measured at, and how often the power limit held the clock.
