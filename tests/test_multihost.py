@@ -104,7 +104,8 @@ def test_launch_two_processes_trains_like_one_process(tmp_path, one_process_loss
     np.testing.assert_allclose(two, one_process_losses[:TRAIN_STEPS], rtol=1e-5, atol=0)
 
     out = result.stdout.splitlines()
-    assert any(line.startswith("[0] mesh data=2 x stage=1 x fsdp=4") and "(2 process(es))" in line for line in out)
+    assert any(line.startswith("[0] mesh data=2 x stage=1 x fsdp=4") and "(2 process(es))" in line
+               and line.endswith("process 0 feeds rows 0-7 of each global batch of 16") for line in out)
     assert sum(re.match(r"\[0\] step +\d+ +loss", line) is not None for line in out) == TRAIN_STEPS
     assert not [line for line in out if line.startswith("[1] ") and ("step" in line or "mesh" in line)]
     assert "[0] --- sample ---" in out  # generation gathers its rows from both processes

@@ -99,8 +99,10 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
     if is_writer:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    reads = "" if jax.process_count() == 1 else (
+        f"; process 0 feeds rows {_ranges(rows.rows)} of each global batch of {rows.global_batch}")
     log(f"mesh {mesh_lib.describe(trainer.mesh)} on {len(trainer.mesh.devices.flat)} devices "
-        f"({jax.process_count()} process(es)); rules preset {cfg.rules.preset}")
+        f"({jax.process_count()} process(es)); rules preset {cfg.rules.preset}{reads}")
     start = checkpoints.resume(trainer)
     if start != planned:  # the planned checkpoint failed to read: an older one was restored
         batches = loader.train_iterator(cfg, rows, start_example=start.example, source=train_source)
@@ -151,6 +153,16 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
     if cfg.sample.tokens:
         write_sample(cfg, trainer, layout.batch_shards)
     return trainer
+
+
+def _ranges(rows: tuple[int, ...]) -> str:
+    """Row indices as compact ranges: (0, 1, 2, 5) -> '0-2, 5'."""
+    parts, start = [], rows[0]
+    for previous, row in zip(rows, rows[1:] + (None,)):
+        if row != previous + 1:
+            parts.append(f"{start}-{previous}" if previous > start else str(start))
+            start = row
+    return ", ".join(parts)
 
 
 def write_sample(cfg: Config, trainer: Trainer, rows: int) -> None:
