@@ -48,3 +48,57 @@ def test_readme_example_trains_with_rule_shardings(tmp_path):
     assert result["w1_shard"] == [4, 32]
     assert result["w2_shard"] == [32, 2]
 
+
+
+def sharding_example() -> str:
+    """The README's sharding block, after the library example's imports, MLP and rules."""
+    library = library_example()
+    setup = library[: library.index("def loss_fn")] + library[library.index("my_rules = "):library.index("trainer = ")]
+    match = re.search(r"<!-- sharding-example:[^>]*-->\s*```python\n(.*?)```", README.read_text(), re.S)
+    assert match, "README lost its sharding example"
+    return setup + match.group(1)
+
+
+SHARDING_REPORT = """
+import json
+print(json.dumps({
+    "specs": {"/".join(map(str, path)): list(leaf.spec) for path, leaf in nnx.to_flat_state(placement.shardings)},
+    "w1_shard": list(model.w1[...].addressable_shards[0].data.shape),
+    "w2_shard": list(model.w2[...].addressable_shards[0].data.shape),
+    "logits": [list(logits.shape), list(logits.sharding.spec)],
+}))
+"""
+
+
+def test_readme_sharding_example_places_a_users_model(tmp_path):
+    match = re.search(r"<!-- sharding-example:[^>]*-->\s*```python\n(.*?)```", README.read_text(), re.S)
+    assert len(match.group(1).strip().splitlines()) <= 8
+    script = tmp_path / "sharding.py"
+    script.write_text(sharding_example() + SHARDING_REPORT)
+    env = {**os.environ, "JAXDIST_CPU_DEVICES": "8", "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    assert lines[0].split() == ["parameter", "shape", "logical", "mesh", "spec", "bytes/device"]
+    assert lines[1].split() == ["w1", "16x64", "(features,", "hidden)", "(fsdp,", "tensor)", "512"]
+    assert lines[2].split() == ["w2", "64x2", "(hidden,", "classes)", "(tensor,", "-)", "256"]
+    result = json.loads(lines[-1])
+    assert result["specs"] == {"w1": ["fsdp", "tensor"], "w2": ["tensor", None]}
+    assert result["w1_shard"] == [4, 32] and result["w2_shard"] == [32, 2]
+    assert result["logits"] == [[64, 2], ["fsdp"]]  # the batch over data x fsdp (data=1)
+
+
+def test_rules_round_trip_through_flax_pairs():
+    import flax.linen as nn
+
+    from jaxdist.parallel import rules
+
+    my_rules = rules.preset("fsdp_tp").override(params={"experts": ["data", "stage"]}, activations={"seq": "tensor"})
+    params, activations = my_rules.to_flax("params"), my_rules.to_flax("activations")
+    assert ("embed", "fsdp") in params and ("experts", ("data", "stage")) in params and ("layers", None) in params
+    assert rules.Rules.from_flax(params, activations) == my_rules
+    # flax reads the pairs as jaxdist does: the same mesh spec for the same logical names.
+    for names in [("embed", "mlp"), ("layers", "heads", "head_dim", "embed"), ("vocab", "embed"), ("experts", "embed")]:
+        assert nn.logical_to_mesh_axes(names, params) == my_rules.param_spec(names)
+    # Where flax lists a name twice, the first pair wins, as in flax.
+    assert rules.Rules.from_flax([("batch", "data"), ("batch", None)]).params["batch"] == ("data",)

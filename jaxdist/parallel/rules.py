@@ -6,9 +6,12 @@ intermediate values are split). Data, FSDP and tensor parallelism are presets of
 
     from jaxdist.parallel import rules
     my_rules = rules.preset("fsdp_tp").override(params={"experts": "tensor"})
+    placement = rules.place(MyModel, my_rules, mesh)   # any flax NNX model; allocates nothing
+    placement.shardings, placement.table()
 
 Every spec is checked: a logical name with no rule, a mesh axis used twice in one spec, or a
-dimension not divisible by its mesh axes raises a `UserError` naming the parameter.
+dimension not divisible by its mesh axes raises a `UserError` naming the parameter. `Rules`
+converts to and from flax's `(logical name, mesh axes)` pairs (`to_flax`, `from_flax`).
 """
 
 from __future__ import annotations
@@ -17,10 +20,11 @@ import contextlib
 import contextvars
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.errors import UserError
@@ -61,6 +65,27 @@ class Rules:
             params={**self.params, **{k: _axes(v) for k, v in (params or {}).items()}},
             activations={**self.activations, **{k: _axes(v) for k, v in (activations or {}).items()}},
         )
+
+    def to_flax(self, kind: str = "params") -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
+        """The `params` or `activations` table as flax's logical axis rules: `(name, mesh axes)` pairs
+        for `nnx.logical_axis_rules`, `flax.linen.logical_axis_rules` or `logical_to_mesh_axes`."""
+        table = {"params": self.params, "activations": self.activations}[kind]
+        return tuple((name, spec_entry(axes)) for name, axes in table.items())
+
+    @classmethod
+    def from_flax(cls, params: Sequence[tuple[str, RuleValue]], activations: Sequence[tuple[str, RuleValue]] | None = None) -> Rules:
+        """Rules from flax-style `(logical name, mesh axes)` pairs (activations default to the params').
+
+        Where flax lists a name more than once, its first pair wins, as flax takes the first rule
+        that applies.
+        """
+        def table(pairs):
+            first: dict[str, RuleValue] = {}
+            for name, axes in pairs:
+                first.setdefault(name, axes)
+            return first
+
+        return cls.create(table(params), table(params if activations is None else activations))
 
     def param_spec(self, names: Sequence[str | None], where: str = "a parameter") -> PartitionSpec:
         return _spec(self.params, names, where, "rules.params")
@@ -245,6 +270,79 @@ class ParamLayout:
     @property
     def bytes_per_device(self) -> int:
         return math.prod(self.shard_shape) * jax.numpy.dtype(self.dtype).itemsize
+
+
+_SHARDING_METADATA = ("out_sharding", "sharding_names", "sharding")
+
+
+def logical_names(variable: nnx.Variable) -> tuple[str | None, ...]:
+    """The logical axis names a flax variable was annotated with (`nnx.with_partitioning`,
+    `out_sharding=`); all None (replicated) for a variable without any."""
+    metadata = variable.get_metadata()
+    for key in _SHARDING_METADATA:
+        names = metadata.get(key)
+        if names is not None:
+            return tuple(names)
+    return (None,) * len(variable.shape)
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where every parameter of a model lives: checked layouts, their shardings and a table.
+
+    `layouts` and `shardings` mirror the placed tree (for a flax NNX model, its `nnx.state`); a
+    tree of shardings also serves as a prefix of the state's own tree, e.g. as `out_shardings` of
+    a jitted init. `graphdef` is the model's graph definition and `factory` its factory, where a
+    model or factory was placed.
+    """
+
+    layouts: Any
+    mesh: Mesh
+    graphdef: nnx.GraphDef | None = None
+    factory: Callable[[nnx.Rngs], nnx.Module] | None = None
+
+    @property
+    def shardings(self) -> Any:
+        return layout_shardings(self.layouts, self.mesh)
+
+    def table(self) -> str:
+        """Each parameter's path, shape, logical names, mesh spec and bytes per device, as text."""
+        return sharding_table(self.layouts)
+
+    def create(self, seed: int = 0) -> nnx.Module:
+        """The placed model built for real, born sharded: each device creates only its own shards."""
+        if self.factory is None:
+            raise ValueError("create() builds a model from its factory: place the model class or factory")
+
+        def init():
+            with nnx.use_eager_sharding(False):  # the rules place the variables, not their names
+                return nnx.state(self.factory(nnx.Rngs(seed)))
+
+        return nnx.merge(self.graphdef, jax.jit(init, out_shardings=self.shardings)())
+
+
+def place(target: Any, rules: Rules, mesh: Mesh, names: Any = None) -> Placement:
+    """The checked placement of `target`'s parameters under `rules` on `mesh`; allocates nothing.
+
+    `target`: a flax NNX model class or factory called as `target(rngs)` (built abstractly), an
+    `nnx.Module`, or an `nnx.State`, all carrying logical names as variable metadata; or any pytree
+    of arrays or `jax.ShapeDtypeStruct`s, with `names` a matching pytree of logical-name tuples.
+    """
+    graphdef = factory = None
+    if names is None:
+        if callable(target) and not isinstance(target, nnx.Module):
+            factory = target
+            with nnx.use_eager_sharding(False):
+                target = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))
+        if isinstance(target, nnx.Module):
+            graphdef, target = nnx.split(target)
+        names = jax.tree.map(logical_names, target, is_leaf=_is_variable)
+        target = jax.tree.map(lambda v: v.get_value(), target, is_leaf=_is_variable)
+    return Placement(param_layouts(target, names, rules, mesh), mesh, graphdef, factory)
 
 
 def param_layouts(abstract_params: Any, logical_names: Any, rules: Rules, mesh: Mesh) -> Any:

@@ -36,26 +36,13 @@ class TrainState(flax.struct.PyTreeNode):
     loss_scale: LossScale | None = None
 
 
-_SHARDING_METADATA = ("out_sharding", "sharding_names", "sharding")
-
-
-def logical_names(variable: nnx.Variable) -> tuple[str | None, ...]:
-    """The logical axis names a flax variable was annotated with (`nnx.with_partitioning` etc.)."""
-    metadata = variable.get_metadata()
-    for key in _SHARDING_METADATA:
-        names = metadata.get(key)
-        if names is not None:
-            return tuple(names)
-    return (None,) * len(variable.shape)
-
-
 def abstract_model(create_model: ModelFactory, seed: int) -> tuple[nnx.GraphDef, Any, Any]:
     """(graphdef, abstract params as a pure dict, logical names per parameter), allocating nothing."""
     with nnx.use_eager_sharding(False):
         model = nnx.eval_shape(lambda: create_model(nnx.Rngs(seed)))
     graphdef, params = nnx.split(model, nnx.Param)
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-    names = jax.tree.map(logical_names, params, is_leaf=is_var)
+    names = jax.tree.map(rules_lib.logical_names, params, is_leaf=is_var)
     return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(names)
 
 
