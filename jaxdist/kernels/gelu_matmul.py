@@ -4,7 +4,7 @@ Backward through the MLP's `gelu(pre) @ down`, XLA computes `d_post = d_out @ do
 a second pass over memory, `d_pre = d_post * gelu'(pre)`: on the 406M GPT that pass moves 384 MB per
 layer (3.7 ms of an 84 ms step on an H100). cuBLASLt can apply the gradient as the product leaves
 the tensor cores (its `DGELU` epilogue, the one NVIDIA's Transformer Engine uses), but XLA's
-rewrites never ask for it. `gelu_matmul.cc` calls it through XLA's FFI; jaxdist/native.py builds
+rewrites never ask for it. `gelu_matmul.cc` calls it through XLA's FFI; jaxdist/kernels/build.py builds
 that file on first use. Where it can't be built, or off the GPU, the same function runs as XLA.
 
 Under a mesh the matmul runs per shard (`shard_map`): rows split as the batch is, the `mlp` axis as
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxdist import native
+from jaxdist.kernels import build
 from jaxdist.parallel import rules as rules_lib
 
 TARGET = "jaxdist_gelu_grad_matmul"
@@ -51,11 +51,11 @@ def unavailable_reason() -> str | None:
     if jax.default_backend() != "gpu":
         return "not on a GPU"
     try:
-        libraries = [native.find_cuda_library("cublasLt.h", "cublasLt"),
-                     native.find_cuda_library("cuda_runtime_api.h", "cudart")]
-        library = native.build(Path(__file__).with_name("gelu_matmul.cc"), libraries)
-        native.register_handler(library, "JaxdistGeluGradMatmul", TARGET)
-    except (native.NativeBuildError, OSError, AttributeError) as error:
+        libraries = [build.find_cuda_library("cublasLt.h", "cublasLt"),
+                     build.find_cuda_library("cuda_runtime_api.h", "cudart")]
+        library = build.build(Path(__file__).with_name("gelu_matmul.cc"), libraries)
+        build.register_handler(library, "JaxdistGeluGradMatmul", TARGET)
+    except (build.NativeBuildError, OSError, AttributeError) as error:
         return str(error)
     return None
 

@@ -6,7 +6,7 @@
 // pre: (rows, mlp) bf16, the up-projection's output; d_pre: (rows, mlp) bf16; workspace: bytes for
 // cuBLASLt. XLA computes the product and then the gradient in a second pass over memory; cuBLASLt's
 // DGELU epilogue applies it as the product's tiles leave the tensor cores. Built and loaded at run
-// time by jaxdist/native.py; see jaxdist/models/gelu_matmul.py. JAXDIST_CUBLASLT_LOG=1 prints the
+// time by jaxdist/kernels/build.py; see jaxdist/kernels/gelu_matmul.py. JAXDIST_CUBLASLT_LOG=1 prints the
 // algorithms' timings.
 
 #include <cublasLt.h>
