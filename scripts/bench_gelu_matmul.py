@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxdist
+from jaxdist import kernels
 from jaxdist.kernels.gelu_matmul import gelu_grad_matmul, unavailable_reason, xla_gelu_grad_matmul
 from jaxdist.observe.bench import time_calls
 
@@ -25,6 +26,8 @@ SHAPES = {"406m": (16 * 1024, 1024, 4096), "1b4": (8 * 1024, 2048, 8192)}  # row
 def main() -> None:
     jaxdist.use_cpu_devices()
     jaxdist.gpu_defaults()
+    for status in kernels.build_kernels():
+        print(status)
     if unavailable_reason() is not None:
         raise SystemExit(f"the cuBLASLt handler is unavailable here: {unavailable_reason()}")
     print(f"{'shape':<6} {'what':<26} {'ms':>7} {'TFLOP/s':>8} {'max |diff|':>11}")
