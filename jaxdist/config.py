@@ -74,8 +74,9 @@ class ModelConfig(Section):
     # the shapes allow, with the layers unrolled; xla = plain XLA fusions; pallas = always (errors if not possible).
     norm_impl: Literal["auto", "xla", "pallas"] = "auto"
     # The MLP's backward matmul with GELU's gradient in cuBLASLt's epilogue (kernels/gelu_matmul.py,
-    # built on first use): auto = on GPU where it builds, with the layers unrolled and bf16
-    # activations; xla = a separate pass after the matmul; cublaslt = always (errors if not possible).
+    # built by `jaxdist build-kernels` or train/bench on a GPU): auto = on GPU where it is built, with
+    # the layers unrolled and bf16 activations; xla = a separate pass after the matmul; cublaslt =
+    # always (errors if not possible).
     gelu_grad_impl: Literal["auto", "xla", "cublaslt"] = "auto"
     # dtype the output projection writes its logits in; the softmax is float32 either way.
     logits_dtype: Literal["float32", "compute"] = "float32"
