@@ -1,8 +1,9 @@
-"""`jaxdist train | rules | bench | data prepare | launch | doctor | scale | export`: the command line.
+"""`jaxdist train | rules | bench | build-kernels | data prepare | launch | doctor | scale | export`: the command line.
 
-Exit codes: 0 done, 1 crash, 2 user error; `launch` also 124 when it stopped a stuck run. Before
-anything else every command applies jaxdist's process-wide settings (`JAXDIST_CPU_DEVICES`, the XLA
-GPU flags: `jaxdist.runtime`); every command that runs JAX then joins the other processes of the run
+Exit codes: 0 done, 1 crash, 2 user error; `launch` also 124 when it stopped a stuck run;
+`build-kernels` 1 where a kernel is unavailable on a GPU. Before anything else every command
+applies jaxdist's process-wide settings (`JAXDIST_CPU_DEVICES`, the XLA GPU flags:
+`jaxdist.runtime`); every command that runs JAX then joins the other processes of the run
 (`jaxdist.parallel.distributed.initialize`).
 """
 
@@ -47,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
             command.add_argument("--out", help="append the JSON result to this file")
             command.add_argument("--devices", type=int, help="use only the first N devices")
             command.add_argument("--profile", help="trace three extra steps with the JAX profiler into this folder")
+    commands.add_parser("build-kernels", help="build the C++ GPU kernels into the cache (train and bench do it on "
+                        "a GPU): one line per kernel, built, up to date or unavailable and why")
     launch = commands.add_parser("launch", help="run a command as N processes on this host")
     launch.add_argument("-n", "--num", type=int, required=True, help="number of processes")
     launch.add_argument("--devices-per-process", type=int, default=1,
@@ -105,6 +108,19 @@ def _bench(args) -> None:
     bench.write(result, args.out)
 
 
+def _build_kernels(args) -> int:
+    import jax
+
+    from jaxdist import kernels
+
+    statuses = kernels.build_kernels()
+    for status in statuses:
+        print(status, flush=True)
+    # Off a GPU the kernels are not needed, so one that can't be built there is no failure.
+    failed = any(status.state == "unavailable" for status in statuses)
+    return 1 if failed and jax.default_backend() == "gpu" else 0
+
+
 def _launch(args) -> int:
     from jaxdist import launch
 
@@ -135,7 +151,7 @@ def _export(args) -> None:
 
 
 # Commands that never run JAX on this process's devices, so they do not join a process group.
-_OFFLINE = {"launch", "scale", "data", "export"}
+_OFFLINE = {"launch", "scale", "data", "export", "build-kernels"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
 
             distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.init_timeout)
         commands = {
-            "train": _train, "rules": _rules, "bench": _bench, "launch": _launch, "doctor": _doctor, "scale": _scale,
-            "data": prepare.run, "export": _export,
+            "train": _train, "rules": _rules, "bench": _bench, "build-kernels": _build_kernels, "launch": _launch,
+            "doctor": _doctor, "scale": _scale, "data": prepare.run, "export": _export,
         }
         return commands[args.command](args) or 0
     except UserError as err:

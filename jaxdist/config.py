@@ -70,12 +70,13 @@ class ModelConfig(Section):
     # pass, saves batch x length x mlp_dim per layer), all but matmul outputs (dots), or each block (full).
     remat: Literal["none", "mlp", "full", "dots"] = "none"
     attention: Literal["auto", "xla", "cudnn"] = "auto"
-    # Residual add + norm as one Pallas kernel each way (models/fused_norm.py): auto = on GPU where
+    # Residual add + norm as one Pallas kernel each way (kernels/fused_norm.py): auto = on GPU where
     # the shapes allow, with the layers unrolled; xla = plain XLA fusions; pallas = always (errors if not possible).
     norm_impl: Literal["auto", "xla", "pallas"] = "auto"
-    # The MLP's backward matmul with GELU's gradient in cuBLASLt's epilogue (models/gelu_matmul.py,
-    # built on first use): auto = on GPU where it builds, with the layers unrolled and bf16
-    # activations; xla = a separate pass after the matmul; cublaslt = always (errors if not possible).
+    # The MLP's backward matmul with GELU's gradient in cuBLASLt's epilogue (kernels/gelu_matmul.py,
+    # built by `jaxdist build-kernels` or train/bench on a GPU): auto = on GPU where it is built, with
+    # the layers unrolled and bf16 activations; xla = a separate pass after the matmul; cublaslt =
+    # always (errors if not possible).
     gelu_grad_impl: Literal["auto", "xla", "cublaslt"] = "auto"
     # dtype the output projection writes its logits in; the softmax is float32 either way.
     logits_dtype: Literal["float32", "compute"] = "float32"
@@ -83,7 +84,7 @@ class ModelConfig(Section):
     # time (models/cross_entropy.py), never holding the full logits; 0: one projection.
     loss_chunk: int = Field(0, ge=0)
     # The chunked loss's softmax, per-row loss and logits gradient as one Pallas kernel per chunk
-    # (models/softmax_grad.py): auto = on GPU where the vocabulary is whole on each device; xla = a
+    # (kernels/softmax_grad.py): auto = on GPU where the vocabulary is whole on each device; xla = a
     # reduction and a gradient pass; pallas = always (errors if not possible). Needs loss_chunk > 0.
     loss_impl: Literal["auto", "xla", "pallas"] = "auto"
     # > 1: every layer runs on this many slices of each device's batch in turn (unrolled layers), so

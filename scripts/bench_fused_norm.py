@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxdist
-from jaxdist.models import fused_norm
+from jaxdist.kernels import fused_norm
 from jaxdist.models.gpt import RESIDUAL
 
 

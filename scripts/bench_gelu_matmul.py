@@ -4,7 +4,7 @@
 
 Backward through `gelu(pre) @ down`, XLA runs `d_post = d_out @ down.T` and then a pass over memory
 for `d_pre = d_post * gelu'(pre)`; the model runs one cuBLASLt matmul with a DGELU epilogue instead
-(models/gelu_matmul.py, `model.gelu_grad_impl`). For the 406M and 1.4B recipes' shapes this prints
+(kernels/gelu_matmul.py, `model.gelu_grad_impl`). For the 406M and 1.4B recipes' shapes this prints
 XLA's matmul alone, XLA's matmul and pass, and the cuBLASLt call with its largest difference from
 XLA's result (the log prints each cuBLASLt algorithm's time, timed once per shape).
 """
@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxdist
-from jaxdist.models.gelu_matmul import gelu_grad_matmul, unavailable_reason, xla_gelu_grad_matmul
+from jaxdist import kernels
+from jaxdist.kernels.gelu_matmul import gelu_grad_matmul, unavailable_reason, xla_gelu_grad_matmul
 from jaxdist.observe.bench import time_calls
 
 SHAPES = {"406m": (16 * 1024, 1024, 4096), "1b4": (8 * 1024, 2048, 8192)}  # rows, embed, mlp
@@ -25,6 +26,8 @@ SHAPES = {"406m": (16 * 1024, 1024, 4096), "1b4": (8 * 1024, 2048, 8192)}  # row
 def main() -> None:
     jaxdist.use_cpu_devices()
     jaxdist.gpu_defaults()
+    for status in kernels.build_kernels():
+        print(status)
     if unavailable_reason() is not None:
         raise SystemExit(f"the cuBLASLt handler is unavailable here: {unavailable_reason()}")
     print(f"{'shape':<6} {'what':<26} {'ms':>7} {'TFLOP/s':>8} {'max |diff|':>11}")

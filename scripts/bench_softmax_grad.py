@@ -4,7 +4,7 @@
 
 For a chunk of the 406M and 1.4B recipes' loss (16 or 8 sequences x 256 positions x 50,304 bf16
 logits) this prints XLA's two passes (`cross_entropy.xla_loss_and_grad`: the one-pass logsumexp,
-then `(softmax - one-hot) * weight`) and the kernel of models/softmax_grad.py at each (block,
+then `(softmax - one-hot) * weight`) and the kernel of kernels/softmax_grad.py at each (block,
 warps), with its largest difference from XLA's result and the HBM bandwidth it reaches counting
 one read and one write of the logits.
 """
@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxdist
-from jaxdist.models import cross_entropy, softmax_grad
+from jaxdist.kernels import softmax_grad
+from jaxdist.models import cross_entropy
 from jaxdist.observe.bench import time_calls
 
 SHAPES = {"406m": (16, 256, 50304), "1b4": (8, 256, 50304)}  # batch, chunk, vocab

@@ -32,7 +32,7 @@ def forms():
     import jax
     import jax.numpy as jnp
 
-    from jaxdist.models.gelu_matmul import gelu_project
+    from jaxdist.kernels.gelu_matmul import gelu_project
 
     rows, d, hidden = 16 * 1024, 1024, 4096
     keys = jax.random.split(jax.random.key(0), 3)

@@ -1,4 +1,4 @@
-"""The fused residual-add + norm kernels (models/fused_norm.py) compute the unfused function.
+"""The fused residual-add + norm kernels (kernels/fused_norm.py) compute the unfused function.
 
 Off the GPU the Pallas kernels run in Pallas's interpreter: the same kernel code as on the GPU.
 """
@@ -15,7 +15,7 @@ from flax import nnx
 
 from jaxdist import models
 from jaxdist.config import ModelConfig
-from jaxdist.models import fused_norm
+from jaxdist.kernels import fused_norm
 from jaxdist.models.gpt import GPT, RESIDUAL
 from jaxdist.train import loop
 

@@ -1,9 +1,9 @@
-"""The MLP's `gelu(pre) @ down` and its backward (models/gelu_matmul.py), and the native build (native.py).
+"""The MLP's `gelu(pre) @ down` and its backward (kernels/gelu_matmul.py).
 
 The cuBLASLt handler itself needs a GPU: `scripts/bench_gelu_matmul.py` checks it against XLA
 there. Here: the custom VJP against autodiff, what its backward keeps, the per-shard wiring under
-a mesh (with the per-device call swapped for XLA's), the fallbacks, and the build-and-load path
-with a CPU handler.
+a mesh (with the per-device call swapped for XLA's, then for a CPU handler built and loaded as the
+GPU one is), and the fallbacks. The builder itself: tests/test_kernel_build.py.
 """
 
 from pathlib import Path
@@ -15,14 +15,19 @@ import pydantic
 import pytest
 from conftest import make_config
 
-from jaxdist import native
+from jaxdist import kernels
+from jaxdist.kernels import build
 from jaxdist.config import ModelConfig
-from jaxdist.models import gelu_matmul
+from jaxdist.kernels import gelu_matmul
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.train import loop
 
 from test_fused_norm import _losses
+
+# A CPU stand-in for the cuBLASLt handler: the same operands and results, float32.
+STAND_IN = build.Handler("gelu_grad_reference", Path(__file__).with_name("native") / "gelu_grad_reference.cc",
+                         "JaxdistTestGeluGrad", "jaxdist_test_gelu_grad", platform="cpu")
 
 
 def _inputs(rows=(2, 8), mlp=64, embed=16):
@@ -86,14 +91,14 @@ def test_the_ffi_call_runs_per_shard_under_vmap(tmp_path, monkeypatch):
     results), where the gradients are vmapped over batch shards: precision.grad_reduce=bfloat16
     with 2 microbatches on data2 x fsdp2 x tensor2. The losses equal XLA's way."""
     monkeypatch.setenv("JAXDIST_CACHE_DIR", str(tmp_path / "cache"))
-    library = native.build(Path(__file__).with_name("native") / "gelu_grad_reference.cc", [])
-    native.register_handler(library, "JaxdistTestGeluGrad", "jaxdist_test_gelu_grad", platform="cpu")
+    assert [status.state for status in kernels.build_kernels((STAND_IN,))] == ["built"]
+    build.load(STAND_IN)
     shards = {"mesh": {"data": 2, "fsdp": 2, "tensor": 2}, "rules": {"preset": "fsdp_tp"},
               "precision": {"grad_reduce": "bfloat16"}, "train": {"microbatches": 2}}
     model = {"scan_layers": False, "norm_impl": "xla"}
     xla, kernel = tmp_path / "xla", tmp_path / "kernel"
     loop.train(make_config(xla, model={**model, "gelu_grad_impl": "xla"}, **shards))
-    monkeypatch.setattr(gelu_matmul, "TARGET", "jaxdist_test_gelu_grad")
+    monkeypatch.setattr(gelu_matmul, "HANDLER", STAND_IN)
     monkeypatch.setattr(gelu_matmul, "use_kernel", lambda impl, pre, down: True)
     loop.train(make_config(kernel, model={**model, "gelu_grad_impl": "auto"}, **shards))
     want = _losses(xla)
@@ -135,31 +140,3 @@ def test_kernel_choice_falls_back_or_fails_clearly(monkeypatch):
     for bad in ({"scan_layers": True}, {"scan_layers": False, "activation": "swiglu"}):
         with pytest.raises(pydantic.ValidationError, match="gelu_grad_impl=cublaslt"):
             ModelConfig(gelu_grad_impl="cublaslt", **bad)
-
-
-def test_native_build_is_cached_and_the_handler_runs(tmp_path, monkeypatch):
-    monkeypatch.setenv("JAXDIST_CACHE_DIR", str(tmp_path))
-    source = Path(__file__).with_name("native") / "double.cc"
-    library = native.build(source, [])
-    assert library.parent == tmp_path and library.name.startswith("double-")
-    built_at = library.stat().st_mtime_ns
-    assert native.build(source, []) == library and library.stat().st_mtime_ns == built_at  # cached
-    native.register_handler(library, "JaxdistTestDouble", "jaxdist_test_double", platform="cpu")
-    x = jnp.arange(6, dtype=jnp.float32)
-    doubled = jax.jit(jax.ffi.ffi_call("jaxdist_test_double", jax.ShapeDtypeStruct(x.shape, x.dtype)))(x)
-    np.testing.assert_array_equal(doubled, 2 * x)
-
-
-def test_native_build_says_what_is_missing(tmp_path, monkeypatch):
-    monkeypatch.setattr(native, "_cuda_roots", lambda: [tmp_path])
-    with pytest.raises(native.NativeBuildError, match=r"not found: cublasLt.h, driver_types.h and crt/host_defines.h, libcublasLt.so"):
-        native.find_cuda_library("cublasLt.h", "cublasLt")
-    for name in ("include/crt", "lib"):
-        (tmp_path / name).mkdir(parents=True)
-    for name in ("include/cublasLt.h", "include/driver_types.h", "include/crt/host_defines.h", "lib/libcublasLt.so.13"):
-        (tmp_path / name).touch()
-    found = native.find_cuda_library("cublasLt.h", "cublasLt")
-    assert found == native.CudaLibrary((str(tmp_path / "include"),), str(tmp_path / "lib" / "libcublasLt.so.13"))
-    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    with pytest.raises(native.NativeBuildError, match="failed"):
-        native.build(Path(__file__).with_name("native") / "double.cc", [])

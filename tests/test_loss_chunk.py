@@ -90,7 +90,7 @@ def test_loss_and_gradients_equal_the_unchunked_loss(tmp_path, layout, tied, imp
     """fsdp_tp splits the vocabulary (head or tied embedding, and the logits) over tensor and the
     batch over fsdp; data8 with 2 microbatches runs the loss under the per-shard vmap of per_step
     gradient reduction. `impl` pallas: each chunk's softmax and gradient by the Pallas kernel
-    (models/softmax_grad.py, in the interpreter here), run per batch shard."""
+    (kernels/softmax_grad.py, in the interpreter here), run per batch shard."""
     mesh, preset, microbatches = layout
 
     def config(chunk):

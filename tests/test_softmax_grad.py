@@ -1,4 +1,4 @@
-"""The loss chunks' softmax kernel (models/softmax_grad.py) computes XLA's two passes.
+"""The loss chunks' softmax kernel (kernels/softmax_grad.py) computes XLA's two passes.
 
 Off the GPU the Pallas kernel runs in Pallas's interpreter: the same kernel code as on the GPU.
 The chunked loss through it is checked against the unchunked loss in test_loss_chunk.py.
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from jaxdist.models import cross_entropy, softmax_grad
+from jaxdist.kernels import softmax_grad
+from jaxdist.models import cross_entropy
 from jaxdist.parallel import rules as rules_lib
 
 

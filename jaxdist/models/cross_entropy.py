@@ -16,7 +16,7 @@ All operations are plain jnp ops with logical-name constraints, so a vocabulary 
 mesh axis (rules presets tp, fsdp_tp) stays sharded and XLA inserts the reductions for the
 logsumexp and the hidden-state gradient. Where the vocabulary is whole on each device, the
 softmax, per-row loss and logits gradient of each chunk can run as one Pallas kernel instead
-(`impl`, models/softmax_grad.py).
+(`impl`, kernels/softmax_grad.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxdist.models import softmax_grad
+from jaxdist.kernels import softmax_grad
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.parallel.rules import constrain
 
@@ -53,7 +53,7 @@ def fused_linear_cross_entropy(
     projected at a time and must divide `length`; logits are written in `logits_dtype`, the
     softmax is float32. `impl` (`model.loss_impl`) says where the softmax and the logits' gradient
     are computed when differentiated: "xla" (a reduction and a gradient pass), "pallas" (one
-    kernel per chunk, models/softmax_grad.py; needs the vocabulary whole on each device), or
+    kernel per chunk, kernels/softmax_grad.py; needs the vocabulary whole on each device), or
     "auto" (the kernel on GPU where it applies).
     """
     length = hidden.shape[1]
@@ -172,7 +172,7 @@ def _scan_chunks(chunk, logits_dtype, hidden, head, targets, weights, *, with_gr
     """(weighted loss sum, (unnormalized d_hidden, d_head) or None) over every chunk.
 
     d_hidden has hidden's dtype; d_head is summed in float32 and returned in head's dtype.
-    `kernel`: each chunk's softmax, per-row loss and logits gradient by models/softmax_grad.py.
+    `kernel`: each chunk's softmax, per-row loss and logits gradient by kernels/softmax_grad.py.
     """
     batch, _, embed = hidden.shape
     vocab = head.shape[1]

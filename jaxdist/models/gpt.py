@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdist.config import ModelConfig, PipelineConfig
-from jaxdist.models import fused_norm, gelu_matmul
+from jaxdist.kernels import fused_norm, gelu_matmul
 from jaxdist.parallel import grad_order
 from jaxdist.parallel import pipeline as pipeline_lib
 from jaxdist.parallel.rules import constrain
@@ -59,7 +59,7 @@ class Norm(nnx.Module):
     """LayerNorm (scale and bias) or RMSNorm (scale), computed in float32.
 
     `add(x, delta)` also adds a residual branch first; on GPU both run as fused Pallas kernels
-    (`model.norm_impl`, models/fused_norm.py), elsewhere as plain XLA.
+    (`model.norm_impl`, kernels/fused_norm.py), elsewhere as plain XLA.
     """
 
     def __init__(self, cfg: ModelConfig, param_dtype, rngs: nnx.Rngs):
@@ -178,7 +178,7 @@ class Mlp(nnx.Module):
         if self.activation == "swiglu":
             return (jax.nn.silu(gate) * h) @ down
         # Its backward keeps `h` and gelu(h), not the formula's tanh, and on GPU puts GELU's
-        # gradient into the matmul's epilogue (models/gelu_matmul.py).
+        # gradient into the matmul's epilogue (kernels/gelu_matmul.py).
         return gelu_matmul.gelu_project(h, down, kernel=gelu_matmul.use_kernel(self.gelu_grad_impl, h, down))
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxdist import models
+from jaxdist import kernels, models
 from jaxdist.checkpoint import RunCheckpoints
 from jaxdist.config import Config
 from jaxdist.data import loader
@@ -48,11 +48,16 @@ def param_layouts(cfg: Config, devices: list | None = None):
 def build_trainer(cfg: Config, devices: list | None = None, layout: layout_lib.Layout | None = None) -> Trainer:
     """Checks the config against the devices, then builds the mesh, the sharded state and the step.
 
-    `layout`: `jaxdist.parallel.layout.from_config(cfg, devices)`, where the caller already has it.
+    On a GPU it first builds the C++ kernels the model asks for (`jaxdist.kernels.build_for`), since
+    the model only loads them while it is traced. `layout`: `jaxdist.parallel.layout.from_config(cfg,
+    devices)`, where the caller already has it.
     """
     layout = layout or layout_lib.from_config(cfg, devices)
     mesh, rules = layout.mesh, layout.rules
     precision.check_backend(cfg.precision, mesh.devices.flat[0].platform)
+    built = kernels.build_for(cfg.model)
+    if built is not None:
+        log(built)
     entry = models.get(cfg.model.name)
     create_model = entry.create(cfg)
     abstract = abstract_model(create_model, cfg.seed)

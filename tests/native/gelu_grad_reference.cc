@@ -1,6 +1,7 @@
-// A CPU stand-in for jaxdist's cuBLASLt handler (models/gelu_matmul.cc), with the same operands and
+// A CPU stand-in for jaxdist's cuBLASLt handler (jaxdist/kernels/gelu_matmul.cc), with the same operands and
 // results: d_pre = (d_out @ down.T) * gelu'(pre), float32, plus the workspace result it ignores.
-// tests/test_gelu_matmul.py registers it in place of the GPU target to run the real ffi_call path.
+// The tests build it with jaxdist's builder and register it in place of the GPU target, to run the
+// real ffi_call path.
 #include <cmath>
 
 #include "xla/ffi/api/ffi.h"

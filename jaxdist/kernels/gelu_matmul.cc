@@ -5,9 +5,9 @@
 // d_out: (rows, embed) bf16; down: (mlp, embed) bf16, the down-projection as the model stores it;
 // pre: (rows, mlp) bf16, the up-projection's output; d_pre: (rows, mlp) bf16; workspace: bytes for
 // cuBLASLt. XLA computes the product and then the gradient in a second pass over memory; cuBLASLt's
-// DGELU epilogue applies it as the product's tiles leave the tensor cores. Built and loaded at run
-// time by jaxdist/native.py; see jaxdist/models/gelu_matmul.py. JAXDIST_CUBLASLT_LOG=1 prints the
-// algorithms' timings.
+// DGELU epilogue applies it as the product's tiles leave the tensor cores. Built by
+// jaxdist/kernels/build.py (`jaxdist build-kernels`) and loaded by jaxdist/kernels/gelu_matmul.py.
+// JAXDIST_CUBLASLT_LOG=1 prints the algorithms' timings.
 
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>

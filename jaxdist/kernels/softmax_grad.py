@@ -9,7 +9,7 @@ blocks of the vocabulary, then the gradient, reading the blocks again soon after
 still hold them. At 406M a chunk (412 MB of bf16 logits) takes 0.37 ms instead of XLA's 0.49
 (one H200, scripts/bench_softmax_grad.py).
 
-The kernel uses Pallas's Triton backend, as the fused norms do (models/fused_norm.py); off the GPU
+The kernel uses Pallas's Triton backend, as the fused norms do (kernels/fused_norm.py); off the GPU
 it runs in Pallas's interpreter, so the CPU tests check the same code. Under a mesh it runs per
 shard of the rows; the vocabulary must be whole on each device (`supported`).
 """

@@ -4,8 +4,9 @@ Backward through the MLP's `gelu(pre) @ down`, XLA computes `d_post = d_out @ do
 a second pass over memory, `d_pre = d_post * gelu'(pre)`: on the 406M GPT that pass moves 384 MB per
 layer (3.7 ms of an 84 ms step on an H100). cuBLASLt can apply the gradient as the product leaves
 the tensor cores (its `DGELU` epilogue, the one NVIDIA's Transformer Engine uses), but XLA's
-rewrites never ask for it. `gelu_matmul.cc` calls it through XLA's FFI; jaxdist/native.py builds
-that file on first use. Where it can't be built, or off the GPU, the same function runs as XLA.
+rewrites never ask for it. `gelu_matmul.cc` calls it through XLA's FFI; `jaxdist build-kernels`, or
+the first `train` or `bench` on a GPU, builds it (kernels/build.py), and the model only loads it.
+Where it isn't built, or off the GPU, the same function runs as XLA.
 
 Under a mesh the matmul runs per shard (`shard_map`): rows split as the batch is, the `mlp` axis as
 the rules split it (tensor parallelism), `embed` whole on each device.
@@ -21,10 +22,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxdist import native
+from jaxdist.kernels import build
 from jaxdist.parallel import rules as rules_lib
 
-TARGET = "jaxdist_gelu_grad_matmul"
 WORKSPACE_BYTES = 32 * 2**20  # what cuBLAS asks for on Hopper
 
 _SQRT_2_OVER_PI = 0.7978845608028654
@@ -45,17 +45,27 @@ def gelu_slope(x: jax.Array) -> jax.Array:
     return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner
 
 
+def _cuda_libraries() -> list[build.CudaLibrary]:
+    return [build.find_cuda_library("cublasLt.h", "cublasLt"), build.find_cuda_library("cuda_runtime_api.h", "cudart")]
+
+
+HANDLER = build.Handler("gelu_matmul", Path(__file__).with_name("gelu_matmul.cc"), "JaxdistGeluGradMatmul",
+                        "jaxdist_gelu_grad_matmul", libraries=_cuda_libraries)
+
+
 @functools.cache
 def unavailable_reason() -> str | None:
-    """Why the cuBLASLt handler can't run here, or None once it is built and registered."""
+    """Why the cuBLASLt handler can't run here, or None once its built library is loaded.
+
+    The model asks while it is traced, so this never compiles: a handler not built is a reason.
+    """
     if jax.default_backend() != "gpu":
         return "not on a GPU"
     try:
-        libraries = [native.find_cuda_library("cublasLt.h", "cublasLt"),
-                     native.find_cuda_library("cuda_runtime_api.h", "cudart")]
-        library = native.build(Path(__file__).with_name("gelu_matmul.cc"), libraries)
-        native.register_handler(library, "JaxdistGeluGradMatmul", TARGET)
-    except (native.NativeBuildError, OSError, AttributeError) as error:
+        build.load(HANDLER)
+    except build.NativeBuildError as error:
+        return f"{error}; run `jaxdist build-kernels`"
+    except (OSError, AttributeError) as error:
         return str(error)
     return None
 
@@ -63,8 +73,8 @@ def unavailable_reason() -> str | None:
 def use_kernel(impl: str, pre: jax.Array, down: jax.Array) -> bool:
     """Whether `model.gelu_grad_impl` = `impl` runs the cuBLASLt kernel for `gelu(pre) @ down` here.
 
-    `auto` takes it on a GPU where it builds and the operands suit it, warning once where it doesn't
-    build; `cublaslt` insists, raising with the reason.
+    `auto` takes it on a GPU where it is built and the operands suit it, warning once where it isn't
+    built; `cublaslt` insists, raising with the reason.
     """
     if impl == "xla" or (impl == "auto" and jax.default_backend() != "gpu"):
         return False
@@ -163,7 +173,7 @@ def _local(d_out: jax.Array, down: jax.Array, pre: jax.Array) -> jax.Array:
     # Under vmap (the per-shard gradients of precision.grad_reduce and train.microbatches) each
     # device holds one shard, so calling once per mapped index costs nothing.
     call = jax.ffi.ffi_call(
-        TARGET,
+        HANDLER.target,
         (jax.ShapeDtypeStruct((pre.size // mlp, mlp), pre.dtype), jax.ShapeDtypeStruct((WORKSPACE_BYTES,), jnp.uint8)),
         vmap_method="sequential",
     )
