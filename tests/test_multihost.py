@@ -110,12 +110,9 @@ def test_launch_two_processes_trains_like_one_process(tmp_path, one_process_loss
     assert "[0] --- sample ---" in out  # generation gathers its rows from both processes
 
 
-# -- checkpoints across process counts (needs jaxdist/checkpoint.py from the checkpoint branch) -----
-
-_HAS_CHECKPOINTS = (REPO / "jaxdist" / "checkpoint.py").exists()
+# -- checkpoints across process counts --------------------------------------------------------------
 
 
-@pytest.mark.skipif(not _HAS_CHECKPOINTS, reason="needs jaxdist/checkpoint.py (issue-ckpt branch)")
 @pytest.mark.parametrize("first, second", [(2, 1), (1, 2)], ids=["2to1", "1to2"])
 def test_checkpoint_restores_under_another_process_count(tmp_path, one_process_losses, first, second):
     """A run checkpointed by `first` processes resumes under `second` and continues the same losses."""
