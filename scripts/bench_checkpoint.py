@@ -33,7 +33,7 @@ import jaxdist
 from jaxdist import checkpoint
 from jaxdist import config as config_lib
 from jaxdist.data import loader
-from jaxdist.train import loop
+from jaxdist.train.trainer import Trainer
 
 
 def main() -> None:
@@ -48,7 +48,7 @@ def main() -> None:
     args = parser.parse_args()
 
     cfg = config_lib.load(args.config, args.overrides)
-    trainer = loop.build_trainer(cfg)
+    trainer = Trainer.from_config(cfg)
     batches = loader.train_iterator(cfg)
     batch = trainer.global_batch(next(batches))
     trainer.compile(batch)

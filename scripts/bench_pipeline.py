@@ -5,7 +5,7 @@
     JAXDIST_CPU_DEVICES=4 python3 scripts/bench_pipeline.py --smoke   # tiny sizes: checks it runs
 
 With S stages (S = the device count), each schedule (`pipeline.repeats` R: 1 is GPipe, more is
-circular) and microbatch count M, it times the real train step (`loop.build_trainer`, the code
+circular) and microbatch count M, it times the real train step (`Trainer.from_config`, the code
 path of `jaxdist train`) on fixed random tokens. The ideal a pipeline can reach is every device
 busy all the time, doing its share of the work: that is a step of the same model with layers / S
 layers on the whole batch on one device, timed first. Then
@@ -32,7 +32,7 @@ import jaxdist
 from jaxdist import config as config_lib
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import pipeline
-from jaxdist.train import loop
+from jaxdist.train.trainer import Trainer
 
 
 def _ints(text: str) -> list[int]:
@@ -78,7 +78,7 @@ def _config(args: argparse.Namespace, layers: int, stages: int, microbatches: in
 
 def time_step(cfg: config_lib.Config, devices: list, warmup: int, steps: int) -> float:
     """Seconds per train step, after `warmup` steps, on fixed random tokens."""
-    trainer = loop.build_trainer(cfg, devices)
+    trainer = Trainer.from_config(cfg, devices)
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab, (cfg.train.global_batch, cfg.model.seq_len + 1))
     batch = trainer.global_batch({"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)})
     trainer.compile(batch)

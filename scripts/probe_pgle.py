@@ -23,7 +23,7 @@ from jax.experimental import profiler as exp_profiler
 import jaxdist
 from jaxdist import config
 from jaxdist.observe import bench
-from jaxdist.train.loop import build_trainer
+from jaxdist.train.trainer import Trainer
 
 LHS = {"xla_gpu_enable_latency_hiding_scheduler": True}
 
@@ -50,7 +50,7 @@ def main() -> None:
     jaxdist.use_cpu_devices()
     jaxdist.gpu_defaults()
     cfg = config.load(sys.argv[1], sys.argv[2:])
-    trainer = build_trainer(cfg, None)
+    trainer = Trainer.from_config(cfg)
     batch = trainer.global_batch(bench.random_tokens(cfg))
     trainer.compile(batch)
     # The probe swaps the trainer's compiled step for recompiled ones (private attributes).

@@ -15,12 +15,11 @@ import pydantic
 import pytest
 from conftest import make_config
 
-from jaxdist import native
+from jaxdist import loop, native
 from jaxdist.config import ModelConfig
 from jaxdist.models import gelu_matmul
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.parallel import rules as rules_lib
-from jaxdist.train import loop
 
 from test_fused_norm import _losses
 

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 from conftest import make_config
 
+from jaxdist import loop
 from jaxdist.errors import UserError
 from jaxdist.launch import free_port
-from jaxdist.train import loop
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 240
