@@ -1,6 +1,6 @@
 """The MLP's `gelu(pre) @ down` and its backward (models/gelu_matmul.py), and the native build (native.py).
 
-The cuBLASLt handler itself needs a GPU: `scripts/bench_gelu_matmul.py` checks it against XLA
+The cuBLASLt handler itself needs a GPU: `benchmarks/bench_gelu_matmul.py` checks it against XLA
 there. Here: the custom VJP against autodiff, what its backward keeps, the per-shard wiring under
 a mesh (with the per-device call swapped for XLA's), the fallbacks, and the build-and-load path
 with a CPU handler.

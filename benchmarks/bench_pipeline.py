@@ -1,8 +1,8 @@
 """Pipeline parallelism on the GPUs of one host: step time and bubble against the microbatch count.
 
-    python3 scripts/bench_pipeline.py                      # every GPU a stage; GPipe and circular
-    python3 scripts/bench_pipeline.py --microbatches 4,8,16 --repeats 1,2,4 --out pipe.jsonl
-    JAXDIST_CPU_DEVICES=4 python3 scripts/bench_pipeline.py --smoke   # tiny sizes: checks it runs
+    python3 benchmarks/bench_pipeline.py                      # every GPU a stage; GPipe and circular
+    python3 benchmarks/bench_pipeline.py --microbatches 4,8,16 --repeats 1,2,4 --out pipe.jsonl
+    JAXDIST_CPU_DEVICES=4 python3 benchmarks/bench_pipeline.py --smoke   # tiny sizes: checks it runs
 
 With S stages (S = the device count), each schedule (`pipeline.repeats` R: 1 is GPipe, more is
 circular) and microbatch count M, it times the real train step (`Trainer.from_config`, the code
@@ -15,7 +15,7 @@ layers on the whole batch on one device, timed first. Then
 The measured bubble also holds what the schedule costs beyond idling (stage-to-stage transfers,
 the regrouping of layers with R > 1, microbatches too small to fill a GPU), so it sits above
 theory by that much. The vocabulary is small (bytes) so the layers, which are what is pipelined,
-dominate the step. Prints a markdown table (for BENCHMARKS.md) and writes one JSON line per row.
+dominate the step. Prints a markdown table (for README.md) and writes one JSON line per row.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Throughput of the input pipeline alone: packed GPT batches per second, no model, no device.
 
-    PYTHONPATH=. python scripts/bench_data.py [--seq-len 1024] [--batch 32] [--workers 0] ...
+    PYTHONPATH=. python benchmarks/bench_data.py [--seq-len 1024] [--batch 32] [--workers 0] ...
 
 Prepares the Python standard library's sources into ArrayRecord shards (byte or sentencepiece
 tokens) in a temporary directory, then reads batches through the same config-driven iterator

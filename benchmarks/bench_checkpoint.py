@@ -1,6 +1,6 @@
 """Async checkpoint overhead: step time with a checkpoint after every step vs. without.
 
-    JAXDIST_CPU_DEVICES=8 python scripts/bench_checkpoint.py [configs/tiny.yaml] [key=value ...]
+    JAXDIST_CPU_DEVICES=8 python benchmarks/bench_checkpoint.py [configs/tiny.yaml] [key=value ...]
         [--segments 4] [--steps-per-segment 10]
 
 One trainer trains in alternating segments, without saving and with an async Orbax save after
