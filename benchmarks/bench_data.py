@@ -6,7 +6,7 @@ Prepares the Python standard library's sources into ArrayRecord shards (byte or 
 tokens) in a temporary directory, then reads batches through the same config-driven iterator
 the training loop uses (`loader.train_iterator`: shuffled, per-epoch reseeded, packed windows,
 targets shifted by one, int32) and prints tokens per second. `--source stdlib` reads the
-in-memory stdlib corpus instead. The target (issue 4) is 2 million tokens/s on 2 CPU cores.
+in-memory stdlib corpus instead. The target is 2 million tokens/s on 2 CPU cores.
 """
 
 from __future__ import annotations

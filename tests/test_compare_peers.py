@@ -1,6 +1,6 @@
 """Every `jaxdist bench` run in benchmarks/compare_peers.py's suites has a config that loads.
 
-GPU time is scarce: a misspelt override there would cost a device call to find out.
+GPU time is scarce: a misspelt override there would cost a GPU run to find out.
 """
 
 import importlib.util
