@@ -82,18 +82,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _train(args) -> None:
-    from jaxdist import config
-    from jaxdist.train import loop
+    from jaxdist import config, loop
 
     loop.train(config.load(args.config, args.overrides))
 
 
 def _rules(args) -> None:
-    from jaxdist import config
+    from jaxdist import config, loop
     from jaxdist.parallel import rules
-    from jaxdist.train import loop
+    from jaxdist.train.trainer import param_layouts
 
-    table = rules.sharding_table(loop.param_layouts(config.load(args.config, args.overrides)))
+    table = rules.sharding_table(param_layouts(config.load(args.config, args.overrides)))
     loop.log(table)  # process 0 only
 
 

@@ -94,7 +94,7 @@ class ModelConfig(Section):
     # Unrolled layers: each layer's weight gradients, and their reduction across devices, are made
     # while the layer below runs its backward, not where XLA's scheduler puts them: after the whole
     # backward (parallel/grad_order.py). Off: on 2 GPUs of one host the reductions then run beside
-    # compute, which slows by as much (BENCHMARKS.md).
+    # compute, which slows by as much (benchmarks/HISTORY.md).
     overlap_grad_reduce: bool = False
 
     @model_validator(mode="after")

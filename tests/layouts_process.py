@@ -15,10 +15,9 @@ from pathlib import Path
 import jax
 
 import jaxdist
-from jaxdist import config
+from jaxdist import config, loop
 from jaxdist.errors import UserError
 from jaxdist.parallel import layout
-from jaxdist.train import loop
 
 
 def main(port: str, process_id: str, num_processes: str, cases_file: str) -> None:

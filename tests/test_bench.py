@@ -1,4 +1,4 @@
-"""`jaxdist bench` times the real train step and reports what BENCHMARKS.md needs to reproduce a figure."""
+"""`jaxdist bench` times the real train step and reports what benchmarks/README.md needs to reproduce a figure."""
 
 import json
 

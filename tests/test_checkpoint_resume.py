@@ -16,9 +16,8 @@ import pytest
 import yaml
 from conftest import TINY_GPT, make_config
 
-from jaxdist import cli
+from jaxdist import cli, loop
 from jaxdist.checkpoint import Checkpoints, abstract_state
-from jaxdist.train import loop
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 12

@@ -25,8 +25,8 @@ from jaxdist.checkpoint import (
 )
 from jaxdist.observe.metrics import drop_after
 from jaxdist.parallel.mesh import make_mesh
-from jaxdist.train import loop
 from jaxdist.train.preemption import StopSignals
+from jaxdist.train.trainer import Trainer
 
 
 def sharded_tree(mesh, scale: float):
@@ -151,7 +151,7 @@ def tiny_checkpoint(tmp_path):
     """A run_dir whose checkpoints hold the tiny GPT's initial state, as steps 3 and 5."""
     run_dir = tmp_path / "run"
     cfg = make_config(run_dir, mesh={"data": 2, "fsdp": 2, "tensor": 2})
-    trainer = loop.build_trainer(cfg)
+    trainer = Trainer.from_config(cfg)
     store = Checkpoints(run_dir / "checkpoints")
     for step in (3, 5):
         store.save(step, trainer.state, run_meta(cfg, trainer.mesh, DataPosition(step, step * 16)))

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 from conftest import make_config
 
-from jaxdist.train import loop
+from jaxdist.train.trainer import Trainer
 
 
 def _trainer(tmp_path, compute_copies: bool, **sections):
     cfg = make_config(tmp_path, precision={"compute": "bfloat16", "compute_copies": compute_copies},
                       mesh={"data": 2, "fsdp": 1, "tensor": 1}, rules={"preset": "dp"}, **sections)
-    return loop.build_trainer(cfg, devices=jax.devices()[:2])
+    return Trainer.from_config(cfg, devices=jax.devices()[:2])
 
 
 def _batches(count: int):

@@ -9,8 +9,8 @@ from conftest import make_config
 from data_helpers import prepared, random_documents
 from flax import nnx
 
+from jaxdist import loop
 from jaxdist.data import loader
-from jaxdist.train import loop
 
 
 def test_epochs_and_exact_eval_loss(tmp_path):

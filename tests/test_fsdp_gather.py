@@ -8,7 +8,7 @@ from conftest import make_config
 
 from jaxdist.errors import UserError
 from jaxdist.observe import hlo
-from jaxdist.train import loop
+from jaxdist.train.trainer import Trainer
 
 from test_copies import _batches
 
@@ -28,7 +28,7 @@ def _train(tmp_path, gather: str, steps: int, **sections):
     sections = {"mesh": {"data": 2, "fsdp": 4, "tensor": 1}, "rules": {"preset": "fsdp"}, **sections}
     cfg = make_config(tmp_path / gather, train={"fsdp_gather": gather, **sections.pop("train", {})},
                       precision={"compute": "bfloat16", **sections.pop("precision", {})}, **sections)
-    trainer = loop.build_trainer(cfg)
+    trainer = Trainer.from_config(cfg)
     losses = [float(trainer.step(batch)["loss"]) for batch in _batches(steps)]
     gathered = sum(hlo.bytes_per_call(trainer.compiled_text())["all-gather"].values())
     return trainer, losses, gathered
@@ -69,4 +69,4 @@ def test_per_step_gather_needs_copies_to_gather(tmp_path):
     cfg = make_config(tmp_path, train={"fsdp_gather": "per_step"}, precision={"compute": "float32"},
                       mesh={"data": 1, "fsdp": 2, "tensor": 1}, rules={"preset": "fsdp"})
     with pytest.raises(UserError, match="compute float32, params float32"):
-        loop.build_trainer(cfg, jax.devices()[:2])
+        Trainer.from_config(cfg, jax.devices()[:2])

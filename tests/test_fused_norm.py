@@ -13,11 +13,10 @@ import pytest
 from conftest import make_config
 from flax import nnx
 
-from jaxdist import models
+from jaxdist import loop, models
 from jaxdist.config import ModelConfig
 from jaxdist.kernels import fused_norm
 from jaxdist.models.gpt import GPT, RESIDUAL
-from jaxdist.train import loop
 
 
 def _unfused(x, delta, scale, bias, rms):

@@ -1,6 +1,6 @@
 """The MLP's `gelu(pre) @ down` and its backward (kernels/gelu_matmul.py).
 
-The cuBLASLt handler itself needs a GPU: `scripts/bench_gelu_matmul.py` checks it against XLA
+The cuBLASLt handler itself needs a GPU: `benchmarks/bench_gelu_matmul.py` checks it against XLA
 there. Here: the custom VJP against autodiff, what its backward keeps, the per-shard wiring under
 a mesh (with the per-device call swapped for XLA's, then for a CPU handler built and loaded as the
 GPU one is), and the fallbacks. The builder itself: tests/test_kernel_build.py.
@@ -17,11 +17,11 @@ from conftest import make_config
 
 from jaxdist import kernels
 from jaxdist.kernels import build
+from jaxdist import loop
 from jaxdist.config import ModelConfig
 from jaxdist.kernels import gelu_matmul
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.parallel import rules as rules_lib
-from jaxdist.train import loop
 
 from test_fused_norm import _losses
 

@@ -12,11 +12,10 @@ import pytest
 from conftest import make_config
 from flax import nnx
 
-from jaxdist import models
+from jaxdist import loop, models
 from jaxdist.config import ModelConfig
 from jaxdist.models.gpt import GPT
 from jaxdist.parallel import grad_order
-from jaxdist.train import loop
 
 from test_fused_norm import _losses
 

@@ -41,7 +41,10 @@ rules.check_mesh_axes(rules.preset("fsdp"), mesh)
 sharding = jax.sharding.NamedSharding(mesh, rules.preset("fsdp").param_spec(("embed", "mlp")))
 assert float(jax.device_put(np.ones((6, 4), np.float32), sharding).sum()) == 24
 windows = pipeline.TokenWindows(np.arange(64, dtype=np.int32), seq_len=4)
-next(pipeline.train_batches(windows, local_batch=2, seed=0))
+from flax import nnx
+from jaxdist.parallel.feed import BatchRows
+rules.place(lambda rngs: nnx.Linear(4, 6, rngs=rngs), rules.preset("dp"), mesh).create()
+next(pipeline.train_batches(windows, BatchRows(4, (0, 1)), seed=0))
 assert jaxdist.Trainer is not None
 report["used"] = state()
 report["device_count"] = jax.device_count()

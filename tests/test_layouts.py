@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from conftest import make_config
 
+from jaxdist import loop
 from jaxdist.observe import hlo
 from jaxdist.observe.bench import random_tokens
-from jaxdist.train import loop
-from jaxdist.train.trainer import state_bytes_per_device
+from jaxdist.train.trainer import Trainer, state_bytes_per_device
 
 
 def losses(run_dir) -> list[float]:
@@ -50,7 +50,7 @@ def test_layout_matches_single_device(tmp_path, single_device_losses, mesh, pres
 
 def test_shards_follow_rules_and_fsdp_divides_memory(tmp_path):
     cfg = make_config(tmp_path, mesh={"data": 1, "fsdp": 8}, rules={"preset": "fsdp"})
-    trainer = loop.build_trainer(cfg)
+    trainer = Trainer.from_config(cfg)
     layouts = {lay.path: lay for lay in jax.tree.leaves(trainer.layouts, is_leaf=lambda x: hasattr(x, "spec"))}
     params = jax.tree.leaves_with_path(trainer.params)
     assert len(params) == len(layouts) > 10
@@ -70,7 +70,7 @@ def test_shards_follow_rules_and_fsdp_divides_memory(tmp_path):
 
 def test_tensor_parallel_shards_heads_and_mlp(tmp_path):
     cfg = make_config(tmp_path, mesh={"data": 2, "fsdp": 1, "tensor": 4}, rules={"preset": "tp"})
-    trainer = loop.build_trainer(cfg)
+    trainer = Trainer.from_config(cfg)
     blocks = trainer.params["blocks"]
     # qkv: (layers, 3, embed, heads, head_dim) with heads split 4 ways; mlp hidden split 4 ways.
     assert blocks["attn"]["qkv"].addressable_shards[0].data.shape == (2, 3, 64, 1, 16)
@@ -88,7 +88,7 @@ def test_batch_chunks_change_neither_the_math_nor_what_crosses_devices(tmp_path)
     runs = {}
     for chunks in (1, 2):
         cfg = make_config(tmp_path / str(chunks), model={"scan_layers": False, "batch_chunks": chunks}, **layout)
-        trainer = loop.build_trainer(cfg, devices)
+        trainer = Trainer.from_config(cfg, devices)
         trainer.compile(trainer.global_batch(random_tokens(cfg)))
         text = trainer.compiled_text()
         calls = collections.Counter()

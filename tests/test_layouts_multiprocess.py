@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from conftest import make_config
 
+from jaxdist import loop
 from jaxdist.launch import free_port
 from jaxdist.parallel import feed
-from jaxdist.train import loop
 
 HERE = Path(__file__).parent
 STEPS = 4

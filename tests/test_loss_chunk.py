@@ -17,14 +17,13 @@ import pytest
 from conftest import FAST_COMPILE, make_config
 from flax import nnx
 
-from jaxdist import cli, models
+from jaxdist import cli, loop, models
 from jaxdist.models.cross_entropy import fused_linear_cross_entropy, reduce_logits
 from jaxdist.observe import hlo
 from jaxdist.parallel import feed
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.parallel import rules as rules_lib
-from jaxdist.train import loop
 from jaxdist.train.accumulate import loss_and_grads
 from jaxdist.train.state import abstract_model, init_state, param_dict
 from jaxdist.train.step import make_train_step

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 from conftest import make_config
 
+from jaxdist import loop
 from jaxdist.errors import UserError
 from jaxdist.launch import free_port
-from jaxdist.train import loop
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 240
@@ -111,12 +111,9 @@ def test_launch_two_processes_trains_like_one_process(tmp_path, one_process_loss
     assert "[0] --- sample ---" in out  # generation gathers its rows from both processes
 
 
-# -- checkpoints across process counts (needs jaxdist/checkpoint.py from the checkpoint branch) -----
-
-_HAS_CHECKPOINTS = (REPO / "jaxdist" / "checkpoint.py").exists()
+# -- checkpoints across process counts --------------------------------------------------------------
 
 
-@pytest.mark.skipif(not _HAS_CHECKPOINTS, reason="needs jaxdist/checkpoint.py (issue-ckpt branch)")
 @pytest.mark.parametrize("first, second", [(2, 1), (1, 2)], ids=["2to1", "1to2"])
 def test_checkpoint_restores_under_another_process_count(tmp_path, one_process_losses, first, second):
     """A run checkpointed by `first` processes resumes under `second` and continues the same losses."""
@@ -399,7 +396,7 @@ def test_scale_numbers_follow_from_the_parameter_count(capsys):
     hw = scaling.Hardware()
     matmul = layers * 12 * d * d  # the blocks' matmul weights: read, copied and differentiated in bf16
     assert model.matmul_params == model.copied_params == matmul
-    # As the compiled 406M data-parallel step all-reduces them (BENCHMARKS.md, 2 x H200): 576.0 MiB
+    # As the compiled 406M data-parallel step all-reduces them (benchmarks/HISTORY.md, 2 x H200): 576.0 MiB
     # of bf16 matmul gradients and 397.4 MiB of float32 ones (embedding, head, norms, positions).
     grads = 2 * matmul + 4 * (model.params - matmul)
     assert model.gradient_bytes == grads

@@ -15,8 +15,8 @@ from jaxdist.parallel.feed import batch_sharding
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.parallel import pipeline
 from jaxdist.parallel import rules as rules_lib
-from jaxdist.train import loop
 from jaxdist.train.state import abstract_model, param_dict
+from jaxdist.train.trainer import Trainer
 
 # 8 layers so that stages x repeats in {2, 4, 8} divide them; small enough to compile in seconds.
 PIPE_GPT = {"d_model": 32, "layers": 8, "heads": 4, "seq_len": 16, "vocab": 256}
@@ -160,7 +160,7 @@ def test_train_step_on_four_stages_matches_and_keeps_a_quarter_per_device(tmp_pa
         tmp_path, stages=4, microbatches=4, repeats=2, data=2, remat=True,
         train={"global_batch": BATCH, "microbatches": 2}, optim={"name": "adamw", "clip_norm": None, "b1": 0.9},
     )
-    trainer = loop.build_trainer(cfg)
+    trainer = Trainer.from_config(cfg)
     metrics = trainer.step(jax.device_get(batch))
     assert abs(float(metrics["loss"]) - expected_loss) <= 1e-5 * abs(expected_loss)
     expected_norm = np.sqrt(sum(np.sum(np.square(g)) for g in jax.tree.leaves(expected_grads)))

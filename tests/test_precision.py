@@ -11,11 +11,12 @@ import pytest
 from conftest import make_config
 from flax import nnx
 
+from jaxdist import loop
 from jaxdist.config import PrecisionConfig
 from jaxdist.errors import UserError
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.parallel import rules as rules_lib
-from jaxdist.train import loop, precision
+from jaxdist.train import precision
 from jaxdist.train.trainer import Trainer
 
 
@@ -157,5 +158,5 @@ def test_bfloat16_run_tracks_its_float32_twin_over_50_steps(tmp_path):
 def test_float16_gpt_on_cpu_is_refused_before_compiling(tmp_path, compiles):
     cfg = make_config(tmp_path, precision={"compute": "float16"})
     with pytest.raises(UserError, match="precision.compute=float16"):
-        loop.build_trainer(cfg)
+        Trainer.from_config(cfg)
     assert compiles.count == 0

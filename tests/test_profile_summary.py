@@ -1,6 +1,6 @@
 """scripts/profile_summary.py reads a JAX profiler trace: kernel time by kind, GPU idle gaps, host events.
 
-The numbers in BENCHMARKS.md's profile tables come from it, so a miscount here would misreport them.
+The numbers in benchmarks/HISTORY.md's profile tables come from it, so a miscount here would misreport them.
 """
 
 import importlib.util

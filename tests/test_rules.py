@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist import UserError, cli, make_mesh
 from jaxdist.parallel import rules
-from jaxdist.train import loop
+from jaxdist.train.trainer import Trainer, param_layouts
 
 
 def test_presets_split_what_they_say():
@@ -47,13 +47,13 @@ def test_mesh_axis_used_twice_names_the_parameter():
 def test_indivisible_dimension_names_the_parameter(tmp_path, devices):
     cfg = make_config(tmp_path, model={"d_model": 60, "heads": 4}, mesh={"data": 1, "fsdp": 8})
     with pytest.raises(UserError, match=r"parameter blocks/attn/out dim 3 \(size 60\) is not divisible by fsdp=8"):
-        loop.param_layouts(cfg)
+        param_layouts(cfg)
 
 
 def test_rule_naming_a_missing_mesh_axis(tmp_path):
     cfg = make_config(tmp_path, rules={"preset": "dp", "params": {"mlp": "expert"}})
     with pytest.raises(UserError, match=r"rules.params.mlp names mesh axis 'expert'"):
-        loop.param_layouts(cfg)
+        param_layouts(cfg)
 
 
 def test_constrain_is_a_noop_outside_a_step():
@@ -94,7 +94,7 @@ def test_rules_command_matches_shardings_used(tmp_path, capsys):
     assert cli.main(["rules", str(path)]) == 0
     table = _table_rows(capsys.readouterr().out)
 
-    trainer = loop.build_trainer(make_config(tmp_path, mesh=raw["mesh"], rules=raw["rules"]))
+    trainer = Trainer.from_config(make_config(tmp_path, mesh=raw["mesh"], rules=raw["rules"]))
     used = {
         "/".join(str(k.key) for k in path): leaf for path, leaf in jax.tree.leaves_with_path(trainer.params)
     }

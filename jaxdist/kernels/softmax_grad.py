@@ -7,7 +7,7 @@ bandwidth), then an elementwise pass that reads the logits again and writes the 
 program per row walks it twice: first an online max / sum of exponentials / target logit over
 blocks of the vocabulary, then the gradient, reading the blocks again soon after, when L2 may
 still hold them. At 406M a chunk (412 MB of bf16 logits) takes 0.37 ms instead of XLA's 0.49
-(one H200, scripts/bench_softmax_grad.py).
+(one H200, benchmarks/bench_softmax_grad.py).
 
 The kernel uses Pallas's Triton backend, as the fused norms do (kernels/fused_norm.py); off the GPU
 it runs in Pallas's interpreter, so the CPU tests check the same code. Under a mesh it runs per
@@ -32,7 +32,7 @@ except ImportError:
 
 LOGITS: tuple[str, ...] = ("batch", "length", "vocab")
 # Columns per block (a power of two, as Triton's blocks are; narrowed to the vocabulary's) and warps
-# per program, one program per row: the fastest of those timed on one H200 (scripts/bench_softmax_grad.py).
+# per program, one program per row: the fastest of those timed on one H200 (benchmarks/bench_softmax_grad.py).
 # Programs that walk several rows each, or hold a whole row in registers, ran slower.
 BLOCK = 4096
 WARPS = 4

@@ -29,7 +29,7 @@ Names = tuple[str | None, ...]
 # The residual stream between blocks (and through the norms) names its length axis `seq`, apart
 # from `length` inside attention and the MLP: rules may split `seq` over `tensor` (sequence
 # parallelism), so that norms and residual adds are not repeated on every tensor-parallel device
-# (off in the presets: measured slower at tensor=4 on H200, see BENCHMARKS.md).
+# (off in the presets: measured slower at tensor=4 on H200, see benchmarks/HISTORY.md).
 RESIDUAL: Names = ("batch", "seq", "embed")
 
 _normal = nnx.initializers.normal(0.02)

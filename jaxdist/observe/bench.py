@@ -21,9 +21,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxdist import kernels
 from jaxdist.config import Config
 from jaxdist.observe import clocks, hlo
 from jaxdist.parallel import mesh as mesh_lib
+from jaxdist.train.trainer import Trainer
 
 PEAK_FLOPS_BF16 = 989e12  # H100/H200 dense bf16 datasheet, as the peers use
 
@@ -93,10 +95,10 @@ def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = No
 
     With `profile_dir`, three more steps are traced by the JAX profiler into that folder.
     """
-    from jaxdist.train.loop import build_trainer
-
     start = time.perf_counter()
-    trainer = build_trainer(cfg, devices)
+    if (built := kernels.build_for(cfg.model)) and jax.process_index() == 0:
+        print(built, flush=True)  # before compiling: the model only loads the kernels while traced
+    trainer = Trainer.from_config(cfg, devices)
     batch = trainer.global_batch(random_tokens(cfg, trainer.process_rows(cfg.train.global_batch).rows))
     trainer.compile(batch)
     setup_s = time.perf_counter() - start

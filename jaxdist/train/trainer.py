@@ -4,11 +4,12 @@
                       mesh=make_mesh(fsdp=4, tensor=2), rules=rules.preset("fsdp_tp"))
     metrics = trainer.step({"x": local_x, "y": local_y})
 
-The CLI's training loop is built on the same object.
+The CLI's training loop is built on the same object, from a config: `Trainer.from_config(cfg)`.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,11 +19,17 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
+from jaxdist import models
+from jaxdist.config import Config
+from jaxdist.errors import UserError
 from jaxdist.parallel import feed
+from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.train import copies as copies_lib
+from jaxdist.train import precision
+from jaxdist.train.optim import build_optimizer
 from jaxdist.train.precision import LossScale
-from jaxdist.train.state import ModelFactory, TrainState, init_state
+from jaxdist.train.state import ModelFactory, TrainState, abstract_model, init_state
 from jaxdist.train.step import LossFn, copies_shardings, make_train_step
 
 FSDP_GATHERS = ("per_layer", "per_step")
@@ -92,6 +99,39 @@ class Trainer:
         # seen under load). On CPU there is little to overlap anyway, so each step finishes first.
         self._finish_each_step = mesh.devices.flat[0].platform == "cpu" and mesh.devices.size > 1
 
+    @classmethod
+    def from_config(cls, cfg: Config, devices: list | None = None, layout: layout_lib.Layout | None = None) -> Trainer:
+        """Checks the config against the devices, then builds the mesh, the sharded state and the step
+        for the registered model `cfg.model.name`.
+
+        `layout`: `jaxdist.parallel.layout.from_config(cfg, devices)`, where the caller already has it.
+        """
+        layout = layout or layout_lib.from_config(cfg, devices)
+        mesh, rules = layout.mesh, layout.rules
+        precision.check_backend(cfg.precision, mesh.devices.flat[0].platform)
+        entry = models.get(cfg.model.name)
+        create_model = entry.create(cfg)
+        abstract = abstract_model(create_model, cfg.seed)
+        tx, schedule = build_optimizer(cfg.optim, cfg.train, abstract[2])
+        make_copies = None
+        dtypes = precision.policy(cfg.precision, mesh.devices.flat[0].platform)
+        if cfg.precision.compute_copies and entry.read_in_compute_dtype is not None:
+            make_copies = functools.partial(copies_lib.compute_copies, picks=entry.read_in_compute_dtype,
+                                            dtype=dtypes.compute_dtype)
+        if cfg.train.fsdp_gather != "per_layer" and (make_copies is None or dtypes.compute_dtype == dtypes.param_dtype):
+            raise UserError(
+                f"train.fsdp_gather={cfg.train.fsdp_gather} gathers the weights' compute-dtype copies, and here there are none "
+                f"(model {cfg.model.name}, compute {dtypes.compute_dtype.name}, params {dtypes.param_dtype.name}): "
+                f"use per_layer, or a compute dtype other than the parameters'"
+            )
+        return cls(
+            create_model, entry.loss, tx, mesh, rules,
+            seed=cfg.seed, microbatches=cfg.train.microbatches, grad_reduction=cfg.train.grad_reduction,
+            grad_reduce_dtype=cfg.precision.grad_reduce,
+            schedule=schedule, loss_scale=precision.initial_loss_scale(cfg.precision), abstract=abstract,
+            compute_copies=make_copies, fsdp_gather=cfg.train.fsdp_gather,
+        )
+
     def process_rows(self, global_batch: int) -> feed.BatchRows:
         """Which rows of a global batch of `global_batch` rows this process must feed: those its
         devices hold under the batch sharding (processes that hold the same rows feed the same ones)."""
@@ -136,6 +176,13 @@ class Trainer:
     @property
     def params(self) -> Any:
         return self.state.params
+
+
+def param_layouts(cfg: Config, devices: list | None = None) -> Any:
+    """Each parameter's checked placement under this config, computed without allocating or compiling."""
+    layout = layout_lib.from_config(cfg, devices)
+    _, abstract_params, names = abstract_model(models.get(cfg.model.name).create(cfg), cfg.seed)
+    return rules_lib.param_layouts(abstract_params, names, layout.rules, layout.mesh)
 
 
 def state_bytes_per_device(state: TrainState) -> dict[Any, int]:

@@ -1,12 +1,12 @@
 """Throughput of the input pipeline alone: packed GPT batches per second, no model, no device.
 
-    PYTHONPATH=. python scripts/bench_data.py [--seq-len 1024] [--batch 32] [--workers 0] ...
+    PYTHONPATH=. python benchmarks/bench_data.py [--seq-len 1024] [--batch 32] [--workers 0] ...
 
 Prepares the Python standard library's sources into ArrayRecord shards (byte or sentencepiece
 tokens) in a temporary directory, then reads batches through the same config-driven iterator
 the training loop uses (`loader.train_iterator`: shuffled, per-epoch reseeded, packed windows,
 targets shifted by one, int32) and prints tokens per second. `--source stdlib` reads the
-in-memory stdlib corpus instead. The target (issue 4) is 2 million tokens/s on 2 CPU cores.
+in-memory stdlib corpus instead. The target is 2 million tokens/s on 2 CPU cores.
 """
 
 from __future__ import annotations

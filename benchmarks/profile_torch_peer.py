@@ -1,6 +1,6 @@
 """Where the torch peer's step spends its GPU time, in the same kinds as profile_summary.py.
 
-    python3 scripts/profile_torch_peer.py --peers DIR [--d 1024] [--batch 16] [--trace OUT.json.gz]
+    python3 benchmarks/profile_torch_peer.py --peers DIR [--d 1024] [--batch 16] [--trace OUT.json.gz]
 
 Trains `torch_gpt.py`'s model exactly as that script does (bf16 autocast, torch.compile, fused
 AdamW), then traces 3 steps with torch.profiler and sums the CUDA kernels by kind and by name,

@@ -1,4 +1,4 @@
-"""Checkpoints with Orbax: asynchronous, sharded, resumable onto any mesh and process count.
+"""The Orbax checkpoint store: asynchronous, sharded, resumable onto any mesh and process count.
 
 `run_dir/checkpoints/<step>/` holds two Orbax items:
 
@@ -18,32 +18,21 @@ process count that the model fits: every process reads just the pieces its devic
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import datetime
-import functools
-import importlib.metadata
-import json
 import math
 import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.sharding import Mesh
 
-from jaxdist import models
-from jaxdist.config import Config
 from jaxdist.errors import UserError
-from jaxdist.train.state import abstract_model
 
 STATE, META = "state", "meta"
 UNREADABLE_PREFIX = "unreadable-"
 _MIN_CHUNK_BYTES = 2**20
-_VERSIONED_PACKAGES = ("jaxdist", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain")
 
 
 class CheckpointMismatch(UserError):
@@ -52,18 +41,6 @@ class CheckpointMismatch(UserError):
     def __init__(self, message: str, step: int):
         super().__init__(message)
         self.step = step
-
-
-@dataclasses.dataclass(frozen=True)
-class DataPosition:
-    """Where training stands: `step` optimizer steps done, having consumed the first `example`
-    examples of the global data stream (see jaxdist.data.pipeline); the same under any process count."""
-
-    step: int = 0
-    example: int = 0
-
-    def advanced(self, steps: int, global_batch: int) -> DataPosition:
-        return dataclasses.replace(self, step=self.step + steps, example=self.example + steps * global_batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,11 +75,12 @@ def leaf_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
             if _is_key(leaf):
                 # A typed PRNG key array is saved as its key data (uint32, one more axis or more).
                 leaf = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
-            shapes[_dotted(path)] = (tuple(leaf.shape), str(np.dtype(leaf.dtype)))
+            shapes[dotted_name(path)] = (tuple(leaf.shape), str(np.dtype(leaf.dtype)))
     return shapes
 
 
-def _dotted(path) -> str:
+def dotted_name(path) -> str:
+    """A pytree key path as Orbax names it: `opt_state.1.0.mu.blocks.attn.qkv`."""
     parts = []
     for key in path:
         for attr in ("key", "name", "idx"):
@@ -128,46 +106,8 @@ def first_mismatch(saved: dict[str, tuple], wanted: dict[str, tuple]) -> str | N
     return None
 
 
-def changed_keys(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two nested config dicts, as `key=saved->current`."""
-    changes = []
-    for key in sorted(saved.keys() | current.keys()):
-        old, new = saved.get(key), current.get(key)
-        if isinstance(old, dict) and isinstance(new, dict):
-            changes += changed_keys(old, new, f"{prefix}{key}.")
-        elif old != new:
-            changes.append(f"{prefix}{key}={old}->{new}")
-    return changes
-
-
-@functools.cache
-def library_versions() -> dict[str, str]:
-    """Versions of Python and the libraries a checkpoint depends on (looked up once: it is slow)."""
-    versions = {"python": sys.version.split()[0]}
-    for package in _VERSIONED_PACKAGES:
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            versions[package] = "not installed"
-    return versions
-
-
-def run_meta(cfg: Config, mesh: Mesh, position: DataPosition) -> dict[str, Any]:
-    """What a checkpoint says about itself besides the arrays (JSON-serializable)."""
-    return {
-        "step": position.step,
-        "data": {"example": position.example, "seed": cfg.seed},
-        "config": cfg.model_dump(mode="json"),
-        "mesh": dict(mesh.shape),
-        "process_count": jax.process_count(),
-        "device_count": mesh.devices.size,
-        "platform": mesh.devices.flat[0].platform,
-        "versions": dict(library_versions()),
-        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
 def warn(message: str) -> None:
+    """Prints a warning on process 0 only."""
     if jax.process_index() == 0:
         print(f"jaxdist: warning: {message}", file=sys.stderr, flush=True)
 
@@ -315,7 +255,7 @@ class Checkpoints:
         return leaf_shapes(self._manager.item_metadata(step)[STATE].tree)
 
     def meta(self, step: int) -> dict[str, Any]:
-        """The JSON meta of checkpoint `step` (see `run_meta`)."""
+        """The JSON meta of checkpoint `step` (see `jaxdist.checkpoint.run.run_meta`)."""
         restored = self._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))
         return dict(restored[META])
 
@@ -381,190 +321,12 @@ class Checkpoints:
             ocp.multihost.sync_global_processes(f"jaxdist_set_aside_{step}")
         self._manager.reload()
         self.last_saved = self._manager.latest_step()
-        warn(f"checkpoint {self.path(step)} is unreadable ({type(err).__name__}: {_first_line(err)}); "
+        warn(f"checkpoint {self.path(step)} is unreadable ({type(err).__name__}: {first_line(err)}); "
              f"moved it to {aside}; falling back to the one before")
         return aside
 
 
-def _first_line(err: Exception) -> str:
+def first_line(err: Exception) -> str:
+    """The first line of an error's message, for a one-line report."""
     text = str(err).strip()
     return text.splitlines()[0][:200] if text else "no message"
-
-
-class RunCheckpoints:
-    """The training loop's checkpoint policy for one run directory.
-
-    `prepare` (before building anything) picks the checkpoint to resume from and checks it holds
-    this model; `resume` restores it into the trainer's shardings. Saves: every `checkpoint.every`
-    steps and at the last step, at a preemption, and (one process) after an error if the state is
-    intact. `checkpoint.every=0` turns saving off; existing checkpoints are still resumed from.
-    """
-
-    def __init__(self, cfg: Config, log: Callable[[str], None]):
-        self.cfg = cfg
-        self.log = log
-        self.enabled = cfg.checkpoint.every > 0
-        self.directory = Path(cfg.run_dir) / "checkpoints"
-        self.start = DataPosition()
-        self._planned: int | None = None
-        self._store: Checkpoints | None = None
-        self._mesh: Mesh | None = None
-
-    def prepare(self) -> DataPosition:
-        """Picks the newest checkpoint whose metadata reads back and checks that its params fit
-        this model. Reads metadata and abstract shapes only: creates nothing, compiles nothing.
-        Returns its data position (step 0 without checkpoints)."""
-        if not self.directory.is_dir():
-            return self.start
-        with Checkpoints(self.directory, create=False) as store:
-            for step in reversed(store.steps()):
-                try:
-                    saved, meta = store.saved_shapes(step), store.meta(step)
-                except Exception as err:  # noqa: BLE001  (unreadable: fall back to the one before)
-                    store.set_aside(step, err)
-                    continue
-                if any(name.startswith("params.") for name in saved):
-                    _, params, _ = abstract_model(models.get(self.cfg.model.name).create(self.cfg), self.cfg.seed)
-                    with self._explaining_mismatch(store):
-                        store.check_fits(step, params, part="params")
-                self._planned = step
-                return _position(step, meta)
-        return self.start
-
-    def resume(self, trainer) -> DataPosition:
-        """Restores the prepared checkpoint (or, if its arrays fail to read, the newest one before
-        it that reads) into `trainer.state`, in the trainer's shardings. Returns the position to
-        continue from (step 0 when there is no checkpoint)."""
-        self._mesh = trainer.mesh
-        self._store = Checkpoints(self.directory, self.cfg.checkpoint.keep)
-        if self._planned is None:
-            return self.start
-        target = abstract_state(trainer.state)
-        # Free the freshly initialized state first (once its init has run), so the state is never
-        # held twice.
-        for leaf in jax.tree.leaves(jax.block_until_ready(trainer.state)):
-            leaf.delete()
-        with self._explaining_mismatch(self._store):
-            restored = self._store.restore_latest(target, newest=self._planned)
-        if restored is None:
-            self._store.close()
-            raise UserError(
-                f"run_dir={self.cfg.run_dir}: no checkpoint in {self.directory} could be read (they were "
-                f"renamed {UNREADABLE_PREFIX}<step>); fix them, or start over with another run_dir"
-            )
-        trainer.state = restored.state
-        self.start = _position(restored.step, restored.meta)
-        self.log(self._resume_line(restored))
-        return self.start
-
-    @contextlib.contextmanager
-    def _explaining_mismatch(self, store: Checkpoints) -> Iterator[None]:
-        """Adds to a `CheckpointMismatch` the config keys that changed since the checkpoint was saved."""
-        try:
-            yield
-        except CheckpointMismatch as err:
-            changes = changed_keys(store.meta(err.step)["config"], self.cfg.model_dump(mode="json"))
-            hint = f"config changed since: {', '.join(changes)}" if changes else "same config"
-            raise CheckpointMismatch(
-                f"{err} ({hint}); resume with the config it was saved with, or use another run_dir", err.step
-            ) from None
-
-    def _resume_line(self, restored: Restored) -> str:
-        meta = restored.meta
-        saved_on = " x ".join(f"{axis}={size}" for axis, size in meta["mesh"].items())
-        line = (f"resuming from step {restored.step} (checkpoint {restored.path}, saved on mesh {saved_on} "
-                f"by {meta['process_count']} process(es))")
-        changes = changed_keys(meta["config"], self.cfg.model_dump(mode="json"))
-        return line + (f"; config changed: {', '.join(changes)}" if changes else "")
-
-    def position(self, step: int) -> DataPosition:
-        """The data position after `step` steps (global examples consumed so far)."""
-        return self.start.advanced(step - self.start.step, self.cfg.train.global_batch)
-
-    def save(self, step: int, state: Any) -> None:
-        self._store.save(step, state, run_meta(self.cfg, self._mesh, self.position(step)))
-
-    def after_step(self, step: int, state: Any) -> None:
-        """Starts an async save if `step` is due (every `checkpoint.every` steps, and the last)."""
-        every = self.cfg.checkpoint.every
-        if self.enabled and (step % every == 0 or step == self.cfg.train.steps):
-            self.save(step, state)
-
-    def stop(self, step: int, state: Any, reason: str) -> None:
-        """Saves `step` (unless saving is off), waits for the write, and says how to resume."""
-        if not self.enabled:
-            self.log(f"stopped by {reason} after step {step}; nothing saved (checkpoint.every=0), "
-                     f"so a rerun starts from scratch")
-            return
-        self.save(step, state)
-        self._store.wait()
-        self.log(f"stopped by {reason} after step {step}; checkpoint saved in {self._store.path(step)}; "
-                 f"run the same `jaxdist train` command (run_dir={self.cfg.run_dir}) to resume from step {step}")
-
-    @contextlib.contextmanager
-    def saving_on_error(self, trainer) -> Iterator[None]:
-        """On an exception: save the state if it is intact (not donated to a failed step), then re-raise.
-
-        Only with one process: after an error on some processes, a collective save could hang.
-        """
-        try:
-            yield
-        except Exception:
-            if self.enabled and jax.process_count() == 1:
-                self._save_last_good(trainer.state)
-            raise
-
-    def _save_last_good(self, state: Any) -> None:
-        if not is_intact(state):
-            self.log(f"the train state was lost in the failed step; last checkpoint: step {self._store.last_saved}")
-            return
-        step = int(jax.device_get(state.step))
-        try:
-            self.save(step, state)
-            self._store.wait()
-        except Exception as err:  # noqa: BLE001  (the original error is the one to raise)
-            warn(f"could not save the last good state at step {step}: {_first_line(err)}")
-            return
-        self.log(f"error after step {step}: saved the last good state in {self._store.path(step)}")
-
-    def close(self) -> None:
-        """Waits for pending writes."""
-        if self._store is not None:
-            self._store.close()
-
-
-def _position(step: int, meta: dict[str, Any]) -> DataPosition:
-    return DataPosition(step=step, example=int(meta["data"]["example"]))
-
-
-def export_params(run_dir: str | Path, out: str | Path, step: int | None = None) -> tuple[int, int]:
-    """Writes the params of a run's checkpoint (default: the newest) as one safetensors or npz file.
-
-    Keys are the dotted parameter paths (`blocks.attn.qkv`); a safetensors file's metadata holds
-    the step and the resolved config. Returns (step, number of arrays). Only the params are read,
-    but all of them, into this host's memory: this is for use elsewhere, not for training.
-    """
-    out = Path(out)
-    if out.suffix not in (".safetensors", ".npz"):
-        raise UserError(f"export: OUT={out} must end in .safetensors or .npz")
-    directory = Path(run_dir) / "checkpoints"
-    if not directory.is_dir():
-        raise UserError(f"export: RUN_DIR={run_dir} holds no checkpoints (no directory {directory})")
-    with Checkpoints(directory, create=False) as store:
-        steps = store.steps()
-        if not steps:
-            raise UserError(f"export: RUN_DIR={run_dir} holds no complete checkpoint in {directory}")
-        if step is None:
-            step = steps[-1]
-        elif step not in steps:
-            raise UserError(f"export: --step {step} is not in {directory}; available: {', '.join(map(str, steps))}")
-        params, meta = store.read_params(step)
-    arrays = {_dotted(path): np.ascontiguousarray(leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if out.suffix == ".npz":
-        np.savez(out, **arrays)
-    else:
-        from safetensors.numpy import save_file
-
-        save_file(arrays, str(out), metadata={"step": str(step), "config": json.dumps(meta.get("config", {}))})
-    return step, len(arrays)

@@ -1,11 +1,11 @@
 """Pipeline parallelism on the GPUs of one host: step time and bubble against the microbatch count.
 
-    python3 scripts/bench_pipeline.py                      # every GPU a stage; GPipe and circular
-    python3 scripts/bench_pipeline.py --microbatches 4,8,16 --repeats 1,2,4 --out pipe.jsonl
-    JAXDIST_CPU_DEVICES=4 python3 scripts/bench_pipeline.py --smoke   # tiny sizes: checks it runs
+    python3 benchmarks/bench_pipeline.py                      # every GPU a stage; GPipe and circular
+    python3 benchmarks/bench_pipeline.py --microbatches 4,8,16 --repeats 1,2,4 --out pipe.jsonl
+    JAXDIST_CPU_DEVICES=4 python3 benchmarks/bench_pipeline.py --smoke   # tiny sizes: checks it runs
 
 With S stages (S = the device count), each schedule (`pipeline.repeats` R: 1 is GPipe, more is
-circular) and microbatch count M, it times the real train step (`loop.build_trainer`, the code
+circular) and microbatch count M, it times the real train step (`Trainer.from_config`, the code
 path of `jaxdist train`) on fixed random tokens. The ideal a pipeline can reach is every device
 busy all the time, doing its share of the work: that is a step of the same model with layers / S
 layers on the whole batch on one device, timed first. Then
@@ -15,7 +15,7 @@ layers on the whole batch on one device, timed first. Then
 The measured bubble also holds what the schedule costs beyond idling (stage-to-stage transfers,
 the regrouping of layers with R > 1, microbatches too small to fill a GPU), so it sits above
 theory by that much. The vocabulary is small (bytes) so the layers, which are what is pipelined,
-dominate the step. Prints a markdown table (for BENCHMARKS.md) and writes one JSON line per row.
+dominate the step. Prints a markdown table (for README.md) and writes one JSON line per row.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import jaxdist
 from jaxdist import config as config_lib
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import pipeline
-from jaxdist.train import loop
+from jaxdist.train.trainer import Trainer
 
 
 def _ints(text: str) -> list[int]:
@@ -78,7 +78,7 @@ def _config(args: argparse.Namespace, layers: int, stages: int, microbatches: in
 
 def time_step(cfg: config_lib.Config, devices: list, warmup: int, steps: int) -> float:
     """Seconds per train step, after `warmup` steps, on fixed random tokens."""
-    trainer = loop.build_trainer(cfg, devices)
+    trainer = Trainer.from_config(cfg, devices)
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab, (cfg.train.global_batch, cfg.model.seq_len + 1))
     batch = trainer.global_batch({"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)})
     trainer.compile(batch)

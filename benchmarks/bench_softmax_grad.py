@@ -1,6 +1,6 @@
 """One loss chunk's softmax pass: XLA's reduction + gradient pass against the one-kernel version (GPU).
 
-    python3 scripts/bench_softmax_grad.py [--configs 4096,4 2048,8 ...]
+    python3 benchmarks/bench_softmax_grad.py [--configs 4096,4 2048,8 ...]
 
 For a chunk of the 406M and 1.4B recipes' loss (16 or 8 sequences x 256 positions x 50,304 bf16
 logits) this prints XLA's two passes (`cross_entropy.xla_loss_and_grad`: the one-pass logsumexp,

@@ -1,11 +1,11 @@
 """The training loop behind `jaxdist train`: check, build, compile, step, log, sample.
 
-Side effects (files, printing) live here and in the CLI; the step itself is pure.
+It sits in the command layer, above what it drives: the data pipeline, a `Trainer`, checkpoints and
+metrics. Side effects (files, printing) live here and in the CLI; the step itself is pure.
 """
 
 from __future__ import annotations
 
-import functools
 import sys
 import time
 from pathlib import Path
@@ -17,18 +17,13 @@ from jaxdist import kernels, models
 from jaxdist.checkpoint import RunCheckpoints
 from jaxdist.config import Config
 from jaxdist.data import loader
-from jaxdist.errors import UserError
 from jaxdist.observe.metrics import MetricsWriter, drop_after
 from jaxdist.parallel import feed
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import mesh as mesh_lib
-from jaxdist.parallel import rules as rules_lib
-from jaxdist.train import copies, precision
 from jaxdist.train.evaluate import Evaluator
 from jaxdist.train.generate import sample
-from jaxdist.train.optim import build_optimizer
 from jaxdist.train.preemption import StopSignals
-from jaxdist.train.state import abstract_model
 from jaxdist.train.trainer import Trainer
 
 
@@ -36,50 +31,6 @@ def log(message: str) -> None:
     """Prints on process 0 only."""
     if jax.process_index() == 0:
         print(message, flush=True)
-
-
-def param_layouts(cfg: Config, devices: list | None = None):
-    """Each parameter's checked placement under this config, computed without allocating or compiling."""
-    layout = layout_lib.from_config(cfg, devices)
-    _, abstract_params, names = abstract_model(models.get(cfg.model.name).create(cfg), cfg.seed)
-    return rules_lib.param_layouts(abstract_params, names, layout.rules, layout.mesh)
-
-
-def build_trainer(cfg: Config, devices: list | None = None, layout: layout_lib.Layout | None = None) -> Trainer:
-    """Checks the config against the devices, then builds the mesh, the sharded state and the step.
-
-    On a GPU it first builds the C++ kernels the model asks for (`jaxdist.kernels.build_for`), since
-    the model only loads them while it is traced. `layout`: `jaxdist.parallel.layout.from_config(cfg,
-    devices)`, where the caller already has it.
-    """
-    layout = layout or layout_lib.from_config(cfg, devices)
-    mesh, rules = layout.mesh, layout.rules
-    precision.check_backend(cfg.precision, mesh.devices.flat[0].platform)
-    built = kernels.build_for(cfg.model)
-    if built is not None:
-        log(built)
-    entry = models.get(cfg.model.name)
-    create_model = entry.create(cfg)
-    abstract = abstract_model(create_model, cfg.seed)
-    tx, schedule = build_optimizer(cfg.optim, cfg.train, abstract[2])
-    make_copies = None
-    dtypes = precision.policy(cfg.precision, mesh.devices.flat[0].platform)
-    if cfg.precision.compute_copies and entry.read_in_compute_dtype is not None:
-        make_copies = functools.partial(copies.compute_copies, picks=entry.read_in_compute_dtype,
-                                        dtype=dtypes.compute_dtype)
-    if cfg.train.fsdp_gather != "per_layer" and (make_copies is None or dtypes.compute_dtype == dtypes.param_dtype):
-        raise UserError(
-            f"train.fsdp_gather={cfg.train.fsdp_gather} gathers the weights' compute-dtype copies, and here there are none "
-            f"(model {cfg.model.name}, compute {dtypes.compute_dtype.name}, params {dtypes.param_dtype.name}): "
-            f"use per_layer, or a compute dtype other than the parameters'"
-        )
-    return Trainer(
-        create_model, entry.loss, tx, mesh, rules,
-        seed=cfg.seed, microbatches=cfg.train.microbatches, grad_reduction=cfg.train.grad_reduction,
-        grad_reduce_dtype=cfg.precision.grad_reduce,
-        schedule=schedule, loss_scale=precision.initial_loss_scale(cfg.precision), abstract=abstract,
-        compute_copies=make_copies, fsdp_gather=cfg.train.fsdp_gather,
-    )
 
 
 def train(cfg: Config, devices: list | None = None) -> Trainer:
@@ -98,7 +49,9 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
     batches = loader.train_iterator(cfg, rows, start_example=planned.example, source=train_source)
     first_local = next(batches)
     feed.check_replicas_agree(first_local, layout.batch_sharding, rows)
-    trainer = build_trainer(cfg, layout=layout)
+    if built := kernels.build_for(cfg.model):  # the model only loads them while it is traced
+        log(built)
+    trainer = Trainer.from_config(cfg, layout=layout)
     run_dir = Path(cfg.run_dir)
     is_writer = jax.process_index() == 0
     if is_writer:

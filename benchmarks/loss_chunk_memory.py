@@ -1,7 +1,7 @@
 """Per-device memory of the compiled train step against `model.loss_chunk` (compile only, no run).
 
-    JAXDIST_CPU_DEVICES=1 python scripts/loss_chunk_memory.py configs/tiny.yaml model.vocab=16384
-    python scripts/loss_chunk_memory.py configs/gpt_406m.yaml --chunks 0,128,256   # on a GPU
+    JAXDIST_CPU_DEVICES=1 python benchmarks/loss_chunk_memory.py configs/tiny.yaml model.vocab=16384
+    python benchmarks/loss_chunk_memory.py configs/gpt_406m.yaml --chunks 0,128,256   # on a GPU
 
 For each chunk size (0: the unchunked loss, which forms the whole logits), prints XLA's memory
 analysis of the step: temporaries (activations, logits, gradients) and arguments (the state and

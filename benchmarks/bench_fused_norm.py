@@ -1,6 +1,6 @@
 """Checks and times the fused residual-add + norm kernels against XLA's fusions, on the GPU.
 
-    python3 scripts/bench_fused_norm.py [--shape 16 1024 1024] [--norm layernorm|rmsnorm]
+    python3 benchmarks/bench_fused_norm.py [--shape 16 1024 1024] [--norm layernorm|rmsnorm]
 
 For random bf16 activations of the given shape: the largest relative error of both outputs and
 all gradients against the unfused float32 reference, and the median time of one forward + backward

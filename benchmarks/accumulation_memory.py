@@ -1,6 +1,6 @@
 """Per-device memory of the compiled train step against the microbatch count (compile only, no run).
 
-    JAXDIST_CPU_DEVICES=8 python scripts/accumulation_memory.py configs/tiny.yaml train.global_batch=64
+    JAXDIST_CPU_DEVICES=8 python benchmarks/accumulation_memory.py configs/tiny.yaml train.global_batch=64
 
 For each microbatch count and gradient-reduction mode, prints XLA's memory analysis of the step:
 temporaries (activations, gradients, the accumulation carry) and the gradient elements reduced per

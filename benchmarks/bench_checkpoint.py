@@ -1,6 +1,6 @@
 """Async checkpoint overhead: step time with a checkpoint after every step vs. without.
 
-    JAXDIST_CPU_DEVICES=8 python scripts/bench_checkpoint.py [configs/tiny.yaml] [key=value ...]
+    JAXDIST_CPU_DEVICES=8 python benchmarks/bench_checkpoint.py [configs/tiny.yaml] [key=value ...]
         [--segments 4] [--steps-per-segment 10]
 
 One trainer trains in alternating segments, without saving and with an async Orbax save after
@@ -33,7 +33,7 @@ import jaxdist
 from jaxdist import checkpoint
 from jaxdist import config as config_lib
 from jaxdist.data import loader
-from jaxdist.train import loop
+from jaxdist.train.trainer import Trainer
 
 
 def main() -> None:
@@ -48,7 +48,7 @@ def main() -> None:
     args = parser.parse_args()
 
     cfg = config_lib.load(args.config, args.overrides)
-    trainer = loop.build_trainer(cfg)
+    trainer = Trainer.from_config(cfg)
     batches = loader.train_iterator(cfg)
     batch = trainer.global_batch(next(batches))
     trainer.compile(batch)

@@ -1,6 +1,6 @@
 """The MLP's backward matmul with GELU's gradient: XLA's matmul + pass against cuBLASLt's epilogue (GPU).
 
-    JAXDIST_CUBLASLT_LOG=1 python3 scripts/bench_gelu_matmul.py
+    JAXDIST_CUBLASLT_LOG=1 python3 benchmarks/bench_gelu_matmul.py
 
 Backward through `gelu(pre) @ down`, XLA runs `d_post = d_out @ down.T` and then a pass over memory
 for `d_pre = d_post * gelu'(pre)`; the model runs one cuBLASLt matmul with a DGELU epilogue instead

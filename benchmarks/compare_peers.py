@@ -1,0 +1,143 @@
+"""Runs jaxdist's benchmark and the matching peer one after the other on this host; prints ratios.
+
+    python3 benchmarks/compare_peers.py SUITE [SUITE ...] [--peers DIR] [--out results.jsonl]
+
+Suites: `one_gpu`, `two_gpus_dp_fsdp` (2 GPUs), `tensor_parallel` (4 GPUs); see README.md.
+
+Each run is a separate process (one GPU program at a time); every result is one JSON line. The
+peers are shared/peers/*.py (torch_gpt.py, torch_dist.py, plain_jax_gpt.py); pass their folder.
+Ratios are only meaningful within one call on one machine: absolute times drift between hosts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jaxdist
+from jaxdist.observe import clocks
+
+JAXDIST = [sys.executable, "-m", "jaxdist.cli", "bench"]
+GPT_406M = ["configs/gpt_406m.yaml"]
+GPT_1B4 = ["configs/gpt_1b4.yaml"]
+
+
+def suites(peers: str) -> dict[str, list[tuple[str, list[str]]]]:
+    """The runs behind README.md's current tables, by suite: (label, command) in the order they run.
+
+    `peers`: the folder of the peers' programs. The multi-GPU suites take the host's first 2 or 4
+    GPUs (`--devices`), so they run on a larger host as well.
+    """
+    torch_gpt = [sys.executable, f"{peers}/torch_gpt.py"]
+    torch_dist = ["torchrun", "--standalone", "--nproc_per_node=2", f"{peers}/torch_dist.py"]
+    # jaxdist's own 1-GPU step: the baseline of the multi-GPU ratios (the first GPU of a larger host).
+    one_gpu_406m = JAXDIST + GPT_406M + ["mesh.fsdp=1", "--devices", "1"]
+    one_gpu_1b4 = JAXDIST + GPT_1B4 + ["mesh.fsdp=1", "--devices", "1"]
+    # 16 sequences per GPU on 2 GPUs, as the torch peers run.
+    dp2 = GPT_406M + ["train.global_batch=32", "mesh.data=-1", "mesh.fsdp=1", "rules.preset=dp", "--devices", "2"]
+    fsdp = GPT_406M + ["train.global_batch=32", "--devices", "2"]
+    tensor = GPT_1B4 + ["mesh.fsdp=1", "rules.preset=tp"]
+    return {
+        # jaxdist against torch at both sizes; each loss chunk's softmax by XLA's passes beside the kernel.
+        "one_gpu": [
+            ("torch 406m b16", torch_gpt + ["--batch", "16"]),
+            ("jaxdist 406m", JAXDIST + GPT_406M),
+            ("jaxdist 406m loss_impl=xla", JAXDIST + GPT_406M + ["model.loss_impl=xla"]),
+            ("torch 1b4 b8", torch_gpt + ["--d", "2048", "--batch", "8"]),
+            ("jaxdist 1b4", JAXDIST + GPT_1B4),
+            ("jaxdist 1b4 loss_impl=xla", JAXDIST + GPT_1B4 + ["model.loss_impl=xla"]),
+        ],
+        # Data parallel, FSDP and ZeRO-2 on 2 GPUs against one GPU, torch's DDP and FSDP2.
+        "two_gpus_dp_fsdp": [
+            ("jaxdist 406m 1gpu", one_gpu_406m),
+            ("torch ddp", ["env", "MODE=ddp"] + torch_dist),
+            ("jaxdist dp2", JAXDIST + dp2),
+            ("torch fsdp2", ["env", "MODE=fsdp"] + torch_dist),
+            ("jaxdist fsdp", JAXDIST + fsdp),
+            ("jaxdist zero2", JAXDIST + fsdp + ["train.fsdp_gather=per_step"]),
+        ],
+        # Tensor parallelism at 1.4B on 2 and 4 GPUs against one GPU.
+        "tensor_parallel": [
+            ("jaxdist 1b4 1gpu", one_gpu_1b4),
+            ("jaxdist 1b4 tensor=2", JAXDIST + tensor + ["mesh.tensor=2", "--devices", "2"]),
+            ("jaxdist 1b4 tensor=4", JAXDIST + tensor + ["mesh.tensor=4", "--devices", "4"]),
+        ],
+    }
+
+
+def run(label: str, command: list[str], timeout: int, gpus: int) -> dict:
+    start = time.perf_counter()
+    print(f"=== {label}: {' '.join(command)}", flush=True)
+    # The GPUs' clocks around the whole command, for the peers, whose steps are its busiest part
+    # (`jaxdist bench` reports its own, sampled over exactly the timed steps).
+    sampler = clocks.ClockSampler(list(range(gpus)), interval_s=0.5)
+    try:
+        with sampler:
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"label": label, "error": f"timed out after {timeout} s"}
+    # `jaxdist launch` prefixes each process's lines with "[i] "; process 0 prints the result.
+    lines = [line.removeprefix("[0] ") for line in proc.stdout.splitlines() if line.removeprefix("[0] ").startswith("{")]
+    if proc.returncode or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
+        print("\n".join(tail), flush=True)
+        return {"label": label, "error": f"exit {proc.returncode}"}
+    result = {**sampler.summary(busy_share=0.8), **json.loads(lines[-1])}
+    result.update(label=label, wall_s=round(time.perf_counter() - start, 1))
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def per_device(result: dict) -> float | None:
+    for key in ("tokens_per_sec_per_device", "tokens_per_s_per_gpu"):
+        if key in result:
+            return result[key]
+    return result.get("tokens_per_s")
+
+
+def table(results: list[dict]) -> str:
+    base = next((per_device(r) for r in results if "error" not in r), None)
+    rows = [f"{'run':<28} {'step ms':>8} {'tok/s/dev':>10} {'MFU':>6} {'mem GiB':>8} {'compile s':>9} {'vs first':>8}"
+            f" {'MHz':>5} {'W':>4}"]
+    for r in results:
+        if "error" in r:
+            rows.append(f"{r['label']:<28} {r['error']}")
+            continue
+        tps = per_device(r)
+        mem = r.get("peak_mem_gib") or r.get("peak_mem_GiB") or ""
+        rows.append(
+            f"{r['label']:<28} {r['step_ms']:>8} {tps:>10,} {r['mfu']:>6.3f} {mem!s:>8} "
+            f"{r.get('compile_s', '')!s:>9} {tps / base:>8.3f} {r.get('sm_clock_mhz', '')!s:>5} {r.get('power_w', '')!s:>4}"
+        )
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("suites", nargs="+", choices=sorted(suites("")))
+    parser.add_argument("--peers", default=os.environ.get("JAXDIST_PEERS", "../shared/peers"))
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs present (default: all that nvidia-smi lists)")
+    parser.add_argument("--out", help="append every result as a JSON line")
+    parser.add_argument("--timeout", type=int, default=420)
+    args = parser.parse_args()
+    # Every run inherits jaxdist's XLA flags, so the plain-JAX peer compiles under the same ones.
+    jaxdist.gpu_defaults()
+    gpus = args.gpus or int(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.count("GPU "))
+    known = suites(args.peers)
+    for suite in args.suites:
+        results = []
+        for label, command in known[suite]:
+            results.append(run(label, command, args.timeout, gpus))
+            # Each result is kept as it comes, so a call cut short still returns what it measured.
+            if args.out:
+                with open(args.out, "a") as out:
+                    out.write(json.dumps({"suite": suite, **results[-1]}) + "\n")
+        print(f"\n## {suite} ({gpus} GPU(s) present)\n{table(results)}\n", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""Checkpoints: the Orbax store (`store`), the training run's policy (`run`) and export (`export`).
+
+See docs/checkpoints.md for what a checkpoint holds and how resuming and falling back behave.
+"""
+
+from jaxdist.checkpoint.export import export_params
+from jaxdist.checkpoint.run import DataPosition, RunCheckpoints, changed_keys, library_versions, run_meta
+from jaxdist.checkpoint.store import (
+    UNREADABLE_PREFIX,
+    CheckpointMismatch,
+    Checkpoints,
+    Restored,
+    abstract_state,
+    first_mismatch,
+    is_intact,
+    leaf_shapes,
+)
+
+__all__ = [
+    "UNREADABLE_PREFIX",
+    "CheckpointMismatch",
+    "Checkpoints",
+    "DataPosition",
+    "Restored",
+    "RunCheckpoints",
+    "abstract_state",
+    "changed_keys",
+    "export_params",
+    "first_mismatch",
+    "is_intact",
+    "leaf_shapes",
+    "library_versions",
+    "run_meta",
+]

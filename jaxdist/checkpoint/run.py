@@ -1,0 +1,235 @@
+"""The training run's checkpoint policy: what to resume from, when to save, and the run's meta.
+
+`RunCheckpoints` drives the store (`jaxdist.checkpoint.store`) for `jaxdist train`: it resumes from
+the newest checkpoint that reads back and holds this model, saves on schedule, at a preemption and
+after an error, and records the data position, so a resumed run reads on where it stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import functools
+import importlib.metadata
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from jaxdist import models
+from jaxdist.checkpoint.store import (
+    UNREADABLE_PREFIX,
+    CheckpointMismatch,
+    Checkpoints,
+    Restored,
+    abstract_state,
+    first_line,
+    is_intact,
+    warn,
+)
+from jaxdist.config import Config
+from jaxdist.errors import UserError
+from jaxdist.train.state import abstract_model
+
+_VERSIONED_PACKAGES = ("jaxdist", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataPosition:
+    """Where training stands: `step` optimizer steps done, having consumed the first `example`
+    examples of the global data stream (see jaxdist.data.pipeline); the same under any process count."""
+
+    step: int = 0
+    example: int = 0
+
+    def advanced(self, steps: int, global_batch: int) -> DataPosition:
+        return dataclasses.replace(self, step=self.step + steps, example=self.example + steps * global_batch)
+
+
+def changed_keys(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two nested config dicts, as `key=saved->current`."""
+    changes = []
+    for key in sorted(saved.keys() | current.keys()):
+        old, new = saved.get(key), current.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            changes += changed_keys(old, new, f"{prefix}{key}.")
+        elif old != new:
+            changes.append(f"{prefix}{key}={old}->{new}")
+    return changes
+
+
+@functools.cache
+def library_versions() -> dict[str, str]:
+    """Versions of Python and the libraries a checkpoint depends on (looked up once: it is slow)."""
+    versions = {"python": sys.version.split()[0]}
+    for package in _VERSIONED_PACKAGES:
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = "not installed"
+    return versions
+
+
+def run_meta(cfg: Config, mesh: Mesh, position: DataPosition) -> dict[str, Any]:
+    """What a checkpoint says about itself besides the arrays (JSON-serializable)."""
+    return {
+        "step": position.step,
+        "data": {"example": position.example, "seed": cfg.seed},
+        "config": cfg.model_dump(mode="json"),
+        "mesh": dict(mesh.shape),
+        "process_count": jax.process_count(),
+        "device_count": mesh.devices.size,
+        "platform": mesh.devices.flat[0].platform,
+        "versions": dict(library_versions()),
+        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+class RunCheckpoints:
+    """The training loop's checkpoint policy for one run directory.
+
+    `prepare` (before building anything) picks the checkpoint to resume from and checks it holds
+    this model; `resume` restores it into the trainer's shardings. Saves: every `checkpoint.every`
+    steps and at the last step, at a preemption, and (one process) after an error if the state is
+    intact. `checkpoint.every=0` turns saving off; existing checkpoints are still resumed from.
+    """
+
+    def __init__(self, cfg: Config, log: Callable[[str], None]):
+        self.cfg = cfg
+        self.log = log
+        self.enabled = cfg.checkpoint.every > 0
+        self.directory = Path(cfg.run_dir) / "checkpoints"
+        self.start = DataPosition()
+        self._planned: int | None = None
+        self._store: Checkpoints | None = None
+        self._mesh: Mesh | None = None
+
+    def prepare(self) -> DataPosition:
+        """Picks the newest checkpoint whose metadata reads back and checks that its params fit
+        this model. Reads metadata and abstract shapes only: creates nothing, compiles nothing.
+        Returns its data position (step 0 without checkpoints)."""
+        if not self.directory.is_dir():
+            return self.start
+        with Checkpoints(self.directory, create=False) as store:
+            for step in reversed(store.steps()):
+                try:
+                    saved, meta = store.saved_shapes(step), store.meta(step)
+                except Exception as err:  # noqa: BLE001  (unreadable: fall back to the one before)
+                    store.set_aside(step, err)
+                    continue
+                if any(name.startswith("params.") for name in saved):
+                    _, params, _ = abstract_model(models.get(self.cfg.model.name).create(self.cfg), self.cfg.seed)
+                    with self._explaining_mismatch(store):
+                        store.check_fits(step, params, part="params")
+                self._planned = step
+                return _position(step, meta)
+        return self.start
+
+    def resume(self, trainer) -> DataPosition:
+        """Restores the prepared checkpoint (or, if its arrays fail to read, the newest one before
+        it that reads) into `trainer.state`, in the trainer's shardings. Returns the position to
+        continue from (step 0 when there is no checkpoint)."""
+        self._mesh = trainer.mesh
+        self._store = Checkpoints(self.directory, self.cfg.checkpoint.keep)
+        if self._planned is None:
+            return self.start
+        target = abstract_state(trainer.state)
+        # Free the freshly initialized state first (once its init has run), so the state is never
+        # held twice.
+        for leaf in jax.tree.leaves(jax.block_until_ready(trainer.state)):
+            leaf.delete()
+        with self._explaining_mismatch(self._store):
+            restored = self._store.restore_latest(target, newest=self._planned)
+        if restored is None:
+            self._store.close()
+            raise UserError(
+                f"run_dir={self.cfg.run_dir}: no checkpoint in {self.directory} could be read (they were "
+                f"renamed {UNREADABLE_PREFIX}<step>); fix them, or start over with another run_dir"
+            )
+        trainer.state = restored.state
+        self.start = _position(restored.step, restored.meta)
+        self.log(self._resume_line(restored))
+        return self.start
+
+    @contextlib.contextmanager
+    def _explaining_mismatch(self, store: Checkpoints) -> Iterator[None]:
+        """Adds to a `CheckpointMismatch` the config keys that changed since the checkpoint was saved."""
+        try:
+            yield
+        except CheckpointMismatch as err:
+            changes = changed_keys(store.meta(err.step)["config"], self.cfg.model_dump(mode="json"))
+            hint = f"config changed since: {', '.join(changes)}" if changes else "same config"
+            raise CheckpointMismatch(
+                f"{err} ({hint}); resume with the config it was saved with, or use another run_dir", err.step
+            ) from None
+
+    def _resume_line(self, restored: Restored) -> str:
+        meta = restored.meta
+        saved_on = " x ".join(f"{axis}={size}" for axis, size in meta["mesh"].items())
+        line = (f"resuming from step {restored.step} (checkpoint {restored.path}, saved on mesh {saved_on} "
+                f"by {meta['process_count']} process(es))")
+        changes = changed_keys(meta["config"], self.cfg.model_dump(mode="json"))
+        return line + (f"; config changed: {', '.join(changes)}" if changes else "")
+
+    def position(self, step: int) -> DataPosition:
+        """The data position after `step` steps (global examples consumed so far)."""
+        return self.start.advanced(step - self.start.step, self.cfg.train.global_batch)
+
+    def save(self, step: int, state: Any) -> None:
+        self._store.save(step, state, run_meta(self.cfg, self._mesh, self.position(step)))
+
+    def after_step(self, step: int, state: Any) -> None:
+        """Starts an async save if `step` is due (every `checkpoint.every` steps, and the last)."""
+        every = self.cfg.checkpoint.every
+        if self.enabled and (step % every == 0 or step == self.cfg.train.steps):
+            self.save(step, state)
+
+    def stop(self, step: int, state: Any, reason: str) -> None:
+        """Saves `step` (unless saving is off), waits for the write, and says how to resume."""
+        if not self.enabled:
+            self.log(f"stopped by {reason} after step {step}; nothing saved (checkpoint.every=0), "
+                     f"so a rerun starts from scratch")
+            return
+        self.save(step, state)
+        self._store.wait()
+        self.log(f"stopped by {reason} after step {step}; checkpoint saved in {self._store.path(step)}; "
+                 f"run the same `jaxdist train` command (run_dir={self.cfg.run_dir}) to resume from step {step}")
+
+    @contextlib.contextmanager
+    def saving_on_error(self, trainer) -> Iterator[None]:
+        """On an exception: save the state if it is intact (not donated to a failed step), then re-raise.
+
+        Only with one process: after an error on some processes, a collective save could hang.
+        """
+        try:
+            yield
+        except Exception:
+            if self.enabled and jax.process_count() == 1:
+                self._save_last_good(trainer.state)
+            raise
+
+    def _save_last_good(self, state: Any) -> None:
+        if not is_intact(state):
+            self.log(f"the train state was lost in the failed step; last checkpoint: step {self._store.last_saved}")
+            return
+        step = int(jax.device_get(state.step))
+        try:
+            self.save(step, state)
+            self._store.wait()
+        except Exception as err:  # noqa: BLE001  (the original error is the one to raise)
+            warn(f"could not save the last good state at step {step}: {first_line(err)}")
+            return
+        self.log(f"error after step {step}: saved the last good state in {self._store.path(step)}")
+
+    def close(self) -> None:
+        """Waits for pending writes."""
+        if self._store is not None:
+            self._store.close()
+
+
+def _position(step: int, meta: dict[str, Any]) -> DataPosition:
+    return DataPosition(step=step, example=int(meta["data"]["example"]))
