@@ -90,11 +90,6 @@ class ModelConfig(Section):
     # one slice's tensor-parallel all-reduce can run while the next slice computes. For tensor
     # parallelism; beside data/fsdp axes XLA may reduce each slice's weight gradients on its own.
     batch_chunks: int = Field(1, ge=1)
-    # Unrolled layers: each layer's weight gradients, and their reduction across devices, are made
-    # while the layer below runs its backward, not where XLA's scheduler puts them: after the whole
-    # backward (parallel/grad_order.py). Off: on 2 GPUs of one host the reductions then run beside
-    # compute, which slows by as much (BENCHMARKS.md).
-    overlap_grad_reduce: bool = False
 
     @model_validator(mode="after")
     def _shapes(self) -> ModelConfig:
@@ -111,8 +106,6 @@ class ModelConfig(Section):
             raise ValueError("model.norm_impl=pallas needs model.scan_layers=false (the fused norms run on unrolled layers)")
         if self.gelu_grad_impl == "cublaslt" and (self.scan_layers or self.activation != "gelu"):
             raise ValueError("model.gelu_grad_impl=cublaslt needs model.activation=gelu and model.scan_layers=false")
-        if self.overlap_grad_reduce and self.scan_layers:
-            raise ValueError("model.overlap_grad_reduce needs model.scan_layers=false (it ties each unrolled layer)")
         if self.batch_chunks > 1 and self.scan_layers:
             raise ValueError("model.batch_chunks > 1 needs model.scan_layers=false (the slices interleave unrolled layers)")
         if self.positions == "rope" and (self.d_model // self.heads) % 2:

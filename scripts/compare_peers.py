@@ -326,20 +326,16 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist dp2 +lhs +profile", LHS + JAXDIST + dp2 + ["--profile", "/tmp/prof_dp2_lhs"]),
             ("jaxdist dp2 grad_reduce=bf16", JAXDIST + dp2 + ["precision.grad_reduce=bfloat16"]),
         ],
-        # ... each layer's gradient reduction ordered into the backward (model.overlap_grad_reduce,
-        # parallel/grad_order.py) against XLA's own order, under data parallelism and FSDP.
+        # ... data parallelism and FSDP, with the latency-hiding scheduler.
         "r6b_dp": [
             ("jaxdist 406m 1gpu", one_gpu_406m),
             ("torch ddp", torch_ddp),
             ("jaxdist dp2 +profile +hlo", hlo_dump("hlo_dp2") + JAXDIST + dp2 + ["--profile", "/tmp/prof_dp2"]),
-            ("dp2 overlap_grad_reduce=false", JAXDIST + dp2 + ["model.overlap_grad_reduce=false"]),
             ("jaxdist dp2 +lhs", LHS + JAXDIST + dp2),
             ("jaxdist fsdp", JAXDIST + fsdp),
-            ("fsdp overlap_grad_reduce=false", JAXDIST + fsdp + ["model.overlap_grad_reduce=false"]),
             ("jaxdist 406m 1gpu again", one_gpu_406m),
         ],
-        # ... with the reductions beside compute, fewer NCCL channels (fewer SMs taken from the
-        # matmuls) or NCCL's Simple protocol.
+        # ... with fewer NCCL channels (fewer SMs taken from the matmuls) or NCCL's Simple protocol.
         "r6c_dp": [
             ("jaxdist 406m 1gpu", one_gpu_406m),
             ("torch ddp", torch_ddp),
@@ -347,7 +343,6 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("dp2 NCCL_MAX_NCHANNELS=4", ["env", "NCCL_MAX_NCHANNELS=4"] + JAXDIST + dp2),
             ("dp2 NCCL_MAX_NCHANNELS=2", ["env", "NCCL_MAX_NCHANNELS=2"] + JAXDIST + dp2),
             ("dp2 NCCL_PROTO=Simple", ["env", "NCCL_PROTO=Simple"] + JAXDIST + dp2),
-            ("dp2 overlap_grad_reduce=false", JAXDIST + dp2 + ["model.overlap_grad_reduce=false"]),
         ],
         # ZeRO-2 in its first form (train.fsdp_gather=per_step with the bf16 copies kept whole between
         # steps, gathered by the update; replaced after r8_dp) and bf16 gradient reduction.

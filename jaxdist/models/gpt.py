@@ -19,7 +19,6 @@ from flax import nnx
 
 from jaxdist.config import ModelConfig, PipelineConfig
 from jaxdist.models import fused_norm, gelu_matmul
-from jaxdist.parallel import grad_order
 from jaxdist.parallel import pipeline as pipeline_lib
 from jaxdist.parallel.rules import constrain
 from jaxdist.train.accumulate import split_microbatches
@@ -202,13 +201,6 @@ class Block(nnx.Module):
         return x, self.mlp(h)
 
 
-def _tie_block(block: Block, x: jax.Array) -> tuple[Block, jax.Array]:
-    """`block` and `x` through `grad_order.tie`: the block's gradient is ready before `x`'s."""
-    graphdef, state = nnx.split(block)
-    state, x = grad_order.tie(state, x)
-    return nnx.merge(graphdef, state), x
-
-
 def _merge_slices(parts: list[jax.Array]) -> jax.Array:
     """The batch again from its `split_microbatches` slices (model.batch_chunks)."""
     return constrain(pipeline_lib.merge_microbatches(jnp.stack(parts)), RESIDUAL)
@@ -267,14 +259,13 @@ class GPT(nnx.Module):
 
     def features(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The output projection's two inputs: the final normed hidden states (batch, length, embed)
-        in the compute dtype, and `head_weights()`, their gradient ordered into the backward pass
-        with the layers' (`model.overlap_grad_reduce`)."""
+        in the compute dtype, and `head_weights()`."""
         x = jnp.take(self.embed[...], tokens, axis=0)
         if self.cfg.positions == "learned":
             x = x + self.positions[: tokens.shape[1]]
         x = constrain(_cast(x, self.compute_dtype), RESIDUAL)
-        x, delta, head = self._run_blocks(x, self.head_weights())
-        return self.final_norm.add(x, delta)[1], head
+        x, delta = self._run_blocks(x)
+        return self.final_norm.add(x, delta)[1], self.head_weights()
 
     def head_weights(self) -> jax.Array:
         """The output projection (embed, vocab) in the parameter dtype; the embedding transposed when tied."""
@@ -285,9 +276,8 @@ class GPT(nnx.Module):
         """The dtype the output projection writes its logits in (`model.logits_dtype`)."""
         return jnp.float32 if self.cfg.logits_dtype == "float32" else self.compute_dtype
 
-    def _run_blocks(self, x: jax.Array, head: jax.Array) -> tuple[jax.Array, jax.Array | None, jax.Array]:
-        """The residual after the blocks, the last block's output not yet added to it, and `head`
-        (the parameters used after the blocks)."""
+    def _run_blocks(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """The residual after the blocks and the last block's output not yet added to it."""
         if not self.cfg.scan_layers:
             # Slices of the batch go through each layer one after the other: they are independent,
             # so XLA may run one slice's collectives beside the next slice's compute. The slices
@@ -295,22 +285,15 @@ class GPT(nnx.Module):
             chunks = self.cfg.batch_chunks
             xs = list(split_microbatches(x, chunks)) if chunks > 1 else [x]
             deltas = [None] * chunks
-            blocks = list(self.blocks)
-            for i in range(len(blocks)):
-                if self.cfg.overlap_grad_reduce:
-                    # What runs after layer i gets its gradient during layer i's backward.
-                    if i + 1 < len(blocks):
-                        blocks[i + 1], xs[0] = _tie_block(blocks[i + 1], xs[0])
-                    else:
-                        head, xs[0] = grad_order.tie(head, xs[0])
+            for block in self.blocks:
                 for j in range(chunks):
-                    xs[j], deltas[j] = self._remat(lambda carry, pending, b=blocks[i]: b(carry, pending))(xs[j], deltas[j])
+                    xs[j], deltas[j] = self._remat(lambda carry, pending, b=block: b(carry, pending))(xs[j], deltas[j])
             if chunks == 1:
-                return xs[0], deltas[0], head
-            return _merge_slices(xs), _merge_slices(deltas), head
+                return xs[0], deltas[0]
+            return _merge_slices(xs), _merge_slices(deltas)
         graphdef, stacked = nnx.split(self.blocks)
         run = functools.partial(self._run_layers, graphdef)
-        return pipeline_lib.run_layers(run, stacked, x, self.pipeline, RESIDUAL), None, head
+        return pipeline_lib.run_layers(run, stacked, x, self.pipeline, RESIDUAL), None
 
     def _run_layers(self, graphdef: nnx.GraphDef, x: jax.Array, stacked: nnx.State) -> jax.Array:
         """Scans the blocks whose parameters are stacked in `stacked`, in order."""
