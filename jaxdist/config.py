@@ -211,10 +211,7 @@ class PrecisionConfig(Section):
     """Mixed precision: parameter (master) dtype, compute dtype, and loss scaling for float16.
 
     compute=auto is bfloat16 on GPU and TPU, float32 on CPU. Losses and the gradients the optimizer
-    sees are float32. `grad_reduce` is the dtype gradients cross devices in: auto leaves it to XLA,
-    which reduces each gradient in the dtype its last op produced (under bfloat16 compute on GPU:
-    bfloat16 for matmul weights, float32 for embeddings and norms); float32 or bfloat16 forces
-    every gradient to that dtype on the wire (see train/accumulate.py).
+    sees are float32.
 
     loss_scale=auto is dynamic for float16 compute, none otherwise: the loss is multiplied by the
     scale, a step whose gradients are not all finite is skipped and halves the scale, and
@@ -223,7 +220,6 @@ class PrecisionConfig(Section):
 
     compute: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     params: Literal["float32", "bfloat16"] = "float32"
-    grad_reduce: Literal["auto", "float32", "bfloat16"] = "auto"
     # Keep the matmul weights' compute-dtype copies between steps, written by the optimizer's update,
     # instead of casting every weight at the start of each step (same values and gradients).
     compute_copies: bool = True
@@ -283,16 +279,6 @@ class Config(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     pipeline: PipelineConfig = PipelineConfig()
     sample: SampleConfig = SampleConfig()
-
-    @model_validator(mode="after")
-    def _reduce_dtype(self) -> Config:
-        if self.precision.grad_reduce != "auto" and self.train.grad_reduction == "per_microbatch" \
-                and self.train.microbatches > 1:
-            raise ValueError(
-                f"precision.grad_reduce={self.precision.grad_reduce} needs train.grad_reduction=per_step "
-                f"(per_microbatch reductions happen inside XLA's gradient, in float32)"
-            )
-        return self
 
     @model_validator(mode="after")
     def _gathered_copies(self) -> Config:

@@ -125,10 +125,7 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist 406m 1gpu", one_gpu_406m),
             ("torch ddp", torch_ddp),
             ("jaxdist dp", JAXDIST + dp),
-            ("jaxdist dp bf16 reduce", JAXDIST + dp + ["precision.grad_reduce=bfloat16"]),
             ("jaxdist dp +overlap", OVERLAP + JAXDIST + dp),
-            ("jaxdist dp bf16 +overlap", OVERLAP + JAXDIST + dp + ["precision.grad_reduce=bfloat16"]),
-            ("jaxdist fsdp bf16 reduce", JAXDIST + fsdp + ["precision.grad_reduce=bfloat16"]),
         ],
         "final_multi": [
             ("jaxdist 406m 1gpu", one_gpu_406m),
@@ -147,11 +144,6 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("torch ddp", torch_ddp),
             ("jaxdist dp +profile", JAXDIST + dp + ["--profile", "/tmp/prof_dp"]),
             ("jaxdist fsdp", JAXDIST + fsdp),
-        ],
-        "dp_bf16_reduce": [
-            ("jaxdist 406m 1gpu", one_gpu_406m),
-            ("jaxdist dp", JAXDIST + dp),
-            ("jaxdist dp bf16 reduce", JAXDIST + dp + ["precision.grad_reduce=bfloat16"]),
         ],
         "fsdp_check": [
             ("jaxdist fsdp", JAXDIST + fsdp),
@@ -203,12 +195,11 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
              + JAXDIST + ["configs/gpt_406m.yaml"]),
         ],
         # Data parallelism on 2 GPUs (run with --gpus 2): the tail after the backward pass, traced
-        # back to back, and gradients crossing devices in bf16.
+        # back to back.
         "dp_tail": [
             ("jaxdist 406m 1gpu", one_gpu_406m),
             ("torch ddp", torch_ddp),
             ("jaxdist dp +profile", JAXDIST + dp + ["--profile", "/tmp/prof_dp"]),
-            ("jaxdist dp bf16 reduce", JAXDIST + dp + ["precision.grad_reduce=bfloat16"]),
             ("jaxdist fsdp", JAXDIST + fsdp),
         ],
         # Tensor parallelism at 4 GPUs: sequence parallelism with XLA's collective matmul (windowed
@@ -316,7 +307,7 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
         ],
         # Sixth round, data parallel on 2 GPUs (run with --gpus 2): both steps profiled (and the DP
         # step's optimized HLO dumped) to see where DP loses its time against one GPU; DP as two
-        # processes of one GPU each, as torchrun runs DDP; the scheduler; bf16 gradient reduction.
+        # processes of one GPU each, as torchrun runs DDP; the scheduler.
         "r6_dp": [
             ("jaxdist 406m 1gpu +profile", one_gpu_406m + ["--profile", "/tmp/prof_1gpu"]),
             ("torch ddp", torch_ddp),
@@ -324,7 +315,6 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist dp2 two processes", [sys.executable, "-m", "jaxdist.cli", "launch", "-n", "2", "--", "bench"]
              + dp2[:-2]),
             ("jaxdist dp2 +lhs +profile", LHS + JAXDIST + dp2 + ["--profile", "/tmp/prof_dp2_lhs"]),
-            ("jaxdist dp2 grad_reduce=bf16", JAXDIST + dp2 + ["precision.grad_reduce=bfloat16"]),
         ],
         # ... data parallelism and FSDP, with the latency-hiding scheduler.
         "r6b_dp": [
@@ -345,15 +335,13 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("dp2 NCCL_PROTO=Simple", ["env", "NCCL_PROTO=Simple"] + JAXDIST + dp2),
         ],
         # ZeRO-2 in its first form (train.fsdp_gather=per_step with the bf16 copies kept whole between
-        # steps, gathered by the update; replaced after r8_dp) and bf16 gradient reduction.
+        # steps, gathered by the update; replaced after r8_dp).
         "r7_dp": [
             ("jaxdist 406m 1gpu", one_gpu_406m),
             ("torch ddp", torch_ddp),
             ("jaxdist dp2", JAXDIST + dp2),
             ("jaxdist zero2", JAXDIST + zero2),
             ("jaxdist zero2 +profile", JAXDIST + zero2 + ["--profile", "/tmp/prof_zero2"]),
-            ("jaxdist dp2 grad_reduce=bf16", JAXDIST + dp2 + ["precision.grad_reduce=bfloat16"]),
-            ("jaxdist zero2 grad_reduce=bf16", JAXDIST + zero2 + ["precision.grad_reduce=bfloat16"]),
             ("jaxdist fsdp", JAXDIST + fsdp),
         ],
         # The copies gathered whole in the forward and kept for the backward (FSDP2's
@@ -363,21 +351,17 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist 406m 1gpu", one_gpu_406m),
             ("torch ddp", torch_ddp),
             ("jaxdist dp2", JAXDIST + dp2),
-            ("jaxdist dp2 grad_reduce=bf16", JAXDIST + dp2 + ["precision.grad_reduce=bfloat16"]),
             ("jaxdist fsdp", JAXDIST + fsdp),
             ("jaxdist zero2", JAXDIST + zero2),
-            ("jaxdist zero2 grad_reduce=bf16", JAXDIST + zero2 + ["precision.grad_reduce=bfloat16"]),
             ("jaxdist zero2 +profile", JAXDIST + zero2 + ["--profile", "/tmp/prof_pm"]),
         ],
-        # ... again, with both ZeRO-2 steps' HLO (which collectives carry the gradients).
+        # ... again, with the ZeRO-2 step's HLO (which collectives carry the gradients).
         "r8b_dp": [
             ("jaxdist 406m 1gpu", one_gpu_406m),
             ("torch ddp", torch_ddp),
             ("jaxdist dp2", JAXDIST + dp2),
             ("jaxdist fsdp", JAXDIST + fsdp),
             ("jaxdist zero2 +hlo", hlo_dump("hlo_zero2") + JAXDIST + zero2),
-            ("jaxdist zero2 bf16 +hlo", hlo_dump("hlo_zero2_bf16") + JAXDIST + zero2 + [
-                "precision.grad_reduce=bfloat16"]),
         ],
         # NCCL's symmetric-memory kernels (XLA places the collectives' buffers in memory registered
         # with NCCL: fewer SMs per byte) and zero-copy user buffers, under data parallel; FSDP and
@@ -392,7 +376,7 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist fsdp", JAXDIST + fsdp),
             ("jaxdist zero2", JAXDIST + zero2),
         ],
-        # r9_dp's NCCL settings again, alone and together, with bf16 gradient reduction; dp2 twice (noise).
+        # r9_dp's NCCL settings again, alone and together; dp2 twice (noise).
         "r9b_dp": [
             ("jaxdist 406m 1gpu", one_gpu_406m),
             ("torch ddp", torch_ddp),
@@ -400,9 +384,6 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist dp2 user buffers", USER_BUFFERS + JAXDIST + dp2),
             ("jaxdist dp2 cta=1", ["env", "NCCL_CTA_POLICY=1"] + JAXDIST + dp2),
             ("jaxdist dp2 sym+ub cta=1", ["env", "NCCL_CTA_POLICY=1"] + SYMMETRIC_USER + JAXDIST + dp2),
-            ("jaxdist dp2 bf16", JAXDIST + dp2 + ["precision.grad_reduce=bfloat16"]),
-            ("jaxdist dp2 bf16 sym+ub cta=1", ["env", "NCCL_CTA_POLICY=1"] + SYMMETRIC_USER + JAXDIST + dp2
-             + ["precision.grad_reduce=bfloat16"]),
             ("jaxdist dp2 again", JAXDIST + dp2),
         ],
         # FSDP and ZeRO-2 with the head gathered once, again on a second machine (FSDP twice: noise).

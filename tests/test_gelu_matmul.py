@@ -83,13 +83,13 @@ def test_per_shard_wiring_trains_like_one_device(tmp_path, monkeypatch):
 
 def test_the_ffi_call_runs_per_shard_under_vmap(tmp_path, monkeypatch):
     """The real ffi_call path, with a CPU stand-in for the cuBLASLt handler (same operands and
-    results), where the gradients are vmapped over batch shards: precision.grad_reduce=bfloat16
-    with 2 microbatches on data2 x fsdp2 x tensor2. The losses equal XLA's way."""
+    results), where the gradients are vmapped over batch shards: 2 microbatches on
+    data2 x fsdp2 x tensor2. The losses equal XLA's way."""
     monkeypatch.setenv("JAXDIST_CACHE_DIR", str(tmp_path / "cache"))
     library = native.build(Path(__file__).with_name("native") / "gelu_grad_reference.cc", [])
     native.register_handler(library, "JaxdistTestGeluGrad", "jaxdist_test_gelu_grad", platform="cpu")
     shards = {"mesh": {"data": 2, "fsdp": 2, "tensor": 2}, "rules": {"preset": "fsdp_tp"},
-              "precision": {"grad_reduce": "bfloat16"}, "train": {"microbatches": 2}}
+              "train": {"microbatches": 2}}
     model = {"scan_layers": False, "norm_impl": "xla"}
     xla, kernel = tmp_path / "xla", tmp_path / "kernel"
     loop.train(make_config(xla, model={**model, "gelu_grad_impl": "xla"}, **shards))

@@ -160,7 +160,7 @@ def _specs(rules: rules_lib.Rules) -> tuple[PartitionSpec, PartitionSpec]:
 
 def _local(d_out: jax.Array, down: jax.Array, pre: jax.Array) -> jax.Array:
     embed, mlp = down.shape[1], down.shape[0]
-    # Under vmap (the per-shard gradients of precision.grad_reduce and train.microbatches) each
+    # Under vmap (the per-shard gradients of train.microbatches) each
     # device holds one shard, so calling once per mapped index costs nothing.
     call = jax.ffi.ffi_call(
         TARGET,

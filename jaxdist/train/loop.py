@@ -71,7 +71,6 @@ def build_trainer(cfg: Config, devices: list | None = None, layout: layout_lib.L
     return Trainer(
         create_model, entry.loss, tx, mesh, rules,
         seed=cfg.seed, microbatches=cfg.train.microbatches, grad_reduction=cfg.train.grad_reduction,
-        grad_reduce_dtype=cfg.precision.grad_reduce,
         schedule=schedule, loss_scale=precision.initial_loss_scale(cfg.precision), abstract=abstract,
         compute_copies=make_copies, fsdp_gather=cfg.train.fsdp_gather,
     )

@@ -2,7 +2,7 @@
 
 Parameters (and optimizer state) live in `param_dtype`, float32 master weights by default; the
 model casts them to `compute_dtype` for matmuls; losses, the softmax and gradient accumulation
-are float32. The dtype gradients cross devices in is `precision.grad_reduce` (train/accumulate.py).
+are float32.
 
 float16 has a narrow exponent range: small gradients flush to zero. Dynamic loss scaling
 multiplies the loss by a large scale before differentiation and divides the float32 gradients by

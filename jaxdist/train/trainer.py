@@ -42,7 +42,6 @@ class Trainer:
         seed: int = 0,
         microbatches: int = 1,
         grad_reduction: str = "per_step",
-        grad_reduce_dtype: str = "auto",
         schedule: optax.Schedule | None = None,
         loss_scale: LossScale | None = None,
         abstract: tuple | None = None,
@@ -83,7 +82,7 @@ class Trainer:
         self._copies, self._copies_of = None, None
         self._step = make_train_step(
             self.graphdef, loss_fn, optimizer, schedule, mesh, rules, self.state_shardings, microbatches,
-            grad_reduction, grad_reduce_dtype, compute_copies, copy_shardings, copies_gather,
+            grad_reduction, compute_copies, copy_shardings, copies_gather,
         )
         self._compiled = None
         self.compile_time_s: float | None = None
