@@ -65,7 +65,6 @@ class ModelConfig(Section):
     activation: Literal["gelu", "swiglu"] = "gelu"
     tied_embeddings: bool = False
     scan_layers: bool = True
-    scan_unroll: int = Field(1, gt=0)
     # Recomputed in the backward pass: nothing (none), the MLP activation (mlp: one elementwise
     # pass, saves batch x length x mlp_dim per layer), all but matmul outputs (dots), or each block (full).
     remat: Literal["none", "mlp", "full", "dots"] = "none"

@@ -72,8 +72,6 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("torch 406m b16", torch_406m),
             ("jaxdist 406m b16 unrolled", JAXDIST + ["configs/gpt_406m.yaml", "--profile", "/tmp/jaxdist_profile"]),
             ("jaxdist 406m b16 scan", JAXDIST + ["configs/gpt_406m.yaml", "model.scan_layers=true"]),
-            ("jaxdist 406m b16 scan unroll4", JAXDIST + ["configs/gpt_406m.yaml", "model.scan_layers=true",
-                                                          "model.scan_unroll=4"]),
         ],
         "ablate_406m": [
             ("plain-jax 406m unrolled", [sys.executable, f"{peers}/plain_jax_gpt.py", "--scan", "0"]),

@@ -4,8 +4,8 @@ Every parameter carries logical axis names (`vocab`, `embed`, `heads`, `head_dim
 `layers`, `length`); every large activation is constrained by logical names. Where they land on
 the mesh is decided by the rules (jaxdist.parallel.rules), never here.
 
-The blocks are created stacked (a leading `layers` axis) and run either as a `lax.scan` (fast
-compile; `scan_unroll` unrolls part of it) or unrolled (often faster on GPU), with optional remat.
+The blocks are created stacked (a leading `layers` axis) and run as a `lax.scan` (fast compile),
+or created per layer and run unrolled (often faster on GPU), with optional remat.
 """
 
 from __future__ import annotations
@@ -302,7 +302,7 @@ class GPT(nnx.Module):
             x, delta = nnx.merge(graphdef, layer_state)(carry)
             return x + delta, None
 
-        x, _ = jax.lax.scan(self._remat(body), x, stacked, unroll=self.cfg.scan_unroll)
+        x, _ = jax.lax.scan(self._remat(body), x, stacked)
         return x
 
     def _remat(self, fn):
