@@ -82,10 +82,6 @@ class LossScale(flax.struct.PyTreeNode):
             period=period,
         )
 
-    def unscale(self, grads: Any) -> Any:
-        """Float32 gradients of the true (unscaled) loss."""
-        return jax.tree.map(lambda g: g.astype(jnp.float32) / self.scale, grads)
-
     def adjust(self, finite: jax.Array) -> LossScale:
         """The state after a step: halve and count a skip if not finite; double after `period` clean steps."""
         grown = self.clean_steps + 1 >= self.period
