@@ -71,33 +71,33 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
         "1gpu_406m": [
             ("torch 406m b16", torch_406m),
             ("jaxdist 406m b16 unrolled", JAXDIST + ["configs/gpt_406m.yaml", "--profile", "/tmp/jaxdist_profile"]),
-            ("jaxdist 406m b16 scan", JAXDIST + ["configs/gpt_406m.yaml", "model.scan_layers=true"]),
+            ("jaxdist 406m b16 scan", JAXDIST + ["configs/gpt_406m.yaml", "impl.scan_layers=true"]),
         ],
         "ablate_406m": [
             ("plain-jax 406m unrolled", [sys.executable, f"{peers}/plain_jax_gpt.py", "--scan", "0"]),
             ("jaxdist unrolled+profile", JAXDIST + ["configs/gpt_406m.yaml", "--profile", "/tmp/jaxdist_profile"]),
             ("no clip, no wd", JAXDIST + ["configs/gpt_406m.yaml", "optim.clip_norm=null", "optim.weight_decay=0"]),
-            ("bf16 logits", JAXDIST + ["configs/gpt_406m.yaml", "model.logits_dtype=compute"]),
+            ("bf16 logits", JAXDIST + ["configs/gpt_406m.yaml", "impl.logits_dtype=compute"]),
             ("no triton gemm", ["env", "XLA_FLAGS=--xla_gpu_enable_triton_gemm=false"] + JAXDIST + ["configs/gpt_406m.yaml"]),
         ],
         "ablate3_406m": [
             ("torch 406m b16", torch_406m),
             ("jaxdist 406m +profile", JAXDIST + ["configs/gpt_406m.yaml", "--profile", "/tmp/jaxdist_profile"]),
-            ("loss_chunk=256", JAXDIST + ["configs/gpt_406m.yaml", "model.loss_chunk=256"]),
+            ("loss_chunk=256", JAXDIST + ["configs/gpt_406m.yaml", "impl.loss_chunk=256"]),
             ("cublaslt", ["env", "XLA_FLAGS=--xla_gpu_enable_cublaslt=true"] + JAXDIST + ["configs/gpt_406m.yaml"]),
             ("torch 1b4 b8", torch_1b4),
             ("jaxdist 1b4 b8", JAXDIST + ["configs/gpt_1b4.yaml"]),
-            ("jaxdist 1b4 loss_chunk=256", JAXDIST + ["configs/gpt_1b4.yaml", "model.loss_chunk=256"]),
+            ("jaxdist 1b4 loss_chunk=256", JAXDIST + ["configs/gpt_1b4.yaml", "impl.loss_chunk=256"]),
         ],
         "remat_mlp": [
             ("torch 406m b16", torch_406m),
             ("jaxdist 406m +profile +hlo", ["env", "XLA_FLAGS=--xla_dump_to=/tmp/hlo --xla_dump_hlo_module_re=.*step.*"]
              + JAXDIST + ["configs/gpt_406m.yaml", "--profile", "/tmp/jaxdist_profile"]),
-            ("jaxdist 406m remat=mlp", JAXDIST + ["configs/gpt_406m.yaml", "model.remat=mlp"]),
-            ("jaxdist 406m loss_chunk=512", JAXDIST + ["configs/gpt_406m.yaml", "model.loss_chunk=512"]),
+            ("jaxdist 406m remat=mlp", JAXDIST + ["configs/gpt_406m.yaml", "impl.remat=mlp"]),
+            ("jaxdist 406m loss_chunk=512", JAXDIST + ["configs/gpt_406m.yaml", "impl.loss_chunk=512"]),
             ("torch 1b4 b8", torch_1b4),
             ("jaxdist 1b4 b8", JAXDIST + ["configs/gpt_1b4.yaml"]),
-            ("jaxdist 1b4 remat=mlp", JAXDIST + ["configs/gpt_1b4.yaml", "model.remat=mlp"]),
+            ("jaxdist 1b4 remat=mlp", JAXDIST + ["configs/gpt_1b4.yaml", "impl.remat=mlp"]),
         ],
         "1gpu_1b4": [
             ("torch 1b4 b8", torch_1b4),
@@ -145,8 +145,8 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
         ],
         "fsdp_check": [
             ("jaxdist fsdp", JAXDIST + fsdp),
-            ("jaxdist fsdp loss_chunk=0", JAXDIST + fsdp + ["model.loss_chunk=0"]),
-            ("jaxdist fsdp remat=none", JAXDIST + fsdp + ["model.remat=none"]),
+            ("jaxdist fsdp loss_chunk=0", JAXDIST + fsdp + ["impl.loss_chunk=0"]),
+            ("jaxdist fsdp remat=none", JAXDIST + fsdp + ["impl.remat=none"]),
         ],
         "tensor_1b4": [
             ("jaxdist 1b4 1gpu", one_gpu_1b4),
@@ -155,12 +155,12 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist 1b4 tensor=4", JAXDIST + ["configs/gpt_1b4.yaml", "mesh.fsdp=1", "mesh.tensor=4",
                                                 "rules.preset=tp", "--devices", "4"]),
         ],
-        # Fused residual add + norm kernels (model.norm_impl), against XLA's fusions, and the dot merger
+        # Fused residual add + norm kernels (impl.norm_impl), against XLA's fusions, and the dot merger
         # (measured before jaxdist turned the merger off by default: now the first and last 406M runs match).
         "fused_norm": [
             ("torch 406m b16", torch_406m),
             ("jaxdist 406m +profile", JAXDIST + ["configs/gpt_406m.yaml", "--profile", "/tmp/jaxdist_profile"]),
-            ("jaxdist 406m norm_impl=xla", JAXDIST + ["configs/gpt_406m.yaml", "model.norm_impl=xla"]),
+            ("jaxdist 406m norm_impl=xla", JAXDIST + ["configs/gpt_406m.yaml", "impl.norm_impl=xla"]),
             ("jaxdist 406m no dot merger", NO_DOT_MERGE + JAXDIST + ["configs/gpt_406m.yaml"]),
             ("torch 1b4 b8", torch_1b4),
             ("jaxdist 1b4 b8", JAXDIST + ["configs/gpt_1b4.yaml"]),
@@ -170,9 +170,9 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("torch 406m b16", torch_406m),
             ("jaxdist 406m", JAXDIST + ["configs/gpt_406m.yaml"]),
             ("cublaslt +profile", CUBLASLT + JAXDIST + ["configs/gpt_406m.yaml", "--profile", "/tmp/prof_lt"]),
-            ("cublaslt remat=none +profile", CUBLASLT + JAXDIST + ["configs/gpt_406m.yaml", "model.remat=none",
+            ("cublaslt remat=none +profile", CUBLASLT + JAXDIST + ["configs/gpt_406m.yaml", "impl.remat=none",
                                                                     "--profile", "/tmp/prof_lt_none"]),
-            ("remat=none", JAXDIST + ["configs/gpt_406m.yaml", "model.remat=none"]),
+            ("remat=none", JAXDIST + ["configs/gpt_406m.yaml", "impl.remat=none"]),
         ],
         # The recipes with remat=none (GELU keeps only its input).
         "remat_none": [
@@ -180,7 +180,7 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist 406m", JAXDIST + ["configs/gpt_406m.yaml"]),
             ("torch 1b4 b8", torch_1b4),
             ("jaxdist 1b4 b8", JAXDIST + ["configs/gpt_1b4.yaml"]),
-            ("jaxdist 1b4 remat=mlp", JAXDIST + ["configs/gpt_1b4.yaml", "model.remat=mlp"]),
+            ("jaxdist 1b4 remat=mlp", JAXDIST + ["configs/gpt_1b4.yaml", "impl.remat=mlp"]),
         ],
         # Where the step's time goes besides kernels (profile idle gaps, host dispatch), whether XLA's
         # command buffers (CUDA graphs) matter, and whether cuBLASLt now takes the GELU epilogue.
@@ -241,14 +241,14 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist dp2 NCCL_MAX_NCHANNELS=4", ["env", "NCCL_MAX_NCHANNELS=4"] + JAXDIST + dp2),
             ("jaxdist fsdp", JAXDIST + fsdp),
         ],
-        # ... 1.4B on one GPU against torch, and tensor=4 with the scheduler and/or model.batch_chunks=2.
+        # ... 1.4B on one GPU against torch, and tensor=4 with the scheduler and/or impl.batch_chunks=2.
         "r4_tensor": [
             ("torch 1b4 b8", torch_1b4),
             ("jaxdist 1b4 1gpu", one_gpu_1b4),
             ("jaxdist 1b4 tensor=4", JAXDIST + tensor4),
             ("tensor=4 +lhs", LHS + JAXDIST + tensor4),
-            ("tensor=4 batch_chunks=2", JAXDIST + tensor4 + ["model.batch_chunks=2"]),
-            ("tensor=4 batch_chunks=2 +lhs", LHS + JAXDIST + tensor4 + ["model.batch_chunks=2"]),
+            ("tensor=4 batch_chunks=2", JAXDIST + tensor4 + ["impl.batch_chunks=2"]),
+            ("tensor=4 batch_chunks=2 +lhs", LHS + JAXDIST + tensor4 + ["impl.batch_chunks=2"]),
         ],
         # ... after the one-pass logsumexp (1 GPU); DP as the gathered embedding-gradient experiment
         # was measured (since removed: it now measures main), with the 1-GPU step's optimized HLO.
@@ -266,15 +266,15 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("torch fsdp2", torch_fsdp2),
             ("jaxdist fsdp", JAXDIST + fsdp),
         ],
-        # Fifth round: the MLP's GELU gradient in cuBLASLt's epilogue (model.gelu_grad_impl) against
+        # Fifth round: the MLP's GELU gradient in cuBLASLt's epilogue (impl.gelu_grad_impl) against
         # XLA's separate pass, on one GPU at both sizes, both profiled.
         "r5b_1gpu": [
             ("torch 406m b16", torch_406m),
             ("jaxdist 406m +profile", JAXDIST + ["configs/gpt_406m.yaml", "--profile", "/tmp/prof_406m"]),
-            ("jaxdist 406m gelu_grad_impl=xla", JAXDIST + ["configs/gpt_406m.yaml", "model.gelu_grad_impl=xla"]),
+            ("jaxdist 406m gelu_grad_impl=xla", JAXDIST + ["configs/gpt_406m.yaml", "impl.gelu_grad_impl=xla"]),
             ("torch 1b4 b8", torch_1b4),
             ("jaxdist 1b4 +profile", JAXDIST + ["configs/gpt_1b4.yaml", "--profile", "/tmp/prof_1b4"]),
-            ("jaxdist 1b4 gelu_grad_impl=xla", JAXDIST + ["configs/gpt_1b4.yaml", "model.gelu_grad_impl=xla"]),
+            ("jaxdist 1b4 gelu_grad_impl=xla", JAXDIST + ["configs/gpt_1b4.yaml", "impl.gelu_grad_impl=xla"]),
         ],
         # ... with the matmul weights' compute-dtype copies kept between steps (precision.compute_copies).
         "r5c_1gpu": [
@@ -394,27 +394,27 @@ def suites(peers: str, gpus: int) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist fsdp again", JAXDIST + fsdp),
         ],
         # Ninth round: each loss chunk's softmax and logits gradient as one Pallas kernel
-        # (model.loss_impl: auto) against XLA's two passes, on one GPU, then data parallel on 2.
+        # (impl.loss_impl: auto) against XLA's two passes, on one GPU, then data parallel on 2.
         "r10_1gpu": [
             ("torch 406m b16", torch_406m),
             ("jaxdist 406m", JAXDIST + ["configs/gpt_406m.yaml"]),
-            ("jaxdist 406m loss_impl=xla", JAXDIST + ["configs/gpt_406m.yaml", "model.loss_impl=xla"]),
+            ("jaxdist 406m loss_impl=xla", JAXDIST + ["configs/gpt_406m.yaml", "impl.loss_impl=xla"]),
             ("torch 1b4 b8", torch_1b4),
             ("jaxdist 1b4", JAXDIST + ["configs/gpt_1b4.yaml"]),
-            ("jaxdist 1b4 loss_impl=xla", JAXDIST + ["configs/gpt_1b4.yaml", "model.loss_impl=xla"]),
+            ("jaxdist 1b4 loss_impl=xla", JAXDIST + ["configs/gpt_1b4.yaml", "impl.loss_impl=xla"]),
         ],
         "r10_dp": [
             ("jaxdist 406m 1gpu", one_gpu_406m),
             ("torch ddp", torch_ddp),
             ("jaxdist dp2", JAXDIST + dp2),
             ("jaxdist fsdp", JAXDIST + fsdp),
-            ("jaxdist dp2 loss_impl=xla", JAXDIST + dp2 + ["model.loss_impl=xla"]),
+            ("jaxdist dp2 loss_impl=xla", JAXDIST + dp2 + ["impl.loss_impl=xla"]),
         ],
-        # The fused, chunked cross-entropy (model.loss_chunk): peak memory and step time per chunk size.
+        # The fused, chunked cross-entropy (impl.loss_chunk): peak memory and step time per chunk size.
         "loss_chunk_406m": [
             ("torch 406m b16", torch_406m),
             ("jaxdist 406m b16", JAXDIST + ["configs/gpt_406m.yaml"]),
-            *[(f"jaxdist 406m loss_chunk={c}", JAXDIST + ["configs/gpt_406m.yaml", f"model.loss_chunk={c}"])
+            *[(f"jaxdist 406m loss_chunk={c}", JAXDIST + ["configs/gpt_406m.yaml", f"impl.loss_chunk={c}"])
               for c in (128, 256, 512)],
         ],
     }

@@ -61,7 +61,7 @@ def unavailable_reason() -> str | None:
 
 
 def use_kernel(impl: str, pre: jax.Array, down: jax.Array) -> bool:
-    """Whether `model.gelu_grad_impl` = `impl` runs the cuBLASLt kernel for `gelu(pre) @ down` here.
+    """Whether `impl.gelu_grad_impl` = `impl` runs the cuBLASLt kernel for `gelu(pre) @ down` here.
 
     `auto` takes it on a GPU where it builds and the operands suit it, warning once where it doesn't
     build; `cublaslt` insists, raising with the reason.
@@ -71,13 +71,13 @@ def use_kernel(impl: str, pre: jax.Array, down: jax.Array) -> bool:
     reason = _unsuited(pre, down)
     if reason is not None:
         if impl == "cublaslt":
-            raise ValueError(f"model.gelu_grad_impl=cublaslt: {reason}")
+            raise ValueError(f"impl.gelu_grad_impl=cublaslt: {reason}")
         return False
     reason = unavailable_reason()
     if reason is None:
         return True
     if impl == "cublaslt":
-        raise RuntimeError(f"model.gelu_grad_impl=cublaslt: the cuBLASLt handler is unavailable: {reason}")
+        raise RuntimeError(f"impl.gelu_grad_impl=cublaslt: the cuBLASLt handler is unavailable: {reason}")
     _warn_once(reason)
     return False
 

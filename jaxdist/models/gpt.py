@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdist.config import ModelConfig, PipelineConfig
+from jaxdist.config import ImplConfig, ModelConfig, PipelineConfig
 from jaxdist.models import fused_norm, gelu_matmul
 from jaxdist.parallel import pipeline as pipeline_lib
 from jaxdist.parallel.rules import constrain
@@ -58,13 +58,13 @@ class Norm(nnx.Module):
     """LayerNorm (scale and bias) or RMSNorm (scale), computed in float32.
 
     `add(x, delta)` also adds a residual branch first; on GPU both run as fused Pallas kernels
-    (`model.norm_impl`, models/fused_norm.py), elsewhere as plain XLA.
+    (`impl.norm_impl`, models/fused_norm.py), elsewhere as plain XLA.
     """
 
-    def __init__(self, cfg: ModelConfig, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
         self.kind = cfg.norm
         # The kernels run per shard with shard_map, which the scanned and pipelined stacks don't nest.
-        self.impl = "xla" if cfg.scan_layers else cfg.norm_impl
+        self.impl = "xla" if impl.scan_layers else impl.norm_impl
         self.scale = _param(rngs, nnx.initializers.ones_init(), (cfg.d_model,), ("embed",), param_dtype)
         if cfg.norm == "layernorm":
             self.bias = _param(rngs, nnx.initializers.zeros_init(), (cfg.d_model,), ("embed",), param_dtype)
@@ -90,7 +90,7 @@ class Norm(nnx.Module):
         if fused_norm.supported(x.shape, RESIDUAL):
             return True
         if self.impl == "pallas":
-            raise ValueError(f"model.norm_impl=pallas: the fused norm does not take activations of shape "
+            raise ValueError(f"impl.norm_impl=pallas: the fused norm does not take activations of shape "
                              f"{x.shape} here (needs powers of two per shard, features unsharded, and Pallas's "
                              "Triton backend in this jax); use auto or xla")
         return False
@@ -116,9 +116,10 @@ def rope(x: jax.Array, positions: jax.Array) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
         head_dim = cfg.d_model // cfg.heads
-        self.cfg = cfg
+        self.rope = cfg.positions == "rope"
+        self.implementation = impl.attention
         # q, k and v stacked on a leading axis: each is a contiguous slice, so the three
         # projections need no activation transposes or concatenations (measured: ~4 ms/step at 406M).
         self.qkv = _param(rngs, _normal, (3, cfg.d_model, cfg.heads, head_dim),
@@ -133,28 +134,28 @@ class Attention(nnx.Module):
             constrain(jnp.einsum("btd,dhk->bthk", x, qkv[i]), ("batch", "length", "heads", "head_dim"))
             for i in range(3)
         )
-        if self.cfg.positions == "rope":
+        if self.rope:
             positions = jnp.arange(x.shape[1])
             q, k = rope(q, positions), rope(k, positions)
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=_attention_impl(self.cfg, x.dtype))
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=_attention_impl(self.implementation, x.dtype))
         y = constrain(y, ("batch", "length", "heads", "head_dim"))
         out = jnp.einsum("bthk,hkd->btd", y, _cast(self.out[...], x.dtype))
         return constrain(out, RESIDUAL)
 
 
-def _attention_impl(cfg: ModelConfig, dtype) -> str | None:
-    if cfg.attention != "auto":
-        return cfg.attention
+def _attention_impl(attention: str, dtype) -> str | None:
+    if attention != "auto":
+        return attention
     on_gpu = jax.default_backend() == "gpu"
     return "cudnn" if on_gpu and dtype in (jnp.bfloat16, jnp.float16) else "xla"
 
 
 class Mlp(nnx.Module):
-    def __init__(self, cfg: ModelConfig, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
         self.activation = cfg.activation
         # As the fused norms: the kernel runs per shard with shard_map, kept out of scanned stacks.
-        self.gelu_grad_impl = "xla" if cfg.scan_layers else cfg.gelu_grad_impl
-        self.recompute_activation = cfg.remat == "mlp"
+        self.gelu_grad_impl = "xla" if impl.scan_layers else impl.gelu_grad_impl
+        self.recompute_activation = impl.remat == "mlp"
         self.up = _param(rngs, _normal, (cfg.d_model, cfg.mlp_dim), ("embed", "mlp"), param_dtype)
         if cfg.activation == "swiglu":
             self.gate = _param(rngs, _normal, (cfg.d_model, cfg.mlp_dim), ("embed", "mlp"), param_dtype)
@@ -189,11 +190,11 @@ class Block(nnx.Module):
     GPU), so the last block's add is done by the caller's final norm. `delta` None: nothing pending.
     """
 
-    def __init__(self, cfg: ModelConfig, param_dtype, rngs: nnx.Rngs):
-        self.norm1 = Norm(cfg, param_dtype, rngs)
-        self.attn = Attention(cfg, param_dtype, rngs)
-        self.norm2 = Norm(cfg, param_dtype, rngs)
-        self.mlp = Mlp(cfg, param_dtype, rngs)
+    def __init__(self, cfg: ModelConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
+        self.norm1 = Norm(cfg, impl, param_dtype, rngs)
+        self.attn = Attention(cfg, impl, param_dtype, rngs)
+        self.norm2 = Norm(cfg, impl, param_dtype, rngs)
+        self.mlp = Mlp(cfg, impl, param_dtype, rngs)
 
     def __call__(self, x: jax.Array, delta: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         x, h = self.norm1.add(x, delta)
@@ -202,7 +203,7 @@ class Block(nnx.Module):
 
 
 def _merge_slices(parts: list[jax.Array]) -> jax.Array:
-    """The batch again from its `split_microbatches` slices (model.batch_chunks)."""
+    """The batch again from its `split_microbatches` slices (impl.batch_chunks)."""
     return constrain(pipeline_lib.merge_microbatches(jnp.stack(parts)), RESIDUAL)
 
 
@@ -218,12 +219,14 @@ class GPT(nnx.Module):
     `features(tokens)` gives the two inputs of that last projection separately, for losses that
     never form the full logits (models/cross_entropy.py).
 
-    With `pipeline` settings and a stage axis in the mesh, the blocks run as a pipeline.
+    `cfg` is the architecture, `impl` how it runs (scanned or unrolled layers, remat, kernels, loss
+    chunks). With `pipeline` settings and a stage axis in the mesh, the blocks run as a pipeline.
     """
 
     def __init__(
         self,
         cfg: ModelConfig,
+        impl: ImplConfig = ImplConfig(),
         *,
         rngs: nnx.Rngs,
         param_dtype=jnp.float32,
@@ -231,24 +234,25 @@ class GPT(nnx.Module):
         pipeline: PipelineConfig | None = None,
     ):
         self.cfg = cfg
+        self.impl = impl
         self.compute_dtype = compute_dtype
         self.pipeline = pipeline
         self.embed = _param(rngs, _normal, (cfg.vocab, cfg.d_model), ("vocab", "embed"), param_dtype)
         if cfg.positions == "learned":
             self.positions = _param(rngs, _normal, (cfg.seq_len, cfg.d_model), ("length", "embed"), param_dtype)
 
-        if cfg.scan_layers:
+        if impl.scan_layers:
             @nnx.split_rngs(splits=cfg.layers)
             @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
             def stacked_blocks(rngs: nnx.Rngs) -> Block:
-                return Block(cfg, param_dtype, rngs)
+                return Block(cfg, impl, param_dtype, rngs)
 
             self.blocks = stacked_blocks(rngs)
         else:
             # Separate parameters per layer: each layer's gradient is complete as soon as its
             # backward is done, so its reduction can overlap the rest of the backward pass.
-            self.blocks = nnx.List([Block(cfg, param_dtype, rngs) for _ in range(cfg.layers)])
-        self.final_norm = Norm(cfg, param_dtype, rngs)
+            self.blocks = nnx.List([Block(cfg, impl, param_dtype, rngs) for _ in range(cfg.layers)])
+        self.final_norm = Norm(cfg, impl, param_dtype, rngs)
         if not cfg.tied_embeddings:
             self.head = _param(rngs, _normal, (cfg.d_model, cfg.vocab), ("embed", "vocab"), param_dtype)
 
@@ -273,16 +277,16 @@ class GPT(nnx.Module):
 
     @property
     def logits_dtype(self):
-        """The dtype the output projection writes its logits in (`model.logits_dtype`)."""
-        return jnp.float32 if self.cfg.logits_dtype == "float32" else self.compute_dtype
+        """The dtype the output projection writes its logits in (`impl.logits_dtype`)."""
+        return jnp.float32 if self.impl.logits_dtype == "float32" else self.compute_dtype
 
     def _run_blocks(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
         """The residual after the blocks and the last block's output not yet added to it."""
-        if not self.cfg.scan_layers:
+        if not self.impl.scan_layers:
             # Slices of the batch go through each layer one after the other: they are independent,
             # so XLA may run one slice's collectives beside the next slice's compute. The slices
             # are strided like microbatches, so splitting moves no rows between devices.
-            chunks = self.cfg.batch_chunks
+            chunks = self.impl.batch_chunks
             xs = list(split_microbatches(x, chunks)) if chunks > 1 else [x]
             deltas = [None] * chunks
             for block in self.blocks:
@@ -306,6 +310,6 @@ class GPT(nnx.Module):
         return x
 
     def _remat(self, fn):
-        if self.cfg.remat in ("none", "mlp"):
+        if self.impl.remat in ("none", "mlp"):
             return fn
-        return jax.checkpoint(fn, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=not self.cfg.scan_layers)
+        return jax.checkpoint(fn, policy=_REMAT_POLICIES[self.impl.remat], prevent_cse=not self.impl.scan_layers)

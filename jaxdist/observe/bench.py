@@ -128,8 +128,8 @@ def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = No
         "seq": cfg.model.seq_len,
         "global_batch": cfg.train.global_batch,
         "microbatches": cfg.train.microbatches,
-        "scan_layers": cfg.model.scan_layers,
-        "remat": cfg.model.remat,
+        "scan_layers": cfg.impl.scan_layers,
+        "remat": cfg.impl.remat,
         "step_ms": round(step_s * 1e3, 2),
         "step_ms_min_window": round(min(times) * 1e3, 2),
         # Host time per step call. Near step_ms, the host waited for the device (on GPU, in

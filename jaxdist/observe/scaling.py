@@ -93,7 +93,7 @@ def model_size(cfg: Config) -> ModelSize:
     return ModelSize(
         params=params, layers=m.layers, d_model=m.d_model, heads=m.heads, seq_len=m.seq_len, vocab=m.vocab,
         param_bytes=param_bytes, compute_bytes=compute_bytes,
-        remat=m.remat, flops_per_token=flops_per_token(cfg), loss_chunk=m.loss_chunk, copied_params=copied,
+        remat=cfg.impl.remat, flops_per_token=flops_per_token(cfg), loss_chunk=cfg.impl.loss_chunk, copied_params=copied,
         matmul_params=matmul,
         fsdp_gathers=1 if cfg.train.fsdp_gather == "per_step" else 2,
     )
@@ -294,7 +294,7 @@ def report(cfg: Config, hosts: int, gpus_per_host: int = 8, batch_per_gpu: int |
             f"{cost.compute_s * 1e3:>10.1f}  {verdict}"
         )
     if chosen is None:
-        lines.append("no candidate layout fits: use pipeline stages, remat (model.remat=full) or a smaller batch")
+        lines.append("no candidate layout fits: use pipeline stages, remat (impl.remat=full) or a smaller batch")
         return "\n".join(lines)
     lines += ["", f"chosen layout {describe_shape(chosen.shape)}: bytes per GPU per step, by axis and link"]
     for axis in ("data", "fsdp", "tensor"):
