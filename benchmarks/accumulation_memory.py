@@ -49,7 +49,7 @@ def compiled_step(cfg: config_lib.Config):
     tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len), "int32")
     step = make_train_step(
         graphdef, entry.loss, tx, schedule, mesh, rules, shardings,
-        cfg.train.microbatches, cfg.train.grad_reduction, cfg.precision.grad_reduce,
+        cfg.train.microbatches, cfg.train.grad_reduction,
     )
     return step.lower(state, None, {"inputs": tokens, "targets": tokens}).compile()
 

@@ -50,7 +50,7 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--repeats", type=_ints, default=[1, 2], help="1 = GPipe, >1 = circular")
     parser.add_argument("--compute", default="bfloat16")
     parser.add_argument("--remat", action="store_true",
-                        help="pipeline.remat (the ideal then uses model.remat=full): recompute forwards")
+                        help="pipeline.remat (the ideal then uses impl.remat=full): recompute forwards")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per row")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default=None, help="append one JSON line per row to this file")
@@ -66,8 +66,8 @@ def _config(args: argparse.Namespace, layers: int, stages: int, microbatches: in
     # With --remat the ideal recomputes its forward too (per layer), so both sides do the same work.
     ideal_remat = "full" if args.remat and stages == 1 else "none"
     return config_lib.from_dict({
-        "model": {"vocab": 256, "d_model": args.d_model, "layers": layers, "heads": args.heads,
-                  "seq_len": args.seq, "scan_layers": True, "remat": ideal_remat},
+        "model": {"vocab": 256, "d_model": args.d_model, "layers": layers, "heads": args.heads, "seq_len": args.seq},
+        "impl": {"scan_layers": True, "remat": ideal_remat},
         "mesh": {"data": 1, "fsdp": 1, "tensor": 1, "stage": stages},
         "rules": {"preset": "dp"},
         "train": {"global_batch": args.batch, "steps": args.warmup + args.steps},

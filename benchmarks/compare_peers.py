@@ -46,10 +46,10 @@ def suites(peers: str) -> dict[str, list[tuple[str, list[str]]]]:
         "one_gpu": [
             ("torch 406m b16", torch_gpt + ["--batch", "16"]),
             ("jaxdist 406m", JAXDIST + GPT_406M),
-            ("jaxdist 406m loss_impl=xla", JAXDIST + GPT_406M + ["model.loss_impl=xla"]),
+            ("jaxdist 406m loss_impl=xla", JAXDIST + GPT_406M + ["impl.loss_impl=xla"]),
             ("torch 1b4 b8", torch_gpt + ["--d", "2048", "--batch", "8"]),
             ("jaxdist 1b4", JAXDIST + GPT_1B4),
-            ("jaxdist 1b4 loss_impl=xla", JAXDIST + GPT_1B4 + ["model.loss_impl=xla"]),
+            ("jaxdist 1b4 loss_impl=xla", JAXDIST + GPT_1B4 + ["impl.loss_impl=xla"]),
         ],
         # Data parallel, FSDP and ZeRO-2 on 2 GPUs against one GPU, torch's DDP and FSDP2.
         "two_gpus_dp_fsdp": [

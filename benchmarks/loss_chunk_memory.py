@@ -1,4 +1,4 @@
-"""Per-device memory of the compiled train step against `model.loss_chunk` (compile only, no run).
+"""Per-device memory of the compiled train step against `impl.loss_chunk` (compile only, no run).
 
     JAXDIST_CPU_DEVICES=1 python benchmarks/loss_chunk_memory.py configs/tiny.yaml model.vocab=16384
     python benchmarks/loss_chunk_memory.py configs/gpt_406m.yaml --chunks 0,128,256   # on a GPU
@@ -28,7 +28,7 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{'loss_chunk':>10} {'temp MiB/device':>16} {'args MiB/device':>16}")
     for chunk in map(int, args.chunks.split(",")):
-        cfg = config_lib.load(args.config, [*args.overrides, f"model.loss_chunk={chunk}"])
+        cfg = config_lib.load(args.config, [*args.overrides, f"impl.loss_chunk={chunk}"])
         memory = compiled_step(cfg).memory_analysis()
         print(f"{chunk:>10} {memory.temp_size_in_bytes / 2**20:>16.2f} {memory.argument_size_in_bytes / 2**20:>16.2f}")
 

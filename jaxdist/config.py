@@ -53,6 +53,8 @@ class RulesConfig(Section):
 
 
 class ModelConfig(Section):
+    """The architecture: what the model computes (`impl` says how it runs)."""
+
     name: str = "gpt"
     vocab: int = Field(256, gt=0)
     d_model: int = Field(256, gt=0)
@@ -64,8 +66,30 @@ class ModelConfig(Section):
     positions: Literal["learned", "rope"] = "learned"
     activation: Literal["gelu", "swiglu"] = "gelu"
     tied_embeddings: bool = False
+
+    @model_validator(mode="after")
+    def _shapes(self) -> ModelConfig:
+        if self.d_model % self.heads:
+            raise ValueError(f"model.d_model={self.d_model} is not divisible by model.heads={self.heads}")
+        if self.positions == "rope" and (self.d_model // self.heads) % 2:
+            raise ValueError("model.positions=rope needs an even head dimension (d_model / heads)")
+        return self
+
+    @property
+    def mlp_dim(self) -> int:
+        return int(self.d_model * self.mlp_ratio)
+
+
+class ImplConfig(Section):
+    """How the model runs: layer stacking, recomputation, kernels and loss chunking.
+
+    None of these changes the math beyond float rounding; they trade compile time, memory and speed
+    (docs/performance.md says what each was measured to do).
+    """
+
+    # true: the layers stacked and run as a `lax.scan` (fast compile; needed by pipelines);
+    # false: each layer its own parameters, unrolled (faster on GPU).
     scan_layers: bool = True
-    scan_unroll: int = Field(1, gt=0)
     # Recomputed in the backward pass: nothing (none), the MLP activation (mlp: one elementwise
     # pass, saves batch x length x mlp_dim per layer), all but matmul outputs (dots), or each block (full).
     remat: Literal["none", "mlp", "full", "dots"] = "none"
@@ -91,38 +115,18 @@ class ModelConfig(Section):
     # one slice's tensor-parallel all-reduce can run while the next slice computes. For tensor
     # parallelism; beside data/fsdp axes XLA may reduce each slice's weight gradients on its own.
     batch_chunks: int = Field(1, ge=1)
-    # Unrolled layers: each layer's weight gradients, and their reduction across devices, are made
-    # while the layer below runs its backward, not where XLA's scheduler puts them: after the whole
-    # backward (parallel/grad_order.py). Off: on 2 GPUs of one host the reductions then run beside
-    # compute, which slows by as much (benchmarks/HISTORY.md).
-    overlap_grad_reduce: bool = False
 
     @model_validator(mode="after")
-    def _shapes(self) -> ModelConfig:
-        if self.d_model % self.heads:
-            raise ValueError(f"model.d_model={self.d_model} is not divisible by model.heads={self.heads}")
-        if self.loss_chunk and self.seq_len % self.loss_chunk:
-            raise ValueError(
-                f"model.loss_chunk={self.loss_chunk} does not divide model.seq_len={self.seq_len}; use a "
-                f"divisor of {self.seq_len}, or 0 for the unchunked loss"
-            )
+    def _combinations(self) -> ImplConfig:
         if self.loss_impl == "pallas" and not self.loss_chunk:
-            raise ValueError("model.loss_impl=pallas needs model.loss_chunk > 0 (the kernel runs inside the chunked loss)")
+            raise ValueError("impl.loss_impl=pallas needs impl.loss_chunk > 0 (the kernel runs inside the chunked loss)")
         if self.norm_impl == "pallas" and self.scan_layers:
-            raise ValueError("model.norm_impl=pallas needs model.scan_layers=false (the fused norms run on unrolled layers)")
-        if self.gelu_grad_impl == "cublaslt" and (self.scan_layers or self.activation != "gelu"):
-            raise ValueError("model.gelu_grad_impl=cublaslt needs model.activation=gelu and model.scan_layers=false")
-        if self.overlap_grad_reduce and self.scan_layers:
-            raise ValueError("model.overlap_grad_reduce needs model.scan_layers=false (it ties each unrolled layer)")
+            raise ValueError("impl.norm_impl=pallas needs impl.scan_layers=false (the fused norms run on unrolled layers)")
+        if self.gelu_grad_impl == "cublaslt" and self.scan_layers:
+            raise ValueError("impl.gelu_grad_impl=cublaslt needs impl.scan_layers=false")
         if self.batch_chunks > 1 and self.scan_layers:
-            raise ValueError("model.batch_chunks > 1 needs model.scan_layers=false (the slices interleave unrolled layers)")
-        if self.positions == "rope" and (self.d_model // self.heads) % 2:
-            raise ValueError("model.positions=rope needs an even head dimension (d_model / heads)")
+            raise ValueError("impl.batch_chunks > 1 needs impl.scan_layers=false (the slices interleave unrolled layers)")
         return self
-
-    @property
-    def mlp_dim(self) -> int:
-        return int(self.d_model * self.mlp_ratio)
 
 
 class DataConfig(Section):
@@ -219,10 +223,7 @@ class PrecisionConfig(Section):
     """Mixed precision: parameter (master) dtype, compute dtype, and loss scaling for float16.
 
     compute=auto is bfloat16 on GPU and TPU, float32 on CPU. Losses and the gradients the optimizer
-    sees are float32. `grad_reduce` is the dtype gradients cross devices in: auto leaves it to XLA,
-    which reduces each gradient in the dtype its last op produced (under bfloat16 compute on GPU:
-    bfloat16 for matmul weights, float32 for embeddings and norms); float32 or bfloat16 forces
-    every gradient to that dtype on the wire (see train/accumulate.py).
+    sees are float32.
 
     loss_scale=auto is dynamic for float16 compute, none otherwise: the loss is multiplied by the
     scale, a step whose gradients are not all finite is skipped and halves the scale, and
@@ -231,7 +232,6 @@ class PrecisionConfig(Section):
 
     compute: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     params: Literal["float32", "bfloat16"] = "float32"
-    grad_reduce: Literal["auto", "float32", "bfloat16"] = "auto"
     # Keep the matmul weights' compute-dtype copies between steps, written by the optimizer's update,
     # instead of casting every weight at the start of each step (same values and gradients).
     compute_copies: bool = True
@@ -282,6 +282,7 @@ class Config(Section):
     mesh: MeshConfig = MeshConfig()
     rules: RulesConfig = RulesConfig()
     model: ModelConfig = ModelConfig()
+    impl: ImplConfig = ImplConfig()
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     optim: OptimConfig = OptimConfig()
@@ -293,13 +294,15 @@ class Config(Section):
     sample: SampleConfig = SampleConfig()
 
     @model_validator(mode="after")
-    def _reduce_dtype(self) -> Config:
-        if self.precision.grad_reduce != "auto" and self.train.grad_reduction == "per_microbatch" \
-                and self.train.microbatches > 1:
+    def _impl_fits_model(self) -> Config:
+        chunk, seq_len = self.impl.loss_chunk, self.model.seq_len
+        if chunk and seq_len % chunk:
             raise ValueError(
-                f"precision.grad_reduce={self.precision.grad_reduce} needs train.grad_reduction=per_step "
-                f"(per_microbatch reductions happen inside XLA's gradient, in float32)"
+                f"impl.loss_chunk={chunk} does not divide model.seq_len={seq_len}; use a divisor of {seq_len}, "
+                f"or 0 for the unchunked loss"
             )
+        if self.impl.gelu_grad_impl == "cublaslt" and self.model.activation != "gelu":
+            raise ValueError(f"impl.gelu_grad_impl=cublaslt needs model.activation=gelu, not {self.model.activation}")
         return self
 
     @model_validator(mode="after")
@@ -362,6 +365,8 @@ def _describe(err: ValidationError) -> str:
     key = ".".join(str(part) for part in first["loc"])
     kind = first["type"]
     if kind == "extra_forbidden":
+        if first["loc"][:-1] == ("model",) and first["loc"][-1] in ImplConfig.model_fields:
+            return f"config: unknown key '{key}'; it is impl.{first['loc'][-1]} (the impl section says how the model runs)"
         section = _section_of(first["loc"][:-1])
         known = ", ".join(section.model_fields) if section else ""
         return f"config: unknown key '{key}'; known keys here: {known}"

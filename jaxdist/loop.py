@@ -49,7 +49,7 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
     batches = loader.train_iterator(cfg, rows, start_example=planned.example, source=train_source)
     first_local = next(batches)
     feed.check_replicas_agree(first_local, layout.batch_sharding, rows)
-    if built := kernels.build_for(cfg.model):  # the model only loads them while it is traced
+    if built := kernels.build_for(cfg.model, cfg.impl):  # the model only loads them while it is traced
         log(built)
     trainer = Trainer.from_config(cfg, layout=layout)
     run_dir = Path(cfg.run_dir)

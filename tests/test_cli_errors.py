@@ -21,6 +21,7 @@ def config_file(tmp_path):
         ("train.stepz=5", ["train.stepz", "unknown key", "steps"]),
         ("train.steps=abc", ["train.steps", "'abc'", "integer"]),
         ("model.nrom=rmsnorm", ["model.nrom", "unknown key"]),
+        ("model.scan_layers=false", ["model.scan_layers", "unknown key", "impl.scan_layers"]),
         ("mesh.fsdp=3", ["mesh.fsdp=3", "6 devices", "8 are present"]),
         ("train.global_batch=10", ["train.global_batch=10", "4 batch shards (the batch is split over mesh.data x mesh.fsdp)", "multiple of 4"]),
         ("mesh.tensor=8", ["mesh", "mesh.tensor=8"]),

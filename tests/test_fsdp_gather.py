@@ -27,7 +27,7 @@ def _copy_shard_bytes(trainer) -> int:
 def _train(tmp_path, gather: str, steps: int, **sections):
     sections = {"mesh": {"data": 2, "fsdp": 4, "tensor": 1}, "rules": {"preset": "fsdp"}, **sections}
     cfg = make_config(tmp_path / gather, train={"fsdp_gather": gather, **sections.pop("train", {})},
-                      precision={"compute": "bfloat16", **sections.pop("precision", {})}, **sections)
+                      precision={"compute": "bfloat16"}, **sections)
     trainer = Trainer.from_config(cfg)
     losses = [float(trainer.step(batch)["loss"]) for batch in _batches(steps)]
     gathered = sum(hlo.bytes_per_call(trainer.compiled_text())["all-gather"].values())
@@ -50,11 +50,10 @@ def test_per_step_gathers_the_copies_once_and_trains_like_fsdp(tmp_path):
 
 
 def test_per_step_gathers_once_across_microbatches_beside_a_tensor_axis(tmp_path):
-    """bfloat16 reduction and 2 microbatches take the per-shard gradient path (vmapped, reduced once
-    after the scan). The copies do not change inside the scan, so XLA gathers them once before it:
+    """2 microbatches take the per-shard gradient path (vmapped, reduced once after the scan). The copies do not change inside the scan, so XLA gathers them once before it:
     per_layer gathers 2 microbatches x (forward + backward) = 4 copies' worth, per_step 1. The copies
     stay split over `tensor`."""
-    sections = {"precision": {"grad_reduce": "bfloat16"}, "train": {"microbatches": 2},
+    sections = {"train": {"microbatches": 2},
                 "mesh": {"data": 1, "fsdp": 4, "tensor": 2}, "rules": {"preset": "fsdp_tp"}}
     _, per_layer_losses, per_layer_gathered = _train(tmp_path, "per_layer", 3, **sections)
     per_step, losses, gathered = _train(tmp_path, "per_step", 3, **sections)

@@ -14,7 +14,7 @@ from conftest import make_config
 from flax import nnx
 
 from jaxdist import loop, models
-from jaxdist.config import ModelConfig
+from jaxdist.config import ImplConfig, ModelConfig
 from jaxdist.kernels import fused_norm
 from jaxdist.models.gpt import GPT, RESIDUAL
 
@@ -76,10 +76,10 @@ def test_kernels_equal_the_unfused_norm_and_its_gradients(dtype, rms, with_add):
 
 
 def _model_loss_and_grads(norm_impl: str, norm: str, batch_chunks: int = 1):
-    cfg = ModelConfig(vocab=64, d_model=32, layers=3, heads=4, seq_len=16, scan_layers=False,
-                      norm=norm, norm_impl=norm_impl, batch_chunks=batch_chunks)
+    cfg = ModelConfig(vocab=64, d_model=32, layers=3, heads=4, seq_len=16, norm=norm)
+    impl = ImplConfig(scan_layers=False, norm_impl=norm_impl, batch_chunks=batch_chunks)
     with nnx.use_eager_sharding(False):
-        graphdef, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)))
+        graphdef, params = nnx.split(GPT(cfg, impl, rngs=nnx.Rngs(0)))
     tokens = jax.random.randint(jax.random.key(2), (4, 17), 0, 64)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     return jax.jit(jax.value_and_grad(lambda p: models.lm_loss(nnx.merge(graphdef, p), batch)))(params)
@@ -97,7 +97,7 @@ def test_gpt_with_fused_norms_has_the_same_loss_and_gradients(norm):
 
 
 def test_fused_norms_on_batch_slices_match_the_whole_batch():
-    """model.batch_chunks=2 with the kernels (as on a GPU): each slice's residual adds and norms run
+    """impl.batch_chunks=2 with the kernels (as on a GPU): each slice's residual adds and norms run
     on half the rows; loss and gradients equal one slice with XLA's norms."""
     loss, grads = _model_loss_and_grads("pallas", "layernorm", batch_chunks=2)
     want_loss, want_grads = _model_loss_and_grads("xla", "layernorm")
@@ -114,11 +114,11 @@ def test_fused_norms_per_shard_train_like_one_device(tmp_path):
     """data2 x fsdp2 x tensor2: the kernels run on each batch shard (shard_map), their scale and bias
     gradients are summed across shards; the losses equal the unfused single-device run's."""
     single, sharded = tmp_path / "single", tmp_path / "sharded"
-    model = {"scan_layers": False}
+    impl = {"scan_layers": False}
     loop.train(make_config(single, mesh={"data": 1, "fsdp": 1, "tensor": 1}, rules={"preset": "dp"},
-                           model={**model, "norm_impl": "xla"}), devices=jax.devices()[:1])
+                           impl={**impl, "norm_impl": "xla"}), devices=jax.devices()[:1])
     loop.train(make_config(sharded, mesh={"data": 2, "fsdp": 2, "tensor": 2}, rules={"preset": "fsdp_tp"},
-                           model={**model, "norm_impl": "pallas"}))
+                           impl={**impl, "norm_impl": "pallas"}))
     want = _losses(single)
     assert len(want) == 10 and want[-1] < want[0] - 0.5, want
     np.testing.assert_allclose(_losses(sharded), want, rtol=1e-5, atol=0)
@@ -132,9 +132,9 @@ def test_unsupported_shapes_fall_back_or_fail_clearly(monkeypatch):
         assert not fused_norm.supported((4, 16, 128), RESIDUAL)
     assert fused_norm.supported((4, 16, 128), RESIDUAL)
     with pytest.raises(pydantic.ValidationError, match="scan_layers=false"):
-        ModelConfig(norm_impl="pallas", scan_layers=True)
-    cfg = ModelConfig(vocab=64, d_model=48, layers=1, heads=4, seq_len=16, scan_layers=False, norm_impl="pallas")
+        ImplConfig(norm_impl="pallas", scan_layers=True)
+    cfg = ModelConfig(vocab=64, d_model=48, layers=1, heads=4, seq_len=16)
     with nnx.use_eager_sharding(False):
-        model = GPT(cfg, rngs=nnx.Rngs(0))
+        model = GPT(cfg, ImplConfig(scan_layers=False, norm_impl="pallas"), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="norm_impl=pallas"):
         model(jnp.zeros((2, 16), jnp.int32))

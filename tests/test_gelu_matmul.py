@@ -15,11 +15,10 @@ import pydantic
 import pytest
 from conftest import make_config
 
-from jaxdist import kernels
-from jaxdist.kernels import build
-from jaxdist import loop
-from jaxdist.config import ModelConfig
-from jaxdist.kernels import gelu_matmul
+from jaxdist import kernels, loop
+from jaxdist.config import ImplConfig
+from jaxdist.errors import UserError
+from jaxdist.kernels import build, gelu_matmul
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.parallel import rules as rules_lib
 
@@ -72,13 +71,13 @@ def test_per_shard_wiring_trains_like_one_device(tmp_path, monkeypatch):
         return gelu_matmul.xla_gelu_grad_matmul(d_out, down, pre)
 
     single, sharded = tmp_path / "single", tmp_path / "sharded"
-    model = {"scan_layers": False, "norm_impl": "xla"}
+    impl = {"scan_layers": False, "norm_impl": "xla"}
     loop.train(make_config(single, mesh={"data": 1, "fsdp": 1, "tensor": 1}, rules={"preset": "dp"},
-                           model={**model, "gelu_grad_impl": "xla"}), devices=jax.devices()[:1])
+                           impl={**impl, "gelu_grad_impl": "xla"}), devices=jax.devices()[:1])
     monkeypatch.setattr(gelu_matmul, "_local", local)
     monkeypatch.setattr(gelu_matmul, "use_kernel", lambda impl, pre, down: True)
     loop.train(make_config(sharded, mesh={"data": 2, "fsdp": 2, "tensor": 2}, rules={"preset": "fsdp_tp"},
-                           model={**model, "gelu_grad_impl": "auto"}))
+                           impl={**impl, "gelu_grad_impl": "auto"}))
     # Per device: 16 sequences / (data 2 x fsdp 2) of 32 positions; mlp 256 / tensor 2; embed whole.
     assert calls and set(calls) == {((4, 32, 64), (128, 64), (4, 32, 128))}, set(calls)
     want = _losses(single)
@@ -88,25 +87,25 @@ def test_per_shard_wiring_trains_like_one_device(tmp_path, monkeypatch):
 
 def test_the_ffi_call_runs_per_shard_under_vmap(tmp_path, monkeypatch):
     """The real ffi_call path, with a CPU stand-in for the cuBLASLt handler (same operands and
-    results), where the gradients are vmapped over batch shards: precision.grad_reduce=bfloat16
-    with 2 microbatches on data2 x fsdp2 x tensor2. The losses equal XLA's way."""
+    results), where the gradients are vmapped over batch shards: 2 microbatches on
+    data2 x fsdp2 x tensor2. The losses equal XLA's way."""
     monkeypatch.setenv("JAXDIST_CACHE_DIR", str(tmp_path / "cache"))
     assert [status.state for status in kernels.build_kernels((STAND_IN,))] == ["built"]
     build.load(STAND_IN)
     shards = {"mesh": {"data": 2, "fsdp": 2, "tensor": 2}, "rules": {"preset": "fsdp_tp"},
-              "precision": {"grad_reduce": "bfloat16"}, "train": {"microbatches": 2}}
-    model = {"scan_layers": False, "norm_impl": "xla"}
+              "train": {"microbatches": 2}}
+    impl = {"scan_layers": False, "norm_impl": "xla"}
     xla, kernel = tmp_path / "xla", tmp_path / "kernel"
-    loop.train(make_config(xla, model={**model, "gelu_grad_impl": "xla"}, **shards))
+    loop.train(make_config(xla, impl={**impl, "gelu_grad_impl": "xla"}, **shards))
     monkeypatch.setattr(gelu_matmul, "HANDLER", STAND_IN)
     monkeypatch.setattr(gelu_matmul, "use_kernel", lambda impl, pre, down: True)
-    loop.train(make_config(kernel, model={**model, "gelu_grad_impl": "auto"}, **shards))
+    loop.train(make_config(kernel, impl={**impl, "gelu_grad_impl": "auto"}, **shards))
     want = _losses(xla)
     assert len(want) == 10 and want[-1] < want[0] - 0.5, want
     np.testing.assert_allclose(_losses(kernel), want, rtol=1e-5, atol=0)
 
 
-def test_kernel_choice_falls_back_or_fails_clearly(monkeypatch):
+def test_kernel_choice_falls_back_or_fails_clearly(tmp_path, monkeypatch):
     pre, down = jnp.zeros((2, 8, 64), jnp.bfloat16), jnp.zeros((64, 16), jnp.bfloat16)
     assert not gelu_matmul.use_kernel("auto", pre, down)  # on CPU
     assert not gelu_matmul.use_kernel("xla", pre, down)
@@ -137,6 +136,8 @@ def test_kernel_choice_falls_back_or_fails_clearly(monkeypatch):
             assert not gelu_matmul.use_kernel("auto", pre, down)
             with pytest.raises(ValueError, match="embed"):
                 gelu_matmul.use_kernel("cublaslt", pre, down)
-    for bad in ({"scan_layers": True}, {"scan_layers": False, "activation": "swiglu"}):
-        with pytest.raises(pydantic.ValidationError, match="gelu_grad_impl=cublaslt"):
-            ModelConfig(gelu_grad_impl="cublaslt", **bad)
+    with pytest.raises(pydantic.ValidationError, match="gelu_grad_impl=cublaslt needs impl.scan_layers=false"):
+        ImplConfig(gelu_grad_impl="cublaslt", scan_layers=True)
+    with pytest.raises(UserError, match="gelu_grad_impl=cublaslt needs model.activation=gelu"):
+        make_config(tmp_path, model={"activation": "swiglu"}, impl={"gelu_grad_impl": "cublaslt", "scan_layers": False})
+

@@ -6,19 +6,19 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxdist.config import ModelConfig
+from jaxdist.config import ImplConfig, ModelConfig
 from jaxdist.models.gpt import GPT
 
 
-@pytest.mark.parametrize("variant", [
-    {}, {"norm": "rmsnorm", "positions": "rope", "activation": "swiglu", "tied_embeddings": True},
-    {"remat": "full"},
+@pytest.mark.parametrize(("variant", "remat"), [
+    ({}, "none"), ({"norm": "rmsnorm", "positions": "rope", "activation": "swiglu", "tied_embeddings": True}, "none"),
+    ({}, "full"),
 ])
-def test_unrolled_per_layer_params_equal_the_scanned_stack(variant):
-    base = dict(vocab=64, d_model=32, layers=3, heads=4, seq_len=16, **variant)
+def test_unrolled_per_layer_params_equal_the_scanned_stack(variant, remat):
+    cfg = ModelConfig(vocab=64, d_model=32, layers=3, heads=4, seq_len=16, **variant)
     with nnx.use_eager_sharding(False):
-        unrolled = GPT(ModelConfig(**base, scan_layers=False), rngs=nnx.Rngs(0))
-        scanned = GPT(ModelConfig(**base, scan_layers=True), rngs=nnx.Rngs(1))
+        unrolled = GPT(cfg, ImplConfig(scan_layers=False, remat=remat), rngs=nnx.Rngs(0))
+        scanned = GPT(cfg, ImplConfig(scan_layers=True, remat=remat), rngs=nnx.Rngs(1))
     per_layer = nnx.to_pure_dict(nnx.state(unrolled, nnx.Param))
     stacked = dict(per_layer)
     stacked["blocks"] = jax.tree.map(lambda *layers: jnp.stack(layers), *[per_layer["blocks"][i] for i in range(3)])
@@ -35,10 +35,9 @@ def _loss_grads_and_temp_bytes(remat: str, activation: str):
     """(loss, gradients, temp bytes of the compiled value-and-grad) of a small unrolled GPT."""
     from jaxdist import models
 
-    cfg = ModelConfig(vocab=64, d_model=32, layers=4, heads=4, seq_len=64, mlp_ratio=8,
-                      scan_layers=False, activation=activation, remat=remat)
+    cfg = ModelConfig(vocab=64, d_model=32, layers=4, heads=4, seq_len=64, mlp_ratio=8, activation=activation)
     with nnx.use_eager_sharding(False):
-        graphdef, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)))
+        graphdef, params = nnx.split(GPT(cfg, ImplConfig(scan_layers=False, remat=remat), rngs=nnx.Rngs(0)))
     tokens = jax.random.randint(jax.random.key(2), (8, 65), 0, 64)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     compiled = jax.jit(jax.value_and_grad(lambda p: models.lm_loss(nnx.merge(graphdef, p), batch))).lower(params).compile()

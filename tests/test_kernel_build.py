@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxdist import cli, kernels
-from jaxdist.config import ModelConfig
+from jaxdist.config import ImplConfig, ModelConfig
 from jaxdist.kernels import build, gelu_matmul
 
 from test_gelu_matmul import STAND_IN
@@ -144,13 +144,13 @@ def test_tracing_with_nothing_built_never_compiles_and_falls_back(cache, fake_cu
 
 def test_train_and_bench_build_only_on_a_gpu_when_the_model_asks(monkeypatch):
     monkeypatch.setattr(kernels, "build_kernels", lambda: [kernels.Status("gelu_matmul", "built", "/x.so")])
-    unrolled = ModelConfig(scan_layers=False)
-    assert kernels.build_for(unrolled) is None  # this CPU
+    gelu, unrolled = ModelConfig(), ImplConfig(scan_layers=False)
+    assert kernels.build_for(gelu, unrolled) is None  # this CPU
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert kernels.build_for(unrolled) == "kernels: gelu_matmul: built (/x.so)"
-    for asks_none in (ModelConfig(scan_layers=True), ModelConfig(scan_layers=False, gelu_grad_impl="xla"),
-                      ModelConfig(scan_layers=False, activation="swiglu")):
-        assert kernels.build_for(asks_none) is None
+    assert kernels.build_for(gelu, unrolled) == "kernels: gelu_matmul: built (/x.so)"
+    for model, impl in ((gelu, ImplConfig(scan_layers=True)), (gelu, ImplConfig(scan_layers=False, gelu_grad_impl="xla")),
+                        (ModelConfig(activation="swiglu"), unrolled)):
+        assert kernels.build_for(model, impl) is None
 
 
 def test_build_kernels_command_prints_a_line_per_kernel_and_exits_0_off_a_gpu(cache, capsys):

@@ -80,14 +80,14 @@ def test_tensor_parallel_shards_heads_and_mlp(tmp_path):
 
 
 def test_batch_chunks_change_neither_the_math_nor_what_crosses_devices(tmp_path):
-    """model.batch_chunks=2 runs each layer on two slices of the batch in turn, so under tensor
+    """impl.batch_chunks=2 runs each layer on two slices of the batch in turn, so under tensor
     parallelism one slice's all-reduces can overlap the other's compute: the same losses as one
     slice, and the same bytes between devices, in twice as many all-reduces."""
     devices = jax.devices()[:4]
     layout = {"mesh": {"data": 1, "fsdp": 1, "tensor": 4}, "rules": {"preset": "tp"}}
     runs = {}
     for chunks in (1, 2):
-        cfg = make_config(tmp_path / str(chunks), model={"scan_layers": False, "batch_chunks": chunks}, **layout)
+        cfg = make_config(tmp_path / str(chunks), impl={"scan_layers": False, "batch_chunks": chunks}, **layout)
         trainer = Trainer.from_config(cfg, devices)
         trainer.compile(trainer.global_batch(random_tokens(cfg)))
         text = trainer.compiled_text()

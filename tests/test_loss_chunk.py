@@ -1,4 +1,4 @@
-"""`model.loss_chunk`: the fused, chunked cross-entropy is the plain loss with less memory.
+"""`impl.loss_chunk`: the fused, chunked cross-entropy is the plain loss with less memory.
 
 Same loss and gradients as the unchunked `lm_loss` (float32) under tensor-sharded vocabulary and
 data parallelism, with and without eval weights, tied and untied head; a smaller compiled step;
@@ -95,8 +95,8 @@ def test_loss_and_gradients_equal_the_unchunked_loss(tmp_path, layout, tied, imp
     def config(chunk):
         return make_config(
             tmp_path, mesh=mesh, rules={"preset": preset}, train={"global_batch": GLOBAL_BATCH},
-            model={"vocab": VOCAB, "layers": 1, "tied_embeddings": tied, "loss_chunk": chunk,
-                   "loss_impl": impl if chunk else "auto"},
+            model={"vocab": VOCAB, "layers": 1, "tied_embeddings": tied},
+            impl={"loss_chunk": chunk, "loss_impl": impl if chunk else "auto"},
         )
 
     plain_cfg, chunked_cfg = config(0), config(CHUNK)
@@ -174,7 +174,7 @@ def test_chunking_shrinks_the_compiled_steps_temporaries(tmp_path):
     def config(chunk):
         return make_config(
             tmp_path, mesh={"data": 1, "fsdp": 1, "tensor": 1}, rules={"preset": "dp"},
-            model={"vocab": 8192, "layers": 1, "seq_len": 128, "loss_chunk": chunk},
+            model={"vocab": 8192, "layers": 1, "seq_len": 128}, impl={"loss_chunk": chunk},
         )
 
     plain, chunked = _step_temp_bytes(config(0)), _step_temp_bytes(config(CHUNK))
@@ -198,7 +198,7 @@ def test_training_run_is_the_same_with_chunking(tmp_path):
         run_dir = tmp_path / f"chunk{chunk}"
         loop.train(make_config(
             run_dir, mesh={"data": 1, "fsdp": 4, "tensor": 2}, rules={"preset": "fsdp_tp"},
-            model={"loss_chunk": chunk, "layers": 1}, train={"steps": 5},
+            model={"layers": 1}, impl={"loss_chunk": chunk}, train={"steps": 5},
         ))
         runs[chunk] = [record["loss"] for record in _records(run_dir)]
     plain, chunked = runs[0], runs[CHUNK]
@@ -217,9 +217,9 @@ def config_file(tmp_path):
 @pytest.mark.parametrize(
     "override, must_mention",
     [
-        ("model.loss_chunk=5", ["model.loss_chunk=5", "model.seq_len=32", "divisor of 32"]),
-        ("model.loss_chunk=-8", ["model.loss_chunk=-8", "greater than or equal to 0"]),
-        ("model.loss_impl=pallas", ["model.loss_impl=pallas", "model.loss_chunk > 0"]),
+        ("impl.loss_chunk=5", ["impl.loss_chunk=5", "model.seq_len=32", "divisor of 32"]),
+        ("impl.loss_chunk=-8", ["impl.loss_chunk=-8", "greater than or equal to 0"]),
+        ("impl.loss_impl=pallas", ["impl.loss_impl=pallas", "impl.loss_chunk > 0"]),
     ],
 )
 def test_bad_chunk_exits_2_before_compiling(config_file, capsys, compiles, override, must_mention):

@@ -42,17 +42,19 @@ def build_kernels(handlers: tuple[build.Handler, ...] = NATIVE) -> list[Status]:
     return statuses
 
 
-def wants_native(model) -> bool:
-    """Whether a `ModelConfig` runs a C++ handler where one is available: the GELU-gradient epilogue
-    (`gelu_grad_impl` auto or cublaslt, with GELU and unrolled layers, as the model takes it)."""
-    return model.gelu_grad_impl != "xla" and model.activation == "gelu" and not model.scan_layers
+def wants_native(model, impl) -> bool:
+    """Whether a model (`ModelConfig`, `ImplConfig`) runs a C++ handler where one is available: the
+    GELU-gradient epilogue (`gelu_grad_impl` auto or cublaslt, with GELU and unrolled layers, as the
+    model takes it)."""
+    return impl.gelu_grad_impl != "xla" and model.activation == "gelu" and not impl.scan_layers
 
 
-def build_for(model) -> str | None:
-    """On a GPU, builds the C++ handlers that a `ModelConfig` asks for, before its step compiles.
+def build_for(model, impl) -> str | None:
+    """On a GPU, builds the C++ handlers that a model (`ModelConfig`, `ImplConfig`) asks for, before
+    its step compiles.
 
     Returns one status line, or None where there is nothing to build (not a GPU, or not asked).
     """
-    if jax.default_backend() != "gpu" or not wants_native(model):
+    if jax.default_backend() != "gpu" or not wants_native(model, impl):
         return None
     return "kernels: " + "; ".join(map(str, build_kernels()))

@@ -71,7 +71,7 @@ def unavailable_reason() -> str | None:
 
 
 def use_kernel(impl: str, pre: jax.Array, down: jax.Array) -> bool:
-    """Whether `model.gelu_grad_impl` = `impl` runs the cuBLASLt kernel for `gelu(pre) @ down` here.
+    """Whether `impl.gelu_grad_impl` = `impl` runs the cuBLASLt kernel for `gelu(pre) @ down` here.
 
     `auto` takes it on a GPU where it is built and the operands suit it, warning once where it isn't
     built; `cublaslt` insists, raising with the reason.
@@ -81,13 +81,13 @@ def use_kernel(impl: str, pre: jax.Array, down: jax.Array) -> bool:
     reason = _unsuited(pre, down)
     if reason is not None:
         if impl == "cublaslt":
-            raise ValueError(f"model.gelu_grad_impl=cublaslt: {reason}")
+            raise ValueError(f"impl.gelu_grad_impl=cublaslt: {reason}")
         return False
     reason = unavailable_reason()
     if reason is None:
         return True
     if impl == "cublaslt":
-        raise RuntimeError(f"model.gelu_grad_impl=cublaslt: the cuBLASLt handler is unavailable: {reason}")
+        raise RuntimeError(f"impl.gelu_grad_impl=cublaslt: the cuBLASLt handler is unavailable: {reason}")
     _warn_once(reason)
     return False
 
@@ -170,7 +170,7 @@ def _specs(rules: rules_lib.Rules) -> tuple[PartitionSpec, PartitionSpec]:
 
 def _local(d_out: jax.Array, down: jax.Array, pre: jax.Array) -> jax.Array:
     embed, mlp = down.shape[1], down.shape[0]
-    # Under vmap (the per-shard gradients of precision.grad_reduce and train.microbatches) each
+    # Under vmap (the per-shard gradients of train.microbatches) each
     # device holds one shard, so calling once per mapped index costs nothing.
     call = jax.ffi.ffi_call(
         HANDLER.target,

@@ -22,15 +22,15 @@ def lm_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
     """Mean next-token cross-entropy (float32) over every target in the batch.
 
     With per-sequence `weights` (eval batches: 0 marks padding) it is the weighted mean. A model
-    with `cfg.loss_chunk` > 0 is scored chunk by chunk, never forming the full logits.
+    with `impl.loss_chunk` > 0 is scored chunk by chunk, never forming the full logits.
     """
-    cfg = getattr(model, "cfg", None)
-    chunk = getattr(cfg, "loss_chunk", 0)
+    impl = getattr(model, "impl", None)
+    chunk = getattr(impl, "loss_chunk", 0)
     if chunk:
         hidden, head = model.features(batch["inputs"])
         return fused_linear_cross_entropy(
             hidden, head, batch["targets"], batch.get("weights"), chunk=chunk, logits_dtype=model.logits_dtype,
-            impl=cfg.loss_impl,
+            impl=impl.loss_impl,
         )
     logits = model(batch["inputs"]).astype(jnp.float32)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
@@ -54,7 +54,7 @@ class ModelEntry:
 def _gpt(cfg: Config) -> Callable[[nnx.Rngs], nnx.Module]:
     dtypes = precision.policy(cfg.precision)
     return lambda rngs: GPT(
-        cfg.model, rngs=rngs, param_dtype=dtypes.param_dtype, compute_dtype=dtypes.compute_dtype,
+        cfg.model, cfg.impl, rngs=rngs, param_dtype=dtypes.param_dtype, compute_dtype=dtypes.compute_dtype,
         pipeline=cfg.pipeline,
     )
 

@@ -4,8 +4,8 @@ Every parameter carries logical axis names (`vocab`, `embed`, `heads`, `head_dim
 `layers`, `length`); every large activation is constrained by logical names. Where they land on
 the mesh is decided by the rules (jaxdist.parallel.rules), never here.
 
-The blocks are created stacked (a leading `layers` axis) and run either as a `lax.scan` (fast
-compile; `scan_unroll` unrolls part of it) or unrolled (often faster on GPU), with optional remat.
+The blocks are created stacked (a leading `layers` axis) and run as a `lax.scan` (fast compile),
+or created per layer and run unrolled (often faster on GPU), with optional remat.
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdist.config import ModelConfig, PipelineConfig
+from jaxdist.config import ImplConfig, ModelConfig, PipelineConfig
 from jaxdist.kernels import fused_norm, gelu_matmul
-from jaxdist.parallel import grad_order
 from jaxdist.parallel import pipeline as pipeline_lib
 from jaxdist.parallel.rules import constrain
 from jaxdist.train.accumulate import split_microbatches
@@ -59,13 +58,13 @@ class Norm(nnx.Module):
     """LayerNorm (scale and bias) or RMSNorm (scale), computed in float32.
 
     `add(x, delta)` also adds a residual branch first; on GPU both run as fused Pallas kernels
-    (`model.norm_impl`, kernels/fused_norm.py), elsewhere as plain XLA.
+    (`impl.norm_impl`, kernels/fused_norm.py), elsewhere as plain XLA.
     """
 
-    def __init__(self, cfg: ModelConfig, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
         self.kind = cfg.norm
         # The kernels run per shard with shard_map, which the scanned and pipelined stacks don't nest.
-        self.impl = "xla" if cfg.scan_layers else cfg.norm_impl
+        self.impl = "xla" if impl.scan_layers else impl.norm_impl
         self.scale = _param(rngs, nnx.initializers.ones_init(), (cfg.d_model,), ("embed",), param_dtype)
         if cfg.norm == "layernorm":
             self.bias = _param(rngs, nnx.initializers.zeros_init(), (cfg.d_model,), ("embed",), param_dtype)
@@ -91,7 +90,7 @@ class Norm(nnx.Module):
         if fused_norm.supported(x.shape, RESIDUAL):
             return True
         if self.impl == "pallas":
-            raise ValueError(f"model.norm_impl=pallas: the fused norm does not take activations of shape "
+            raise ValueError(f"impl.norm_impl=pallas: the fused norm does not take activations of shape "
                              f"{x.shape} here (needs powers of two per shard, features unsharded, and Pallas's "
                              "Triton backend in this jax); use auto or xla")
         return False
@@ -117,9 +116,10 @@ def rope(x: jax.Array, positions: jax.Array) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
         head_dim = cfg.d_model // cfg.heads
-        self.cfg = cfg
+        self.rope = cfg.positions == "rope"
+        self.implementation = impl.attention
         # q, k and v stacked on a leading axis: each is a contiguous slice, so the three
         # projections need no activation transposes or concatenations (measured: ~4 ms/step at 406M).
         self.qkv = _param(rngs, _normal, (3, cfg.d_model, cfg.heads, head_dim),
@@ -134,28 +134,28 @@ class Attention(nnx.Module):
             constrain(jnp.einsum("btd,dhk->bthk", x, qkv[i]), ("batch", "length", "heads", "head_dim"))
             for i in range(3)
         )
-        if self.cfg.positions == "rope":
+        if self.rope:
             positions = jnp.arange(x.shape[1])
             q, k = rope(q, positions), rope(k, positions)
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=_attention_impl(self.cfg, x.dtype))
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=_attention_impl(self.implementation, x.dtype))
         y = constrain(y, ("batch", "length", "heads", "head_dim"))
         out = jnp.einsum("bthk,hkd->btd", y, _cast(self.out[...], x.dtype))
         return constrain(out, RESIDUAL)
 
 
-def _attention_impl(cfg: ModelConfig, dtype) -> str | None:
-    if cfg.attention != "auto":
-        return cfg.attention
+def _attention_impl(attention: str, dtype) -> str | None:
+    if attention != "auto":
+        return attention
     on_gpu = jax.default_backend() == "gpu"
     return "cudnn" if on_gpu and dtype in (jnp.bfloat16, jnp.float16) else "xla"
 
 
 class Mlp(nnx.Module):
-    def __init__(self, cfg: ModelConfig, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
         self.activation = cfg.activation
         # As the fused norms: the kernel runs per shard with shard_map, kept out of scanned stacks.
-        self.gelu_grad_impl = "xla" if cfg.scan_layers else cfg.gelu_grad_impl
-        self.recompute_activation = cfg.remat == "mlp"
+        self.gelu_grad_impl = "xla" if impl.scan_layers else impl.gelu_grad_impl
+        self.recompute_activation = impl.remat == "mlp"
         self.up = _param(rngs, _normal, (cfg.d_model, cfg.mlp_dim), ("embed", "mlp"), param_dtype)
         if cfg.activation == "swiglu":
             self.gate = _param(rngs, _normal, (cfg.d_model, cfg.mlp_dim), ("embed", "mlp"), param_dtype)
@@ -190,11 +190,11 @@ class Block(nnx.Module):
     GPU), so the last block's add is done by the caller's final norm. `delta` None: nothing pending.
     """
 
-    def __init__(self, cfg: ModelConfig, param_dtype, rngs: nnx.Rngs):
-        self.norm1 = Norm(cfg, param_dtype, rngs)
-        self.attn = Attention(cfg, param_dtype, rngs)
-        self.norm2 = Norm(cfg, param_dtype, rngs)
-        self.mlp = Mlp(cfg, param_dtype, rngs)
+    def __init__(self, cfg: ModelConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
+        self.norm1 = Norm(cfg, impl, param_dtype, rngs)
+        self.attn = Attention(cfg, impl, param_dtype, rngs)
+        self.norm2 = Norm(cfg, impl, param_dtype, rngs)
+        self.mlp = Mlp(cfg, impl, param_dtype, rngs)
 
     def __call__(self, x: jax.Array, delta: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         x, h = self.norm1.add(x, delta)
@@ -202,15 +202,8 @@ class Block(nnx.Module):
         return x, self.mlp(h)
 
 
-def _tie_block(block: Block, x: jax.Array) -> tuple[Block, jax.Array]:
-    """`block` and `x` through `grad_order.tie`: the block's gradient is ready before `x`'s."""
-    graphdef, state = nnx.split(block)
-    state, x = grad_order.tie(state, x)
-    return nnx.merge(graphdef, state), x
-
-
 def _merge_slices(parts: list[jax.Array]) -> jax.Array:
-    """The batch again from its `split_microbatches` slices (model.batch_chunks)."""
+    """The batch again from its `split_microbatches` slices (impl.batch_chunks)."""
     return constrain(pipeline_lib.merge_microbatches(jnp.stack(parts)), RESIDUAL)
 
 
@@ -226,12 +219,14 @@ class GPT(nnx.Module):
     `features(tokens)` gives the two inputs of that last projection separately, for losses that
     never form the full logits (models/cross_entropy.py).
 
-    With `pipeline` settings and a stage axis in the mesh, the blocks run as a pipeline.
+    `cfg` is the architecture, `impl` how it runs (scanned or unrolled layers, remat, kernels, loss
+    chunks). With `pipeline` settings and a stage axis in the mesh, the blocks run as a pipeline.
     """
 
     def __init__(
         self,
         cfg: ModelConfig,
+        impl: ImplConfig = ImplConfig(),
         *,
         rngs: nnx.Rngs,
         param_dtype=jnp.float32,
@@ -239,24 +234,25 @@ class GPT(nnx.Module):
         pipeline: PipelineConfig | None = None,
     ):
         self.cfg = cfg
+        self.impl = impl
         self.compute_dtype = compute_dtype
         self.pipeline = pipeline
         self.embed = _param(rngs, _normal, (cfg.vocab, cfg.d_model), ("vocab", "embed"), param_dtype)
         if cfg.positions == "learned":
             self.positions = _param(rngs, _normal, (cfg.seq_len, cfg.d_model), ("length", "embed"), param_dtype)
 
-        if cfg.scan_layers:
+        if impl.scan_layers:
             @nnx.split_rngs(splits=cfg.layers)
             @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
             def stacked_blocks(rngs: nnx.Rngs) -> Block:
-                return Block(cfg, param_dtype, rngs)
+                return Block(cfg, impl, param_dtype, rngs)
 
             self.blocks = stacked_blocks(rngs)
         else:
             # Separate parameters per layer: each layer's gradient is complete as soon as its
             # backward is done, so its reduction can overlap the rest of the backward pass.
-            self.blocks = nnx.List([Block(cfg, param_dtype, rngs) for _ in range(cfg.layers)])
-        self.final_norm = Norm(cfg, param_dtype, rngs)
+            self.blocks = nnx.List([Block(cfg, impl, param_dtype, rngs) for _ in range(cfg.layers)])
+        self.final_norm = Norm(cfg, impl, param_dtype, rngs)
         if not cfg.tied_embeddings:
             self.head = _param(rngs, _normal, (cfg.d_model, cfg.vocab), ("embed", "vocab"), param_dtype)
 
@@ -267,14 +263,13 @@ class GPT(nnx.Module):
 
     def features(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The output projection's two inputs: the final normed hidden states (batch, length, embed)
-        in the compute dtype, and `head_weights()`, their gradient ordered into the backward pass
-        with the layers' (`model.overlap_grad_reduce`)."""
+        in the compute dtype, and `head_weights()`."""
         x = jnp.take(self.embed[...], tokens, axis=0)
         if self.cfg.positions == "learned":
             x = x + self.positions[: tokens.shape[1]]
         x = constrain(_cast(x, self.compute_dtype), RESIDUAL)
-        x, delta, head = self._run_blocks(x, self.head_weights())
-        return self.final_norm.add(x, delta)[1], head
+        x, delta = self._run_blocks(x)
+        return self.final_norm.add(x, delta)[1], self.head_weights()
 
     def head_weights(self) -> jax.Array:
         """The output projection (embed, vocab) in the parameter dtype; the embedding transposed when tied."""
@@ -282,35 +277,27 @@ class GPT(nnx.Module):
 
     @property
     def logits_dtype(self):
-        """The dtype the output projection writes its logits in (`model.logits_dtype`)."""
-        return jnp.float32 if self.cfg.logits_dtype == "float32" else self.compute_dtype
+        """The dtype the output projection writes its logits in (`impl.logits_dtype`)."""
+        return jnp.float32 if self.impl.logits_dtype == "float32" else self.compute_dtype
 
-    def _run_blocks(self, x: jax.Array, head: jax.Array) -> tuple[jax.Array, jax.Array | None, jax.Array]:
-        """The residual after the blocks, the last block's output not yet added to it, and `head`
-        (the parameters used after the blocks)."""
-        if not self.cfg.scan_layers:
+    def _run_blocks(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """The residual after the blocks and the last block's output not yet added to it."""
+        if not self.impl.scan_layers:
             # Slices of the batch go through each layer one after the other: they are independent,
             # so XLA may run one slice's collectives beside the next slice's compute. The slices
             # are strided like microbatches, so splitting moves no rows between devices.
-            chunks = self.cfg.batch_chunks
+            chunks = self.impl.batch_chunks
             xs = list(split_microbatches(x, chunks)) if chunks > 1 else [x]
             deltas = [None] * chunks
-            blocks = list(self.blocks)
-            for i in range(len(blocks)):
-                if self.cfg.overlap_grad_reduce:
-                    # What runs after layer i gets its gradient during layer i's backward.
-                    if i + 1 < len(blocks):
-                        blocks[i + 1], xs[0] = _tie_block(blocks[i + 1], xs[0])
-                    else:
-                        head, xs[0] = grad_order.tie(head, xs[0])
+            for block in self.blocks:
                 for j in range(chunks):
-                    xs[j], deltas[j] = self._remat(lambda carry, pending, b=blocks[i]: b(carry, pending))(xs[j], deltas[j])
+                    xs[j], deltas[j] = self._remat(lambda carry, pending, b=block: b(carry, pending))(xs[j], deltas[j])
             if chunks == 1:
-                return xs[0], deltas[0], head
-            return _merge_slices(xs), _merge_slices(deltas), head
+                return xs[0], deltas[0]
+            return _merge_slices(xs), _merge_slices(deltas)
         graphdef, stacked = nnx.split(self.blocks)
         run = functools.partial(self._run_layers, graphdef)
-        return pipeline_lib.run_layers(run, stacked, x, self.pipeline, RESIDUAL), None, head
+        return pipeline_lib.run_layers(run, stacked, x, self.pipeline, RESIDUAL), None
 
     def _run_layers(self, graphdef: nnx.GraphDef, x: jax.Array, stacked: nnx.State) -> jax.Array:
         """Scans the blocks whose parameters are stacked in `stacked`, in order."""
@@ -319,10 +306,10 @@ class GPT(nnx.Module):
             x, delta = nnx.merge(graphdef, layer_state)(carry)
             return x + delta, None
 
-        x, _ = jax.lax.scan(self._remat(body), x, stacked, unroll=self.cfg.scan_unroll)
+        x, _ = jax.lax.scan(self._remat(body), x, stacked)
         return x
 
     def _remat(self, fn):
-        if self.cfg.remat in ("none", "mlp"):
+        if self.impl.remat in ("none", "mlp"):
             return fn
-        return jax.checkpoint(fn, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=not self.cfg.scan_layers)
+        return jax.checkpoint(fn, policy=_REMAT_POLICIES[self.impl.remat], prevent_cse=not self.impl.scan_layers)

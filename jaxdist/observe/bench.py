@@ -96,7 +96,7 @@ def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = No
     With `profile_dir`, three more steps are traced by the JAX profiler into that folder.
     """
     start = time.perf_counter()
-    if (built := kernels.build_for(cfg.model)) and jax.process_index() == 0:
+    if (built := kernels.build_for(cfg.model, cfg.impl)) and jax.process_index() == 0:
         print(built, flush=True)  # before compiling: the model only loads the kernels while traced
     trainer = Trainer.from_config(cfg, devices)
     batch = trainer.global_batch(random_tokens(cfg, trainer.process_rows(cfg.train.global_batch).rows))
@@ -131,8 +131,8 @@ def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = No
         "seq": cfg.model.seq_len,
         "global_batch": cfg.train.global_batch,
         "microbatches": cfg.train.microbatches,
-        "scan_layers": cfg.model.scan_layers,
-        "remat": cfg.model.remat,
+        "scan_layers": cfg.impl.scan_layers,
+        "remat": cfg.impl.remat,
         "step_ms": round(step_s * 1e3, 2),
         "step_ms_min_window": round(min(times) * 1e3, 2),
         # Host time per step call. Near step_ms, the host waited for the device (on GPU, in

@@ -4,9 +4,8 @@ Everything here is arithmetic on the parameter count (taken from the model itsel
 abstractly) and stated hardware numbers; nothing runs on a device. Per step and per GPU:
 
 - data axis: the gradient all-reduce of the GPU's parameter shard: 2(n-1)/n x bytes. Gradients
-  cross in `precision.grad_reduce`; under `auto`, as the compiled steps do, the matmul weights'
-  gradients in the compute dtype (the dtype their matmuls make them in) and the rest (embedding,
-  head, norms) in the parameter dtype;
+  cross as the compiled steps send them: the matmul weights' in the compute dtype (the dtype their
+  matmuls make them in) and the rest (embedding, head, norms) in the parameter dtype;
 - fsdp axis: all-gathers of the weights the model reads, in the compute dtype where compute-dtype
   copies stand in for them (`precision.compute_copies`), twice per step under
   `train.fsdp_gather: per_layer` (forward and backward: an upper bound, since XLA on GPU kept the
@@ -66,14 +65,11 @@ class ModelSize:
     loss_chunk: int = 0
     copied_params: int = 0  # parameters also kept as compute-dtype copies (precision.compute_copies)
     matmul_params: int = 0  # parameters the model reads in the compute dtype (their gradients come out in it)
-    grad_reduce: str = "auto"  # precision.grad_reduce
     fsdp_gathers: int = 2  # all-gathers of each weight per step over fsdp (train.fsdp_gather)
 
     @property
     def gradient_bytes(self) -> int:
-        """Bytes of the whole gradient as it crosses devices (`precision.grad_reduce`)."""
-        if self.grad_reduce != "auto":
-            return self.params * _dtype_bytes(self.grad_reduce)
+        """Bytes of the whole gradient as it crosses devices."""
         return self.matmul_params * self.compute_bytes + (self.params - self.matmul_params) * self.param_bytes
 
     @property
@@ -97,8 +93,8 @@ def model_size(cfg: Config) -> ModelSize:
     return ModelSize(
         params=params, layers=m.layers, d_model=m.d_model, heads=m.heads, seq_len=m.seq_len, vocab=m.vocab,
         param_bytes=param_bytes, compute_bytes=compute_bytes,
-        remat=m.remat, flops_per_token=flops_per_token(cfg), loss_chunk=m.loss_chunk, copied_params=copied,
-        matmul_params=matmul, grad_reduce=cfg.precision.grad_reduce,
+        remat=cfg.impl.remat, flops_per_token=flops_per_token(cfg), loss_chunk=cfg.impl.loss_chunk, copied_params=copied,
+        matmul_params=matmul,
         fsdp_gathers=1 if cfg.train.fsdp_gather == "per_step" else 2,
     )
 
@@ -282,8 +278,7 @@ def report(cfg: Config, hosts: int, gpus_per_host: int = 8, batch_per_gpu: int |
         f"assumed: NVLink {hw.nvlink_bw / GB:.0f} GB/s and network {hw.network_bw / GB:.0f} GB/s per GPU per "
         f"direction; {hw.gpu_memory / GB:.0f} GB per GPU; {hw.peak_flops / 1e12:.0f} TFLOP/s at "
         f"{hw.mfu:.0%} MFU; storage {hw.storage_bw / GB:.1f} GB/s per host",
-        f"gradients cross devices as {model.gradient_bytes / GB:.2f} GB (precision.grad_reduce "
-        f"{model.grad_reduce}); fsdp gathers {model.gathered_bytes / GB:.2f} GB of weights "
+        f"gradients cross devices as {model.gradient_bytes / GB:.2f} GB; fsdp gathers {model.gathered_bytes / GB:.2f} GB of weights "
         f"{model.fsdp_gathers}x per step (train.fsdp_gather {cfg.train.fsdp_gather})",
         "",
         f"{'layout':<28} {'state GB':>8} {'act GB':>7} {'net GB':>7} {'nvl GB':>7} {'net ms':>7} "
@@ -299,7 +294,7 @@ def report(cfg: Config, hosts: int, gpus_per_host: int = 8, batch_per_gpu: int |
             f"{cost.compute_s * 1e3:>10.1f}  {verdict}"
         )
     if chosen is None:
-        lines.append("no candidate layout fits: use pipeline stages, remat (model.remat=full) or a smaller batch")
+        lines.append("no candidate layout fits: use pipeline stages, remat (impl.remat=full) or a smaller batch")
         return "\n".join(lines)
     lines += ["", f"chosen layout {describe_shape(chosen.shape)}: bytes per GPU per step, by axis and link"]
     for axis in ("data", "fsdp", "tensor"):

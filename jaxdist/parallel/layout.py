@@ -68,9 +68,9 @@ def check(cfg: Config, layout: Layout) -> None:
             f"{per_shard} (train.global_batch / {shards} batch shards); pick a divisor of {per_shard}"
         )
     per_chunk = per_shard // cfg.train.microbatches
-    if per_chunk % cfg.model.batch_chunks:
+    if per_chunk % cfg.impl.batch_chunks:
         raise UserError(
-            f"model.batch_chunks={cfg.model.batch_chunks} does not divide the {per_chunk} sequences each device "
+            f"impl.batch_chunks={cfg.impl.batch_chunks} does not divide the {per_chunk} sequences each device "
             f"runs at a time (train.global_batch / {shards} batch shards / train.microbatches); pick a divisor"
         )
     tensor = layout.mesh.shape["tensor"]

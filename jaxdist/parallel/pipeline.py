@@ -105,10 +105,10 @@ def check_config(cfg: Config, mesh_shape: dict[str, int], rows: int) -> None:
     batch shard gets per gradient-accumulation step."""
     if mesh_shape["stage"] == 1:
         return
-    if not cfg.model.scan_layers:
+    if not cfg.impl.scan_layers:
         raise UserError(
-            f"mesh.stage={mesh_shape['stage']} pipelines the stacked layer stack, but model.scan_layers=false "
-            f"gives each layer its own parameters; set model.scan_layers=true"
+            f"mesh.stage={mesh_shape['stage']} pipelines the stacked layer stack, but impl.scan_layers=false "
+            f"gives each layer its own parameters; set impl.scan_layers=true"
         )
     Schedule(mesh_shape["stage"], cfg.pipeline.microbatches, cfg.pipeline.repeats).check(cfg.model.layers, rows)
 

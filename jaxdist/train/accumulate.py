@@ -15,15 +15,12 @@ along non-batch axes (tensor): under FSDP that is the full parameter, not its 1/
 per_microbatch: the plain GSPMD gradient inside every scan step, reduced (and, under FSDP,
 reduce-scattered to shards) k times per step; lighter on memory, heavier on the network.
 
-With one microbatch both are the plain gradient: XLA reduces each gradient once, where it likes.
-
-`reduce_dtype` (precision.grad_reduce) float32 or bfloat16 takes the per_step path at any
-microbatch count and casts the unreduced gradients to that dtype just before the sum over the
-shard axis, which fixes the dtype of the all-reduce (or reduce-scatter); the sum is cast back to
-float32. With "auto" XLA reduces each gradient in the dtype its last op produced: under bfloat16
-compute on GPU the matmul weights' gradients cross devices in bfloat16, unlike torch DDP's float32
-(measured for GPT 406M under data parallelism: 576 MiB bf16 + 397 MiB f32 per step; the float32
-ones are the embedding's, the head's, summed over the loss chunks in float32, and the norms').
+With one microbatch both are the plain gradient: XLA reduces each gradient once, where it likes,
+in the dtype its last op produced: under bfloat16 compute on GPU the matmul weights' gradients
+cross devices in bfloat16, unlike torch DDP's float32 (measured for GPT 406M under data
+parallelism: 576 MiB bf16 + 397 MiB f32 per step; the float32 ones are the embedding's, the
+head's, summed over the loss chunks in float32, and the norms'). With more, per_step sums the
+unreduced float32 gradients, so they cross devices in float32.
 """
 
 from __future__ import annotations
@@ -34,7 +31,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -107,18 +103,9 @@ def _unreduced_sharding(sharding: NamedSharding, axes: tuple[str, ...]) -> Named
     return NamedSharding(sharding.mesh, PartitionSpec(axes, *rules_lib.spec_without(sharding.spec, axes)))
 
 
-def _sum_over_shards(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """Sum over the leading (device-sharded) axis, carried out in `dtype`, returned in float32.
-
-    `lax.reduce` rather than `jnp.sum`, which would upcast bfloat16 back to float32 for the sum.
-    """
-    zero = np.array(0, dtype)  # a constant, not a tracer: lax.reduce then emits a plain reduce_sum
-    return jax.lax.reduce(x.astype(dtype), zero, jax.lax.add, (0,)).astype(jnp.float32)
-
-
 def _reduce_per_step(
     grad_fn: GradFn, params: Any, batch: Batch, microbatches: int,
-    mesh: Mesh, rules: rules_lib.Rules, param_shardings: Any, reduce_dtype: jnp.dtype,
+    mesh: Mesh, rules: rules_lib.Rules, param_shardings: Any,
 ):
     """Sum over microbatches of (loss, aux, float32 grads), reduced across devices once, after the scan."""
     axes = rules_lib.batch_axes(rules)
@@ -152,7 +139,7 @@ def _reduce_per_step(
     zeros = jax.lax.with_sharding_constraint(_zeros_like_shapes((metrics_shapes, grads_shapes)), carry_shardings)
     ((loss, aux), grads), _ = jax.lax.scan(accumulate, zeros, micro)
     loss, aux = jax.tree.map(lambda t: t.sum(0), (loss, aux))
-    grads = jax.tree.map(lambda g: _sum_over_shards(g, reduce_dtype), grads)
+    grads = jax.tree.map(lambda g: g.sum(0), grads)
     return loss, aux, jax.lax.with_sharding_constraint(grads, param_shardings)
 
 
@@ -164,7 +151,6 @@ def loss_and_grads(
     *,
     microbatches: int,
     reduction: str,
-    reduce_dtype: str = "auto",
     mesh: Mesh,
     rules: rules_lib.Rules,
     param_shardings: Any,
@@ -178,20 +164,17 @@ def loss_and_grads(
     is multiplied by it before differentiation and the float32 gradients divided by it after.
     `compute_copies`: the parameters' compute-dtype copies the model reads (train/copies.py);
     `copies_gather`: where they are gathered to first (train.fsdp_gather=per_step).
-    `reduce_dtype`: the dtype gradients cross devices in (see the module docstring).
     """
     if reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"reduction={reduction!r}: use one of {GRAD_REDUCTIONS}")
     axes = rules_lib.batch_axes(rules)
     shards = rules_lib.axes_size(mesh, axes)
-    explicit = microbatches > 1 or reduce_dtype != "auto"
-    if reduction == "per_step" and explicit and shards > 1:
-        wire_dtype = jnp.dtype("float32" if reduce_dtype == "auto" else reduce_dtype)
+    if reduction == "per_step" and microbatches > 1 and shards > 1:
         # Each shard's gradients stay unreduced until after the scan: none reduce-scattered inside.
         per_shard_gather = None if copies_gather is None else dataclasses.replace(copies_gather, split=None)
         grad_fn = scaled_grad_fn(graphdef, loss_fn, loss_scale, compute_copies, per_shard_gather)
         loss, aux, grads = _reduce_per_step(
-            grad_fn, params, batch, microbatches, mesh, rules, param_shardings, wire_dtype
+            grad_fn, params, batch, microbatches, mesh, rules, param_shardings
         )
         count = shards * microbatches
     else:

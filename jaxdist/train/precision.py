@@ -2,7 +2,7 @@
 
 Parameters (and optimizer state) live in `param_dtype`, float32 master weights by default; the
 model casts them to `compute_dtype` for matmuls; losses, the softmax and gradient accumulation
-are float32. The dtype gradients cross devices in is `precision.grad_reduce` (train/accumulate.py).
+are float32.
 
 float16 has a narrow exponent range: small gradients flush to zero. Dynamic loss scaling
 multiplies the loss by a large scale before differentiation and divides the float32 gradients by
@@ -81,10 +81,6 @@ class LossScale(flax.struct.PyTreeNode):
             skipped_steps=jnp.zeros((), jnp.int32),
             period=period,
         )
-
-    def unscale(self, grads: Any) -> Any:
-        """Float32 gradients of the true (unscaled) loss."""
-        return jax.tree.map(lambda g: g.astype(jnp.float32) / self.scale, grads)
 
     def adjust(self, finite: jax.Array) -> LossScale:
         """The state after a step: halve and count a skip if not finite; double after `period` clean steps."""

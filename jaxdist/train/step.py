@@ -35,7 +35,6 @@ def make_train_step(
     state_shardings: TrainState,
     microbatches: int = 1,
     grad_reduction: str = "per_step",
-    grad_reduce_dtype: str = "auto",
     make_copies: Callable[[Any], Any] | None = None,
     copy_shardings: Any = None,
     copies_gather: copies_lib.Gather | None = None,
@@ -55,7 +54,7 @@ def make_train_step(
         with rules_lib.activation_rules(mesh, rules):
             loss, aux, grads = loss_and_grads(
                 graphdef, loss_fn, state.params, batch,
-                microbatches=microbatches, reduction=grad_reduction, reduce_dtype=grad_reduce_dtype,
+                microbatches=microbatches, reduction=grad_reduction,
                 mesh=mesh, rules=rules,
                 param_shardings=state_shardings.params, loss_scale=None if scale is None else scale.scale,
                 compute_copies=copies, copies_gather=copies_gather,

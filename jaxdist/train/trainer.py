@@ -49,7 +49,6 @@ class Trainer:
         seed: int = 0,
         microbatches: int = 1,
         grad_reduction: str = "per_step",
-        grad_reduce_dtype: str = "auto",
         schedule: optax.Schedule | None = None,
         loss_scale: LossScale | None = None,
         abstract: tuple | None = None,
@@ -90,7 +89,7 @@ class Trainer:
         self._copies, self._copies_of = None, None
         self._step = make_train_step(
             self.graphdef, loss_fn, optimizer, schedule, mesh, rules, self.state_shardings, microbatches,
-            grad_reduction, grad_reduce_dtype, compute_copies, copy_shardings, copies_gather,
+            grad_reduction, compute_copies, copy_shardings, copies_gather,
         )
         self._compiled = None
         self.compile_time_s: float | None = None
@@ -127,7 +126,6 @@ class Trainer:
         return cls(
             create_model, entry.loss, tx, mesh, rules,
             seed=cfg.seed, microbatches=cfg.train.microbatches, grad_reduction=cfg.train.grad_reduction,
-            grad_reduce_dtype=cfg.precision.grad_reduce,
             schedule=schedule, loss_scale=precision.initial_loss_scale(cfg.precision), abstract=abstract,
             compute_copies=make_copies, fsdp_gather=cfg.train.fsdp_gather,
         )
