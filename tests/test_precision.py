@@ -16,15 +16,16 @@ from jaxdist.config import PrecisionConfig
 from jaxdist.errors import UserError
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.parallel import rules as rules_lib
+from jaxdist.models import dtypes
 from jaxdist.train import precision
 from jaxdist.train.trainer import Trainer
 
 
 def test_policy_defaults_and_loss_scaling_switch():
     auto = PrecisionConfig()
-    assert precision.policy(auto, "cpu").compute_dtype == jnp.float32
-    assert precision.policy(auto, "gpu").compute_dtype == jnp.bfloat16
-    assert precision.policy(auto, "gpu").param_dtype == jnp.float32
+    assert dtypes.policy(auto, "cpu").compute_dtype == jnp.float32
+    assert dtypes.policy(auto, "gpu").compute_dtype == jnp.bfloat16
+    assert dtypes.policy(auto, "gpu").param_dtype == jnp.float32
     assert precision.initial_loss_scale(auto, "gpu") is None
     fp16 = precision.initial_loss_scale(PrecisionConfig(compute="float16"), "gpu")
     assert float(fp16.scale) == 2.0**15 and fp16.period == 2000

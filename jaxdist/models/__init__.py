@@ -15,7 +15,7 @@ from jaxdist.errors import UserError
 from jaxdist.models.cross_entropy import fused_linear_cross_entropy
 from jaxdist.models import gpt
 from jaxdist.models.gpt import GPT
-from jaxdist.train import precision
+from jaxdist.models import dtypes as dtypes_lib
 
 
 def lm_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
@@ -52,7 +52,7 @@ class ModelEntry:
 
 
 def _gpt(cfg: Config) -> Callable[[nnx.Rngs], nnx.Module]:
-    dtypes = precision.policy(cfg.precision)
+    dtypes = dtypes_lib.policy(cfg.precision)
     return lambda rngs: GPT(
         cfg.model, cfg.impl, rngs=rngs, param_dtype=dtypes.param_dtype, compute_dtype=dtypes.compute_dtype,
         pipeline=cfg.pipeline,

@@ -21,7 +21,7 @@ from jaxdist.config import ImplConfig, ModelConfig, PipelineConfig
 from jaxdist.kernels import fused_norm, gelu_matmul
 from jaxdist.parallel import pipeline as pipeline_lib
 from jaxdist.parallel.rules import constrain
-from jaxdist.train.accumulate import split_microbatches
+from jaxdist.parallel.microbatches import merge_microbatches, split_microbatches
 
 Names = tuple[str | None, ...]
 
@@ -204,7 +204,7 @@ class Block(nnx.Module):
 
 def _merge_slices(parts: list[jax.Array]) -> jax.Array:
     """The batch again from its `split_microbatches` slices (impl.batch_chunks)."""
-    return constrain(pipeline_lib.merge_microbatches(jnp.stack(parts)), RESIDUAL)
+    return constrain(merge_microbatches(jnp.stack(parts)), RESIDUAL)
 
 
 _REMAT_POLICIES = {

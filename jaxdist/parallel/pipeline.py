@@ -42,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.errors import UserError
 from jaxdist.parallel import rules as rules_lib
-from jaxdist.train.accumulate import split_microbatches
+from jaxdist.parallel.microbatches import merge_microbatches, split_microbatches
 
 if TYPE_CHECKING:
     from jaxdist.config import Config, PipelineConfig, RulesConfig
@@ -237,11 +237,6 @@ def output_slots(schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
     written = (repeats - 1) * micro + m + stages - 1
     lifts = (schedule.iterations - 1 - written) // columns
     return stages - 1 - lifts, written % columns
-
-
-def merge_microbatches(x: jax.Array) -> jax.Array:
-    """The inverse of `step.split_microbatches`: (M, B / M, ...) -> (B, ...)."""
-    return x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
 def _by_stage(w: jax.Array, schedule: Schedule, mesh: Mesh, stage_axes: tuple[str, ...]) -> jax.Array:

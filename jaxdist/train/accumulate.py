@@ -35,6 +35,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.parallel import rules as rules_lib
+from jaxdist.parallel.microbatches import split_microbatches
 from jaxdist.train import copies
 
 Batch = dict[str, jax.Array]
@@ -71,15 +72,6 @@ def _float32(tree: Any) -> Any:
 
 def _zeros_like_shapes(tree: Any) -> Any:
     return jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), tree)
-
-
-def split_microbatches(x: jax.Array, microbatches: int) -> jax.Array:
-    """(B, ...) -> (microbatches, B / microbatches, ...), each microbatch a slice of every shard.
-
-    Rows are taken strided, so the split moves no data between devices.
-    """
-    x = x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]).swapaxes(0, 1)
-    return rules_lib.constrain(x, (None, "batch") + (None,) * (x.ndim - 2))
 
 
 def _reduce_per_microbatch(grad_fn: GradFn, params: Any, batch: Batch, microbatches: int):

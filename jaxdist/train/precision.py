@@ -1,8 +1,4 @@
-"""Mixed precision: the dtype policy and dynamic loss scaling for float16.
-
-Parameters (and optimizer state) live in `param_dtype`, float32 master weights by default; the
-model casts them to `compute_dtype` for matmuls; losses, the softmax and gradient accumulation
-are float32.
+"""Dynamic loss scaling for float16 (the dtype policy itself: `jaxdist.models.dtypes`).
 
 float16 has a narrow exponent range: small gradients flush to zero. Dynamic loss scaling
 multiplies the loss by a large scale before differentiation and divides the float32 gradients by
@@ -13,7 +9,6 @@ doubles. The state is a small pytree inside `TrainState`, so it is checkpointed 
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import flax.struct
@@ -21,41 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdist.config import PrecisionConfig
-from jaxdist.errors import UserError
-
-
-@dataclasses.dataclass(frozen=True)
-class Policy:
-    """Which dtype parameters are stored in and computed in (outputs and reductions: float32)."""
-
-    param_dtype: jnp.dtype
-    compute_dtype: jnp.dtype
-
-
-def compute_dtype_name(precision: PrecisionConfig, backend: str | None = None) -> str:
-    """`precision.compute` with `auto` resolved: bfloat16 on accelerators, float32 on CPU."""
-    if precision.compute != "auto":
-        return precision.compute
-    backend = backend or jax.default_backend()
-    return "float32" if backend == "cpu" else "bfloat16"
-
-
-def policy(precision: PrecisionConfig, backend: str | None = None) -> Policy:
-    """The dtype policy of a `precision:` config section."""
-    return Policy(
-        param_dtype=jnp.dtype(precision.params),
-        compute_dtype=jnp.dtype(compute_dtype_name(precision, backend)),
-    )
-
-
-def check_backend(precision: PrecisionConfig, backend: str | None = None) -> None:
-    """Rejects dtypes the backend cannot run, before anything compiles."""
-    backend = backend or jax.default_backend()
-    if compute_dtype_name(precision, backend) == "float16" and backend == "cpu":
-        raise UserError(
-            "precision.compute=float16: XLA on CPU cannot compile float16 attention "
-            "(jax.nn.dot_product_attention); use bfloat16 or float32 on CPU, float16 on GPU"
-        )
+from jaxdist.models.dtypes import compute_dtype_name
 
 
 def uses_loss_scaling(precision: PrecisionConfig, backend: str | None = None) -> bool:

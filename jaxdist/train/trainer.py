@@ -26,6 +26,7 @@ from jaxdist.parallel import feed
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.train import copies as copies_lib
+from jaxdist.models import dtypes as dtypes_lib
 from jaxdist.train import precision
 from jaxdist.train.optim import build_optimizer
 from jaxdist.train.precision import LossScale
@@ -61,7 +62,7 @@ class Trainer:
         parameters (e.g. `functools.partial(copies.compute_copies, picks=..., dtype=...)`),
         kept between steps and made anew by each step; None: the model casts as it goes.
         `fsdp_gather` (`train.fsdp_gather`, config.py): per_layer, XLA gathers each copy split over
-        `fsdp` at each use; per_step, the step gathers the copies whole once and keeps them for the
+        the batch axes (fsdp) at each use; per_step, the step gathers the copies whole once and keeps them for the
         backward (ZeRO-2; needs `compute_copies`).
         """
         self.mesh = mesh
@@ -82,7 +83,10 @@ class Trainer:
         if compute_copies is not None:
             copy_shardings = copies_shardings(compute_copies, self.state.params, self.state_shardings.params)
             if fsdp_gather == "per_step":
-                whole = jax.tree.map(lambda s: NamedSharding(s.mesh, rules_lib.spec_without(s.spec, ("fsdp",))),
+                # ZeRO-2: each copy whole along the axes that split the batch (data, fsdp), still
+                # split along the others (tensor, stage).
+                batch_axes = rules_lib.batch_axes(rules)
+                whole = jax.tree.map(lambda s: NamedSharding(s.mesh, rules_lib.spec_without(s.spec, batch_axes)),
                                      copy_shardings)
                 copies_gather = copies_lib.Gather(whole=whole, split=copy_shardings)
             self._make_copies = jax.jit(compute_copies, out_shardings=copy_shardings)
@@ -107,13 +111,13 @@ class Trainer:
         """
         layout = layout or layout_lib.from_config(cfg, devices)
         mesh, rules = layout.mesh, layout.rules
-        precision.check_backend(cfg.precision, mesh.devices.flat[0].platform)
+        dtypes_lib.check_backend(cfg.precision, mesh.devices.flat[0].platform)
         entry = models.get(cfg.model.name)
         create_model = entry.create(cfg)
         abstract = abstract_model(create_model, cfg.seed)
         tx, schedule = build_optimizer(cfg.optim, cfg.train, abstract[2])
         make_copies = None
-        dtypes = precision.policy(cfg.precision, mesh.devices.flat[0].platform)
+        dtypes = dtypes_lib.policy(cfg.precision, mesh.devices.flat[0].platform)
         if cfg.precision.compute_copies and entry.read_in_compute_dtype is not None:
             make_copies = functools.partial(copies_lib.compute_copies, picks=entry.read_in_compute_dtype,
                                             dtype=dtypes.compute_dtype)
