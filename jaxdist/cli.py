@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runtime.use_cpu_devices()
         runtime.gpu_defaults()
+        runtime.compilation_cache()
         if args.command not in _OFFLINE:
             from jaxdist.parallel import distributed
 

@@ -1,11 +1,13 @@
 """Process-wide settings jaxdist offers but never applies on import: simulated CPU devices
-(`JAXDIST_CPU_DEVICES`) and jaxdist's default XLA GPU flags.
+(`JAXDIST_CPU_DEVICES`), jaxdist's default XLA GPU flags and JAX's persistent compilation cache.
 
-Both only take effect before JAX starts its backend (the first computation or device query), so a
-program calls them first thing; the `jaxdist` command does.
+The first two take effect only before JAX starts its backend (the first computation or device
+query), the cache before the first compile, so a program calls them first thing; the `jaxdist`
+command does.
 """
 
 import os
+from pathlib import Path
 
 import jax
 
@@ -62,3 +64,16 @@ def gpu_defaults() -> None:
     extra = [f"{flag}={value}" for flag, value in GPU_FLAGS.items() if flag not in named]
     if extra:
         os.environ["XLA_FLAGS"] = " ".join([current, *extra]).strip()
+
+
+def cache_dir() -> Path:
+    """Where jaxdist keeps what it builds and compiles: `$JAXDIST_CACHE_DIR`, else ~/.cache/jaxdist."""
+    return Path(os.environ.get("JAXDIST_CACHE_DIR", Path.home() / ".cache" / "jaxdist"))
+
+
+def compilation_cache() -> None:
+    """Turns on JAX's persistent compilation cache in `cache_dir()/jax`, unless a cache folder is
+    already set (`JAX_COMPILATION_CACHE_DIR` or `jax.config`): a second start of the same program
+    loads its compiled step instead of compiling it. The `jaxdist` command calls it."""
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "jax"))

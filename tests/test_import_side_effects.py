@@ -25,7 +25,7 @@ from absl import flags
 
 def state():
     return {"xla_flags": os.environ.get("XLA_FLAGS"), "cpu_devices": jax.config.jax_num_cpu_devices,
-            "absl_parsed": flags.FLAGS.is_parsed()}
+            "absl_parsed": flags.FLAGS.is_parsed(), "compilation_cache": jax.config.jax_compilation_cache_dir}
 
 report = {"fresh": state()}
 import jaxdist
@@ -74,6 +74,26 @@ def test_use_cpu_devices_applies_the_variable():
     assert report["device_count"] == report["mesh_size"] == 3
     assert report["used"]["cpu_devices"] == 3
     assert report["used"]["xla_flags"] == USER_FLAGS
+
+
+CACHE_PROBE = """
+import jax, sys
+from jaxdist import runtime
+if sys.argv[1:] == ["set"]:
+    jax.config.update("jax_compilation_cache_dir", "/somewhere/else")
+runtime.compilation_cache()
+print(jax.config.jax_compilation_cache_dir)
+"""
+
+
+@pytest.mark.parametrize("preset, expected", [("", "{cache}/jax"), ("set", "/somewhere/else")], ids=["unset", "set"])
+def test_compilation_cache_goes_under_the_cache_dir_unless_one_is_set(tmp_path, preset, expected):
+    env = {key: value for key, value in os.environ.items() if not key.startswith("JAX")}
+    env.update(JAXDIST_CACHE_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, "-c", CACHE_PROBE, *([preset] if preset else [])], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == expected.format(cache=tmp_path)
 
 
 def test_gpu_defaults_add_jaxdist_flags_and_keep_the_users(monkeypatch):

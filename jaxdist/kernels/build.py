@@ -36,6 +36,8 @@ from pathlib import Path
 
 import jax
 
+from jaxdist import runtime
+
 
 RUNTIME_HEADERS = ("driver_types.h", "crt/host_defines.h")  # what CUDA libraries' headers include
 
@@ -115,7 +117,7 @@ def _first(candidates):
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("JAXDIST_CACHE_DIR", Path.home() / ".cache" / "jaxdist"))
+    return runtime.cache_dir()
 
 
 def build(handler: Handler) -> tuple[Path, bool]:
