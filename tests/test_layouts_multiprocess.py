@@ -152,7 +152,7 @@ def test_replicas_that_read_different_rows_stop_before_training(tmp_path):
         assert run.returncode == 2, stderr[-3000:]
         lines = [line for line in stderr.splitlines() if line.strip()]
         assert len(lines) == 1, stderr[-3000:]
-        assert lines[0].startswith("jaxdist: error: the first global batch disagrees across processes: rows 0..15 "
+        assert lines[0].startswith("jaxdist: error: the first global batch disagrees across processes: rows 0..3 "
                                    "differ between processes 0 vs processes 1")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
