@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # 8 simulated CPU devices where no accelerator exists; ignored where GPUs are present.
 export JAXDIST_CPU_DEVICES ?= 8
 
-.PHONY: install train test
+.PHONY: install train test test-fast
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -19,3 +19,6 @@ train: install
 
 test: install
 	$(BIN)/pytest -n 2 --durations=15 $(ARGS)
+
+test-fast: install
+	$(BIN)/pytest -n 2 -m "not slow" $(ARGS)

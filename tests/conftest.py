@@ -1,4 +1,9 @@
-"""Every test sees 8 simulated CPU devices (the project's JAXDIST_CPU_DEVICES switch)."""
+"""Every test sees 8 simulated CPU devices (the project's JAXDIST_CPU_DEVICES switch).
+
+Two tiers: `make test` runs everything (what CI runs); `make test-fast` (`pytest -m "not slow"`)
+skips the modules below, which train, compile many programs or start processes, and runs in a few
+minutes on 2 cores.
+"""
 
 import os
 
@@ -77,3 +82,17 @@ def compiles():
 # Compiler options for tests that compile many programs themselves: no LLVM optimisation halves
 # XLA CPU compile time; partitioning, collectives and float32 results are unchanged.
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+SLOW_MODULES = {
+    "test_accumulation", "test_bench", "test_checkpoint_resume", "test_clocks", "test_copies", "test_data_loop",
+    "test_data_multiprocess", "test_fsdp_gather", "test_fused_norm", "test_gelu_matmul", "test_gpt",
+    "test_kernel_build", "test_layouts", "test_layouts_multiprocess", "test_loss_chunk", "test_main_job",
+    "test_multihost", "test_pipeline", "test_precision",
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.module.__name__ in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
