@@ -44,11 +44,10 @@ def _count_from_environment() -> int | None:
 
 # XLA GPU flags jaxdist sets unless XLA_FLAGS already names them (each measured in benchmarks/HISTORY.md):
 # - dot merger off: XLA merges the q, k and v projections (dots sharing their input) into one and
-#   then copies each out with a slice, forward and backward (406M, H100: 1 ms/step slower).
+#   then copies each out with a slice, forward and backward.
 # - Triton GEMMs off: XLA wraps dots in Triton fusions before its cuBLAS rewriter looks for epilogues,
 #   so with them on the MLP's GELU stays a separate pass; off, cuBLASLt computes it in the
 #   up-projection's epilogue (GELU_AUX: it writes the pre-activation for the backward too).
-#   406M, H100: 87.63 -> 85.78 ms.
 GPU_FLAGS = {"--xla_gpu_dot_merger_threshold_mb": "0", "--xla_gpu_enable_triton_gemm": "false"}
 
 

@@ -1,8 +1,7 @@
 """`gelu(pre) @ down` whose backward puts GELU's gradient into the matmul that needs it (GPU).
 
 Backward through the MLP's `gelu(pre) @ down`, XLA computes `d_post = d_out @ down.T` and then, in
-a second pass over memory, `d_pre = d_post * gelu'(pre)`: on the 406M GPT that pass moves 384 MB per
-layer (3.7 ms of an 84 ms step on an H100). cuBLASLt can apply the gradient as the product leaves
+a second pass over memory, `d_pre = d_post * gelu'(pre)` (its cost: docs/performance.md). cuBLASLt can apply the gradient as the product leaves
 the tensor cores (its `DGELU` epilogue, the one NVIDIA's Transformer Engine uses), but XLA's
 rewrites never ask for it. `gelu_matmul.cc` calls it through XLA's FFI; `jaxdist build-kernels`, or
 the first `train` or `bench` on a GPU, builds it (kernels/build.py), and the model only loads it.

@@ -2,12 +2,11 @@
 
 The chunked loss (models/cross_entropy.py) needs, for each row of a chunk's logits, the
 logsumexp, the target's logit and the gradient `(softmax - one-hot) * weight`. XLA makes that
-two passes over the logits: a reduction (measured at about 1.5 TB/s, a third of an H200's memory
-bandwidth), then an elementwise pass that reads the logits again and writes the gradient. Here one
-program per row walks it twice: first an online max / sum of exponentials / target logit over
-blocks of the vocabulary, then the gradient, reading the blocks again soon after, when L2 may
-still hold them. At 406M a chunk (412 MB of bf16 logits) takes 0.37 ms instead of XLA's 0.49
-(one H200, benchmarks/bench_softmax_grad.py).
+two passes over the logits: a reduction (at a fraction of the memory bandwidth), then an
+elementwise pass that reads the logits again and writes the gradient. Here one program per row
+walks it twice: first an online max / sum of exponentials / target logit over blocks of the
+vocabulary, then the gradient, reading the blocks again soon after, when L2 may still hold them
+(times: docs/performance.md, benchmarks/bench_softmax_grad.py).
 
 The kernel uses Pallas's Triton backend, as the fused norms do (kernels/fused_norm.py); off the GPU
 it runs in Pallas's interpreter, so the CPU tests check the same code. Under a mesh it runs per

@@ -177,8 +177,7 @@ def _scan_chunks(chunk, logits_dtype, hidden, head, targets, weights, *, with_gr
     batch, _, embed = hidden.shape
     vocab = head.shape[1]
     # Laid out as the logits' matmul reads it (whole over `fsdp`) before the loop, so it is gathered
-    # once: left to XLA on GPU, the gather of an fsdp-split head ran inside it, once per chunk
-    # (406M: 4 x 49 MiB per step where 49 MiB would do).
+    # once: left to XLA on GPU, the gather of an fsdp-split head ran inside it, once per chunk.
     head_c = constrain(head.astype(hidden.dtype), ("embed", "vocab"))
     # The head's gradient sums over the batch, which is split over devices. Each batch shard keeps
     # its own partial sum in the carry (a leading shard axis on the batch's mesh axes), so it is

@@ -121,7 +121,7 @@ class Attention(nnx.Module):
         self.rope = cfg.positions == "rope"
         self.implementation = impl.attention
         # q, k and v stacked on a leading axis: each is a contiguous slice, so the three
-        # projections need no activation transposes or concatenations (measured: ~4 ms/step at 406M).
+        # projections need no activation transposes or concatenations.
         self.qkv = _param(rngs, _normal, (3, cfg.d_model, cfg.heads, head_dim),
                           ("qkv", "embed", "heads", "head_dim"), param_dtype)
         out_init = nnx.initializers.normal(0.02 / (2 * cfg.layers) ** 0.5)

@@ -17,9 +17,8 @@ reduce-scattered to shards) k times per step; lighter on memory, heavier on the 
 
 With one microbatch both are the plain gradient: XLA reduces each gradient once, where it likes,
 in the dtype its last op produced: under bfloat16 compute on GPU the matmul weights' gradients
-cross devices in bfloat16, unlike torch DDP's float32 (measured for GPT 406M under data
-parallelism: 576 MiB bf16 + 397 MiB f32 per step; the float32 ones are the embedding's, the
-head's, summed over the loss chunks in float32, and the norms'). With more, per_step sums the
+cross devices in bfloat16, unlike torch DDP's float32 (the embedding's, the head's and the norms'
+stay float32; `jaxdist bench` reports the bytes as `collective_mb`). With more, per_step sums the
 unreduced float32 gradients, so they cross devices in float32.
 """
 
