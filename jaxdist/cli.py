@@ -10,6 +10,7 @@ applies jaxdist's process-wide settings (`JAXDIST_CPU_DEVICES`, the XLA GPU flag
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from jaxdist import runtime
@@ -37,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
         ("train", "train (or resume) a run from a YAML config"),
         ("rules", "print each parameter's logical names, mesh spec and bytes per device"),
         ("bench", "time the train step on random tokens: step time, tokens/s, MFU, memory"),
+        ("plan", "compile the train step without running it: memory per device, FLOPs, what fits"),
     ):
         command = commands.add_parser(name, help=help_text)
         command.add_argument("config", help="YAML config file")
@@ -48,6 +50,11 @@ def _parser() -> argparse.ArgumentParser:
             command.add_argument("--out", help="append the JSON result to this file")
             command.add_argument("--devices", type=int, help="use only the first N devices")
             command.add_argument("--profile", help="trace three extra steps with the JAX profiler into this folder")
+        if name == "plan":
+            command.add_argument("--devices", type=int,
+                                 help="plan for N devices (on a CPU-only machine: N simulated devices)")
+            command.add_argument("--device-memory", help="memory per device, e.g. 80GB: say whether it fits, "
+                                 "and suggest a change that does")
     commands.add_parser("build-kernels", help="build the C++ GPU kernels into the cache (train and bench do it on "
                         "a GPU): one line per kernel, built, up to date or unavailable and why")
     launch = commands.add_parser("launch", help="run a command as N processes on this host")
@@ -94,6 +101,22 @@ def _rules(args) -> None:
 
     table = rules.sharding_table(param_layouts(config.load(args.config, args.overrides)))
     loop.log(table)  # process 0 only
+
+
+def _plan(args) -> None:
+    from jaxdist import config
+    from jaxdist.observe import plan
+
+    import jax
+
+    limit = plan.parse_bytes(args.device_memory) if args.device_memory else None
+    devices = jax.devices()[: args.devices] if args.devices else None
+    if devices is not None and len(devices) < args.devices:
+        raise UserError(f"plan --devices {args.devices}: only {len(devices)} devices here; on a CPU-only machine "
+                        f"JAXDIST_CPU_DEVICES must not be set below it")
+    text = plan.report(config.load(args.config, args.overrides), devices, limit)
+    if jax.process_index() == 0:
+        print(text)
 
 
 def _bench(args) -> None:
@@ -163,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = [*getattr(args, "overrides", []), *extra]
     try:
+        if args.command == "plan" and args.devices and not os.environ.get("JAXDIST_CPU_DEVICES"):
+            runtime.use_cpu_devices(args.devices)  # simulated where there is no accelerator
         runtime.use_cpu_devices()
         runtime.gpu_defaults()
         runtime.compilation_cache()
@@ -171,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
 
             distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.init_timeout)
         commands = {
-            "train": _train, "rules": _rules, "bench": _bench, "build-kernels": _build_kernels, "launch": _launch,
+            "train": _train, "rules": _rules, "bench": _bench, "plan": _plan, "build-kernels": _build_kernels, "launch": _launch,
             "doctor": _doctor, "scale": _scale, "data": prepare.run, "export": _export,
         }
         return commands[args.command](args) or 0

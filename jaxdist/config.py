@@ -334,6 +334,14 @@ def load(path: str | Path | None, overrides: list[str] = ()) -> Config:
     return from_dict(raw)
 
 
+def with_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """`cfg` with dotted `key.sub=value` overrides applied, as on the command line."""
+    raw = cfg.model_dump(mode="json")
+    for override in overrides:
+        _apply_override(raw, override)
+    return from_dict(raw)
+
+
 def from_dict(raw: dict[str, Any]) -> Config:
     try:
         return Config.model_validate(raw)

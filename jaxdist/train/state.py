@@ -81,10 +81,13 @@ def init_state(
     seed: int,
     loss_scale: LossScale | None = None,
     abstract: tuple[nnx.GraphDef, Any, Any] | None = None,
+    materialize: bool = True,
 ) -> tuple[TrainState, TrainState, nnx.GraphDef, Any]:
     """Creates the sharded train state; returns (state, state shardings, graphdef, layouts).
 
-    `abstract` is `abstract_model(create_model, seed)` where the caller already has it.
+    `abstract` is `abstract_model(create_model, seed)` where the caller already has it. With
+    `materialize` False the state is only described (`jax.ShapeDtypeStruct`s with their shardings),
+    to compile for it without allocating it (`jaxdist plan`).
     """
     graphdef, abstract_params, names = abstract or abstract_model(create_model, seed)
     layouts = rules_lib.param_layouts(abstract_params, names, rules, mesh)
@@ -102,5 +105,14 @@ def init_state(
             step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), loss_scale=loss_scale
         )
 
-    state = jax.jit(init, out_shardings=shardings)()
+    if materialize:
+        state = jax.jit(init, out_shardings=shardings)()
+    else:
+        state = with_shardings(jax.eval_shape(init), shardings)
     return state, shardings, graphdef, layouts
+
+
+def with_shardings(shapes: Any, shardings: Any) -> Any:
+    """`jax.ShapeDtypeStruct`s of `shapes` carrying `shardings` (a matching tree): an abstract input."""
+    return jax.tree.map(lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding),
+                        shapes, shardings)

@@ -30,7 +30,7 @@ from jaxdist.models import dtypes as dtypes_lib
 from jaxdist.train import precision
 from jaxdist.train.optim import build_optimizer
 from jaxdist.train.precision import LossScale
-from jaxdist.train.state import ModelFactory, TrainState, abstract_model, init_state
+from jaxdist.train.state import ModelFactory, TrainState, abstract_model, init_state, with_shardings
 from jaxdist.train.step import LossFn, copies_shardings, make_train_step
 
 FSDP_GATHERS = ("per_layer", "per_step")
@@ -55,6 +55,7 @@ class Trainer:
         abstract: tuple | None = None,
         compute_copies: Callable[[Any], Any] | None = None,
         fsdp_gather: str = "per_layer",
+        materialize: bool = True,
     ):
         """`abstract`: `state.abstract_model(create_model, seed)`, if already computed (saves a trace).
 
@@ -63,16 +64,18 @@ class Trainer:
         kept between steps and made anew by each step; None: the model casts as it goes.
         `fsdp_gather` (`train.fsdp_gather`, config.py): per_layer, XLA gathers each copy split over
         the batch axes (fsdp) at each use; per_step, the step gathers the copies whole once and keeps them for the
-        backward (ZeRO-2; needs `compute_copies`).
+        backward (ZeRO-2; needs `compute_copies`). `materialize` False describes the state without
+        allocating it: the step can then be compiled (`compile` with an abstract batch) but not run.
         """
         self.mesh = mesh
         self.rules = rules
         self.state, self.state_shardings, self.graphdef, self.layouts = init_state(
-            create_model, optimizer, mesh, rules, seed, loss_scale, abstract
+            create_model, optimizer, mesh, rules, seed, loss_scale, abstract, materialize
         )
         # The first step donates these buffers; let their init finish first (an in-flight
         # donated init aborted the XLA CPU runtime under load).
-        self.state = jax.block_until_ready(self.state)
+        self.state = jax.block_until_ready(self.state) if materialize else self.state
+        self.materialized = materialize
         self.batch_sharding = feed.batch_sharding(mesh, rules)
         if fsdp_gather not in FSDP_GATHERS:
             raise ValueError(f"fsdp_gather={fsdp_gather!r}: use one of {FSDP_GATHERS}")
@@ -90,7 +93,7 @@ class Trainer:
                                      copy_shardings)
                 copies_gather = copies_lib.Gather(whole=whole, split=copy_shardings)
             self._make_copies = jax.jit(compute_copies, out_shardings=copy_shardings)
-        self._copies, self._copies_of = None, None
+        self._copies, self._copies_of, self._copy_shardings = None, None, copy_shardings
         self._step = make_train_step(
             self.graphdef, loss_fn, optimizer, schedule, mesh, rules, self.state_shardings, microbatches,
             grad_reduction, compute_copies, copy_shardings, copies_gather,
@@ -103,11 +106,13 @@ class Trainer:
         self._finish_each_step = mesh.devices.flat[0].platform == "cpu" and mesh.devices.size > 1
 
     @classmethod
-    def from_config(cls, cfg: Config, devices: list | None = None, layout: layout_lib.Layout | None = None) -> Trainer:
+    def from_config(cls, cfg: Config, devices: list | None = None, layout: layout_lib.Layout | None = None,
+                    materialize: bool = True) -> Trainer:
         """Checks the config against the devices, then builds the mesh, the sharded state and the step
         for the registered model `cfg.model.name`.
 
         `layout`: `jaxdist.parallel.layout.from_config(cfg, devices)`, where the caller already has it.
+        `materialize` False: the state is described, not allocated (see `__init__`).
         """
         layout = layout or layout_lib.from_config(cfg, devices)
         mesh, rules = layout.mesh, layout.rules
@@ -131,7 +136,7 @@ class Trainer:
             create_model, entry.loss, tx, mesh, rules,
             seed=cfg.seed, microbatches=cfg.train.microbatches, grad_reduction=cfg.train.grad_reduction,
             schedule=schedule, loss_scale=precision.initial_loss_scale(cfg.precision), abstract=abstract,
-            compute_copies=make_copies, fsdp_gather=cfg.train.fsdp_gather,
+            compute_copies=make_copies, fsdp_gather=cfg.train.fsdp_gather, materialize=materialize,
         )
 
     def process_rows(self, global_batch: int) -> feed.BatchRows:
@@ -146,7 +151,7 @@ class Trainer:
     def compile(self, batch: dict[str, jax.Array]) -> None:
         """Compiles the step ahead of time for this batch's shapes (timed in `compile_time_s`)."""
         start = time.perf_counter()
-        self._compiled = self._step.lower(self.state, self._current_copies(), batch).compile()
+        self._compiled = self._step.lower(self.state, self.current_copies(), batch).compile()
         self.compile_time_s = time.perf_counter() - start
 
     def step(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
@@ -155,19 +160,29 @@ class Trainer:
             batch = self.global_batch(batch)
         if self._compiled is None:
             self.compile(batch)
-        self.state, self._copies, metrics = self._compiled(self.state, self._current_copies(), batch)
+        self.state, self._copies, metrics = self._compiled(self.state, self.current_copies(), batch)
         self._copies_of = self.state
         if self._finish_each_step:
             jax.block_until_ready(metrics)
         return metrics
 
-    def _current_copies(self) -> Any:
+    def current_copies(self) -> Any:
         """The compute-dtype copies of `self.state`'s parameters, made anew if the state was replaced
         since the last step (a restore)."""
         if self._make_copies is not None and self._copies_of is not self.state:
-            self._copies = self._make_copies(self.state.params)
+            if self.materialized:
+                self._copies = self._make_copies(self.state.params)
+            else:
+                self._copies = with_shardings(jax.eval_shape(self._make_copies, self.state.params), self._copy_shardings)
             self._copies_of = self.state
         return self._copies
+
+    @property
+    def compiled(self) -> jax.stages.Compiled:
+        """The compiled step (call `compile` or `step` first): its memory and cost analyses, its HLO."""
+        if self._compiled is None:
+            raise RuntimeError("the step is not compiled yet: call compile(batch) first")
+        return self._compiled
 
     def compiled_text(self) -> str:
         """The compiled step's HLO after SPMD partitioning (call `compile` or `step` first)."""

@@ -1,0 +1,143 @@
+"""`jaxdist plan`: a config's memory per device and compute per step, from the compiled step, run never.
+
+The train state is described, not allocated (`Trainer.from_config(..., materialize=False)`), and the
+real step is compiled for it ahead of time on the configured mesh; on a CPU machine `--devices N`
+simulates N devices. Per device it reports the parameters, optimizer state and compute-dtype copies
+(from their shardings), the batch, and XLA's own count of temporaries (activations, gradients,
+collective buffers) and code. Over `--device-memory` it compiles changes that save memory (remat,
+more microbatches, a wider fsdp axis) and suggests the first that fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import jax
+
+from jaxdist.config import Config, with_overrides
+from jaxdist.errors import UserError
+from jaxdist.parallel import mesh as mesh_lib
+from jaxdist.train.trainer import Trainer
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'80GB' -> 80e9, '16GiB' -> 16 x 2^30, '1e9' -> 1e9; a `UserError` naming the option otherwise."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS or float(match.group(1)) <= 0:
+        raise UserError(f"--device-memory {text!r}: give a positive size such as 80GB or 16GiB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _bytes_per_device(tree: Any) -> int:
+    """Bytes each device holds of an abstract tree (`jax.ShapeDtypeStruct`s with shardings)."""
+    return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+               for leaf in jax.tree.leaves(tree) if hasattr(leaf, "sharding") and leaf.sharding is not None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Bytes per device of what the compiled step holds, and XLA's FLOP count per step and device."""
+
+    mesh: str
+    devices: int
+    platform: str
+    params: int
+    opt_state: int
+    copies: int
+    batch: int
+    temporaries: int
+    code: int
+    flops: float | None
+
+    @property
+    def total(self) -> int:
+        """Peak bytes per device: the step's inputs (its outputs reuse their donated buffers),
+        its temporaries and its code."""
+        return self.params + self.opt_state + self.copies + self.batch + self.temporaries + self.code
+
+    def lines(self) -> list[str]:
+        parts = [("parameters", self.params), ("optimizer state", self.opt_state), ("compute copies", self.copies),
+                 ("batch", self.batch), ("temporaries", self.temporaries), ("code", self.code)]
+        shown = ", ".join(f"{name} {_gb(size)}" for name, size in parts if size)
+        flops = "" if self.flops is None else f"; {self.flops / 1e12:.2f} TFLOP per step per device (XLA's count)"
+        return [f"plan: mesh {self.mesh} ({self.devices} {self.platform} devices)",
+                f"per device: {shown}; total {_gb(self.total)}{flops}"]
+
+
+def _gb(size: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if size >= scale:
+            return f"{size / scale:.2f} {unit}"
+    return f"{size / 1e3:.1f} kB"
+
+
+def make_plan(cfg: Config, devices: list | None = None) -> Plan:
+    """Compiles `cfg`'s train step for an abstract state and batch on `devices` and measures it."""
+    trainer = Trainer.from_config(cfg, devices, materialize=False)
+    tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len), "int32", sharding=trainer.batch_sharding)
+    batch = {"inputs": tokens, "targets": tokens}
+    trainer.compile(batch)
+    memory = trainer.compiled.memory_analysis()
+    state = trainer.state
+    cost = trainer.compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    mesh_devices = trainer.mesh.devices.flatten()
+    return Plan(
+        mesh=mesh_lib.describe(trainer.mesh), devices=len(mesh_devices), platform=mesh_devices[0].platform,
+        params=_bytes_per_device(state.params), opt_state=_bytes_per_device(state.opt_state),
+        copies=_bytes_per_device(trainer.current_copies()), batch=_bytes_per_device(batch),
+        temporaries=int(memory.temp_size_in_bytes), code=int(memory.generated_code_size_in_bytes),
+        flops=(cost or {}).get("flops"),
+    )
+
+
+def savings(cfg: Config) -> list[list[str]]:
+    """Overrides that need less memory per device, in the order they are tried (cheapest first)."""
+    candidates = []
+    if cfg.impl.remat != "full":
+        candidates.append(["impl.remat=full"])
+    for factor in (2, 4, 8):
+        candidates.append([f"train.microbatches={cfg.train.microbatches * factor}"])
+    if cfg.mesh.data > 1:
+        preset = "fsdp" if cfg.rules.preset == "dp" else cfg.rules.preset
+        fsdp = cfg.mesh.fsdp if cfg.mesh.fsdp > 0 else 1
+        candidates.append(["mesh.data=1", f"mesh.fsdp={cfg.mesh.data * fsdp}", f"rules.preset={preset}"])
+    return candidates
+
+
+def suggest(cfg: Config, limit: int, devices: list | None = None) -> tuple[list[str], Plan] | None:
+    """The first of `savings(cfg)` whose compiled step fits in `limit` bytes per device, with its plan."""
+    for overrides in savings(cfg):
+        try:
+            candidate = with_overrides(cfg, overrides)
+            plan = make_plan(candidate, devices)
+        except UserError:  # e.g. a microbatch count that does not divide the batch
+            continue
+        if plan.total <= limit:
+            return overrides, plan
+    return None
+
+
+def report(cfg: Config, devices: list | None = None, device_memory: int | None = None) -> str:
+    """What `jaxdist plan` prints."""
+    plan = make_plan(cfg, devices)
+    lines = plan.lines()
+    if device_memory is not None:
+        if plan.total <= device_memory:
+            lines.append(f"fits in {_gb(device_memory)} per device ({plan.total / device_memory:.0%})")
+        else:
+            lines.append(f"does not fit in {_gb(device_memory)} per device: needs {_gb(plan.total)}")
+            found = suggest(cfg, device_memory, devices)
+            if found is None:
+                lines.append("no single change tried (impl.remat=full, more train.microbatches, a wider fsdp) fits; "
+                             "use more devices or a smaller model")
+            else:
+                overrides, fitted = found
+                lines.append(f"suggestion: {' '.join(overrides)} -> total {_gb(fitted.total)} per device (compiled: fits)")
+    return "\n".join(lines)

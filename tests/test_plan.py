@@ -1,0 +1,60 @@
+"""`jaxdist plan`: memory per device from the compiled step, without allocating the state."""
+
+import jax
+import pytest
+from conftest import make_config
+
+from jaxdist import cli, config
+from jaxdist.errors import UserError
+from jaxdist.observe import plan
+from jaxdist.observe.scaling import model_size
+
+SMALL = {"model": {"d_model": 64, "layers": 2, "heads": 4, "seq_len": 64, "vocab": 256},
+         "train": {"global_batch": 16}, "mesh": {"data": 2, "fsdp": 4, "tensor": 1}, "rules": {"preset": "fsdp"}}
+
+
+def test_gpt_1b4_under_fsdp8_holds_an_eighth_of_the_parameters_per_device(devices):
+    # Scanned layers: the same parameters as the recipe's unrolled ones, compiled much faster here.
+    cfg = config.load("configs/gpt_1b4.yaml", ["mesh.fsdp=8", "impl.scan_layers=true", "precision.compute=float32"])
+    result = plan.make_plan(cfg, devices)
+    params = model_size(cfg).params
+    assert result.mesh == "data=1 x stage=1 x fsdp=8 x tensor=1" and result.devices == 8
+    assert abs(result.params - params * 4 / 8) <= 0.05 * params * 4 / 8
+    assert abs(result.opt_state - 2 * params * 4 / 8) <= 0.05 * 2 * params * 4 / 8  # AdamW: two moments
+    assert result.temporaries > 0 and result.flops and result.flops > 0
+    assert result.total >= result.params + result.opt_state + result.temporaries
+
+
+def test_over_the_device_memory_a_compiled_suggestion_fits(tmp_path, devices):
+    cfg = make_config(tmp_path, **SMALL)
+    whole = plan.make_plan(cfg, devices)
+    remat = plan.make_plan(config.with_overrides(cfg, ["impl.remat=full"]), devices)
+    assert remat.temporaries < whole.temporaries and remat.params == whole.params
+    limit = (whole.total + remat.total) // 2
+    overrides, fitted = plan.suggest(cfg, limit, devices)
+    assert overrides == ["impl.remat=full"] and fitted.total <= limit
+    text = plan.report(cfg, devices, limit)
+    assert "does not fit in" in text and "suggestion: impl.remat=full -> total" in text and "(compiled: fits)" in text
+    assert "fits in" in plan.report(cfg, devices, whole.total + 1)
+
+
+def test_plan_command_prints_the_plan_and_allocates_nothing(tmp_path, capsys):
+    config_file = tmp_path / "c.yaml"
+    config_file.write_text(make_config(tmp_path / "run", **SMALL).to_yaml())
+    before = len(jax.live_arrays())
+    assert cli.main(["plan", str(config_file), "--device-memory", "80GB"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "plan: mesh data=2 x stage=1 x fsdp=4 x tensor=1 (8 cpu devices)"
+    assert out[1].startswith("per device: parameters ") and "temporaries" in out[1]
+    assert out[2].startswith("fits in 80.00 GB per device")
+    assert len(jax.live_arrays()) == before  # nothing allocated for the state
+
+
+@pytest.mark.parametrize("text, size", [("80GB", 80e9), ("16GiB", 16 * 2**30), ("512 MB", 512e6), ("1e9", 1e9)])
+def test_device_memory_sizes_parse(text, size):
+    assert plan.parse_bytes(text) == size
+
+
+def test_a_bad_device_memory_is_a_user_error():
+    with pytest.raises(UserError, match="--device-memory 'lots'"):
+        plan.parse_bytes("lots")
