@@ -26,8 +26,22 @@ class _OneLineErrors(argparse.ArgumentParser):
         self.exit(2, f"jaxdist: error: {message} (see jaxdist --help)\n")
 
 
+class _Version(argparse.Action):
+    """`--version`: jaxdist's version and those of the libraries it runs on (looked up only when asked)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="print the versions of jaxdist, Python and its libraries")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from jaxdist.checkpoint.run import library_versions
+
+        print(", ".join(f"{name} {version}" for name, version in library_versions().items()))
+        parser.exit(0)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _OneLineErrors(prog="jaxdist", description="Train models on many accelerators with one program.")
+    parser.add_argument("--version", action=_Version)
     processes = parser.add_argument_group("multi-process (default: JAX_* / torchrun / SLURM / MPI env, else one)")
     processes.add_argument("--coordinator", help="host:port of process 0's coordinator")
     processes.add_argument("--num-processes", type=int, help="number of processes in the run")

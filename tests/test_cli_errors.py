@@ -68,3 +68,13 @@ def test_bad_yaml(tmp_path, capsys):
     path.write_text("train: {steps: [1, 2\n")
     assert cli.main(["train", str(path)]) == 2
     assert "not valid YAML" in capsys.readouterr().err
+
+
+def test_version_names_jaxdist_and_its_libraries(capsys):
+    from jaxdist import cli
+
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["--version"])
+    assert stopped.value.code == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("python ") and "jaxdist 0." in line and "jax 0." in line and "orbax-checkpoint" in line
