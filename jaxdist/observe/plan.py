@@ -77,12 +77,19 @@ def _gb(size: int) -> str:
     return f"{size / 1e3:.1f} kB"
 
 
-def make_plan(cfg: Config, devices: list | None = None) -> Plan:
-    """Compiles `cfg`'s train step for an abstract state and batch on `devices` and measures it."""
+def compiled_trainer(cfg: Config, devices: list | None = None) -> tuple[Trainer, dict[str, jax.ShapeDtypeStruct]]:
+    """A trainer whose state is described, not allocated, with its step compiled for an abstract
+    batch of `cfg`'s shapes on `devices`; and that batch."""
     trainer = Trainer.from_config(cfg, devices, materialize=False)
     tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len), "int32", sharding=trainer.batch_sharding)
     batch = {"inputs": tokens, "targets": tokens}
     trainer.compile(batch)
+    return trainer, batch
+
+
+def make_plan(cfg: Config, devices: list | None = None) -> Plan:
+    """Compiles `cfg`'s train step for an abstract state and batch on `devices` and measures it."""
+    trainer, batch = compiled_trainer(cfg, devices)
     memory = trainer.compiled.memory_analysis()
     state = trainer.state
     cost = trainer.compiled.cost_analysis()
