@@ -40,11 +40,11 @@ def compiled_step(cfg: config_lib.Config):
     replicated = NamedSharding(mesh, PartitionSpec())
     shardings = TrainState(
         step=replicated, params=param_shardings,
-        opt_state=opt_state_shardings(tx, abstract_params, param_shardings, mesh),
+        opt_state=opt_state_shardings(tx, abstract_params, param_shardings, mesh), skipped_steps=replicated,
     )
     state = TrainState(
         step=jax.ShapeDtypeStruct((), "int32"), params=abstract_params,
-        opt_state=jax.eval_shape(tx.init, abstract_params),
+        opt_state=jax.eval_shape(tx.init, abstract_params), skipped_steps=jax.ShapeDtypeStruct((), "int32"),
     )
     tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len), "int32")
     step = make_train_step(
