@@ -1,6 +1,7 @@
 """`jaxdist train | rules | bench | build-kernels | data prepare | launch | doctor | scale | export`: the command line.
 
-Exit codes: 0 done, 1 crash, 2 user error; `launch` also 124 when it stopped a stuck run;
+Exit codes: 0 done, 1 crash, 2 user error, 3 `train` stopped at a non-finite loss or gradients
+(nothing of that step saved; the last checkpoint is intact); `launch` also 124 when it stopped a stuck run;
 `build-kernels` 1 where a kernel is unavailable on a GPU. Before anything else every command
 applies jaxdist's process-wide settings (`JAXDIST_CPU_DEVICES`, the XLA GPU flags:
 `jaxdist.runtime`); every command that runs JAX then joins the other processes of the run
@@ -15,7 +16,7 @@ import sys
 
 from jaxdist import runtime
 from jaxdist.data import prepare
-from jaxdist.errors import UserError
+from jaxdist.errors import NonFiniteError, UserError
 from jaxdist.launch import die_with_launcher
 
 
@@ -217,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"jaxdist: error: {err}", file=sys.stderr)
         return 2
+    except NonFiniteError as err:
+        print(f"jaxdist: error: {err}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -172,6 +172,12 @@ class TrainConfig(Section):
     not change inside it. The float32 weights and optimizer state stay sharded, gradients are
     reduce-scattered, and each device updates its shard only. Weights without a copy (for the GPT:
     embeddings, norms, head) are gathered where used, as under per_layer.
+
+    A step whose loss or gradients are not finite never updates the state: it keeps the old
+    parameters and optimizer state (its data is consumed). `on_nonfinite` says what the run does
+    next: halt (stop without saving that step, exit code 3) or skip (go on; after
+    `max_consecutive_skips` such steps in a row, halt). Under dynamic loss scaling a gradient
+    overflow is the scaler's business (skipped, the scale halves) unless the scale is already 1.
     """
 
     steps: int = Field(300, gt=0)
@@ -179,6 +185,8 @@ class TrainConfig(Section):
     microbatches: int = Field(1, gt=0)
     grad_reduction: Literal["per_step", "per_microbatch"] = "per_step"
     fsdp_gather: Literal["per_layer", "per_step"] = "per_layer"
+    on_nonfinite: Literal["halt", "skip"] = "halt"
+    max_consecutive_skips: int = Field(10, gt=0)
 
 
 class OptimConfig(Section):

@@ -6,17 +6,22 @@ metrics. Side effects (files, printing) live here and in the CLI; the step itsel
 
 from __future__ import annotations
 
+import contextlib
+import math
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
 
 from jaxdist import kernels, models
 from jaxdist.checkpoint import RunCheckpoints
-from jaxdist.config import Config
+from jaxdist.config import Config, TrainConfig
 from jaxdist.data import loader
+from jaxdist.errors import NonFiniteError
 from jaxdist.observe.metrics import MetricsWriter, drop_after
 from jaxdist.parallel import feed
 from jaxdist.parallel import layout as layout_lib
@@ -36,7 +41,8 @@ def log(message: str) -> None:
 def train(cfg: Config, devices: list | None = None) -> Trainer:
     """Runs `cfg.train.steps` steps, writing `config.yaml`, `metrics.jsonl` and `checkpoints/` into
     `cfg.run_dir`; resumes from the newest good checkpoint there. A SIGTERM/SIGINT saves and
-    returns early (no sample)."""
+    returns early (no sample). A non-finite step raises `NonFiniteError` as `train.on_nonfinite`
+    says (`NonFiniteGuard`), with nothing saved from that step on."""
     # Opening the data and reading a first batch report bad data before anything compiles; so
     # does a checkpoint of another model in run_dir.
     train_source = loader.open_split(cfg, "train")
@@ -84,10 +90,13 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
     log(f"compiled the train step in {trainer.compile_time_s:.1f} s")
 
     batch, last_time, last_step = first, time.perf_counter(), start.step
+    guard = NonFiniteGuard(cfg.train, lambda: checkpoints.last_saved)
     try:
-        with StopSignals() as stop, checkpoints.saving_on_error(trainer):
+        # guard.halting() is innermost: a halt must not reach the save after an error.
+        with StopSignals() as stop, checkpoints.saving_on_error(trainer), guard.halting():
             for step in range(start.step + 1, cfg.train.steps + 1):
                 metrics = trainer.step(batch)
+                guard.record(step, metrics)
                 if step < cfg.train.steps:
                     batch = trainer.global_batch(next(batches))
                 eval_due = evaluate is not None and (step % cfg.eval.every == 0 or step == cfg.train.steps)
@@ -100,17 +109,84 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
                         values["eval_loss"] = evaluate()
                     writer.write(step, values)
                     last_time, last_step = time.perf_counter(), step
+                if checkpoints.due(step):
+                    guard.check()
                 checkpoints.after_step(step, trainer.state)
                 if reason := stop.requested(step):
+                    guard.check()
                     checkpoints.stop(step, trainer.state, reason)
                     return trainer
+            guard.check()
     finally:
         writer.close()
-        checkpoints.close()
+        checkpoints.close()  # finishes the saves of finite steps
+    guard.raise_if_halted()
 
     if cfg.sample.tokens:
         write_sample(cfg, trainer, layout.batch_shards)
     return trainer
+
+
+class NonFiniteGuard:
+    """Stops the run at a bad step (`precision.verdict`): at once under `train.on_nonfinite=halt`,
+    after more than `train.max_consecutive_skips` in a row under skip.
+
+    `record` reads each step's `nonfinite` flag one step late, after the next step is dispatched,
+    so the host does not wait for the step it just queued; call `check` before saving a step, which
+    reads the newest flag at once. The step never applies a bad update, but the state after it is
+    not saved either: its step count would claim training the data did not.
+    """
+
+    def __init__(self, cfg: TrainConfig, last_saved: Callable[[], int | None]):
+        self._cfg = cfg
+        self._last_saved = last_saved
+        self._pending: tuple[int, dict[str, Any]] | None = None
+        self._in_a_row = 0
+        self.halted: NonFiniteError | None = None
+
+    def record(self, step: int, metrics: dict[str, Any]) -> None:
+        """Checks the step before this one, then holds on to this one's metrics."""
+        self.check()
+        self._pending = (step, metrics)
+
+    def check(self) -> None:
+        """Reads the newest recorded step's flag; raises `NonFiniteError` when the run must stop."""
+        if self._pending is None:
+            return
+        step, metrics = self._pending
+        self._pending = None
+        if not int(metrics["nonfinite"]):
+            self._in_a_row = 0
+            return
+        self._in_a_row += 1
+        limit = self._cfg.max_consecutive_skips
+        if self._cfg.on_nonfinite == "skip" and self._in_a_row <= limit:
+            return
+        why = "" if self._cfg.on_nonfinite == "halt" else (
+            f" ({self._in_a_row} bad steps in a row, more than train.max_consecutive_skips={limit})")
+        last = self._last_saved()
+        kept = "there is no checkpoint" if last is None else f"the last checkpoint, step {last}, is intact"
+        raise NonFiniteError(f"step {step}: {_what_is_not_finite(metrics)}{why}; stopped without saving it; {kept}")
+
+    @contextlib.contextmanager
+    def halting(self) -> Iterator[None]:
+        """Leaves the block on a halt and keeps the error for `raise_if_halted`."""
+        try:
+            yield
+        except NonFiniteError as err:
+            self.halted = err
+
+    def raise_if_halted(self) -> None:
+        if self.halted is not None:
+            raise self.halted
+
+
+def _what_is_not_finite(metrics: dict[str, Any]) -> str:
+    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    if not math.isfinite(values["loss"]):
+        return f"the loss is {values['loss']}"
+    at_scale = f" at loss scale {values['loss_scale']:g}" if "loss_scale" in values else ""
+    return f"the gradient norm is {values['grad_norm']}{at_scale} (loss {values['loss']:.4g})"
 
 
 def _ranges(rows: tuple[int, ...]) -> str:

@@ -73,9 +73,11 @@ def _one_step(cfg, initial_params) -> Step:
     shardings = TrainState(
         step=NamedSharding(mesh, PartitionSpec()), params=param_shardings,
         opt_state=opt_state_shardings(tx, abstract_params, param_shardings, mesh),
+        skipped_steps=NamedSharding(mesh, PartitionSpec()),
     )
     state = jax.device_put(
-        TrainState(step=np.int32(0), params=initial_params, opt_state=tx.init(initial_params)), shardings
+        TrainState(step=np.int32(0), params=initial_params, opt_state=tx.init(initial_params),
+                   skipped_steps=np.int32(0)), shardings
     )
     step = make_train_step(
         graphdef, models.get("gpt").loss, tx, schedule, mesh, rules, shardings,

@@ -182,11 +182,19 @@ class RunCheckpoints:
     def save(self, step: int, state: Any) -> None:
         self._store.save(step, state, run_meta(self.cfg, self._mesh, self.position(step)))
 
+    def due(self, step: int) -> bool:
+        """Whether `after_step` saves `step` (every `checkpoint.every` steps, and the last)."""
+        return self.enabled and (step % self.cfg.checkpoint.every == 0 or step == self.cfg.train.steps)
+
     def after_step(self, step: int, state: Any) -> None:
-        """Starts an async save if `step` is due (every `checkpoint.every` steps, and the last)."""
-        every = self.cfg.checkpoint.every
-        if self.enabled and (step % every == 0 or step == self.cfg.train.steps):
+        """Starts an async save if `step` is due."""
+        if self.due(step):
             self.save(step, state)
+
+    @property
+    def last_saved(self) -> int | None:
+        """The newest checkpoint's step (saved by this run or before it), None without one."""
+        return None if self._store is None else self._store.last_saved
 
     def stop(self, step: int, state: Any, reason: str) -> None:
         """Saves `step` (unless saving is off), waits for the write, and says how to resume."""

@@ -1,8 +1,13 @@
-"""Metrics writers. Only process 0 writes; every other process gets a writer that does nothing."""
+"""Metrics writers. Only process 0 writes; every other process gets a writer that does nothing.
+
+`metrics.jsonl` is strict JSON: a non-finite value (a NaN loss) is written as null; the console
+shows it as nan or inf.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import TextIO
@@ -11,7 +16,8 @@ _CONSOLE_KEYS = ("loss", "eval_loss", "learning_rate", "grad_norm", "tokens_per_
 
 
 class MetricsWriter:
-    """Appends one JSON object per logged step to `metrics.jsonl` and prints a short line."""
+    """Appends one JSON object per logged step to `metrics.jsonl` (non-finite values as null) and
+    prints a short line."""
 
     def __init__(self, run_dir: Path | None, console: TextIO | None = sys.stdout):
         self._file = open(run_dir / "metrics.jsonl", "a") if run_dir is not None else None
@@ -20,7 +26,8 @@ class MetricsWriter:
     def write(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
+            strict = {k: v if math.isfinite(v) else None for k, v in record.items()}
+            self._file.write(json.dumps(strict, allow_nan=False) + "\n")
             self._file.flush()
         if self._console is not None:
             shown = "  ".join(f"{k} {_fmt(record[k])}" for k in _CONSOLE_KEYS if k in record)
@@ -32,6 +39,8 @@ class MetricsWriter:
 
 
 def _fmt(value: float) -> str:
+    if not math.isfinite(value):
+        return str(value)
     if value == 0 or 1e-3 <= abs(value) < 1e5:
         return f"{value:.4g}" if abs(value) < 100 else f"{value:,.0f}"
     return f"{value:.3e}"

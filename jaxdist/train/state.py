@@ -27,12 +27,15 @@ ModelFactory = Callable[[nnx.Rngs], nnx.Module]
 class TrainState(flax.struct.PyTreeNode):
     """Everything one optimizer step reads and writes: a pytree of (sharded) arrays.
 
-    `loss_scale` is the dynamic loss-scale state (`precision.LossScale`) under float16, else None.
+    `skipped_steps` counts the steps whose update was dropped (non-finite loss or gradients, see
+    `precision.verdict`): the optimizer has taken `step - skipped_steps` steps. `loss_scale` is the
+    dynamic loss-scale state (`precision.LossScale`) under float16, else None.
     """
 
     step: jax.Array
     params: Any
     opt_state: Any
+    skipped_steps: jax.Array
     loss_scale: LossScale | None = None
 
 
@@ -95,6 +98,7 @@ def init_state(
     shardings = TrainState(
         step=NamedSharding(mesh, PartitionSpec()),
         params=param_shardings,
+        skipped_steps=NamedSharding(mesh, PartitionSpec()),
         opt_state=opt_state_shardings(tx, abstract_params, param_shardings, mesh),
         loss_scale=jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), loss_scale),
     )
@@ -102,7 +106,8 @@ def init_state(
     def init() -> TrainState:
         params = param_dict(create_model, seed)
         return TrainState(
-            step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), loss_scale=loss_scale
+            step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+            skipped_steps=jnp.zeros((), jnp.int32), loss_scale=loss_scale,
         )
 
     if materialize:

@@ -2,9 +2,10 @@
 
 Gradient accumulation is a `lax.scan` over microbatches inside the step (train/accumulate.py),
 so a step means the same thing at any microbatch count. The step is jitted with explicit
-shardings for the state and the batch, and donates the old state's buffers. Under dynamic loss
-scaling (train/precision.py) a step with non-finite gradients keeps the old parameters and
-optimizer state.
+shardings for the state and the batch, and donates the old state's buffers. A step whose loss or
+gradients are not finite keeps the old parameters and optimizer state (`precision.verdict` says
+which steps are dropped and which are bad; under float16 the loss scale decides too), so the
+state never holds a non-finite update; the step counter still advances, as the data moves on.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -38,6 +40,7 @@ def make_train_step(
     make_copies: Callable[[Any], Any] | None = None,
     copy_shardings: Any = None,
     copies_gather: copies_lib.Gather | None = None,
+    nonfinite_guard: bool = True,
 ) -> Callable[[TrainState, Any, Batch], tuple[TrainState, Any, dict[str, jax.Array]]]:
     """The jitted `step(state, copies, batch) -> (state, copies, metrics)`; state and copies are donated.
 
@@ -45,8 +48,10 @@ def make_train_step(
     train/copies.py, sharded as `copy_shardings`), made anew from the updated parameters; None
     without `make_copies`. `copies_gather`: where the model's reads gather them to first.
     Metrics: `loss`, `grad_norm` (before clipping), the effective `learning_rate` (the schedule
-    at the optimizer's own step count), the loss function's aux values, and under loss scaling
-    `loss_scale` and `skipped_steps`.
+    at the optimizer's own step count), the loss function's aux values, `nonfinite` (1 when this
+    step was bad, else 0), `skipped_steps` (dropped updates so far) and under loss scaling
+    `loss_scale`. `nonfinite_guard=False` applies every update, finite or not (to measure the
+    guard's cost); loss scaling keeps its own check.
     """
 
     def step(state: TrainState, copies: Any, batch: Batch):
@@ -61,17 +66,24 @@ def make_train_step(
             )
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
-        optimizer_steps = state.step
-        if scale is not None:
-            finite = precision.all_finite(grads)
-            params, opt_state = precision.keep_if_not_finite(finite, (params, opt_state), (state.params, state.opt_state))
-            optimizer_steps = state.step - scale.skipped_steps  # skipped steps leave the optimizer's count
-            scale = scale.adjust(finite)
-            metrics.update(loss_scale=scale.scale, skipped_steps=scale.skipped_steps)
-        if schedule is not None:
-            metrics["learning_rate"] = schedule(optimizer_steps)
-        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, loss_scale=scale)
+        grad_norm = optax.tree.norm(grads)
+        metrics = {"loss": loss, "grad_norm": grad_norm, **aux}
+        skipped = state.skipped_steps
+        if nonfinite_guard or scale is not None:
+            apply, bad = precision.verdict(loss, grad_norm, scale)
+            # A select per leaf, fused into the update: the old buffers are read, not copied.
+            params, opt_state = precision.keep_if_not_finite(apply, (params, opt_state), (state.params, state.opt_state))
+            skipped = skipped + (~apply).astype(skipped.dtype)
+            metrics["nonfinite"] = bad.astype(jnp.int32)
+            if scale is not None:
+                scale = scale.adjust(apply)
+                metrics["loss_scale"] = scale.scale
+        metrics["skipped_steps"] = skipped
+        if schedule is not None:  # dropped steps leave the optimizer's own count behind
+            metrics["learning_rate"] = schedule(state.step - state.skipped_steps)
+        new_state = TrainState(
+            step=state.step + 1, params=params, opt_state=opt_state, skipped_steps=skipped, loss_scale=scale
+        )
         return new_state, None if make_copies is None else make_copies(params), metrics
 
     replicated = NamedSharding(mesh, PartitionSpec())
