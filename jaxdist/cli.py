@@ -64,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="stop every process (exit 124) when none printed a line, on stdout or stderr, for "
                              "this long (default: off); any line counts as progress and only process 0 logs "
                              "steps, so allow for start-up, compiling and log.every steps")
+    launch.add_argument("--max-restarts", type=_INDEX, default=0,
+                        help="start the whole group again after a process failed (not a user error), up to this "
+                             "many times; train resumes from the newest complete checkpoint (default 0)")
     launch.add_argument("program", nargs=argparse.REMAINDER, help="-- train CONFIG [overrides]")
     doctor = commands.add_parser("doctor", help="check devices and collectives on every mesh axis")
     doctor.add_argument("--config", help="YAML config whose mesh to check (default: data = process count)")
@@ -129,7 +132,8 @@ def _build_kernels(args) -> int:
 def _launch(args) -> int:
     from jaxdist import launch
 
-    return launch.launch(args.num, args.devices_per_process, args.program, args.timeout)
+    return launch.launch(args.num, args.devices_per_process, args.program, args.timeout,
+                         max_restarts=args.max_restarts)
 
 
 def _doctor(args) -> int:

@@ -143,6 +143,7 @@ def test_unwritable_run_dir(config_file, tmp_path, capsys, compiles, case):
     (["launch", "-n", "0", "--", "train", "c.yaml"], "argument -n/--num: 0 is not a positive integer"),
     (["launch", "-n", "2", "--devices-per-process", "0", "--", "train", "c.yaml"], "argument --devices-per-process"),
     (["launch", "-n", "2", "--timeout", "nan", "--", "train", "c.yaml"], "argument --timeout: nan is not a positive"),
+    (["launch", "-n", "2", "--max-restarts", "-1", "--", "train", "c.yaml"], "argument --max-restarts: -1 is not"),
     (["scale", "c.yaml", "--hosts", "-2"], "argument --hosts: -2 is not a positive integer"),
     (["scale", "c.yaml", "--hosts", "2", "--network-gbs", "0"], "argument --network-gbs: 0 is not a positive number"),
     (["data", "prepare", "x.txt", "--out", "d", "--chunk-tokens", "0"], "argument --chunk-tokens: 0 is not"),
