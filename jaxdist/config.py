@@ -37,8 +37,9 @@ class MeshConfig(Section):
         for axis, size in sizes.items():
             if size == 0 or size < -1:
                 raise ValueError(f"mesh.{axis}={size}: use a positive size or -1 (fill)")
-        if sum(size == -1 for size in sizes.values()) > 1:
-            raise ValueError("mesh: at most one axis may be -1 (fill with the remaining devices)")
+        if len(fills := [f"mesh.{axis}" for axis, size in sizes.items() if size == -1]) > 1:
+            raise ValueError(f"mesh: {', '.join(fills)} are all -1, but at most one axis may be -1 (fill with "
+                             f"the remaining devices)")
         return self
 
 
@@ -430,9 +431,10 @@ def resolve_mesh_shape(mesh: MeshConfig, device_count: int) -> dict[str, int]:
     fill = [axis for axis, size in sizes.items() if size == -1]
     if fill:
         if device_count % fixed:
+            shown = " x ".join(f"mesh.{axis}={size}" for axis, size in sizes.items() if size != -1)
             raise UserError(
-                f"mesh: the fixed axes multiply to {fixed}, which does not divide the "
-                f"{device_count} devices; change mesh.{fill[0]} or the other axes"
+                f"mesh: the fixed axes {shown} multiply to {fixed}, which does not divide the "
+                f"{device_count} devices; change them or mesh.{fill[0]}"
             )
         sizes[fill[0]] = device_count // fixed
     elif fixed != device_count:
