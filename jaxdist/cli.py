@@ -1,7 +1,8 @@
 """`jaxdist train | rules | bench | build-kernels | data prepare | launch | doctor | scale | export`: the command line.
 
 Exit codes: 0 done, 1 crash, 2 user error, 3 `train` stopped at a non-finite loss or gradients
-(nothing of that step saved; the last checkpoint is intact); `launch` also 124 when it stopped a stuck run;
+(nothing of that step saved; the last checkpoint is intact), 130 interrupted (Ctrl-C) before training
+started; `launch` also 124 when it stopped a stuck run;
 `build-kernels` 1 where a kernel is unavailable on a GPU. Before anything else every command
 applies jaxdist's process-wide settings (`JAXDIST_CPU_DEVICES`, the XLA GPU flags:
 `jaxdist.runtime`); every command that runs JAX then joins the other processes of the run
@@ -16,7 +17,7 @@ import sys
 
 from jaxdist import runtime
 from jaxdist.data import prepare
-from jaxdist.errors import NonFiniteError, UserError
+from jaxdist.errors import NonFiniteError, UserError, cli_number
 from jaxdist.launch import die_with_launcher
 
 
@@ -40,14 +41,20 @@ class _Version(argparse.Action):
         parser.exit(0)
 
 
+# Command-line numbers: counts and sizes are positive; an index or a number of extra steps may be 0.
+_COUNT = cli_number(int)
+_INDEX = cli_number(int, allow_zero=True)
+_AMOUNT = cli_number(float)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _OneLineErrors(prog="jaxdist", description="Train models on many accelerators with one program.")
     parser.add_argument("--version", action=_Version)
     processes = parser.add_argument_group("multi-process (default: JAX_* / torchrun / SLURM / MPI env, else one)")
     processes.add_argument("--coordinator", help="host:port of process 0's coordinator")
-    processes.add_argument("--num-processes", type=int, help="number of processes in the run")
-    processes.add_argument("--process-id", type=int, help="this process's id, 0..num-processes-1")
-    processes.add_argument("--init-timeout", type=int, help="seconds for all processes to join (default 300)")
+    processes.add_argument("--num-processes", type=_COUNT, help="number of processes in the run")
+    processes.add_argument("--process-id", type=_INDEX, help="this process's id, 0..num-processes-1")
+    processes.add_argument("--init-timeout", type=_COUNT, help="seconds for all processes to join (default 300)")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (
         ("train", "train (or resume) a run from a YAML config"),
@@ -59,47 +66,50 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("config", help="YAML config file")
         command.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
         if name == "bench":
-            command.add_argument("--steps", type=int, default=30,
+            command.add_argument("--steps", type=_COUNT, default=30,
                                  help="timed steps, in windows of 10 (the median window is reported)")
-            command.add_argument("--warmup", type=int, default=5, help="untimed steps after compiling")
+            command.add_argument("--warmup", type=_INDEX, default=5, help="untimed steps after compiling")
             command.add_argument("--out", help="append the JSON result to this file")
-            command.add_argument("--devices", type=int, help="use only the first N devices")
+            command.add_argument("--devices", type=_COUNT, help="use only the first N devices")
             command.add_argument("--profile", help="trace three extra steps with the JAX profiler into this folder")
         if name == "plan":
-            command.add_argument("--devices", type=int,
+            command.add_argument("--devices", type=_COUNT,
                                  help="plan for N devices (on a CPU-only machine: N simulated devices)")
             command.add_argument("--device-memory", help="memory per device, e.g. 80GB: say whether it fits, "
                                  "and suggest a change that does")
     commands.add_parser("build-kernels", help="build the C++ GPU kernels into the cache (train and bench do it on "
                         "a GPU): one line per kernel, built, up to date or unavailable and why")
     launch = commands.add_parser("launch", help="run a command as N processes on this host")
-    launch.add_argument("-n", "--num", type=int, required=True, help="number of processes")
-    launch.add_argument("--devices-per-process", type=int, default=1,
+    launch.add_argument("-n", "--num", type=_COUNT, required=True, help="number of processes")
+    launch.add_argument("--devices-per-process", type=_COUNT, default=1,
                         help="GPUs (or simulated CPU devices) per process (default 1)")
-    launch.add_argument("--timeout", type=float, metavar="SECONDS",
+    launch.add_argument("--timeout", type=_AMOUNT, metavar="SECONDS",
                         help="stop every process (exit 124) when none printed a line, on stdout or stderr, for "
                              "this long (default: off); any line counts as progress and only process 0 logs "
                              "steps, so allow for start-up, compiling and log.every steps")
+    launch.add_argument("--max-restarts", type=_INDEX, default=0,
+                        help="start the whole group again after a process failed (not a user error), up to this "
+                             "many times; train resumes from the newest complete checkpoint (default 0)")
     launch.add_argument("program", nargs=argparse.REMAINDER, help="-- train CONFIG [overrides]")
     doctor = commands.add_parser("doctor", help="check devices and collectives on every mesh axis")
     doctor.add_argument("--config", help="YAML config whose mesh to check (default: data = process count)")
     doctor.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.tensor=2")
-    doctor.add_argument("--megabytes", type=float, default=64.0, help="buffer per device for bandwidth")
+    doctor.add_argument("--megabytes", type=_AMOUNT, default=64.0, help="buffer per device for bandwidth")
     scale = commands.add_parser("scale", help="print communication, checkpoint and layout numbers for N hosts")
     scale.add_argument("config", help="YAML config (the model recipe)")
     scale.add_argument("overrides", nargs="*", help="dotted overrides")
-    scale.add_argument("--hosts", type=int, required=True, help="number of hosts")
-    scale.add_argument("--gpus-per-host", type=int, default=8)
-    scale.add_argument("--batch-per-gpu", type=int, help="sequences per GPU (default: the recipe's train.global_batch)")
-    scale.add_argument("--network-gbs", type=float, default=50.0, help="GB/s per GPU between hosts")
-    scale.add_argument("--nvlink-gbs", type=float, default=450.0, help="GB/s per GPU inside a host")
-    scale.add_argument("--storage-gbs", type=float, default=2.0, help="checkpoint write GB/s per host")
+    scale.add_argument("--hosts", type=_COUNT, required=True, help="number of hosts")
+    scale.add_argument("--gpus-per-host", type=_COUNT, default=8)
+    scale.add_argument("--batch-per-gpu", type=_COUNT, help="sequences per GPU (default: the recipe's train.global_batch)")
+    scale.add_argument("--network-gbs", type=_AMOUNT, default=50.0, help="GB/s per GPU between hosts")
+    scale.add_argument("--nvlink-gbs", type=_AMOUNT, default=450.0, help="GB/s per GPU inside a host")
+    scale.add_argument("--storage-gbs", type=_AMOUNT, default=2.0, help="checkpoint write GB/s per host")
     data = commands.add_parser("data", help="prepare datasets").add_subparsers(dest="data_command", required=True)
     prepare.add_arguments(data.add_parser("prepare", help="tokenize text, JSONL or Parquet files into ArrayRecord shards"))
     export = commands.add_parser("export", help="write a run's checkpointed params as one .safetensors or .npz file")
     export.add_argument("run_dir", help="run directory with checkpoints/")
     export.add_argument("out", help="output file, ending in .safetensors or .npz")
-    export.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    export.add_argument("--step", type=_INDEX, help="checkpoint step (default: the newest)")
     return parser
 
 
@@ -161,7 +171,8 @@ def _build_kernels(args) -> int:
 def _launch(args) -> int:
     from jaxdist import launch
 
-    return launch.launch(args.num, args.devices_per_process, args.program, args.timeout)
+    return launch.launch(args.num, args.devices_per_process, args.program, args.timeout,
+                         max_restarts=args.max_restarts)
 
 
 def _doctor(args) -> int:
@@ -211,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
 
             distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.init_timeout)
         commands = {
-            "train": _train, "rules": _rules, "bench": _bench, "plan": _plan, "build-kernels": _build_kernels, "launch": _launch,
-            "doctor": _doctor, "scale": _scale, "data": prepare.run, "export": _export,
+            "train": _train, "rules": _rules, "bench": _bench, "plan": _plan, "build-kernels": _build_kernels,
+            "launch": _launch, "doctor": _doctor, "scale": _scale, "data": prepare.run, "export": _export,
         }
         return commands[args.command](args) or 0
     except UserError as err:
@@ -221,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteError as err:
         print(f"jaxdist: error: {err}", file=sys.stderr)
         return 3
+    except KeyboardInterrupt:  # Ctrl-C before training started; once it runs, a SIGINT saves and stops
+        print("jaxdist: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -7,11 +7,12 @@ naming the dotted key; `jaxdist.parallel.layout` adds the checks that need the d
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from jaxdist.errors import UserError
 
@@ -36,8 +37,9 @@ class MeshConfig(Section):
         for axis, size in sizes.items():
             if size == 0 or size < -1:
                 raise ValueError(f"mesh.{axis}={size}: use a positive size or -1 (fill)")
-        if sum(size == -1 for size in sizes.values()) > 1:
-            raise ValueError("mesh: at most one axis may be -1 (fill with the remaining devices)")
+        if len(fills := [f"mesh.{axis}" for axis, size in sizes.items() if size == -1]) > 1:
+            raise ValueError(f"mesh: {', '.join(fills)} are all -1, but at most one axis may be -1 (fill with "
+                             f"the remaining devices)")
         return self
 
 
@@ -301,6 +303,14 @@ class Config(Section):
     pipeline: PipelineConfig = PipelineConfig()
     sample: SampleConfig = SampleConfig()
 
+    @field_validator("run_dir")
+    @classmethod
+    def _run_dir_given(cls, run_dir: str) -> str:
+        # An empty path would be the working directory: checkpoints and metrics among other files.
+        if not run_dir.strip():
+            raise ValueError(f"run_dir={run_dir!r} is empty; give the run's directory, e.g. run_dir=runs/mine")
+        return run_dir
+
     @model_validator(mode="after")
     def _impl_fits_model(self) -> Config:
         chunk, seq_len = self.impl.loss_chunk, self.model.seq_len
@@ -324,6 +334,26 @@ class Config(Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
+class DuplicateKey(yaml.YAMLError):
+    """A mapping names the same key twice (YAML forbids it; PyYAML alone would keep the last)."""
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that raises `DuplicateKey` on a key given twice in one mapping."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if not isinstance(key, Hashable):
+                continue  # SafeLoader itself rejects it, with its own message
+            if key in seen:
+                raise DuplicateKey(f"key '{key}' appears twice in one mapping (lines {seen[key]} and {line}); keep one")
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
 def load(path: str | Path | None, overrides: list[str] = ()) -> Config:
     """Reads a YAML file (or the defaults, when path is None) and applies `key.sub=value` overrides."""
     raw: dict[str, Any] = {}
@@ -332,7 +362,10 @@ def load(path: str | Path | None, overrides: list[str] = ()) -> Config:
         if not path.is_file():
             raise UserError(f"config file {path} does not exist: pass the path of a YAML file")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeyLoader) or {}
+        except UnicodeDecodeError as err:
+            raise UserError(f"config file {path} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
+                            f"{err.start}); save it as UTF-8") from None
         except yaml.YAMLError as err:
             raise UserError(f"config file {path} is not valid YAML: {_first_line(err)}") from None
         if not isinstance(raw, dict):
@@ -362,7 +395,7 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
     if not sep or not key:
         raise UserError(f"override {override!r} is not of the form key.sub=value (e.g. train.steps=100)")
     try:
-        value = yaml.safe_load(text) if text else ""
+        value = yaml.load(text, Loader=UniqueKeyLoader) if text else ""
     except yaml.YAMLError:
         value = text
     node = raw
@@ -414,9 +447,10 @@ def resolve_mesh_shape(mesh: MeshConfig, device_count: int) -> dict[str, int]:
     fill = [axis for axis, size in sizes.items() if size == -1]
     if fill:
         if device_count % fixed:
+            shown = " x ".join(f"mesh.{axis}={size}" for axis, size in sizes.items() if size != -1)
             raise UserError(
-                f"mesh: the fixed axes multiply to {fixed}, which does not divide the "
-                f"{device_count} devices; change mesh.{fill[0]} or the other axes"
+                f"mesh: the fixed axes {shown} multiply to {fixed}, which does not divide the "
+                f"{device_count} devices; change them or mesh.{fill[0]}"
             )
         sizes[fill[0]] = device_count // fixed
     elif fixed != device_count:

@@ -1,9 +1,13 @@
-"""The exceptions the CLI turns into one line on stderr and an exit code.
+"""The exceptions the CLI turns into one line on stderr and an exit code, and the command line's
+checked numbers.
 
 `UserError` (exit code 2, before any compile): a mistake in the input; messages name the config
 key, the value and the fix. `NonFiniteError` (exit code 3): training stopped at a non-finite step,
 with nothing of that step saved.
 """
+
+import argparse
+import math
 
 
 class UserError(Exception):
@@ -13,3 +17,22 @@ class UserError(Exception):
 class NonFiniteError(Exception):
     """A step's loss or gradients were not finite and `train.on_nonfinite` says to stop; the message
     names the step and the last checkpoint, which holds only finite steps."""
+
+
+def cli_number(kind: type[int] | type[float], allow_zero: bool = False):
+    """An argparse `type=` that reads a positive `kind` (with `allow_zero`, a non-negative one).
+
+    Anything else raises `argparse.ArgumentTypeError`, which argparse reports as a usage error.
+    """
+    what = f"a {'non-negative' if allow_zero else 'positive'} {'integer' if kind is int else 'number'}"
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+            raise argparse.ArgumentTypeError(f"{text} is not {what}")
+        return value
+
+    return parse

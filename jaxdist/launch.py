@@ -1,4 +1,4 @@
-"""`jaxdist launch -n N [--devices-per-process K] [--timeout S] -- train CONFIG ...`: N processes on this host.
+"""`jaxdist launch -n N [--devices-per-process K] [--timeout S] [--max-restarts R] -- train CONFIG ...`: N processes on this host.
 
 Each process runs `jaxdist <command>` with `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES` and
 `JAX_PROCESS_ID` set, so it joins the others through `jax.distributed` like processes on separate
@@ -10,7 +10,9 @@ Every output line is prefixed with `[i] `.
 The launcher never waits forever; it stops every process (each child leads its own process
 group, so the child's own children go too) when:
 
-- a process fails: the exit code is that process's;
+- a process fails: the exit code is that process's, unless `--max-restarts N` allows starting
+  the whole group again (at most N times; not after a user error, exit code 2, nor after a
+  forwarded signal): a `train` run resumes from its newest complete checkpoint;
 - no process printed a line for `--timeout` seconds: exit code 124. Progress is any output line,
   from any process: only process 0 reports steps, and since every step is collective, one stuck
   process silences all of them. So the timeout must exceed the longest quiet stretch: start-up,
@@ -49,6 +51,8 @@ SIGNAL_GRACE_S = 120.0
 PEER_EXIT_GRACE_S = 60.0
 # The launcher's exit code when it stopped a run that made no progress (the code `timeout` uses).
 STUCK_EXIT = 124
+# A process's exit code for a mistake in the user's input (jaxdist.errors.UserError): never restarted.
+USER_ERROR_EXIT = 2
 # Where a child finds the launcher's pid (see die_with_launcher).
 LAUNCHER_PID = "JAXDIST_LAUNCHER_PID"
 _POLL_S = 0.1
@@ -84,10 +88,12 @@ def child_command(program: Sequence[str]) -> list[str]:
 
 
 def launch(num_processes: int, devices_per_process: int, program: Sequence[str], timeout_s: float | None = None,
-           stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
+           stdout: TextIO | None = None, stderr: TextIO | None = None, max_restarts: int = 0) -> int:
     """Runs `jaxdist <program>` as `num_processes` processes; returns the exit code for the launcher.
 
     `timeout_s`: stop everything when no process printed a line for this long (None: no limit).
+    `max_restarts`: start the whole group again, up to this many times, after a process failed
+    (see `_Group.restartable`); a `train` run then resumes from its newest complete checkpoint.
     """
     program = list(program[1:] if program and program[0] == "--" else program)
     if num_processes < 1:
@@ -96,11 +102,24 @@ def launch(num_processes: int, devices_per_process: int, program: Sequence[str],
         raise UserError(f"launch --devices-per-process {devices_per_process}: must be at least 1")
     if timeout_s is not None and timeout_s <= 0:
         raise UserError(f"launch --timeout {timeout_s:g}: must be more than 0 seconds")
+    if max_restarts < 0:
+        raise UserError(f"launch --max-restarts {max_restarts}: must be 0 or more")
     if not program:
         raise UserError("launch: no command given; e.g. jaxdist launch -n 2 -- train configs/tiny.yaml")
     _check_cpu_devices(os.environ.get("JAXDIST_CPU_DEVICES"), devices_per_process)
+    restarts = 0
+    while True:
+        group = _Group(stdout or sys.stdout, stderr or sys.stderr, timeout_s)
+        code = _run_group(group, num_processes, devices_per_process, program)
+        if not group.restartable or restarts == max_restarts:
+            return code
+        restarts += 1
+        group.say(f"{group.failure}; restarting the group ({restarts} of {max_restarts})")
+
+
+def _run_group(group: _Group, num_processes: int, devices_per_process: int, program: list[str]) -> int:
+    """Starts the processes of one attempt (a fresh coordinator port each time) and waits for them."""
     coordinator = f"127.0.0.1:{free_port()}"
-    group = _Group(stdout or sys.stdout, stderr or sys.stderr, timeout_s)
     with _signals_stop(group):
         for process_id in range(num_processes):
             env = process_env(dict(os.environ), coordinator, num_processes, process_id, devices_per_process)
@@ -157,6 +176,8 @@ class _Group:
         self.stop_signal: int | None = None
         self.last_output = time.monotonic()
         self.clean_exit: tuple[int, float] | None = None  # the first process seen to exit 0, and when
+        self.failure: str | None = None  # which process failed first, and how
+        self.failed_with: int | None = None  # that process's return code
 
     def start(self, process_id: int, command: list[str], env: dict[str, str]) -> None:
         child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -186,6 +207,7 @@ class _Group:
     def _watch(self) -> int:
         while True:
             codes = [child.poll() for child in self.children]  # poll each one: it updates returncode
+            self._note_failure(codes)
             if None not in codes:
                 return next((_exit_code(code) for code in codes if code != 0), 0)
             if self.stop_signal is not None:
@@ -201,12 +223,23 @@ class _Group:
                 return exit_code
             time.sleep(_POLL_S)
 
+    def _note_failure(self, codes: list[int | None]) -> None:
+        if self.failure is None and self.stop_signal is None:
+            failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                process_id, self.failed_with = failed[0]
+                self.failure = f"process {process_id} exited with {_describe_exit(self.failed_with)}"
+
+    @property
+    def restartable(self) -> bool:
+        """Whether starting the group again may help: a process failed or was killed, but not with a
+        user error (exit 2: it would fail the same way) nor while the launcher forwarded a stop signal."""
+        return self.failure is not None and self.failed_with != USER_ERROR_EXIT and self.stop_signal is None
+
     def _problem(self, codes: list[int | None]) -> tuple[str, int] | None:
         """Why the running children must be stopped, and the exit code; None while all is well."""
-        failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
-        if failed:
-            process_id, code = failed[0]
-            return f"process {process_id} exited with {_describe_exit(code)}", _exit_code(code)
+        if self.failure is not None:
+            return self.failure, _exit_code(self.failed_with)
         now = time.monotonic()
         if self.timeout_s is not None and now - self.last_output > self.timeout_s:
             return (f"no process printed a line for {self.timeout_s:g} s (--timeout {self.timeout_s:g}): "

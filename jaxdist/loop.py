@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ from jaxdist import kernels, models
 from jaxdist.checkpoint import RunCheckpoints
 from jaxdist.config import Config, TrainConfig
 from jaxdist.data import loader
-from jaxdist.errors import NonFiniteError
+from jaxdist.errors import NonFiniteError, UserError
 from jaxdist.observe.metrics import MetricsWriter, drop_after
 from jaxdist.parallel import feed
 from jaxdist.parallel import layout as layout_lib
@@ -45,23 +46,24 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
     says (`NonFiniteGuard`), with nothing saved from that step on."""
     # Opening the data and reading a first batch report bad data before anything compiles; so
     # does a checkpoint of another model in run_dir.
-    train_source = loader.open_split(cfg, "train")
-    eval_source = loader.open_split(cfg, "eval") if cfg.eval.every else None
+    keys = models.get(cfg.model.name).batch_keys
+    train_source = loader.open_split(cfg, "train", keys)
+    eval_source = loader.open_split(cfg, "eval", keys) if cfg.eval.every else None
     cfg = loader.resolve_steps(cfg, len(train_source))
     layout = layout_lib.from_config(cfg, devices)
     rows = layout.process_rows(cfg.train.global_batch)
     checkpoints = RunCheckpoints(cfg, log)
     planned = checkpoints.prepare()
+    run_dir = Path(cfg.run_dir)
+    _check_writable(run_dir)
     batches = loader.train_iterator(cfg, rows, start_example=planned.example, source=train_source)
     first_local = next(batches)
     feed.check_replicas_agree(first_local, layout.batch_sharding, rows)
     if built := kernels.build_for(cfg.model, cfg.impl):  # the model only loads them while it is traced
         log(built)
     trainer = Trainer.from_config(cfg, layout=layout)
-    run_dir = Path(cfg.run_dir)
     is_writer = jax.process_index() == 0
     if is_writer:
-        run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
     reads = "" if jax.process_count() == 1 else (
         f"; process 0 feeds rows {_ranges(rows.rows)} of each global batch of {rows.global_batch}")
@@ -71,7 +73,7 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
     if start != planned:  # the planned checkpoint failed to read: an older one was restored
         batches = loader.train_iterator(cfg, rows, start_example=start.example, source=train_source)
         first_local = next(batches)
-    if is_writer and start.step:
+    if is_writer:  # steps after the restored one (all, without a checkpoint) run again
         drop_after(run_dir, start.step)
     if start.step >= cfg.train.steps:
         log(f"nothing to train: step {start.step} reached train.steps={cfg.train.steps}; raise train.steps "
@@ -187,6 +189,20 @@ def _what_is_not_finite(metrics: dict[str, Any]) -> str:
         return f"the loss is {values['loss']}"
     at_scale = f" at loss scale {values['loss_scale']:g}" if "loss_scale" in values else ""
     return f"the gradient norm is {values['grad_norm']}{at_scale} (loss {values['loss']:.4g})"
+
+
+def _check_writable(run_dir: Path) -> None:
+    """Creates `run_dir` and writes a scratch file in it, so a path that cannot hold the run fails
+    before anything compiles (every process checks: each writes its checkpoint shards there)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"run_dir={run_dir} is a file, not a directory; pick another run_dir")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=run_dir):
+            pass
+    except OSError as err:
+        raise UserError(f"run_dir={run_dir} cannot be written ({err.strerror}: {err.filename}); "
+                        f"pick a writable directory") from None
 
 
 def _ranges(rows: tuple[int, ...]) -> str:

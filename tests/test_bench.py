@@ -11,10 +11,12 @@ from jaxdist.observe.bench import PEAK_FLOPS_BF16, flops_per_token
 def test_bench_reports_consistent_throughput_and_its_setup(tmp_path, capsys):
     out = tmp_path / "bench.jsonl"
     overrides = ["model.d_model=64", "model.layers=2", "model.heads=4", "model.seq_len=32", "model.vocab=256",
-                 "train.global_batch=16", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "rules.preset=fsdp_tp"]
+                 "train.global_batch=16", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "rules.preset=fsdp_tp",
+                 f"run_dir={tmp_path / 'run'}", "checkpoint.every=1"]
     assert cli.main(["bench", "configs/tiny.yaml", *overrides, "--steps", "4", "--warmup", "1", "--out", str(out)]) == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed == json.loads(out.read_text())
+    assert not (tmp_path / "run").exists()  # bench never writes a run: no checkpoints, even when a recipe sets them
 
     assert printed["devices"] == 8 and printed["layout"] == "data=2 x stage=1 x fsdp=2 x tensor=2"
     assert printed["step_ms"] > 0 and printed["compile_s"] > 0

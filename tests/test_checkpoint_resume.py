@@ -198,3 +198,17 @@ def test_restore_onto_another_layout(tmp_path, reference, layout, embed_shard, c
     assert meta["step"] == 12 and meta["data"] == {"example": 12 * 16, "seed": 0}
     assert meta["mesh"] == {"data": 2, "stage": 1, "fsdp": 2, "tensor": 2} and meta["process_count"] == 1
     assert meta["config"]["model"]["d_model"] == 64 and meta["versions"]["jax"] == jax.__version__
+
+
+def test_resume_on_half_the_devices(tmp_path, reference, capsys):
+    """A checkpoint saved on 8 devices resumes on 4 (as after losing a host), same global batch."""
+    (tmp_path / "checkpoints").mkdir()
+    shutil.copytree(reference.run_dir / "checkpoints" / "6", tmp_path / "checkpoints" / "6")
+    half = {"mesh": {"data": 1, "fsdp": 2, "tensor": 2}, "rules": {"preset": "fsdp_tp"}}
+    trainer = loop.train(make_config(tmp_path, **half, train={"steps": 11}), devices=jax.devices()[:4])
+    assert "resuming from step 6" in capsys.readouterr().out
+    assert len(trainer.mesh.devices.flat) == 4
+
+    resumed = losses_by_step(tmp_path)
+    assert list(resumed) == [7, 8, 9, 10, 11]
+    np.testing.assert_allclose(list(resumed.values()), [reference.losses[s] for s in resumed], rtol=1e-5, atol=0)

@@ -1,10 +1,19 @@
 """Bad input exits with code 2 and one line naming the key and the fix, before any compile."""
 
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
 import pytest
 import yaml
 from conftest import TINY_GPT
 
 from jaxdist import cli
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -78,3 +87,119 @@ def test_version_names_jaxdist_and_its_libraries(capsys):
     assert stopped.value.code == 0
     line = capsys.readouterr().out.strip()
     assert line.startswith("python ") and "jaxdist 0." in line and "jax 0." in line and "orbax-checkpoint" in line
+
+
+def one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("jaxdist: error: "), err
+    return err
+
+
+def test_not_utf8_config(tmp_path, capsys):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("train: {steps: 2}\n# caf\xe9\n".encode("latin-1"))
+    assert cli.main(["train", str(path)]) == 2
+    assert "is not UTF-8 text (byte 0xe9 at offset 23)" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize("text, key, lines", [
+    ("train:\n  steps: 2\n  steps: 3\n", "steps", "lines 2 and 3"),
+    ("seed: 1\ntrain: {steps: 2}\nseed: 2\n", "seed", "lines 1 and 3"),
+])
+def test_duplicate_keys_are_refused(tmp_path, capsys, text, key, lines):
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    assert cli.main(["train", str(path)]) == 2
+    assert f"key '{key}' appears twice in one mapping ({lines})" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize("in_file", [True, False], ids=["file", "override"])
+def test_empty_run_dir(config_file, capsys, compiles, in_file):
+    if in_file:
+        config_file.write_text(config_file.read_text().replace(f"run_dir: {config_file.parent / 'run'}", 'run_dir: ""'))
+    code = cli.main(["train", str(config_file), *([] if in_file else ["run_dir="])])
+    assert code == 2 and "run_dir='' is empty" in one_line_error(capsys)
+    assert compiles.count == 0
+
+
+def _unwritable_run_dirs(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    read_only = tmp_path / "read_only"
+    read_only.mkdir(mode=0o555)
+    return {
+        "is_a_file": (a_file, "is a file, not a directory"),
+        "under_a_file": (a_file / "run", "cannot be written (Not a directory"),
+        "in_proc": (Path("/proc/jaxdist-run"), "cannot be written (No such file or directory"),
+        "read_only": (read_only / "run", "cannot be written (Permission denied"),
+    }
+
+
+@pytest.mark.parametrize("case", ["is_a_file", "under_a_file", "in_proc", "read_only"])
+def test_unwritable_run_dir(config_file, tmp_path, capsys, compiles, case):
+    if case == "read_only" and os.geteuid() == 0:
+        pytest.skip("root writes into a read-only (0o555) directory; in_proc covers a path nobody can create")
+    run_dir, message = _unwritable_run_dirs(tmp_path)[case]
+    assert cli.main(["train", str(config_file), f"run_dir={run_dir}"]) == 2
+    err = one_line_error(capsys)
+    assert f"run_dir={run_dir} " in err and message in err, err
+    assert compiles.count == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "c.yaml", "--steps", "-1"], "argument --steps: -1 is not a positive integer"),
+    (["bench", "c.yaml", "--warmup", "-1"], "argument --warmup: -1 is not a non-negative integer"),
+    (["bench", "c.yaml", "--devices", "0"], "argument --devices: 0 is not a positive integer"),
+    (["launch", "-n", "0", "--", "train", "c.yaml"], "argument -n/--num: 0 is not a positive integer"),
+    (["launch", "-n", "2", "--devices-per-process", "0", "--", "train", "c.yaml"], "argument --devices-per-process"),
+    (["launch", "-n", "2", "--timeout", "nan", "--", "train", "c.yaml"], "argument --timeout: nan is not a positive"),
+    (["launch", "-n", "2", "--max-restarts", "-1", "--", "train", "c.yaml"], "argument --max-restarts: -1 is not"),
+    (["scale", "c.yaml", "--hosts", "-2"], "argument --hosts: -2 is not a positive integer"),
+    (["scale", "c.yaml", "--hosts", "2", "--network-gbs", "0"], "argument --network-gbs: 0 is not a positive number"),
+    (["data", "prepare", "x.txt", "--out", "d", "--chunk-tokens", "0"], "argument --chunk-tokens: 0 is not"),
+    (["data", "prepare", "x.txt", "--out", "d", "--records-per-shard", "-3"], "argument --records-per-shard"),
+    (["doctor", "--megabytes", "-1"], "argument --megabytes: -1 is not a positive number"),
+    (["export", "run", "out.npz", "--step", "-1"], "argument --step: -1 is not a non-negative integer"),
+    (["--num-processes", "0", "train", "c.yaml"], "argument --num-processes: 0 is not a positive integer"),
+    (["--init-timeout", "x", "train", "c.yaml"], "argument --init-timeout: 'x' is not a positive integer"),
+], ids=lambda value: "_".join(value)[:40] if isinstance(value, list) else None)
+def test_bad_numbers_on_the_command_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert message in one_line_error(capsys)
+
+
+def test_npz_without_the_model_arrays(config_file, tmp_path, capsys, compiles):
+    np.savez(tmp_path / "rows.npz", tokens=np.zeros((64, 32), np.int32))
+    code = cli.main(["train", str(config_file), "data.source=arrays", f"data.path={tmp_path / 'rows.npz'}"])
+    assert code == 2
+    err = one_line_error(capsys)
+    assert f"data.path={tmp_path / 'rows.npz'} lacks the array(s) inputs, targets" in err and "holds tokens" in err
+    assert compiles.count == 0
+
+
+def test_export_to_an_unwritable_path(tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    out = tmp_path / "a_file" / "sub" / "params.npz"
+    assert cli.main(["export", str(tmp_path / "run"), str(out)]) == 2
+    assert f"OUT={out} cannot be written: {tmp_path / 'a_file'} is a file" in one_line_error(capsys)
+
+
+def test_ctrl_c_before_the_step_compiled_exits_130(config_file, tmp_path):
+    """SIGINT while the step compiles (after the mesh line, before the loop's own handler): exit 130, one line."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAXDIST_CPU_DEVICES": "8",
+           "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")}  # nothing cached: compiling takes a while
+    run = subprocess.Popen([sys.executable, "-m", "jaxdist.cli", "train", str(config_file)], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        for line in run.stdout:
+            if line.startswith("mesh "):
+                run.send_signal(signal.SIGINT)
+                break
+        out, err = run.communicate(timeout=120)
+    finally:
+        run.kill()
+    assert run.returncode == 130, err[-3000:]
+    assert err == "jaxdist: interrupted\n"
+    assert "compiled the train step" not in out

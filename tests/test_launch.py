@@ -132,3 +132,15 @@ def test_children_die_with_the_launcher():
     # The pipe closes once the child is gone too; a surviving child would keep it open.
     assert killed.communicate(timeout=30)[0] == ""
     assert orphan.communicate(timeout=60)[0] == ""  # it never printed 'ready'
+
+
+@pytest.mark.parametrize("code, restartable", [(3, True), (-signal.SIGKILL, True), (2, False)],
+                         ids=["crash", "killed", "user_error"])
+def test_a_failed_group_may_restart_but_not_after_a_user_error(code, restartable):
+    """A crash or kill is worth a restart (`launch --max-restarts`); a user error (exit 2) would fail the same way."""
+    fail = f"import os, signal; os.kill(os.getpid(), {-code})" if code < 0 else f"import sys; sys.exit({code})"
+    group, _, err = start_group([python(HANG), python(fail)])
+    assert group.wait() == launch._exit_code(code)
+    assert group.restartable == restartable
+    assert err.getvalue().startswith(f"jaxdist launch: process 1 exited with {launch._describe_exit(code)}; "
+                                     f"stopping process 0")

@@ -149,12 +149,12 @@ def _pids_alive(pids: list[int]) -> list[int]:
 
 
 @contextlib.contextmanager
-def launch_in_background(config_file: Path) -> Iterator[tuple[subprocess.Popen, list[str]]]:
-    """`launch -n 2 --devices-per-process 4 -- train CONFIG` running: yields the launcher (read its
-    stdout) and the list its stderr lines collect in. Its --timeout bounds every read of its output."""
+def launch_in_background(config_file: Path, *options: str) -> Iterator[tuple[subprocess.Popen, list[str]]]:
+    """`launch -n 2 --devices-per-process 4 [OPTIONS] -- train CONFIG` running: yields the launcher (read
+    its stdout) and the list its stderr lines collect in. Its --timeout bounds every read of its output."""
     launcher = subprocess.Popen(
         [sys.executable, "-m", "jaxdist.cli", "launch", "-n", "2", "--devices-per-process", "4", "--timeout", "120",
-         "--", "train", str(config_file)],
+         *options, "--", "train", str(config_file)],
         env=jaxdist_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
     )
     stderr_lines: list[str] = []
@@ -198,6 +198,26 @@ def test_killing_one_process_stops_the_launcher(tmp_path):
     assert any("process 1 exited with signal SIGKILL; stopping process 0" in line
                for line in stderr_lines), stderr_lines[-5:]
     print(f"launcher exited {code} {elapsed:.2f} s after process 1 was killed")
+
+
+def test_a_killed_process_restarts_the_group_which_resumes(tmp_path, one_process_losses):
+    """launch --max-restarts: process 1 killed after step 3 (checkpoints every 2 steps); the group
+    starts again, resumes from the newest complete checkpoint and ends with the uninterrupted losses."""
+    run_dir = tmp_path / "run"
+    cfg = make_config(run_dir, **LAYOUT, train={"steps": REFERENCE_STEPS}, checkpoint={"every": 2})
+    with launch_in_background(write_config(tmp_path / "c.yaml", cfg), "--max-restarts", "2") as (launcher, stderr_lines):
+        read_until(launcher, r"\[0\] step +3 +loss", stderr_lines)
+        os.kill(launched_pids(stderr_lines)[1], signal.SIGKILL)
+        rest = launcher.stdout.read()
+        code = launcher.wait(timeout=LAUNCH_TIMEOUT_S)
+    assert code == 0, "".join(stderr_lines)[-3000:]
+    assert "jaxdist launch: process 1 exited with signal SIGKILL; restarting the group (1 of 2)\n" in stderr_lines
+    assert sum("started 2 process(es)" in line for line in stderr_lines) == 2
+    assert re.search(r"^\[0\] resuming from step [24]\b", rest, re.M), rest[-3000:]
+
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, REFERENCE_STEPS + 1)), steps  # re-run steps replace their first lines
+    np.testing.assert_allclose(losses(run_dir), one_process_losses, rtol=1e-5, atol=0)
 
 
 # fsdp spans both processes, so each process writes its own shards: a checkpoint shows who saved it.

@@ -22,6 +22,15 @@ def export_params(run_dir: str | Path, out: str | Path, step: int | None = None)
     out = Path(out)
     if out.suffix not in (".safetensors", ".npz"):
         raise UserError(f"export: OUT={out} must end in .safetensors or .npz")
+    if out.is_dir():
+        raise UserError(f"export: OUT={out} is a directory; name the file to write")
+    existing = next(parent for parent in out.absolute().parents if parent.exists())
+    if not existing.is_dir():
+        raise UserError(f"export: OUT={out} cannot be written: {existing} is a file, not a directory")
+    try:  # before reading the params: an unwritable OUT fails fast
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"export: OUT={out} cannot be written ({err.strerror}: {err.filename})") from None
     directory = Path(run_dir) / "checkpoints"
     if not directory.is_dir():
         raise UserError(f"export: RUN_DIR={run_dir} holds no checkpoints (no directory {directory})")
@@ -35,7 +44,6 @@ def export_params(run_dir: str | Path, out: str | Path, step: int | None = None)
             raise UserError(f"export: --step {step} is not in {directory}; available: {', '.join(map(str, steps))}")
         params, meta = store.read_params(step)
     arrays = {dotted_name(path): np.ascontiguousarray(leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
-    out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix == ".npz":
         np.savez(out, **arrays)
     else:

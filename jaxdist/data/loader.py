@@ -22,8 +22,9 @@ from jaxdist.parallel.feed import BatchRows
 Batch = dict[str, np.ndarray]
 
 
-def open_split(cfg: Config, split: str):
-    """The random-access source of `split` ('train' or 'eval') that `cfg.data` describes."""
+def open_split(cfg: Config, split: str, keys: tuple[str, ...] = ()):
+    """The random-access source of `split` ('train' or 'eval') that `cfg.data` describes; an `arrays`
+    file must hold the arrays named in `keys` (the model's batch keys)."""
     data = cfg.data
     if data.source == "stdlib":
         name = f"the {split} split of the stdlib corpus (data.eval_fraction={data.eval_fraction})"
@@ -35,7 +36,13 @@ def open_split(cfg: Config, split: str):
         tokens = sources.ArrayRecordTokens(directory, manifest, split)
         name = f"the {split} split of data.path={data.path}"
         return _windows(tokens, cfg, name, manifest["tokenizer"]["vocab_size"], f"data.path={data.path}")
-    return sources.ArraySource(_array_split(Path(data.path), split, data.eval_fraction), f"data.path={data.path}")
+    arrays = _array_split(Path(data.path), split, data.eval_fraction)
+    if missing := [key for key in keys if key not in arrays]:
+        raise UserError(
+            f"data.path={data.path} lacks the array(s) {', '.join(missing)} that model.name={cfg.model.name} reads "
+            f"(it holds {', '.join(arrays)}); save them with numpy.savez(path, {'=..., '.join(keys)}=...)"
+        )
+    return sources.ArraySource(arrays, f"data.path={data.path}")
 
 
 def _windows(tokens, cfg: Config, name: str, vocab: int, vocab_of: str) -> pipeline.TokenWindows:

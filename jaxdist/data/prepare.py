@@ -25,7 +25,7 @@ from array_record.python.array_record_module import ArrayRecordWriter
 
 from jaxdist.data import sources
 from jaxdist.data import tokenizer as tokenizer_lib
-from jaxdist.errors import UserError
+from jaxdist.errors import UserError, cli_number
 
 SPLITS = ("train", "eval")
 # One record per chunk (group_size:1) keeps random access to a window cheap; zstd:1 decodes fast.
@@ -254,10 +254,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="+", help="text, .jsonl or .parquet files, or directories of them")
     parser.add_argument("--out", required=True, help="new directory for the shards and manifest.json")
     parser.add_argument("--tokenizer", default="byte", help=f"one of {', '.join(tokenizer_lib.TOKENIZERS)}")
-    parser.add_argument("--vocab-size", type=int, default=4096, help="sentencepiece vocabulary size")
+    parser.add_argument("--vocab-size", type=cli_number(int), default=4096, help="sentencepiece vocabulary size")
     parser.add_argument("--eval-fraction", type=float, default=0.01, help="share of documents held out for eval")
-    parser.add_argument("--chunk-tokens", type=int, default=4096, help="tokens per ArrayRecord record")
-    parser.add_argument("--records-per-shard", type=int, default=4096, help="records per shard file")
+    parser.add_argument("--chunk-tokens", type=cli_number(int), default=4096, help="tokens per ArrayRecord record")
+    parser.add_argument("--records-per-shard", type=cli_number(int), default=4096, help="records per shard file")
     parser.add_argument("--text-key", default="text", help="JSONL field / Parquet column holding the text")
 
 

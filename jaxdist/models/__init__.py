@@ -49,6 +49,8 @@ class ModelEntry:
     # Which parameters (by pytree path) the model reads only in the compute dtype: these may be
     # kept as compute-dtype copies between steps (`precision.compute_copies`, train/copies.py).
     read_in_compute_dtype: Callable[[tuple], bool] | None = None
+    # The arrays each batch must hold (checked against a `data.source=arrays` file before compiling).
+    batch_keys: tuple[str, ...] = ()
 
 
 def _gpt(cfg: Config) -> Callable[[nnx.Rngs], nnx.Module]:
@@ -60,7 +62,8 @@ def _gpt(cfg: Config) -> Callable[[nnx.Rngs], nnx.Module]:
 
 
 MODELS: dict[str, ModelEntry] = {
-    "gpt": ModelEntry(create=_gpt, loss=lm_loss, read_in_compute_dtype=gpt.read_in_compute_dtype),
+    "gpt": ModelEntry(create=_gpt, loss=lm_loss, read_in_compute_dtype=gpt.read_in_compute_dtype,
+                      batch_keys=("inputs", "targets")),
 }
 
 
