@@ -1,6 +1,7 @@
 """`jaxdist data prepare`: formats, tokenizers, manifest; bad input is one line and exit code 2."""
 
 import json
+import zlib
 
 import numpy as np
 import pyarrow as pa
@@ -58,6 +59,21 @@ def test_split_follows_the_fraction_and_survives_moving_the_files(tmp_path):
     _, moved = prepared(tmp_path / "elsewhere" / "deeper", docs, eval_fraction=0.25)
     assert 50 <= first["splits"]["eval"]["documents"] <= 100
     assert first["splits"] == moved["splits"]
+
+
+def test_a_small_corpus_holds_out_its_smallest_hash_document(tmp_path):
+    docs = random_documents(3, seed=6)
+    names = [f"doc{index:03d}.txt" for index in range(3)]
+    assert all(prepare.split_of(name, 0, 0.01) == "train" for name in names)  # the hash split holds out none
+    path, manifest = prepared(tmp_path, docs, eval_fraction=0.01)
+    assert (manifest["splits"]["train"]["documents"], manifest["splits"]["eval"]["documents"]) == (2, 1)
+    held_out = min(range(3), key=lambda index: zlib.crc32(f"{names[index]}#0".encode()))
+    tokens = sources.ArrayRecordTokens(path, manifest, "eval")
+    assert bytes(tokens[0 : len(tokens)]) == docs[held_out].encode() + b"\0"
+    _, again = prepared(tmp_path / "again", docs, eval_fraction=0.01)
+    assert again["splits"] == manifest["splits"]
+    _, one = prepared(tmp_path / "one", docs[:1], eval_fraction=0.01)  # a lone document stays in train
+    assert one["splits"]["eval"]["documents"] == 0
 
 
 def write_config(tmp_path, **sections):
