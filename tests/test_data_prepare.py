@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import make_config
-from data_helpers import prepared, random_documents
+from data_helpers import huggingface_tokenizer, prepared, random_documents
 
 from jaxdist import cli
 from jaxdist.data import loader, prepare, sources
@@ -74,6 +74,18 @@ def test_a_small_corpus_holds_out_its_smallest_hash_document(tmp_path):
     assert again["splits"] == manifest["splits"]
     _, one = prepared(tmp_path / "one", docs[:1], eval_fraction=0.01)  # a lone document stays in train
     assert one["splits"]["eval"]["documents"] == 0
+
+
+def test_huggingface_tokenizer_without_end_of_text_is_one_line_and_exit_2(tmp_path, capfd):
+    docs = random_documents(5, seed=8)
+    (tmp_path / "good.txt").write_text(docs[0])
+    tokenizer_file = huggingface_tokenizer(tmp_path / "plain.json", docs, special=("[UNK]",))
+    code, err = run_cli(["data", "prepare", str(tmp_path / "good.txt"), "--out", str(tmp_path / "out"),
+                         "--tokenizer", str(tokenizer_file)], capfd)
+    assert code == 2 and len(err) == 1, err
+    assert f"tokenizer {tokenizer_file} has no end-of-text special token" in err[0]
+    assert "<|endoftext|>, </s>, [SEP], <eos>" in err[0]
+    assert not (tmp_path / "out").exists()
 
 
 def write_config(tmp_path, **sections):

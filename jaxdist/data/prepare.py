@@ -280,7 +280,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `jaxdist data prepare` command line."""
     parser.add_argument("inputs", nargs="+", help="text, .jsonl or .parquet files, or directories of them")
     parser.add_argument("--out", required=True, help="new directory for the shards and manifest.json")
-    parser.add_argument("--tokenizer", default="byte", help=f"one of {', '.join(tokenizer_lib.TOKENIZERS)}")
+    parser.add_argument("--tokenizer", default="byte", help=f"one of {', '.join(tokenizer_lib.TOKENIZERS)}, or the path of a Hugging Face tokenizer.json")
     parser.add_argument("--vocab-size", type=int, default=4096, help="sentencepiece vocabulary size")
     parser.add_argument("--eval-fraction", type=float, default=0.01, help="share of documents held out for eval")
     parser.add_argument("--chunk-tokens", type=int, default=4096, help="tokens per ArrayRecord record")
