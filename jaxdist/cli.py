@@ -89,10 +89,12 @@ def _train(args) -> None:
 
 def _rules(args) -> None:
     from jaxdist import config, loop
+    from jaxdist.data import loader
     from jaxdist.parallel import rules
     from jaxdist.train.trainer import param_layouts
 
-    table = rules.sharding_table(param_layouts(config.load(args.config, args.overrides)))
+    cfg = loader.resolve_vocab(config.load(args.config, args.overrides))
+    table = rules.sharding_table(param_layouts(cfg))
     loop.log(table)  # process 0 only
 
 
@@ -134,11 +136,12 @@ def _doctor(args) -> int:
 
 def _scale(args) -> None:
     from jaxdist import config
+    from jaxdist.data import loader
     from jaxdist.observe import scaling
 
     hardware = scaling.Hardware(network_bw=args.network_gbs * 1e9, nvlink_bw=args.nvlink_gbs * 1e9,
                                 storage_bw=args.storage_gbs * 1e9)
-    cfg = config.load(args.config, args.overrides)
+    cfg = loader.resolve_vocab(config.load(args.config, args.overrides))
     print(scaling.report(cfg, args.hosts, args.gpus_per_host, args.batch_per_gpu, hardware))
 
 

@@ -39,6 +39,7 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
     returns early (no sample)."""
     # Opening the data and reading a first batch report bad data before anything compiles; so
     # does a checkpoint of another model in run_dir.
+    cfg = loader.resolve_vocab(cfg)
     train_source = loader.open_split(cfg, "train")
     eval_source = loader.open_split(cfg, "eval") if cfg.eval.every else None
     cfg = loader.resolve_steps(cfg, len(train_source))

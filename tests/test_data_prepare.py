@@ -12,6 +12,8 @@ from data_helpers import huggingface_tokenizer, prepared, random_documents
 
 from jaxdist import cli
 from jaxdist.data import loader, prepare, sources
+from jaxdist.errors import UserError
+from jaxdist.observe import bench
 
 TEXT = "def f(x):\n    return x  # é\n"
 JSONL_DOCS = ["first line", "second, with a \"quote\"", "ünïcode"]
@@ -74,6 +76,27 @@ def test_a_small_corpus_holds_out_its_smallest_hash_document(tmp_path):
     assert again["splits"] == manifest["splits"]
     _, one = prepared(tmp_path / "one", docs[:1], eval_fraction=0.01)  # a lone document stays in train
     assert one["splits"]["eval"]["documents"] == 0
+
+
+def test_vocab_auto_takes_the_vocabulary_of_the_data(tmp_path):
+    docs = random_documents(10, seed=7)
+    tokenizer_file = huggingface_tokenizer(tmp_path / "tokenizer.json", docs, vocab_size=290)
+    path, _ = prepared(tmp_path, docs, tokenizer=str(tokenizer_file), eval_fraction=0.0)
+    np.savez(tmp_path / "tokens.npz", inputs=np.array([[1, 7], [3, 4]]), targets=np.array([[7, 9], [4, 2]]))
+    np.savez(tmp_path / "images.npz", image=np.zeros((4, 2)), label=np.arange(4))
+    auto = {"vocab": "auto"}
+    for data, vocab in [
+        ({"source": "stdlib"}, 256),
+        ({"source": "arrayrecord", "path": str(path)}, 290),
+        ({"source": "arrays", "path": str(tmp_path / "tokens.npz")}, 10),
+    ]:
+        assert loader.resolve_vocab(make_config(tmp_path, data=data, model=auto)).model.vocab == vocab
+    fixed = make_config(tmp_path, model={"vocab": 512})
+    assert loader.resolve_vocab(fixed) is fixed
+    with pytest.raises(UserError, match=r"model.vocab=auto: data.path=.*images.npz has no integer inputs or targets"):
+        loader.resolve_vocab(make_config(tmp_path, data={"source": "arrays", "path": str(tmp_path / "images.npz")}, model=auto))
+    with pytest.raises(UserError, match="model.vocab=auto takes the vocabulary from the data, but bench runs on random"):
+        bench.run(make_config(tmp_path, model=auto))
 
 
 def test_huggingface_tokenizer_without_end_of_text_is_one_line_and_exit_2(tmp_path, capfd):
