@@ -1,4 +1,4 @@
-"""`jaxdist train | rules | bench | build-kernels | data prepare | launch | doctor | scale | export`: the command line.
+"""`jaxdist train | rules | bench | build-kernels | data prepare | launch | doctor | scale | export | plot`: the command line.
 
 Exit codes: 0 done, 1 crash, 2 user error; `launch` also 124 when it stopped a stuck run;
 `build-kernels` 1 where a kernel is unavailable on a GPU. Before anything else every command
@@ -74,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     scale.add_argument("--storage-gbs", type=float, default=2.0, help="checkpoint write GB/s per host")
     data = commands.add_parser("data", help="prepare datasets").add_subparsers(dest="data_command", required=True)
     prepare.add_arguments(data.add_parser("prepare", help="tokenize text, JSONL or Parquet files into ArrayRecord shards"))
+    plot = commands.add_parser("plot", help="draw runs' train and eval loss and tokens/s against step into a PNG")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories with metrics.jsonl")
+    plot.add_argument("--out", help="PNG file (default: RUN_DIR/plot.png for one run, ./plot.png for several)")
     export = commands.add_parser("export", help="write a run's checkpointed params as one .safetensors or .npz file")
     export.add_argument("run_dir", help="run directory with checkpoints/")
     export.add_argument("out", help="output file, ending in .safetensors or .npz")
@@ -152,8 +155,14 @@ def _export(args) -> None:
     print(f"wrote {count} arrays (params at step {step}) to {args.out}")
 
 
+def _plot(args) -> None:
+    from jaxdist.observe import plot
+
+    print(f"wrote {plot.plot(args.run_dirs, args.out)}")
+
+
 # Commands that never run JAX on this process's devices, so they do not join a process group.
-_OFFLINE = {"launch", "scale", "data", "export", "build-kernels"}
+_OFFLINE = {"launch", "scale", "data", "export", "build-kernels", "plot"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.init_timeout)
         commands = {
             "train": _train, "rules": _rules, "bench": _bench, "build-kernels": _build_kernels, "launch": _launch,
-            "doctor": _doctor, "scale": _scale, "data": prepare.run, "export": _export,
+            "doctor": _doctor, "scale": _scale, "data": prepare.run, "export": _export, "plot": _plot,
         }
         return commands[args.command](args) or 0
     except UserError as err:
