@@ -1,4 +1,4 @@
-"""`jaxdist train | rules | bench | build-kernels | data prepare | launch | doctor | scale | export`: the command line.
+"""`jaxdist train | rules | bench | build-kernels | data prepare | launch | doctor | scale | export | plot`: the command line.
 
 Exit codes: 0 done, 1 crash, 2 user error, 3 `train` stopped at a non-finite loss or gradients
 (nothing of that step saved; the last checkpoint is intact), 130 interrupted (Ctrl-C) before training
@@ -106,6 +106,9 @@ def _parser() -> argparse.ArgumentParser:
     scale.add_argument("--storage-gbs", type=_AMOUNT, default=2.0, help="checkpoint write GB/s per host")
     data = commands.add_parser("data", help="prepare datasets").add_subparsers(dest="data_command", required=True)
     prepare.add_arguments(data.add_parser("prepare", help="tokenize text, JSONL or Parquet files into ArrayRecord shards"))
+    plot = commands.add_parser("plot", help="draw runs' train and eval loss and tokens/s against step into a PNG")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories with metrics.jsonl")
+    plot.add_argument("--out", help="PNG file (default: RUN_DIR/plot.png for one run, ./plot.png for several)")
     export = commands.add_parser("export", help="write a run's checkpointed params as one .safetensors or .npz file")
     export.add_argument("run_dir", help="run directory with checkpoints/")
     export.add_argument("out", help="output file, ending in .safetensors or .npz")
@@ -121,10 +124,12 @@ def _train(args) -> None:
 
 def _rules(args) -> None:
     from jaxdist import config, loop
+    from jaxdist.data import loader
     from jaxdist.parallel import rules
     from jaxdist.train.trainer import param_layouts
 
-    table = rules.sharding_table(param_layouts(config.load(args.config, args.overrides)))
+    cfg = loader.resolve_vocab(config.load(args.config, args.overrides))
+    table = rules.sharding_table(param_layouts(cfg))
     loop.log(table)  # process 0 only
 
 
@@ -183,11 +188,12 @@ def _doctor(args) -> int:
 
 def _scale(args) -> None:
     from jaxdist import config
+    from jaxdist.data import loader
     from jaxdist.observe import scaling
 
     hardware = scaling.Hardware(network_bw=args.network_gbs * 1e9, nvlink_bw=args.nvlink_gbs * 1e9,
                                 storage_bw=args.storage_gbs * 1e9)
-    cfg = config.load(args.config, args.overrides)
+    cfg = loader.resolve_vocab(config.load(args.config, args.overrides))
     print(scaling.report(cfg, args.hosts, args.gpus_per_host, args.batch_per_gpu, hardware))
 
 
@@ -198,8 +204,14 @@ def _export(args) -> None:
     print(f"wrote {count} arrays (params at step {step}) to {args.out}")
 
 
+def _plot(args) -> None:
+    from jaxdist.observe import plot
+
+    print(f"wrote {plot.plot(args.run_dirs, args.out)}")
+
+
 # Commands that never run JAX on this process's devices, so they do not join a process group.
-_OFFLINE = {"launch", "scale", "data", "export", "build-kernels"}
+_OFFLINE = {"launch", "scale", "data", "export", "build-kernels", "plot"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         commands = {
             "train": _train, "rules": _rules, "bench": _bench, "plan": _plan, "build-kernels": _build_kernels,
             "launch": _launch, "doctor": _doctor, "scale": _scale, "data": prepare.run, "export": _export,
+            "plot": _plot,
         }
         return commands[args.command](args) or 0
     except UserError as err:

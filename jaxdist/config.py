@@ -58,7 +58,9 @@ class ModelConfig(Section):
     """The architecture: what the model computes (`impl` says how it runs)."""
 
     name: str = "gpt"
-    vocab: int = Field(256, gt=0)
+    # auto: the vocabulary of the configured data, resolved before the model is built
+    # (`jaxdist.data.loader.resolve_vocab`).
+    vocab: int | Literal["auto"] = 256
     d_model: int = Field(256, gt=0)
     layers: int = Field(4, gt=0)
     heads: int = Field(8, gt=0)
@@ -68,6 +70,14 @@ class ModelConfig(Section):
     positions: Literal["learned", "rope"] = "learned"
     activation: Literal["gelu", "swiglu"] = "gelu"
     tied_embeddings: bool = False
+
+    @field_validator("vocab", mode="before")
+    @classmethod
+    def _vocab(cls, value: Any) -> Any:
+        # Checked here, so a bad value is one error naming the key, not one per member of the union.
+        if value == "auto" or (type(value) is int and value > 0):
+            return value
+        raise ValueError(f"model.vocab={value!r}: use a positive number of ids, or auto (the data's vocabulary)")
 
     @model_validator(mode="after")
     def _shapes(self) -> ModelConfig:

@@ -46,6 +46,7 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
     says (`NonFiniteGuard`), with nothing saved from that step on."""
     # Opening the data and reading a first batch report bad data before anything compiles; so
     # does a checkpoint of another model in run_dir.
+    cfg = loader.resolve_vocab(cfg)
     keys = models.get(cfg.model.name).batch_keys
     train_source = loader.open_split(cfg, "train", keys)
     eval_source = loader.open_split(cfg, "eval", keys) if cfg.eval.every else None

@@ -32,3 +32,19 @@ def prepared(tmp_path, docs: list[str], **options) -> tuple:
 def window_ids(batches: list[dict], index_of: dict[bytes, int]) -> list[int]:
     """The window index of every row of `batches` (rows looked up by their input tokens)."""
     return [index_of[row.tobytes()] for batch in batches for row in batch["inputs"]]
+
+
+def huggingface_tokenizer(path, docs: list[str], vocab_size: int = 300, special: tuple[str, ...] = ("<|endoftext|>",)):
+    """A byte-level BPE tokenizer.json trained on `docs` with the `tokenizers` library; returns `path`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(special), show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodes, seen or not
+    )
+    tokenizer.train_from_iterator(docs, trainer)
+    tokenizer.save(str(path))
+    return path

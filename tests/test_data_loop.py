@@ -6,11 +6,11 @@ import jax
 import numpy as np
 import optax
 from conftest import make_config
-from data_helpers import prepared, random_documents
+from data_helpers import huggingface_tokenizer, prepared, random_documents
 from flax import nnx
 
 from jaxdist import loop
-from jaxdist.data import loader
+from jaxdist.data import loader, sources
 
 
 def test_epochs_and_exact_eval_loss(tmp_path):
@@ -38,3 +38,27 @@ def test_epochs_and_exact_eval_loss(tmp_path):
     expected = optax.softmax_cross_entropy_with_integer_labels(logits, np.stack([w["targets"] for w in windows]))
     np.testing.assert_allclose(records[-1]["eval_loss"], float(expected.mean()), rtol=2e-6)
     assert records[-1]["eval_loss"] < records[4]["eval_loss"]  # the model learns between evals
+
+
+def test_huggingface_tokenizer_prepares_round_trips_and_trains(tmp_path):
+    docs = random_documents(40, seed=5)
+    tokenizer_file = huggingface_tokenizer(tmp_path / "tokenizer.json", docs)
+    path, manifest = prepared(tmp_path, docs, tokenizer=str(tokenizer_file), eval_fraction=0.0)
+    assert manifest["tokenizer"] == {"name": "huggingface", "vocab_size": 300, "separator": 0, "file": "tokenizer.json"}
+    assert (path / "tokenizer.json").read_bytes() == tokenizer_file.read_bytes()
+
+    cfg = make_config(tmp_path / "run", data={"source": "arrayrecord", "path": str(path)}, model={"vocab": "auto"},
+                      train={"steps": 3}, eval={"every": 0})
+    tokenizer = loader.tokenizer(cfg)
+    tokens = sources.ArrayRecordTokens(path, manifest, "train")
+    stream = np.asarray(tokens[0 : len(tokens)])
+    pieces = np.split(stream, np.flatnonzero(stream == tokenizer.separator) + 1)[:-1]
+    assert [tokenizer.decode(piece[:-1]) for piece in pieces] == docs
+    assert len(stream) < sum(len(doc) for doc in docs)  # BPE merges: fewer tokens than bytes
+
+    trainer = loop.train(cfg)
+    model = nnx.merge(trainer.graphdef, jax.device_get(trainer.params))
+    assert model.embed[...].shape == (300, cfg.model.d_model)  # model.vocab: auto took the tokenizer's vocabulary
+    assert "vocab: 300" in (tmp_path / "run" / "config.yaml").read_text()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3] and all(np.isfinite(r["loss"]) for r in records)

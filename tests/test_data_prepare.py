@@ -1,16 +1,19 @@
 """`jaxdist data prepare`: formats, tokenizers, manifest; bad input is one line and exit code 2."""
 
 import json
+import zlib
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import make_config
-from data_helpers import prepared, random_documents
+from data_helpers import huggingface_tokenizer, prepared, random_documents
 
 from jaxdist import cli
 from jaxdist.data import loader, prepare, sources
+from jaxdist.errors import UserError
+from jaxdist.observe import bench
 
 TEXT = "def f(x):\n    return x  # é\n"
 JSONL_DOCS = ["first line", "second, with a \"quote\"", "ünïcode"]
@@ -58,6 +61,54 @@ def test_split_follows_the_fraction_and_survives_moving_the_files(tmp_path):
     _, moved = prepared(tmp_path / "elsewhere" / "deeper", docs, eval_fraction=0.25)
     assert 50 <= first["splits"]["eval"]["documents"] <= 100
     assert first["splits"] == moved["splits"]
+
+
+def test_a_small_corpus_holds_out_its_smallest_hash_document(tmp_path):
+    docs = random_documents(3, seed=6)
+    names = [f"doc{index:03d}.txt" for index in range(3)]
+    assert all(prepare.split_of(name, 0, 0.01) == "train" for name in names)  # the hash split holds out none
+    path, manifest = prepared(tmp_path, docs, eval_fraction=0.01)
+    assert (manifest["splits"]["train"]["documents"], manifest["splits"]["eval"]["documents"]) == (2, 1)
+    held_out = min(range(3), key=lambda index: zlib.crc32(f"{names[index]}#0".encode()))
+    tokens = sources.ArrayRecordTokens(path, manifest, "eval")
+    assert bytes(tokens[0 : len(tokens)]) == docs[held_out].encode() + b"\0"
+    _, again = prepared(tmp_path / "again", docs, eval_fraction=0.01)
+    assert again["splits"] == manifest["splits"]
+    _, one = prepared(tmp_path / "one", docs[:1], eval_fraction=0.01)  # a lone document stays in train
+    assert one["splits"]["eval"]["documents"] == 0
+
+
+def test_vocab_auto_takes_the_vocabulary_of_the_data(tmp_path):
+    docs = random_documents(10, seed=7)
+    tokenizer_file = huggingface_tokenizer(tmp_path / "tokenizer.json", docs, vocab_size=290)
+    path, _ = prepared(tmp_path, docs, tokenizer=str(tokenizer_file), eval_fraction=0.0)
+    np.savez(tmp_path / "tokens.npz", inputs=np.array([[1, 7], [3, 4]]), targets=np.array([[7, 9], [4, 2]]))
+    np.savez(tmp_path / "images.npz", image=np.zeros((4, 2)), label=np.arange(4))
+    auto = {"vocab": "auto"}
+    for data, vocab in [
+        ({"source": "stdlib"}, 256),
+        ({"source": "arrayrecord", "path": str(path)}, 290),
+        ({"source": "arrays", "path": str(tmp_path / "tokens.npz")}, 10),
+    ]:
+        assert loader.resolve_vocab(make_config(tmp_path, data=data, model=auto)).model.vocab == vocab
+    fixed = make_config(tmp_path, model={"vocab": 512})
+    assert loader.resolve_vocab(fixed) is fixed
+    with pytest.raises(UserError, match=r"model.vocab=auto: data.path=.*images.npz has no integer inputs or targets"):
+        loader.resolve_vocab(make_config(tmp_path, data={"source": "arrays", "path": str(tmp_path / "images.npz")}, model=auto))
+    with pytest.raises(UserError, match="model.vocab=auto takes the vocabulary from the data, but bench runs on random"):
+        bench.run(make_config(tmp_path, model=auto))
+
+
+def test_huggingface_tokenizer_without_end_of_text_is_one_line_and_exit_2(tmp_path, capfd):
+    docs = random_documents(5, seed=8)
+    (tmp_path / "good.txt").write_text(docs[0])
+    tokenizer_file = huggingface_tokenizer(tmp_path / "plain.json", docs, special=("[UNK]",))
+    code, err = run_cli(["data", "prepare", str(tmp_path / "good.txt"), "--out", str(tmp_path / "out"),
+                         "--tokenizer", str(tokenizer_file)], capfd)
+    assert code == 2 and len(err) == 1, err
+    assert f"tokenizer {tokenizer_file} has no end-of-text special token" in err[0]
+    assert "<|endoftext|>, </s>, [SEP], <eos>" in err[0]
+    assert not (tmp_path / "out").exists()
 
 
 def write_config(tmp_path, **sections):

@@ -59,15 +59,20 @@ def _windows(tokens, cfg: Config, name: str, vocab: int, vocab_of: str) -> pipel
     return pipeline.TokenWindows(tokens, cfg.model.seq_len, name)
 
 
-def _array_split(path: Path, split: str, eval_fraction: float) -> dict[str, np.ndarray]:
-    """The rows of `split`: a fixed permutation (seed 0) holds out `eval_fraction` of them for eval."""
+def _load_arrays(path: Path, names: tuple[str, ...] | None = None) -> dict[str, np.ndarray]:
+    """The arrays of the .npz at `path` (only those of `names` it holds, when given)."""
     if not path.is_file():
         raise UserError(f"data.path={path} does not exist; pass a .npz file of equally long arrays")
     try:
         with np.load(path, allow_pickle=False) as npz:
-            arrays = {name: npz[name] for name in npz.files}
+            return {name: npz[name] for name in npz.files if names is None or name in names}
     except (OSError, ValueError) as err:
         raise UserError(f"data.path={path} is not a readable .npz file ({err}); save it with numpy.savez") from None
+
+
+def _array_split(path: Path, split: str, eval_fraction: float) -> dict[str, np.ndarray]:
+    """The rows of `split`: a fixed permutation (seed 0) holds out `eval_fraction` of them for eval."""
+    arrays = _load_arrays(path)
     rows = len(sources.ArraySource(arrays, f"data.path={path}"))
     held_out = round(rows * eval_fraction)
     order = np.random.default_rng(0).permutation(rows)
@@ -86,6 +91,31 @@ def tokenizer(cfg: Config) -> tokenizer_lib.Tokenizer:
         directory = Path(cfg.data.path)
         return tokenizer_lib.load(sources.read_manifest(directory)["tokenizer"], directory)
     return tokenizer_lib.ByteTokenizer()
+
+
+def data_vocab(cfg: Config) -> int:
+    """The vocabulary size of the configured data: the prepared tokenizer's, 256 bytes for the
+    stdlib corpus, or the largest token id + 1 of an `arrays` file's integer inputs and targets."""
+    data = cfg.data
+    if data.source == "stdlib":
+        return tokenizer_lib.ByteTokenizer.vocab_size
+    if data.source == "arrayrecord":
+        return int(sources.read_manifest(Path(data.path))["tokenizer"]["vocab_size"])
+    tokens = [a for a in _load_arrays(Path(data.path), ("inputs", "targets")).values()
+              if np.issubdtype(a.dtype, np.integer) and a.size]
+    if not tokens:
+        raise UserError(
+            f"model.vocab=auto: data.path={data.path} has no integer inputs or targets arrays to take the "
+            f"vocabulary from; set model.vocab to a number"
+        )
+    return int(max(a.max() for a in tokens)) + 1
+
+
+def resolve_vocab(cfg: Config) -> Config:
+    """`cfg` with `model.vocab: auto` replaced by the vocabulary of its data (`data_vocab`)."""
+    if cfg.model.vocab != "auto":
+        return cfg
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab": data_vocab(cfg)})})
 
 
 def resolve_steps(cfg: Config, train_examples: int) -> Config:

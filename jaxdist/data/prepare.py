@@ -3,8 +3,9 @@
 Each document is tokenized and followed by the tokenizer's separator; the documents of a split
 are concatenated into one token stream, cut into records of `chunk_tokens` tokens (only the
 split's last record may be shorter) and written to ArrayRecord shards. A stable hash of
-(file, document index) puts about `eval_fraction` of the documents in the eval split. The
-`manifest.json` beside the shards records the tokenizer, the dtype and every count.
+(file, document index) puts about `eval_fraction` of the documents in the eval split; a corpus of
+two or more documents with `eval_fraction` > 0 holds out at least one. The `manifest.json` beside
+the shards records the tokenizer, the dtype and every count.
 
 Input formats, by file name: `.jsonl` (one JSON object per line, text under `text_key`),
 `.parquet` (the `text_key` column), anything else is UTF-8 text, one document per file.
@@ -119,10 +120,34 @@ def _parquet_documents(path: Path, text_key: str) -> Iterator[str]:
                 yield text
 
 
+def _document_hash(name: str, index: int) -> int:
+    return zlib.crc32(f"{name}#{index}".encode())
+
+
 def split_of(name: str, index: int, eval_fraction: float) -> str:
     """'eval' for about `eval_fraction` of documents, chosen by a stable hash of (file name, index)."""
-    key = f"{name}#{index}".encode()
-    return "eval" if zlib.crc32(key) < int(eval_fraction * 2**32) else "train"
+    return "eval" if _document_hash(name, index) < int(eval_fraction * 2**32) else "train"
+
+
+def forced_eval_document(files: list[tuple[Path, str]], text_key: str, eval_fraction: float) -> tuple[str, int] | None:
+    """(file name, index) of the document to hold out when the hash split would hold out none.
+
+    That is the document with the smallest hash, so the choice is stable; None when the hash split
+    holds one out already, `eval_fraction` is 0 or there are fewer than two documents. Reading
+    stops at the first document the hash split holds out, so a large corpus is barely read.
+    """
+    if not eval_fraction:
+        return None
+    smallest: tuple[int, str, int] | None = None
+    count = 0
+    for path, name in files:
+        for index, _ in enumerate(documents(path, text_key)):
+            if split_of(name, index, eval_fraction) == "eval":
+                return None
+            count += 1
+            key = (_document_hash(name, index), name, index)
+            smallest = key if smallest is None else min(smallest, key)
+    return smallest[1:] if count >= 2 else None
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -208,10 +233,12 @@ def prepare(
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise UserError(f"data prepare: --out={out} is not empty; pass a new or empty directory")
 
+    forced = forced_eval_document(files, text_key, eval_fraction)
+
     def all_documents() -> Iterator[tuple[str, str]]:
         for path, name in files:
             for index, text in enumerate(documents(path, text_key)):
-                yield split_of(name, index, eval_fraction), text
+                yield "eval" if (name, index) == forced else split_of(name, index, eval_fraction), text
 
     tok = tokenizer_lib.train(tokenizer, (text for split, text in all_documents() if split == "train"), vocab_size)
     # Shards are written to a scratch directory that replaces `out` only when complete, so a bad
@@ -253,7 +280,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `jaxdist data prepare` command line."""
     parser.add_argument("inputs", nargs="+", help="text, .jsonl or .parquet files, or directories of them")
     parser.add_argument("--out", required=True, help="new directory for the shards and manifest.json")
-    parser.add_argument("--tokenizer", default="byte", help=f"one of {', '.join(tokenizer_lib.TOKENIZERS)}")
+    parser.add_argument("--tokenizer", default="byte",
+                        help=f"one of {', '.join(tokenizer_lib.TOKENIZERS)}, or the path of a Hugging Face tokenizer.json")
     parser.add_argument("--vocab-size", type=cli_number(int), default=4096, help="sentencepiece vocabulary size")
     parser.add_argument("--eval-fraction", type=float, default=0.01, help="share of documents held out for eval")
     parser.add_argument("--chunk-tokens", type=cli_number(int), default=4096, help="tokens per ArrayRecord record")

@@ -1,8 +1,10 @@
-"""Tokenizers: raw UTF-8 bytes, or a SentencePiece BPE model trained locally on the user's files.
+"""Tokenizers: raw UTF-8 bytes, a SentencePiece BPE model trained locally on the user's files, or
+an existing Hugging Face `tokenizers` file.
 
-Nothing is downloaded: the byte tokenizer needs no model, and the SentencePiece model is trained
-by `jaxdist data prepare` on the same documents it tokenizes and stored beside the shards.
-Every tokenizer has a `separator` id, written after each document when documents are packed.
+Nothing is downloaded: the byte tokenizer needs no model, the SentencePiece model is trained by
+`jaxdist data prepare` on the same documents it tokenizes, and a Hugging Face tokenizer.json is
+read from a local path; models are stored beside the shards. Every tokenizer has a `separator`
+id, written after each document when documents are packed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from jaxdist.data import corpus
 from jaxdist.errors import UserError
 
 SENTENCEPIECE_FILE = "tokenizer.model"
+HUGGINGFACE_FILE = "tokenizer.json"
+# End-of-text special tokens, in the order they are looked for in a Hugging Face tokenizer.
+SEPARATOR_TOKENS = ("<|endoftext|>", "</s>", "[SEP]", "<eos>")
 
 
 class Tokenizer(Protocol):
@@ -64,13 +69,72 @@ class SentencePieceTokenizer:
         return self._processor.decode([int(i) for i in ids])
 
 
+class HuggingFaceTokenizer:
+    """A Hugging Face `tokenizers` file; its end-of-text special token separates documents.
+
+    `source` names the file in errors. Encoding adds no special tokens (the separator is written
+    between documents instead); decoding keeps them.
+    """
+
+    name = "huggingface"
+
+    def __init__(self, config_json: str, source: str):
+        try:
+            import tokenizers
+        except ImportError:
+            raise UserError(
+                f"{source}: reading a Hugging Face tokenizer needs the tokenizers package; "
+                f"pip install 'jaxdist[tokenizers]'"
+            ) from None
+        try:
+            self._tokenizer = tokenizers.Tokenizer.from_str(config_json)
+        except Exception as err:  # the Rust library raises plain Exceptions
+            raise UserError(f"{source} is not a Hugging Face tokenizer file ({str(err).strip()}); pass a tokenizer.json") from None
+        self.config_json = config_json
+        # Added tokens may sit above the base vocabulary, with gaps: the largest id decides the size.
+        self.vocab_size = max(self._tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+        special = {token.content: id_ for id_, token in self._tokenizer.get_added_tokens_decoder().items() if token.special}
+        separator = next((special[token] for token in SEPARATOR_TOKENS if token in special), None)
+        if separator is None:
+            raise UserError(
+                f"{source} has no end-of-text special token to separate documents; add one of "
+                f"{', '.join(SEPARATOR_TOKENS)} as a special token"
+            )
+        self.separator = separator
+
+    @classmethod
+    def from_file(cls, path: Path) -> HuggingFaceTokenizer:
+        """The tokenizer in the tokenizer.json at `path`."""
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise UserError(f"tokenizer {path} is not readable ({err}); pass a Hugging Face tokenizer.json") from None
+        return cls(text, f"tokenizer {path}")
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, np.int64)
+
+    def decode(self, ids: np.ndarray) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
 TOKENIZERS = ("byte", "sentencepiece")
+# The names a manifest records (a Hugging Face tokenizer is chosen by its file's path).
+SAVED = (*TOKENIZERS, HuggingFaceTokenizer.name)
 
 
 def check_name(name: str, key: str) -> None:
-    """A `UserError` naming `key` unless `name` is a known tokenizer."""
-    if name not in TOKENIZERS:
-        raise UserError(f"{key}={name!r} is not a known tokenizer; choose one of {', '.join(TOKENIZERS)}")
+    """A `UserError` naming `key` unless `name` is a known tokenizer or an existing .json file."""
+    if name in TOKENIZERS:
+        return
+    if name.endswith(".json"):
+        if not Path(name).is_file():
+            raise UserError(f"{key}={name} does not exist; pass the path of a Hugging Face tokenizer.json")
+        return
+    raise UserError(
+        f"{key}={name!r} is not a known tokenizer; choose one of {', '.join(TOKENIZERS)} "
+        f"or the path of a Hugging Face tokenizer .json file"
+    )
 
 
 def train(name: str, documents: Iterable[str], vocab_size: int) -> Tokenizer:
@@ -78,6 +142,8 @@ def train(name: str, documents: Iterable[str], vocab_size: int) -> Tokenizer:
     check_name(name, "tokenizer")
     if name == "byte":
         return ByteTokenizer()
+    if name.endswith(".json"):
+        return HuggingFaceTokenizer.from_file(Path(name))
     import sentencepiece
 
     # A bad input file raises inside sentencepiece's C++ loop, which would report it as its own
@@ -118,15 +184,23 @@ def save(tokenizer: Tokenizer, directory: Path) -> dict:
     if isinstance(tokenizer, SentencePieceTokenizer):
         (directory / SENTENCEPIECE_FILE).write_bytes(tokenizer.model_proto)
         entry["file"] = SENTENCEPIECE_FILE
+    elif isinstance(tokenizer, HuggingFaceTokenizer):
+        (directory / HUGGINGFACE_FILE).write_text(tokenizer.config_json, encoding="utf-8")
+        entry["file"] = HUGGINGFACE_FILE
     return entry
 
 
 def load(entry: dict, directory: Path) -> Tokenizer:
     """The tokenizer a manifest entry describes (the inverse of `save`)."""
-    check_name(entry.get("name"), f"data.path={directory}: the manifest's tokenizer")
-    if entry["name"] == "byte":
+    name = entry.get("name")
+    if name not in SAVED:
+        raise UserError(f"data.path={directory}: the manifest's tokenizer {name!r} is not one of {', '.join(SAVED)}; "
+                        f"prepare the data again")
+    if name == "byte":
         return ByteTokenizer()
     path = directory / entry["file"]
     if not path.is_file():
         raise UserError(f"data.path={directory}: tokenizer file {path.name} is missing; prepare the data again")
+    if name == HuggingFaceTokenizer.name:
+        return HuggingFaceTokenizer(path.read_text(encoding="utf-8"), f"data.path={directory}: {path.name}")
     return SentencePieceTokenizer(path.read_bytes())

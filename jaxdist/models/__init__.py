@@ -54,6 +54,9 @@ class ModelEntry:
 
 
 def _gpt(cfg: Config) -> Callable[[nnx.Rngs], nnx.Module]:
+    if cfg.model.vocab == "auto":
+        raise UserError("model.vocab=auto is not resolved; pass the config through "
+                        "jaxdist.data.loader.resolve_vocab, or set model.vocab to a number")
     dtypes = dtypes_lib.policy(cfg.precision)
     return lambda rngs: GPT(
         cfg.model, cfg.impl, rngs=rngs, param_dtype=dtypes.param_dtype, compute_dtype=dtypes.compute_dtype,

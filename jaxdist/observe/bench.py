@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxdist import kernels
 from jaxdist.config import Config
+from jaxdist.errors import UserError
 from jaxdist.observe import clocks, hlo
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.train.trainer import Trainer
@@ -95,6 +96,9 @@ def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = No
 
     With `profile_dir`, three more steps are traced by the JAX profiler into that folder.
     """
+    if cfg.model.vocab == "auto":
+        raise UserError("model.vocab=auto takes the vocabulary from the data, but bench runs on random tokens; "
+                        "set model.vocab to a number")
     start = time.perf_counter()
     if (built := kernels.build_for(cfg.model, cfg.impl)) and jax.process_index() == 0:
         print(built, flush=True)  # before compiling: the model only loads the kernels while traced

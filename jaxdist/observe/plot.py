@@ -1,0 +1,86 @@
+"""`jaxdist plot RUN_DIR...`: train and eval loss and tokens/s against step, one PNG for one or
+several runs, read from each run's `metrics.jsonl`.
+
+Keys a line lacks, or holds as null, leave a gap in that line's curve; nothing else is required
+of a run beyond some logged steps. Needs matplotlib (the `plot` extra); drawing uses its Agg
+canvas through `Figure`, so no pyplot state or backend setting is touched.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from jaxdist.errors import UserError
+
+METRICS = "metrics.jsonl"
+# (panel title, [(metrics key, line style)]) top to bottom.
+PANELS = (
+    ("loss", [("loss", "-"), ("eval_loss", "--")]),
+    ("tokens/s", [("tokens_per_sec", "-")]),
+)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The JSON objects of `run_dir`'s metrics.jsonl, in order."""
+    path = run_dir / METRICS
+    if not path.is_file():
+        raise UserError(f"plot: {run_dir} has no {METRICS}; pass a run_dir written by `jaxdist train`")
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a run stopped while writing leaves a partial last line
+        if isinstance(record, dict):
+            records.append(record)
+    if not any(_number(record.get("step")) is not None for record in records):
+        raise UserError(f"plot: {path} has no logged steps yet; plot it once the run has logged some")
+    return records
+
+
+def _number(value) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def series(records: list[dict], key: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of every record with a finite `step` and `key`."""
+    points = [(_number(r.get("step")), _number(r.get(key))) for r in records]
+    points = [(step, value) for step, value in points if step is not None and value is not None]
+    return [step for step, _ in points], [value for _, value in points]
+
+
+def default_out(run_dirs: list[str]) -> Path:
+    """RUN_DIR/plot.png for one run; plot.png in the current directory for several."""
+    return Path(run_dirs[0]) / "plot.png" if len(run_dirs) == 1 else Path("plot.png")
+
+
+def plot(run_dirs: list[str], out: str | None = None) -> Path:
+    """Draws the runs' loss (train solid, eval dashed) and tokens/s against step into a PNG at
+    `out` (default: `default_out`); returns its path."""
+    runs = {run_dir: read_metrics(Path(run_dir)) for run_dir in run_dirs}  # every run checked before drawing
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise UserError("plot needs matplotlib; pip install 'jaxdist[plot]'") from None
+    figure = Figure(figsize=(8, 6), layout="constrained")
+    axes = figure.subplots(len(PANELS), 1, sharex=True)
+    for ax, (title, lines) in zip(axes, PANELS):
+        for index, (run_dir, records) in enumerate(runs.items()):
+            for key, style in lines:
+                steps, values = series(records, key)
+                if steps:
+                    ax.plot(steps, values, style, color=f"C{index}", marker="." if len(steps) < 30 else None,
+                            label=f"{run_dir} {key}")
+        ax.set_ylabel(title)
+        ax.grid(alpha=0.3)
+        if ax.has_data():
+            ax.legend(fontsize="small")
+    axes[-1].set_xlabel("step")
+    path = Path(out) if out else default_out(run_dirs)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    return path

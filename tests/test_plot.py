@@ -1,0 +1,46 @@
+"""`jaxdist plot`: one PNG of loss and tokens/s for one or several runs; a bad run dir is one line, exit 2."""
+
+import json
+
+from matplotlib.image import imread
+
+from jaxdist import cli
+
+
+def write_run(run_dir, steps: int, scale: float) -> None:
+    """A metrics.jsonl as `train` writes it, with an eval every 5 steps, a null and a missing key."""
+    run_dir.mkdir(parents=True)
+    lines = []
+    for step in range(1, steps + 1):
+        record = {"step": step, "loss": scale * 5.0 / step, "tokens_per_sec": 1000.0 + 10 * step}
+        if step % 5 == 0:
+            record["eval_loss"] = scale * 5.5 / step
+        lines.append(record)
+    lines[2]["tokens_per_sec"] = None
+    del lines[3]["loss"]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"step": 2')
+
+
+def test_plot_draws_one_or_several_runs(tmp_path, capfd, monkeypatch):
+    write_run(tmp_path / "a", 20, 1.0)
+    write_run(tmp_path / "b", 12, 1.3)
+    monkeypatch.chdir(tmp_path)
+
+    assert cli.main(["plot", "a", "b"]) == 0
+    assert capfd.readouterr().out.strip() == "wrote plot.png"
+    assert cli.main(["plot", str(tmp_path / "a")]) == 0
+    assert capfd.readouterr().out.strip() == f"wrote {tmp_path / 'a' / 'plot.png'}"
+    assert cli.main(["plot", "a", "--out", "figures/a.png"]) == 0
+    for png in ("plot.png", "a/plot.png", "figures/a.png"):
+        image = imread(tmp_path / png)
+        assert image.shape[0] >= 400 and image.shape[1] >= 600 and image.shape[2] in (3, 4)
+        assert image.std() > 0.05  # lines drawn, not a blank canvas
+
+
+def test_run_dir_without_metrics_is_one_line_and_exit_2(tmp_path, capfd):
+    write_run(tmp_path / "a", 5, 1.0)
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["plot", str(tmp_path / "a"), str(tmp_path / "empty")]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err == [f"jaxdist: error: plot: {tmp_path / 'empty'} has no metrics.jsonl; pass a run_dir written by `jaxdist train`"]
+    assert not (tmp_path / "a" / "plot.png").exists() and not (tmp_path / "plot.png").exists()
