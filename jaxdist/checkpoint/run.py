@@ -21,6 +21,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxdist import models
+from jaxdist.checkpoint.integrity import is_damage
 from jaxdist.checkpoint.store import (
     UNREADABLE_PREFIX,
     CheckpointMismatch,
@@ -118,7 +119,9 @@ class RunCheckpoints:
             for step in reversed(store.steps()):
                 try:
                     saved, meta = store.saved_shapes(step), store.meta(step)
-                except Exception as err:  # noqa: BLE001  (unreadable: fall back to the one before)
+                except Exception as err:
+                    if not is_damage(err):
+                        raise
                     store.set_aside(step, err)
                     continue
                 if any(name.startswith("params.") for name in saved):
