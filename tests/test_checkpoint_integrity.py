@@ -1,16 +1,19 @@
 """Principle 10 for checkpoints: damaged ones are detected and set aside; other failures are errors."""
 
+import errno
 import json
+import subprocess
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import make_config
+import yaml
+from conftest import TINY_GPT, make_config
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxdist import loop
+from jaxdist import cli, loop
 from jaxdist.checkpoint import Checkpoints, DamagedCheckpoint, abstract_state, array_digests, is_damage
 from jaxdist.checkpoint.integrity import agree
 from jaxdist.parallel.mesh import make_mesh
@@ -125,6 +128,11 @@ def test_processes_agree_on_a_failed_read():
         agree(MemoryError(), gather=lambda code: [1, code])
 
 
+def saved_steps(directory) -> list[int]:
+    with Checkpoints(directory, create=False) as store:
+        return store.steps()
+
+
 def losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
@@ -139,3 +147,51 @@ def test_resume_skips_a_corrupt_checkpoint_and_repeats_the_run(tmp_path, capsys)
     assert f"checkpoint {tmp_path / 'checkpoints' / '8'} is unreadable" in captured.err
     assert "resuming from step 4" in captured.out
     assert losses(tmp_path) == uninterrupted  # steps 5-8 again, bitwise
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MiB tmpfs (needs root to mount): a disk that can really fill up."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16M", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def fill(disk) -> None:
+    with open(disk / "filler", "wb") as out:
+        try:
+            while True:
+                out.write(b"\0" * 65536)
+                out.flush()
+        except OSError as err:
+            assert err.errno == errno.ENOSPC
+
+
+def test_disk_full_stops_with_one_line_and_keeps_the_last_checkpoint(small_disk, monkeypatch, capsys):
+    run_dir = small_disk / "run"
+    config_file = small_disk / "run.yaml"
+    raw = {**TINY_GPT, "run_dir": str(run_dir), "train": {**TINY_GPT["train"], "steps": 8}, "checkpoint": {"every": 2}}
+    config_file.write_text(yaml.safe_dump(raw))
+    save = Checkpoints.save
+
+    def save_then_fill_the_disk(self, step, state, meta):
+        save(self, step, state, meta)
+        if step == 2:
+            self.wait()
+            fill(small_disk)
+
+    monkeypatch.setattr(Checkpoints, "save", save_then_fill_the_disk)
+    assert cli.main(["train", str(config_file)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxdist:")]
+    assert len(err) == 1 and err[0].startswith(f"jaxdist: error: could not write checkpoint {run_dir / 'checkpoints' / '4'}")
+    assert "No space left on device" in err[0] and "the newest complete checkpoint is step 2" in err[0]
+    assert saved_steps(run_dir / "checkpoints") == [2]  # the partial step 4 is not listed
+
+    monkeypatch.undo()
+    (small_disk / "filler").unlink()
+    assert cli.main(["train", str(config_file)]) == 0
+    assert "resuming from step 2" in capsys.readouterr().out  # verified against its digests
+    assert saved_steps(run_dir / "checkpoints") == [4, 6, 8]

@@ -26,6 +26,7 @@ from jaxdist.checkpoint.store import (
     UNREADABLE_PREFIX,
     CheckpointMismatch,
     Checkpoints,
+    CheckpointWriteError,
     Restored,
     abstract_state,
     first_line,
@@ -210,6 +211,8 @@ class RunCheckpoints:
         """
         try:
             yield
+        except CheckpointWriteError:
+            raise  # saving again would fail the same way
         except Exception:
             if self.enabled and jax.process_count() == 1:
                 self._save_last_good(trainer.state)

@@ -21,9 +21,11 @@ process count that the model fits: every process reads just the pieces its devic
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,9 @@ from jaxdist.errors import UserError
 STATE, META, DIGESTS = "state", "meta", "digests"
 UNREADABLE_PREFIX = "unreadable-"
 _MIN_CHUNK_BYTES = 2**20
+# How TensorStore's errors begin (its status codes); others are not about the files.
+_TENSORSTORE_CODES = ("RESOURCE_EXHAUSTED", "DATA_LOSS", "NOT_FOUND", "OUT_OF_RANGE", "FAILED_PRECONDITION",
+                      "PERMISSION_DENIED", "UNAVAILABLE", "INTERNAL", "UNKNOWN", "ABORTED")
 
 
 class CheckpointMismatch(UserError):
@@ -45,6 +50,10 @@ class CheckpointMismatch(UserError):
     def __init__(self, message: str, step: int):
         super().__init__(message)
         self.step = step
+
+
+class CheckpointWriteError(UserError):
+    """A checkpoint that could not be written (e.g. the disk is full); the ones before it are intact."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +250,8 @@ class Checkpoints:
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=_registry())
         self.last_saved: int | None = self._manager.latest_step()
+        self._writing: int | None = None
+        self._write_failed = False
 
     def __enter__(self) -> Checkpoints:
         return self
@@ -263,20 +274,53 @@ class Checkpoints:
         """
         if step == self.last_saved:
             return
+        self.wait()  # Orbax would wait too; here a failed write is told apart from this one
         digests = array_digests(named_arrays(state))
         args = ocp.args.Composite(**{
             STATE: _state_to_write(state), META: ocp.args.JsonSave(meta), DIGESTS: ocp.args.JsonSave(digests),
         })
-        self._manager.save(step, args=args, force=True)
+        self._writing = step
+        with self._reporting_write_failure():
+            self._manager.save(step, args=args, force=True)
         self.last_saved = step
 
     def wait(self) -> None:
-        """Blocks until the last save is complete on disk."""
-        self._manager.wait_until_finished()
+        """Blocks until the last save is complete on disk.
+
+        Raises `CheckpointWriteError` if it could not be written: its partial directory is never
+        listed, and the checkpoints before it are untouched.
+        """
+        with self._reporting_write_failure():
+            self._manager.wait_until_finished()
+        self._writing = None
 
     def close(self) -> None:
-        """Waits for pending writes and releases Orbax's threads."""
-        self._manager.close()
+        """Waits for pending writes and releases Orbax's threads (raises like `wait`)."""
+        try:
+            self.wait()
+        finally:
+            try:
+                self._manager.close()
+            except (OSError, ValueError):
+                if not self._write_failed:
+                    raise  # else Orbax raises the failed write's error again: already reported
+
+    @contextlib.contextmanager
+    def _reporting_write_failure(self) -> Iterator[None]:
+        """Turns a failed write of step `self._writing` (a full disk, a lost mount) into one line."""
+        try:
+            yield
+        except (OSError, ValueError) as err:
+            if isinstance(err, ValueError) and not str(err).startswith(_TENSORSTORE_CODES):
+                raise
+            step, self._writing, self._write_failed = self._writing, None, True
+            self._manager.reload()
+            self.last_saved = self._manager.latest_step()
+            raise CheckpointWriteError(
+                f"could not write checkpoint {self.path(step)} ({type(err).__name__}: {first_line(err)}); "
+                f"the newest complete checkpoint is step {self.last_saved}; free space there (or fix the "
+                f"directory) and run again to resume from it"
+            ) from err
 
     def saved_shapes(self, step: int) -> dict[str, tuple]:
         """`{dotted.path: (shape, dtype)}` of the state saved at `step`, from its metadata alone."""
@@ -395,4 +439,8 @@ class Checkpoints:
 def first_line(err: Exception) -> str:
     """The first line of an error's message, for a one-line report."""
     text = str(err).strip()
-    return text.splitlines()[0][:200] if text else "no message"
+    if not text:
+        return "no message"
+    line = text.splitlines()[0]
+    # The end of a long line often holds the reason ("No space left on device").
+    return line if len(line) <= 200 else f"{line[:80]} ... {line[-115:]}"
