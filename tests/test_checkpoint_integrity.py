@@ -2,6 +2,7 @@
 
 import errno
 import json
+import os
 import subprocess
 
 import jax
@@ -11,12 +12,14 @@ import orbax.checkpoint as ocp
 import pytest
 import yaml
 from conftest import TINY_GPT, make_config
+from data_helpers import prepared, random_documents
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdist import cli, loop
 from jaxdist.checkpoint import Checkpoints, DamagedCheckpoint, abstract_state, array_digests, is_damage
 from jaxdist.checkpoint.integrity import agree
 from jaxdist.parallel.mesh import make_mesh
+from jaxdist.train.trainer import Trainer
 
 # Failed reads leave TensorStore callbacks that fire after Orbax's asyncio loop closed ("Event loop
 # is closed", raised inside the library and ignored there): not ours to fix.
@@ -195,3 +198,23 @@ def test_disk_full_stops_with_one_line_and_keeps_the_last_checkpoint(small_disk,
     assert cli.main(["train", str(config_file)]) == 0
     assert "resuming from step 2" in capsys.readouterr().out  # verified against its digests
     assert saved_steps(run_dir / "checkpoints") == [4, 6, 8]
+
+
+def test_shard_cut_short_after_a_run_is_one_line_and_the_checkpoint_restores(tmp_path, capsys):
+    path, manifest = prepared(tmp_path, random_documents(200, seed=1), eval_fraction=0.1,
+                              chunk_tokens=64, records_per_shard=32)
+    raw = {**TINY_GPT, "run_dir": str(tmp_path / "run"), "train": {**TINY_GPT["train"], "steps": 4},
+           "checkpoint": {"every": 2}, "data": {"source": "arrayrecord", "path": str(path)}}
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump(raw))
+    assert cli.main(["train", str(config_file)]) == 0
+    shard = path / manifest["splits"]["train"]["files"][1]
+    os.truncate(shard, shard.stat().st_size // 3)
+    capsys.readouterr()
+    assert cli.main(["train", str(config_file), "train.steps=8"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxdist:")]
+    assert len(err) == 1 and f"shard {shard.name}" in err[0] and "prepare the data again" in err[0], err
+    assert saved_steps(tmp_path / "run" / "checkpoints") == [2, 4]
+    cfg = make_config(tmp_path / "run")
+    with Checkpoints(tmp_path / "run" / "checkpoints", create=False) as store:
+        store.restore(4, abstract_state(Trainer.from_config(cfg).state))  # verified against its digests

@@ -15,6 +15,7 @@ from jaxdist.checkpoint.store import (
     first_mismatch,
     is_intact,
     leaf_shapes,
+    named_arrays,
 )
 
 __all__ = [
@@ -34,5 +35,6 @@ __all__ = [
     "is_intact",
     "leaf_shapes",
     "library_versions",
+    "named_arrays",
     "run_meta",
 ]
