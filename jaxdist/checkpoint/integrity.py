@@ -49,9 +49,9 @@ def _digest_all(leaves: list) -> jax.Array:
 
 def _digest(x: jax.Array) -> jax.Array:
     words = _words(x)
-    index = _flat_index(words.shape)
-    weighted = jnp.sum(words * (_mix(index) | jnp.uint32(1)), dtype=jnp.uint32)
-    mixed = jnp.sum(_mix(words ^ _mix(index + jnp.uint32(0x9E3779B9))), dtype=jnp.uint32)
+    weight = _mix(_flat_index(words.shape)) | jnp.uint32(1)
+    weighted = jnp.sum(words * weight, dtype=jnp.uint32)
+    mixed = jnp.sum(_mix(words ^ weight), dtype=jnp.uint32)
     return jnp.stack([weighted, mixed])
 
 
