@@ -4,6 +4,7 @@ See docs/checkpoints.md for what a checkpoint holds and how resuming and falling
 """
 
 from jaxdist.checkpoint.export import export_params
+from jaxdist.checkpoint.integrity import DamagedCheckpoint, array_digests, is_damage
 from jaxdist.checkpoint.run import DataPosition, RunCheckpoints, changed_keys, library_versions, run_meta
 from jaxdist.checkpoint.store import (
     UNREADABLE_PREFIX,
@@ -14,21 +15,26 @@ from jaxdist.checkpoint.store import (
     first_mismatch,
     is_intact,
     leaf_shapes,
+    named_arrays,
 )
 
 __all__ = [
     "UNREADABLE_PREFIX",
     "CheckpointMismatch",
     "Checkpoints",
+    "DamagedCheckpoint",
     "DataPosition",
     "Restored",
     "RunCheckpoints",
     "abstract_state",
+    "array_digests",
     "changed_keys",
     "export_params",
     "first_mismatch",
+    "is_damage",
     "is_intact",
     "leaf_shapes",
     "library_versions",
+    "named_arrays",
     "run_meta",
 ]

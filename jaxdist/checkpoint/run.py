@@ -21,10 +21,12 @@ import jax
 from jax.sharding import Mesh
 
 from jaxdist import models
+from jaxdist.checkpoint.integrity import is_damage
 from jaxdist.checkpoint.store import (
     UNREADABLE_PREFIX,
     CheckpointMismatch,
     Checkpoints,
+    CheckpointWriteError,
     Restored,
     abstract_state,
     first_line,
@@ -118,7 +120,9 @@ class RunCheckpoints:
             for step in reversed(store.steps()):
                 try:
                     saved, meta = store.saved_shapes(step), store.meta(step)
-                except Exception as err:  # noqa: BLE001  (unreadable: fall back to the one before)
+                except Exception as err:
+                    if not is_damage(err):
+                        raise
                     store.set_aside(step, err)
                     continue
                 if any(name.startswith("params.") for name in saved):
@@ -215,6 +219,8 @@ class RunCheckpoints:
         """
         try:
             yield
+        except CheckpointWriteError:
+            raise  # saving again would fail the same way
         except Exception:
             if self.enabled and jax.process_count() == 1:
                 self._save_last_good(trainer.state)

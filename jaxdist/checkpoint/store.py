@@ -8,6 +8,9 @@
   batched transfer and writes each array whole (see `_state_to_write`).
 - `meta`: JSON written by process 0: the step, the data position (global example index and data
   seed), the resolved config, and where it was written (mesh, process and device counts, versions).
+- `digests`: JSON written by process 0: two checksums per array of the state, computed on the
+  devices before the write (see `jaxdist.checkpoint.integrity`). A restore computes them again
+  over what it read, in the target layout, and a checkpoint that differs is damaged.
 
 `save` returns once the arrays are copied off the devices; the write goes on while the next steps
 run. Orbax writes each step into a temporary directory and renames it when every process is done,
@@ -18,9 +21,11 @@ process count that the model fits: every process reads just the pieces its devic
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +33,15 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxdist.checkpoint.integrity import DamagedCheckpoint, agree, array_digests, differences, is_damage
 from jaxdist.errors import UserError
 
-STATE, META = "state", "meta"
+STATE, META, DIGESTS = "state", "meta", "digests"
 UNREADABLE_PREFIX = "unreadable-"
 _MIN_CHUNK_BYTES = 2**20
+# How TensorStore's errors begin (its status codes); others are not about the files.
+_TENSORSTORE_CODES = ("RESOURCE_EXHAUSTED", "DATA_LOSS", "NOT_FOUND", "OUT_OF_RANGE", "FAILED_PRECONDITION",
+                      "PERMISSION_DENIED", "UNAVAILABLE", "INTERNAL", "UNKNOWN", "ABORTED")
 
 
 class CheckpointMismatch(UserError):
@@ -41,6 +50,10 @@ class CheckpointMismatch(UserError):
     def __init__(self, message: str, step: int):
         super().__init__(message)
         self.step = step
+
+
+class CheckpointWriteError(UserError):
+    """A checkpoint that could not be written (e.g. the disk is full); the ones before it are intact."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +76,12 @@ def is_intact(state: Any) -> bool:
     return not any(leaf.is_deleted() for leaf in jax.tree.leaves(state) if isinstance(leaf, jax.Array))
 
 
+def named_arrays(tree: Any) -> dict[str, Any]:
+    """`{dotted.path: leaf}` of every array-like leaf of `tree`, in tree order."""
+    return {dotted_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+            if hasattr(leaf, "shape") and hasattr(leaf, "dtype")}
+
+
 def leaf_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     """`{dotted.path: (shape, dtype)}` of every array-like leaf, in tree order.
 
@@ -70,12 +89,11 @@ def leaf_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     way Orbax does (`opt_state.1.0.mu.blocks.attn.qkv`).
     """
     shapes = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-            if _is_key(leaf):
-                # A typed PRNG key array is saved as its key data (uint32, one more axis or more).
-                leaf = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
-            shapes[dotted_name(path)] = (tuple(leaf.shape), str(np.dtype(leaf.dtype)))
+    for name, leaf in named_arrays(tree).items():
+        if _is_key(leaf):
+            # A typed PRNG key array is saved as its key data (uint32, one more axis or more).
+            leaf = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+        shapes[name] = (tuple(leaf.shape), str(np.dtype(leaf.dtype)))
     return shapes
 
 
@@ -170,9 +188,22 @@ def _is_key(leaf: Any) -> bool:
     return hasattr(leaf, "dtype") and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
 
 
-def _as_target_keys(wanted: Any, restored: Any) -> Any:
-    """`restored` as a typed key array where `wanted` is one (Orbax gives back the key data)."""
-    if not _is_key(wanted) or _is_key(restored):
+def _in_saved_dtype(wanted: Any, saved: tuple[tuple[int, ...], str]) -> Any:
+    """The target to read one array into: `wanted`, but in the dtype it was saved in, so that
+    its digest can be checked before it is cast."""
+    if _is_key(wanted) or np.dtype(wanted.dtype) == np.dtype(saved[1]):
+        return wanted
+    return jax.ShapeDtypeStruct(wanted.shape, saved[1], sharding=wanted.sharding)
+
+
+def _as_target(wanted: Any, restored: Any) -> Any:
+    """`restored` as `wanted` says: cast to its dtype, or a typed key array where it is one
+    (Orbax gives back the key data)."""
+    if not _is_key(wanted):
+        if restored.dtype == wanted.dtype:
+            return restored
+        return jax.jit(lambda x: x.astype(wanted.dtype), out_shardings=wanted.sharding)(restored)
+    if _is_key(restored):
         return restored
     impls = []
     # The implementation is known from the key type alone; key_impl reads it from a traced key.
@@ -195,8 +226,10 @@ def _registry() -> ocp.handlers.CheckpointHandlerRegistry:
     meta_handler = ocp.JsonCheckpointHandler()
     for args in (ocp.args.PyTreeSave, ocp.args.PyTreeRestore):
         registry.add(STATE, args, state_handler)
+    digests_handler = ocp.JsonCheckpointHandler()
     for args in (ocp.args.JsonSave, ocp.args.JsonRestore):
         registry.add(META, args, meta_handler)
+        registry.add(DIGESTS, args, digests_handler)
     return registry
 
 
@@ -217,6 +250,8 @@ class Checkpoints:
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=_registry())
         self.last_saved: int | None = self._manager.latest_step()
+        self._writing: int | None = None
+        self._write_failed = False
 
     def __enter__(self) -> Checkpoints:
         return self
@@ -235,24 +270,64 @@ class Checkpoints:
         """Starts writing checkpoint `step`; returns once the arrays are copied off the devices.
 
         A previous write still in progress is waited for first. Saving a step twice does nothing.
+        The digests of the arrays are written with them, in the same step directory.
         """
         if step == self.last_saved:
             return
-        args = ocp.args.Composite(**{STATE: _state_to_write(state), META: ocp.args.JsonSave(meta)})
-        self._manager.save(step, args=args, force=True)
+        self.wait()  # Orbax would wait too; here a failed write is told apart from this one
+        digests = array_digests(named_arrays(state))
+        args = ocp.args.Composite(**{
+            STATE: _state_to_write(state), META: ocp.args.JsonSave(meta), DIGESTS: ocp.args.JsonSave(digests),
+        })
+        self._writing = step
+        with self._reporting_write_failure():
+            self._manager.save(step, args=args, force=True)
         self.last_saved = step
 
     def wait(self) -> None:
-        """Blocks until the last save is complete on disk."""
-        self._manager.wait_until_finished()
+        """Blocks until the last save is complete on disk.
+
+        Raises `CheckpointWriteError` if it could not be written: its partial directory is never
+        listed, and the checkpoints before it are untouched.
+        """
+        with self._reporting_write_failure():
+            self._manager.wait_until_finished()
+        self._writing = None
 
     def close(self) -> None:
-        """Waits for pending writes and releases Orbax's threads."""
-        self._manager.close()
+        """Waits for pending writes and releases Orbax's threads (raises like `wait`)."""
+        try:
+            self.wait()
+        finally:
+            try:
+                self._manager.close()
+            except (OSError, ValueError):
+                if not self._write_failed:
+                    raise  # else Orbax raises the failed write's error again: already reported
+
+    @contextlib.contextmanager
+    def _reporting_write_failure(self) -> Iterator[None]:
+        """Turns a failed write of step `self._writing` (a full disk, a lost mount) into one line."""
+        try:
+            yield
+        except (OSError, ValueError) as err:
+            if isinstance(err, ValueError) and not str(err).startswith(_TENSORSTORE_CODES):
+                raise
+            step, self._writing, self._write_failed = self._writing, None, True
+            self._manager.reload()
+            self.last_saved = self._manager.latest_step()
+            raise CheckpointWriteError(
+                f"could not write checkpoint {self.path(step)} ({type(err).__name__}: {first_line(err)}); "
+                f"the newest complete checkpoint is step {self.last_saved}; free space there (or fix the "
+                f"directory) and run again to resume from it"
+            ) from err
 
     def saved_shapes(self, step: int) -> dict[str, tuple]:
         """`{dotted.path: (shape, dtype)}` of the state saved at `step`, from its metadata alone."""
-        return leaf_shapes(self._manager.item_metadata(step)[STATE].tree)
+        saved = self._manager.item_metadata(step)[STATE]
+        if saved is None:
+            raise DamagedCheckpoint(f"checkpoint {self.path(step)} has no readable metadata of its state")
+        return leaf_shapes(saved.tree)
 
     def meta(self, step: int) -> dict[str, Any]:
         """The JSON meta of checkpoint `step` (see `jaxdist.checkpoint.run.run_meta`)."""
@@ -266,6 +341,7 @@ class Checkpoints:
         as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), saved)
         state = ocp.args.PyTreeRestore(item={"params": saved}, restore_args={"params": as_numpy}, partial_restore=True)
         restored = self._manager.restore(step, args=ocp.args.Composite(**{STATE: state, META: ocp.args.JsonRestore()}))
+        self.verify(step, {"params": restored[STATE]["params"]})
         return restored[STATE]["params"], dict(restored[META])
 
     def check_fits(self, step: int, target: Any, part: str | None = None) -> None:
@@ -280,24 +356,58 @@ class Checkpoints:
         problem = first_mismatch(saved, leaf_shapes(target))
         if problem:
             raise CheckpointMismatch(f"checkpoint {self.path(step)} does not fit this model: {problem}", step)
+        return saved
 
-    def restore(self, step: int, target: Any) -> Restored:
+    def restore(self, step: int, target: Any, verify: bool = True) -> Restored:
         """Checkpoint `step` read into `target`'s shapes, dtypes and shardings (any mesh).
 
-        Typed PRNG key arrays in `target` come back typed, with their implementation.
+        Typed PRNG key arrays in `target` come back typed, with their implementation. Arrays are
+        read in their saved dtype, checked against their digests (unless `verify` is False) and
+        then cast. Collective: if reading fails on any process, it raises on every one (see
+        `integrity.agree`); a damaged checkpoint raises an error for which `is_damage` holds.
         """
-        self.check_fits(step, target)
-        restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-        args = ocp.args.Composite(**{STATE: ocp.args.PyTreeRestore(target, restore_args), META: ocp.args.JsonRestore()})
+        try:
+            state, meta, err = *self._read(step, target), None
+        except Exception as caught:  # noqa: BLE001  (every process must learn how the others fared)
+            state, meta, err = None, None, caught
+        agree(err)
+        if verify:
+            self.verify(step, state)
+        state = jax.tree.map(_as_target, target, state)
+        return Restored(step, state, meta, self.path(step))
+
+    def _read(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
+        saved = self.check_fits(step, target)
+        leaves, treedef = jax.tree.flatten(target)
+        read_target = jax.tree.unflatten(
+            treedef, [_in_saved_dtype(leaf, saved[name]) for name, leaf in zip(named_arrays(target), leaves)])
+        restore_args = ocp.checkpoint_utils.construct_restore_args(read_target)
+        args = ocp.args.Composite(**{
+            STATE: ocp.args.PyTreeRestore(read_target, restore_args), META: ocp.args.JsonRestore(),
+        })
         restored = self._manager.restore(step, args=args)
-        state = jax.tree.map(_as_target_keys, target, restored[STATE])
-        return Restored(step, state, dict(restored[META]), self.path(step))
+        return restored[STATE], dict(restored[META])
+
+    def verify(self, step: int, state: Any) -> None:
+        """Raises `DamagedCheckpoint` if any array of `state`, read from checkpoint `step`, differs
+        from the digest saved with it. A checkpoint written before digests were saved is used as
+        it is, with a warning. Collective, like `restore`."""
+        if not (self.path(step) / DIGESTS).is_dir():
+            warn(f"checkpoint {self.path(step)} has no digests (saved by an older jaxdist): not verified")
+            return
+        saved = self._manager.restore(step, args=ocp.args.Composite(**{DIGESTS: ocp.args.JsonRestore()}))[DIGESTS]
+        wrong = differences(dict(saved), array_digests(named_arrays(state)))
+        if wrong:
+            more = f" and {len(wrong) - 1} more" if len(wrong) > 1 else ""
+            raise DamagedCheckpoint(f"{wrong[0]}{more} differ from the digests saved with them")
 
     def restore_latest(self, target: Any, newest: int | None = None) -> Restored | None:
         """The newest checkpoint (up to step `newest`) that reads back; None if there is none.
 
-        One that cannot be read is set aside (see `set_aside`) and the one before it is tried.
-        One whose shapes differ from the target raises `CheckpointMismatch`: that is the wrong
+        One that is damaged (files missing, cut short or corrupt, or arrays that differ from
+        their digests) is set aside (see `set_aside`) and the one before it is tried. Any other
+        error (out of memory, a transient I/O error) is raised, and nothing is set aside. One
+        whose shapes differ from the target raises `CheckpointMismatch`: that is the wrong
         model, not a damaged file.
         """
         for step in reversed(self.steps()):
@@ -305,9 +415,9 @@ class Checkpoints:
                 continue
             try:
                 return self.restore(step, target)
-            except CheckpointMismatch:
-                raise
-            except Exception as err:  # noqa: BLE001  (any read failure: fall back to the one before)
+            except Exception as err:
+                if not is_damage(err):
+                    raise
                 self.set_aside(step, err)
         return None
 
@@ -329,4 +439,8 @@ class Checkpoints:
 def first_line(err: Exception) -> str:
     """The first line of an error's message, for a one-line report."""
     text = str(err).strip()
-    return text.splitlines()[0][:200] if text else "no message"
+    if not text:
+        return "no message"
+    line = text.splitlines()[0]
+    # The end of a long line often holds the reason ("No space left on device").
+    return line if len(line) <= 200 else f"{line[:80]} ... {line[-115:]}"
