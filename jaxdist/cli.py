@@ -139,12 +139,18 @@ def _plan(args) -> None:
 
     import jax
 
+    from jaxdist import kernels
+
     limit = plan.parse_bytes(args.device_memory) if args.device_memory else None
     devices = jax.devices()[: args.devices] if args.devices else None
     if devices is not None and len(devices) < args.devices:
         raise UserError(f"plan --devices {args.devices}: only {len(devices)} devices here; on a CPU-only machine "
                         f"JAXDIST_CPU_DEVICES must not be set below it")
-    text = plan.report(config.load(args.config, args.overrides), devices, limit)
+    cfg = config.load(args.config, args.overrides)
+    built = kernels.build_for(cfg.model, cfg.impl)  # the kernels the step will load, as train builds them
+    text = plan.report(cfg, devices, limit)
+    if built and jax.process_index() == 0:
+        print(built)
     if jax.process_index() == 0:
         print(text)
 

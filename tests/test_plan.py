@@ -7,6 +7,7 @@ from conftest import make_config
 from jaxdist import cli, config
 from jaxdist.errors import UserError
 from jaxdist.observe import plan
+from jaxdist.observe.bench import flops_per_token
 from jaxdist.observe.scaling import model_size
 
 SMALL = {"model": {"d_model": 64, "layers": 2, "heads": 4, "seq_len": 64, "vocab": 256},
@@ -21,7 +22,8 @@ def test_gpt_1b4_under_fsdp8_holds_an_eighth_of_the_parameters_per_device(device
     assert result.mesh == "data=1 x stage=1 x fsdp=8 x tensor=1" and result.devices == 8
     assert abs(result.params - params * 4 / 8) <= 0.05 * params * 4 / 8
     assert abs(result.opt_state - 2 * params * 4 / 8) <= 0.05 * 2 * params * 4 / 8  # AdamW: two moments
-    assert result.temporaries > 0 and result.flops and result.flops > 0
+    assert result.temporaries > 0
+    assert result.flops == flops_per_token(cfg) * 8 * 1024 / 8  # the recipe's batch of 8 sequences, per device
     assert result.total >= result.params + result.opt_state + result.temporaries
 
 

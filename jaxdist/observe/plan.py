@@ -19,6 +19,7 @@ import jax
 
 from jaxdist.config import Config, with_overrides
 from jaxdist.errors import UserError
+from jaxdist.observe.bench import flops_per_token
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.train.trainer import Trainer
 
@@ -42,7 +43,8 @@ def _bytes_per_device(tree: Any) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Bytes per device of what the compiled step holds, and XLA's FLOP count per step and device."""
+    """Bytes per device of what the compiled step holds, and the model's FLOPs per step and device
+    (the peers' formula, as `jaxdist bench` counts MFU)."""
 
     mesh: str
     devices: int
@@ -53,7 +55,7 @@ class Plan:
     batch: int
     temporaries: int
     code: int
-    flops: float | None
+    flops: float
 
     @property
     def total(self) -> int:
@@ -65,9 +67,8 @@ class Plan:
         parts = [("parameters", self.params), ("optimizer state", self.opt_state), ("compute copies", self.copies),
                  ("batch", self.batch), ("temporaries", self.temporaries), ("code", self.code)]
         shown = ", ".join(f"{name} {_gb(size)}" for name, size in parts if size)
-        flops = "" if self.flops is None else f"; {self.flops / 1e12:.2f} TFLOP per step per device (XLA's count)"
         return [f"plan: mesh {self.mesh} ({self.devices} {self.platform} devices)",
-                f"per device: {shown}; total {_gb(self.total)}{flops}"]
+                f"per device: {shown}; total {_gb(self.total)}; {self.flops / 1e12:.2f} TFLOP per step"]
 
 
 def _gb(size: int) -> str:
@@ -92,15 +93,14 @@ def make_plan(cfg: Config, devices: list | None = None) -> Plan:
     trainer, batch = compiled_trainer(cfg, devices)
     memory = trainer.compiled.memory_analysis()
     state = trainer.state
-    cost = trainer.compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
     mesh_devices = trainer.mesh.devices.flatten()
+    tokens = cfg.train.global_batch * cfg.model.seq_len
     return Plan(
         mesh=mesh_lib.describe(trainer.mesh), devices=len(mesh_devices), platform=mesh_devices[0].platform,
         params=_bytes_per_device(state.params), opt_state=_bytes_per_device(state.opt_state),
         copies=_bytes_per_device(trainer.current_copies()), batch=_bytes_per_device(batch),
         temporaries=int(memory.temp_size_in_bytes), code=int(memory.generated_code_size_in_bytes),
-        flops=(cost or {}).get("flops"),
+        flops=flops_per_token(cfg) * tokens / len(mesh_devices),
     )
 
 
