@@ -135,12 +135,11 @@ def _type_handlers() -> ocp.type_handlers.TypeHandlerRegistry:
 
     - jax.Array, written shard by shard as held: Orbax's default on CPU ("replica-parallel":
       replicated shards split among their replicas) compiles a slice program per shard shape at
-      the first save (~4 s for a tiny GPT) and makes every save's blocking part several times
-      longer; on GPU Orbax already turns it off. No `_sharding` file: restores always pass the
-      target shardings, and writing it took a quarter of a save's CPU (a TensorStore open per
-      array).
+      the first save and makes every save's blocking part several times longer; on GPU Orbax
+      already turns it off. No `_sharding` file: restores always pass the target shardings, and
+      writing it costs a TensorStore open per array (docs/checkpoints.md, "Cost").
     - numpy arrays, not copied again: every one handed to Orbax is a fresh host copy made by
-      `_state_to_write` (Orbax's copy was 13 of the 19 ms a save of the tiny GPT blocked).
+      `_state_to_write` (Orbax's own copy was most of what a save blocked).
     """
     scalar = ocp.type_handlers.ScalarHandler()
     return ocp.type_handlers.create_type_handler_registry(
