@@ -18,6 +18,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxdist import cli, loop
 from jaxdist.checkpoint import Checkpoints, DamagedCheckpoint, abstract_state, array_digests, is_damage
 from jaxdist.checkpoint.integrity import agree
+from jaxdist.data import loader, sources
+from jaxdist.errors import UserError
+from jaxdist.parallel.feed import BatchRows
 from jaxdist.parallel.mesh import make_mesh
 from jaxdist.train.trainer import Trainer
 
@@ -218,3 +221,58 @@ def test_shard_cut_short_after_a_run_is_one_line_and_the_checkpoint_restores(tmp
     cfg = make_config(tmp_path / "run")
     with Checkpoints(tmp_path / "run" / "checkpoints", create=False) as store:
         store.restore(4, abstract_state(Trainer.from_config(cfg).state))  # verified against its digests
+
+
+def corrupt_one_record(path, manifest, shard) -> None:
+    """Flips one byte halfway through what the writer put before its zero padding (records, then
+    their index): the shard still opens with every record counted, and one record fails its hash."""
+    data = bytearray(shard.read_bytes())
+    data[len(data[: len(data) // 2].rstrip(b"\0")) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    tokens = sources.ArrayRecordTokens(path, manifest, "train")
+    chunk, failing = manifest["chunk_tokens"], []
+    for index in range(-(-len(tokens) // chunk)):
+        try:
+            tokens[index * chunk : index * chunk + 1]
+        except UserError:
+            failing.append(index)
+    assert len(failing) == 1, failing
+
+
+def first_unreadable_batch(cfg) -> int:
+    """The index of the first train batch the pipeline cannot read (batch b feeds step b + 1)."""
+    batches = loader.train_iterator(cfg, BatchRows(cfg.train.global_batch, tuple(range(cfg.train.global_batch))))
+    for index in range(100):
+        try:
+            next(batches)
+        except UserError:
+            return index
+    raise AssertionError("no batch failed")
+
+
+def test_corrupt_record_met_mid_run_is_one_line_and_the_checkpoints_restore(tmp_path, capfd):
+    path, manifest = prepared(tmp_path, random_documents(12, seed=3), eval_fraction=0.1,
+                              chunk_tokens=16, records_per_shard=32)
+    shard = path / manifest["splits"]["train"]["files"][1]
+    intact = shard.read_bytes()
+    corrupt_one_record(path, manifest, shard)
+    data = {"source": "arrayrecord", "path": str(path)}
+    failing = first_unreadable_batch(make_config(tmp_path / "run", data=data, train={"global_batch": 8}))
+    assert failing >= 2  # read mid-run, after a checkpoint
+    raw = {**TINY_GPT, "run_dir": str(tmp_path / "run"), "train": {"steps": failing + 2, "global_batch": 8},
+           "checkpoint": {"every": 1, "keep": 100}, "data": data}
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump(raw))
+    capfd.readouterr()
+    assert cli.main(["train", str(config_file)]) == 2
+    captured = capfd.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("jaxdist: error: ") and f"shard {shard.name} is corrupt" in err[0], err
+    # Step `failing` completed before its next batch failed: its state is good and saved, none after.
+    assert f"error after step {failing}: saved the last good state" in captured.out
+    assert saved_steps(tmp_path / "run" / "checkpoints") == list(range(1, failing + 1))
+
+    shard.write_bytes(intact)
+    assert cli.main(["train", str(config_file)]) == 0
+    assert f"resuming from step {failing}" in capfd.readouterr().out  # verified against its digests
+    assert saved_steps(tmp_path / "run" / "checkpoints")[-1] == failing + 2

@@ -205,3 +205,28 @@ def test_unequal_arrays_name_the_file(tmp_path):
     cfg = make_config(tmp_path, data={"source": "arrays", "path": str(tmp_path / "bad.npz")})
     with pytest.raises(UserError, match=r"data.path=.*bad.npz: need one or more non-empty arrays of equal length"):
         loader.open_split(cfg, "train")
+
+
+class Unreadable:
+    """`source` with example `bad` failing to read, as a corrupt record of a shard does."""
+
+    def __init__(self, source, bad: int):
+        self.source, self.bad = source, bad
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, index: int):
+        if index == self.bad:
+            raise UserError(f"example {index} is unreadable")
+        return self.source[index]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_read_error_surfaces_as_itself_from_read_threads_and_workers(tmp_path, dataset, workers):
+    source = Unreadable(loader.open_split(data_config(tmp_path, dataset[0]), "train"), bad=5)
+    batches = pipeline.train_batches(source, BatchRows(GLOBAL_BATCH, tuple(range(GLOBAL_BATCH))), 0, workers=workers)
+    with pytest.raises(UserError) as caught:
+        for _ in range(len(source) // GLOBAL_BATCH + 1):  # one epoch reads every example
+            next(batches)
+    assert str(caught.value) == "example 5 is unreadable"  # grain only adds notes, which the CLI leaves out
