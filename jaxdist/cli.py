@@ -64,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
         ("plan", "compile the train step without running it: memory per device, FLOPs, what fits"),
     ):
         command = commands.add_parser(name, help=help_text)
-        command.add_argument("config", help="YAML config file")
+        command.add_argument("config", help="YAML config file, or a recipe's name (e.g. tiny, gpt_406m)")
         command.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
         if name == "bench":
             command.add_argument("--steps", type=_COUNT, default=30,
@@ -80,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
                                  "and suggest a change that does")
     show = commands.add_parser("config", help="print configs").add_subparsers(dest="config_command", required=True)
     show = show.add_parser("show", help="print every config key with its value, type and meaning")
-    show.add_argument("config", nargs="?", help="YAML config file (default: the defaults)")
+    show.add_argument("config", nargs="?", help="YAML config file or recipe name (default: the defaults)")
     show.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
     commands.add_parser("build-kernels", help="build the C++ GPU kernels into the cache (train and bench do it on "
                         "a GPU): one line per kernel, built, up to date or unavailable and why")
@@ -101,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.tensor=2")
     doctor.add_argument("--megabytes", type=_AMOUNT, default=64.0, help="buffer per device for bandwidth")
     scale = commands.add_parser("scale", help="print communication, checkpoint and layout numbers for N hosts")
-    scale.add_argument("config", help="YAML config (the model recipe)")
+    scale.add_argument("config", help="YAML config file or recipe name (the model)")
     scale.add_argument("overrides", nargs="*", help="dotted overrides")
     scale.add_argument("--hosts", type=_COUNT, required=True, help="number of hosts")
     scale.add_argument("--gpus-per-host", type=_COUNT, default=8)

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from jaxdist.errors import UserError
 
 MESH_AXES = ("data", "stage", "fsdp", "tensor")
+RECIPES = Path(__file__).parent / "recipes"
 
 
 class Section(BaseModel):
@@ -372,13 +373,31 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def recipes() -> list[str]:
+    """Names of the recipes that ship with jaxdist (`jaxdist/recipes/NAME.yaml`)."""
+    return sorted(recipe.stem for recipe in RECIPES.glob("*.yaml"))
+
+
+def _locate(path: str | Path) -> Path:
+    """`path` itself, or the recipe it names when it is a bare name (no suffix, no folder) and no file."""
+    path = Path(path)
+    if path.is_file() or path.suffix or len(path.parts) != 1:
+        return path
+    recipe = RECIPES / f"{path}.yaml"
+    if not recipe.is_file():
+        raise UserError(f"config {path} is neither a file nor a recipe; recipes: {', '.join(recipes())}")
+    return recipe
+
+
 def load(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    """Reads a YAML file (or the defaults, when path is None) and applies `key.sub=value` overrides."""
+    """Reads a YAML file or a recipe by name (or the defaults, when path is None) and applies
+    `key.sub=value` overrides."""
     raw: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
+        path = _locate(path)
         if not path.is_file():
-            raise UserError(f"config file {path} does not exist: pass the path of a YAML file")
+            raise UserError(f"config file {path} does not exist: pass the path of a YAML file, or a recipe: "
+                            f"{', '.join(recipes())}")
         try:
             raw = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeyLoader) or {}
         except UnicodeDecodeError as err:

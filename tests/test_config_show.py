@@ -1,9 +1,13 @@
-"""`jaxdist config show`: every key with its value, type and meaning, which the config classes carry."""
+"""`jaxdist config show`: every key with its value, type and meaning; recipes load by name."""
 
+from pathlib import Path
+
+import pytest
 from pydantic import BaseModel
 
-from jaxdist import cli
+from jaxdist import cli, config
 from jaxdist.config import Config
+from jaxdist.errors import UserError
 
 
 def _fields_without_description(model: type[BaseModel], prefix: str = "") -> list[str]:
@@ -46,3 +50,23 @@ def test_show_applies_the_config_and_overrides(capsys, tmp_path):
     assert _shown(capsys, str(path), "mesh.fsdp=4")["train.global_batch"][0] == "64"
     assert _shown(capsys, str(path), "mesh.fsdp=4")["mesh.fsdp"][0] == "4"
     assert _shown(capsys, "impl.loss_chunk=64")["impl.loss_chunk"][0] == "64"  # overrides without a file
+
+
+def test_a_recipe_loads_by_name(monkeypatch):
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    assert config.load("gpt_406m") == config.load("jaxdist/recipes/gpt_406m.yaml")
+    assert {"tiny", "gpt_406m", "gpt_1b4"} <= set(config.recipes())
+
+
+def test_an_unknown_recipe_is_one_line_listing_the_recipes(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["config", "show", "gpt_9t"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1
+    assert "gpt_9t" in err and "gpt_406m" in err and "tiny" in err
+    with pytest.raises(UserError, match="gpt_9t"):
+        config.load("gpt_9t")
+
+
+def test_show_names_a_recipe(capsys):
+    assert _shown(capsys, "gpt_406m")["impl.loss_chunk"][0] == "256"
