@@ -273,6 +273,13 @@ class SampleConfig(Section):
     temperature: float = Field(0.8, ge=0, description="sampling temperature (0: greedy)")
 
 
+class ProfileConfig(Section):
+    """A JAX profiler trace of some train steps, into run_dir/profile/process_<i>."""
+
+    start_step: int = Field(1, gt=0, description="first traced step")
+    steps: int = Field(0, ge=0, description="steps to trace (0: no trace)")
+
+
 class Config(Section):
     """A whole run: its sections, seed and run directory."""
 
@@ -291,6 +298,7 @@ class Config(Section):
     checkpoint: CheckpointConfig = Field(CheckpointConfig(), description="checkpoints")
     pipeline: PipelineConfig = Field(PipelineConfig(), description="pipeline parallelism")
     sample: SampleConfig = Field(SampleConfig(), description="the text sample after training")
+    profile: ProfileConfig = Field(ProfileConfig(), description="profiler trace of train steps")
 
     @field_validator("run_dir")
     @classmethod
