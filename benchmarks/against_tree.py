@@ -1,12 +1,12 @@
 """The same `jaxdist bench` with this tree and another checkout of jaxdist, alternating, in one call.
 
-    git archive REV jaxdist configs | tar -x -C .other      # e.g. the commit before a change
-    python benchmarks/against_tree.py .other [--config configs/gpt_406m.yaml] [--pairs 2]
+    git archive REV jaxdist | tar -x -C .other      # e.g. the commit before a change
+    python benchmarks/against_tree.py .other [--config jaxdist/recipes/gpt_406m.yaml] [--pairs 2]
 
 Runs `--pairs` x (this tree, the other), each as a fresh process on the same GPU, then prints
 each run's step time, compile time and first loss, and the ratio of the medians. Before the pairs,
 this tree runs once more to fill the compilation cache and build the kernels, so its first timed
-run shows what a second start costs (`compile_s`).
+run shows what a second start costs (`compile_s`). Both trees read this tree's config file.
 """
 
 from __future__ import annotations
@@ -32,12 +32,13 @@ def bench(tree: Path, config: str, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("other", type=Path, help="another jaxdist tree (holding jaxdist/ and configs/)")
-    parser.add_argument("--config", default="configs/gpt_406m.yaml")
+    parser.add_argument("other", type=Path, help="another jaxdist tree (holding jaxdist/)")
+    parser.add_argument("--config", default="jaxdist/recipes/gpt_406m.yaml")
     parser.add_argument("--pairs", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     here = Path(__file__).resolve().parents[1]
+    args.config = str((here / args.config).resolve())  # older trees keep their recipes elsewhere
     first = bench(here, args.config, args.steps)
     rows = [("this tree, first start", first)]
     for _ in range(args.pairs):

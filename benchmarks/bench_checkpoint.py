@@ -1,6 +1,6 @@
 """Async checkpoint overhead: step time with a checkpoint after every step vs. without.
 
-    JAXDIST_CPU_DEVICES=8 python benchmarks/bench_checkpoint.py [configs/tiny.yaml] [key=value ...]
+    JAXDIST_CPU_DEVICES=8 python benchmarks/bench_checkpoint.py [jaxdist/recipes/tiny.yaml] [key=value ...]
         [--segments 4] [--steps-per-segment 10]
 
 One trainer trains in alternating segments, without saving and with an async Orbax save after
@@ -44,7 +44,7 @@ def main() -> None:
     jaxdist.use_cpu_devices()
     jaxdist.gpu_defaults()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("config", nargs="?", default="configs/tiny.yaml")
+    parser.add_argument("config", nargs="?", default="jaxdist/recipes/tiny.yaml")
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--segments", type=int, default=4, help="segments of each mode, alternating")
     parser.add_argument("--steps-per-segment", type=int, default=10)

@@ -1,10 +1,10 @@
 """Per-device memory of the compiled train step across values of one config key (compile only, no run).
 
-    JAXDIST_CPU_DEVICES=8 python benchmarks/step_memory.py configs/tiny.yaml train.global_batch=64 \
+    JAXDIST_CPU_DEVICES=8 python benchmarks/step_memory.py jaxdist/recipes/tiny.yaml train.global_batch=64 \
         --sweep train.microbatches=1,2,4,8
-    JAXDIST_CPU_DEVICES=1 python benchmarks/step_memory.py configs/tiny.yaml model.vocab=16384 \
+    JAXDIST_CPU_DEVICES=1 python benchmarks/step_memory.py jaxdist/recipes/tiny.yaml model.vocab=16384 \
         --sweep impl.loss_chunk=0,8,32,128
-    python benchmarks/step_memory.py configs/gpt_406m.yaml --sweep impl.loss_chunk=0,128,256   # on a GPU
+    python benchmarks/step_memory.py jaxdist/recipes/gpt_406m.yaml --sweep impl.loss_chunk=0,128,256   # on a GPU
 
 For each value, the step is compiled as `jaxdist plan` compiles it (the real step, for a described
 state) and XLA's memory analysis printed: temporaries (activations, gradients, the accumulation

@@ -1,4 +1,5 @@
-"""`jaxdist train | rules | bench | build-kernels | data prepare | launch | doctor | scale | export | plot`: the command line.
+"""`jaxdist train | rules | bench | plan | config show | build-kernels | data prepare | launch | doctor | scale | export |
+plot`: the command line.
 
 Exit codes: 0 done, 1 crash, 2 user error, 3 `train` stopped at a non-finite loss or gradients
 (nothing of that step saved; the last checkpoint is intact), 130 interrupted (Ctrl-C) before training
@@ -63,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
         ("plan", "compile the train step without running it: memory per device, FLOPs, what fits"),
     ):
         command = commands.add_parser(name, help=help_text)
-        command.add_argument("config", help="YAML config file")
+        command.add_argument("config", help="YAML config file, or a recipe's name (e.g. tiny, gpt_406m)")
         command.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
         if name == "bench":
             command.add_argument("--steps", type=_COUNT, default=30,
@@ -77,6 +78,10 @@ def _parser() -> argparse.ArgumentParser:
                                  help="plan for N devices (on a CPU-only machine: N simulated devices)")
             command.add_argument("--device-memory", help="memory per device, e.g. 80GB: say whether it fits, "
                                  "and suggest a change that does")
+    show = commands.add_parser("config", help="print configs").add_subparsers(dest="config_command", required=True)
+    show = show.add_parser("show", help="print every config key with its value, type and meaning")
+    show.add_argument("config", nargs="?", help="YAML config file or recipe name (default: the defaults)")
+    show.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
     commands.add_parser("build-kernels", help="build the C++ GPU kernels into the cache (train and bench do it on "
                         "a GPU): one line per kernel, built, up to date or unavailable and why")
     launch = commands.add_parser("launch", help="run a command as N processes on this host")
@@ -96,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.tensor=2")
     doctor.add_argument("--megabytes", type=_AMOUNT, default=64.0, help="buffer per device for bandwidth")
     scale = commands.add_parser("scale", help="print communication, checkpoint and layout numbers for N hosts")
-    scale.add_argument("config", help="YAML config (the model recipe)")
+    scale.add_argument("config", help="YAML config file or recipe name (the model)")
     scale.add_argument("overrides", nargs="*", help="dotted overrides")
     scale.add_argument("--hosts", type=_COUNT, required=True, help="number of hosts")
     scale.add_argument("--gpus-per-host", type=_COUNT, default=8)
@@ -166,6 +171,20 @@ def _bench(args) -> None:
     bench.write(result, args.out)
 
 
+def _config_show(args) -> None:
+    from pathlib import Path
+
+    from jaxdist import config
+
+    path, overrides = args.config, args.overrides
+    if path is not None and "=" in path and not Path(path).exists():  # only overrides were given
+        path, overrides = None, [path, *overrides]
+    rows = [("key", "value", "type", "meaning"), *config.describe(config.load(path, overrides))]
+    widths = [max(len(row[column]) for row in rows) for column in range(3)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[3])
+
+
 def _build_kernels(args) -> int:
     import jax
 
@@ -217,7 +236,7 @@ def _plot(args) -> None:
 
 
 # Commands that never run JAX on this process's devices, so they do not join a process group.
-_OFFLINE = {"launch", "scale", "data", "export", "build-kernels", "plot"}
+_OFFLINE = {"launch", "scale", "data", "export", "build-kernels", "plot", "config"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         commands = {
             "train": _train, "rules": _rules, "bench": _bench, "plan": _plan, "build-kernels": _build_kernels,
             "launch": _launch, "doctor": _doctor, "scale": _scale, "data": prepare.run, "export": _export,
-            "plot": _plot,
+            "plot": _plot, "config": _config_show,
         }
         return commands[args.command](args) or 0
     except UserError as err:

@@ -6,10 +6,12 @@ naming the dotted key; `jaxdist.parallel.layout` adds the checks that need the d
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -17,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from jaxdist.errors import UserError
 
 MESH_AXES = ("data", "stage", "fsdp", "tensor")
+RECIPES = Path(__file__).parent / "recipes"
 
 
 class Section(BaseModel):
@@ -26,10 +29,10 @@ class Section(BaseModel):
 class MeshConfig(Section):
     """Mesh axis sizes; -1 means all remaining devices (at most one axis may say so)."""
 
-    data: int = 1
-    stage: int = 1
-    fsdp: int = -1
-    tensor: int = 1
+    data: int = Field(1, description="devices along the data-parallel axis (replicas of the parameters)")
+    stage: int = Field(1, description="pipeline stages (> 1 runs the layer stack as a pipeline)")
+    fsdp: int = Field(-1, description="devices the parameters and optimizer state are sharded over (FSDP)")
+    tensor: int = Field(1, description="devices each layer's matmuls are split over (tensor parallelism)")
 
     @model_validator(mode="after")
     def _sizes(self) -> MeshConfig:
@@ -43,33 +46,35 @@ class MeshConfig(Section):
         return self
 
 
+# A rules override: a mesh axis, a list of mesh axes, or None (replicated).
+AxisRule = str | list[str] | None
+
+
 class RulesConfig(Section):
-    """A preset of logical-axis rules, with per-name overrides for params and activations.
+    """A preset of logical-axis rules, with per-name overrides for params and activations."""
 
-    Each override maps a logical name to a mesh axis, a list of mesh axes, or null (replicated).
-    """
-
-    preset: str = "fsdp_tp"
-    params: dict[str, str | list[str] | None] = Field(default_factory=dict)
-    activations: dict[str, str | list[str] | None] = Field(default_factory=dict)
+    preset: str = Field("fsdp_tp", description="logical-axis rules preset: dp, fsdp, tp or fsdp_tp")
+    params: dict[str, AxisRule] = Field(
+        default_factory=dict, description="parameter rules overrides: logical name -> mesh axis, axes or null")
+    activations: dict[str, AxisRule] = Field(
+        default_factory=dict, description="activation rules overrides: logical name -> mesh axis, axes or null")
 
 
 class ModelConfig(Section):
     """The architecture: what the model computes (`impl` says how it runs)."""
 
-    name: str = "gpt"
-    # auto: the vocabulary of the configured data, resolved before the model is built
-    # (`jaxdist.data.loader.resolve_vocab`).
-    vocab: int | Literal["auto"] = 256
-    d_model: int = Field(256, gt=0)
-    layers: int = Field(4, gt=0)
-    heads: int = Field(8, gt=0)
-    mlp_ratio: float = Field(4.0, gt=0)
-    seq_len: int = Field(256, gt=0)
-    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
-    positions: Literal["learned", "rope"] = "learned"
-    activation: Literal["gelu", "swiglu"] = "gelu"
-    tied_embeddings: bool = False
+    name: str = Field("gpt", description="registered model name (jaxdist.models)")
+    vocab: int | Literal["auto"] = Field(
+        256, description="vocabulary size; auto: the configured data's (resolved before the model is built)")
+    d_model: int = Field(256, gt=0, description="width of the residual stream")
+    layers: int = Field(4, gt=0, description="number of transformer blocks")
+    heads: int = Field(8, gt=0, description="attention heads (must divide d_model)")
+    mlp_ratio: float = Field(4.0, gt=0, description="MLP hidden width as a multiple of d_model")
+    seq_len: int = Field(256, gt=0, description="tokens per sequence")
+    norm: Literal["layernorm", "rmsnorm"] = Field("layernorm", description="normalization layer")
+    positions: Literal["learned", "rope"] = Field("learned", description="position encoding")
+    activation: Literal["gelu", "swiglu"] = Field("gelu", description="MLP activation")
+    tied_embeddings: bool = Field(False, description="the output projection reuses the token embedding")
 
     @field_validator("vocab", mode="before")
     @classmethod
@@ -96,37 +101,27 @@ class ImplConfig(Section):
     """How the model runs: layer stacking, recomputation, kernels and loss chunking.
 
     None of these changes the math beyond float rounding; they trade compile time, memory and speed
-    (docs/performance.md says what each was measured to do).
+    (docs/performance.md says what each was measured to do). For a kernel switch, auto uses it where
+    it is possible and known to be faster, xla never, the explicit value always (or errors).
     """
 
-    # true: the layers stacked and run as a `lax.scan` (fast compile; needed by pipelines);
-    # false: each layer its own parameters, unrolled (faster on GPU).
-    scan_layers: bool = True
-    # Recomputed in the backward pass: nothing (none), the MLP activation (mlp: one elementwise
-    # pass, saves batch x length x mlp_dim per layer), all but matmul outputs (dots), or each block (full).
-    remat: Literal["none", "mlp", "full", "dots"] = "none"
-    attention: Literal["auto", "xla", "cudnn"] = "auto"
-    # Residual add + norm as one Pallas kernel each way (kernels/fused_norm.py): auto = on GPU where
-    # the shapes allow, with the layers unrolled; xla = plain XLA fusions; pallas = always (errors if not possible).
-    norm_impl: Literal["auto", "xla", "pallas"] = "auto"
-    # The MLP's backward matmul with GELU's gradient in cuBLASLt's epilogue (kernels/gelu_matmul.py,
-    # built by `jaxdist build-kernels` or train/bench on a GPU): auto = on GPU where it is built, with
-    # the layers unrolled and bf16 activations; xla = a separate pass after the matmul; cublaslt =
-    # always (errors if not possible).
-    gelu_grad_impl: Literal["auto", "xla", "cublaslt"] = "auto"
-    # dtype the output projection writes its logits in; the softmax is float32 either way.
-    logits_dtype: Literal["float32", "compute"] = "float32"
-    # > 0: the training and eval loss project to the vocabulary this many sequence positions at a
-    # time (models/cross_entropy.py), never holding the full logits; 0: one projection.
-    loss_chunk: int = Field(0, ge=0)
-    # The chunked loss's softmax, per-row loss and logits gradient as one Pallas kernel per chunk
-    # (kernels/softmax_grad.py): auto = on GPU where the vocabulary is whole on each device; xla = a
-    # reduction and a gradient pass; pallas = always (errors if not possible). Needs loss_chunk > 0.
-    loss_impl: Literal["auto", "xla", "pallas"] = "auto"
-    # > 1: every layer runs on this many slices of each device's batch in turn (unrolled layers), so
-    # one slice's tensor-parallel all-reduce can run while the next slice computes. For tensor
-    # parallelism; beside data/fsdp axes XLA may reduce each slice's weight gradients on its own.
-    batch_chunks: int = Field(1, ge=1)
+    scan_layers: bool = Field(
+        True, description="true: layers stacked in a lax.scan (fast compile, needed by pipelines); false: unrolled")
+    remat: Literal["none", "mlp", "full", "dots"] = Field(
+        "none", description="recomputed in the backward: nothing, the MLP activation, all but matmuls, or each block")
+    attention: Literal["auto", "xla", "cudnn"] = Field("auto", description="attention implementation")
+    norm_impl: Literal["auto", "xla", "pallas"] = Field(
+        "auto", description="residual add + norm as one Pallas kernel (kernels/fused_norm.py; unrolled layers)")
+    gelu_grad_impl: Literal["auto", "xla", "cublaslt"] = Field(
+        "auto", description="GELU's gradient in the MLP backward matmul's cuBLASLt epilogue (kernels/gelu_matmul.py)")
+    logits_dtype: Literal["float32", "compute"] = Field(
+        "float32", description="dtype of the output projection's logits (the softmax is float32 either way)")
+    loss_chunk: int = Field(
+        0, ge=0, description="> 0: the loss projects this many positions at a time, never the full logits")
+    loss_impl: Literal["auto", "xla", "pallas"] = Field(
+        "auto", description="the chunked loss's softmax and gradient as one Pallas kernel (needs loss_chunk > 0)")
+    batch_chunks: int = Field(
+        1, ge=1, description="> 1: each layer runs on this many batch slices, overlapping tensor-parallel reductions")
 
     @model_validator(mode="after")
     def _combinations(self) -> ImplConfig:
@@ -142,21 +137,17 @@ class ImplConfig(Section):
 
 
 class DataConfig(Section):
-    """Where examples come from (`stdlib`, `arrayrecord` shards or an `arrays` .npz at `path`).
+    """Where examples come from and how they are read."""
 
-    `eval_fraction` holds out that share of stdlib files or array rows (prepared shards fix their
-    eval split when written); `epochs`, when set, decides `train.steps`; `workers` > 0 reads in
-    that many grain worker processes (the batches are the same at any count; absl's flags are then
-    marked parsed, as grain's workers need).
-    """
-
-    source: Literal["stdlib", "arrayrecord", "arrays"] = "stdlib"
-    path: str | None = None
-    eval_fraction: float = Field(0.01, ge=0, lt=1)
-    epochs: int | None = Field(None, gt=0)
-    workers: int = Field(0, ge=0)
-    read_threads: int = Field(2, ge=0)
-    prefetch: int = Field(4, ge=0)
+    source: Literal["stdlib", "arrayrecord", "arrays"] = Field(
+        "stdlib", description="stdlib: Python's standard library .py files; arrayrecord: prepared shards; arrays: an .npz")
+    path: str | None = Field(None, description="prepared directory or .npz file (not for stdlib)")
+    eval_fraction: float = Field(
+        0.01, ge=0, lt=1, description="share of stdlib files or array rows held out for eval")
+    epochs: int | None = Field(None, gt=0, description="when set, decides train.steps")
+    workers: int = Field(0, ge=0, description="grain worker processes (0: read in this process; same batches)")
+    read_threads: int = Field(2, ge=0, description="grain read threads")
+    prefetch: int = Field(4, ge=0, description="grain read-ahead buffer, in elements")
 
     @model_validator(mode="after")
     def _path(self) -> DataConfig:
@@ -168,66 +159,53 @@ class DataConfig(Section):
 
 
 class TrainConfig(Section):
-    """`microbatches` scan steps per optimizer step; `grad_reduction` says when gradients cross devices.
+    """Steps, batch, accumulation, when gradients and weights cross devices, and non-finite steps.
 
-    per_step: reduce once after the scan (one all-reduce/reduce-scatter per step at any
-    microbatch count; each device holds its unreduced fp32 gradients, unsharded along the batch
-    axes, during the scan). per_microbatch: reduce inside every scan step (k reductions per step;
-    gradients stay sharded like the parameters, which is lighter on memory under FSDP).
-
-    `fsdp_gather` says when the weights the model reads are gathered over the `fsdp` axis.
-    per_layer (FSDP, ZeRO-3): XLA gathers each layer's where it is used, in the forward and again
-    in the backward unless it keeps the forward's for the backward (on GPU it did, 406M GPT).
-    per_step (ZeRO-2): the compute-dtype copies (`precision.compute_copies`) are gathered whole once
-    per step, in the forward, and kept for the backward (PyTorch FSDP2's
-    reshard_after_forward=False); XLA hoists the gather out of the microbatch scan, as the copies do
-    not change inside it. The float32 weights and optimizer state stay sharded, gradients are
-    reduce-scattered, and each device updates its shard only. Weights without a copy (for the GPT:
-    embeddings, norms, head) are gathered where used, as under per_layer.
-
-    A step whose loss or gradients are not finite never updates the state: it keeps the old
-    parameters and optimizer state (its data is consumed). `on_nonfinite` says what the run does
-    next: halt (stop without saving that step, exit code 3) or skip (go on; after
-    `max_consecutive_skips` such steps in a row, halt). Under dynamic loss scaling a gradient
-    overflow is the scaler's business (skipped, the scale halves) unless the scale is already 1.
+    grad_reduction per_step holds each device's unreduced fp32 gradients during the scan;
+    per_microbatch keeps them sharded like the parameters (lighter under FSDP). fsdp_gather
+    per_step gathers the compute-dtype copies once in the forward and keeps them for the backward
+    (PyTorch FSDP2's reshard_after_forward=False); float32 weights and optimizer state stay sharded.
+    A non-finite step never updates the state (its data is consumed); under dynamic loss scaling
+    an overflow is the scaler's business unless the scale is already 1.
     """
 
-    steps: int = Field(300, gt=0)
-    global_batch: int = Field(32, gt=0)
-    microbatches: int = Field(1, gt=0)
-    grad_reduction: Literal["per_step", "per_microbatch"] = "per_step"
-    fsdp_gather: Literal["per_layer", "per_step"] = "per_layer"
-    on_nonfinite: Literal["halt", "skip"] = "halt"
-    max_consecutive_skips: int = Field(10, gt=0)
+    steps: int = Field(300, gt=0, description="optimizer steps to train")
+    global_batch: int = Field(
+        32, gt=0, description="sequences or examples per optimizer step, all processes together")
+    microbatches: int = Field(1, gt=0, description="scan steps (gradient accumulation) per optimizer step")
+    grad_reduction: Literal["per_step", "per_microbatch"] = Field(
+        "per_step", description="reduce gradients once after the microbatch scan, or inside every scan step")
+    fsdp_gather: Literal["per_layer", "per_step"] = Field(
+        "per_layer", description="gather fsdp-sharded weights where each layer uses them (ZeRO-3) or once a step (ZeRO-2)")
+    on_nonfinite: Literal["halt", "skip"] = Field(
+        "halt", description="after a non-finite step: stop without saving it (exit 3), or go on")
+    max_consecutive_skips: int = Field(10, gt=0, description="under skip: halt after more bad steps in a row")
 
 
 class OptimConfig(Section):
-    """Optimizer, weight-decay and trust-ratio masks, clipping, schedule and batch-size LR scaling.
+    """Optimizer, weight-decay and trust-ratio masks, clipping, schedule and batch-size LR scaling."""
 
-    `lr` is the peak learning rate at `base_batch`; `lr_scaling` rescales it to
-    `train.global_batch` (linear: Goyal et al. 2017; sqrt: for adaptive optimizers). The schedule
-    warms up linearly from 0 over `warmup_steps`, then holds (constant) or decays (cosine, linear)
-    to `min_lr_ratio` x the peak at `train.steps`.
-    """
-
-    name: Literal["adamw", "sgd", "lamb", "lars", "adafactor"] = "adamw"
-    lr: float = Field(3e-3, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    decay_norms_and_biases: bool = False
-    decay_embeddings: bool = False
-    trust_ratio_norms_and_biases: bool = False
-    trust_coefficient: float = Field(0.001, gt=0)
-    b1: float = Field(0.9, ge=0, lt=1)
-    b2: float = Field(0.95, ge=0, lt=1)
-    eps: float = Field(1e-8, gt=0)
-    momentum: float = Field(0.9, ge=0, lt=1)
-    nesterov: bool = False
-    warmup_steps: int = Field(0, ge=0)
-    schedule: Literal["constant", "cosine", "linear"] = "constant"
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
-    base_batch: int | None = Field(None, gt=0)
-    clip_norm: float | None = Field(1.0, gt=0)
+    name: Literal["adamw", "sgd", "lamb", "lars", "adafactor"] = Field("adamw", description="optimizer")
+    lr: float = Field(3e-3, gt=0, description="peak learning rate, at base_batch")
+    weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay")
+    decay_norms_and_biases: bool = Field(False, description="apply weight decay to norms and biases too")
+    decay_embeddings: bool = Field(False, description="apply weight decay to embeddings too")
+    trust_ratio_norms_and_biases: bool = Field(
+        False, description="lamb/lars: apply the trust ratio to norms and biases too")
+    trust_coefficient: float = Field(0.001, gt=0, description="lars: trust coefficient")
+    b1: float = Field(0.9, ge=0, lt=1, description="adam/lamb: first-moment decay")
+    b2: float = Field(0.95, ge=0, lt=1, description="adam/lamb: second-moment decay")
+    eps: float = Field(1e-8, gt=0, description="adam/lamb: denominator epsilon")
+    momentum: float = Field(0.9, ge=0, lt=1, description="sgd/lars: momentum")
+    nesterov: bool = Field(False, description="sgd/lars: Nesterov momentum")
+    warmup_steps: int = Field(0, ge=0, description="steps of linear warmup from 0 to the peak")
+    schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="after warmup: hold, or decay to min_lr_ratio x peak at train.steps")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final learning rate as a fraction of the peak")
+    lr_scaling: Literal["none", "linear", "sqrt"] = Field(
+        "none", description="rescale lr from base_batch to train.global_batch (linear: Goyal et al. 2017)")
+    base_batch: int | None = Field(None, gt=0, description="the batch size lr was tuned for (for lr_scaling)")
+    clip_norm: float | None = Field(1.0, gt=0, description="clip the global gradient norm to this (null: off)")
 
     @model_validator(mode="after")
     def _scaling(self) -> OptimConfig:
@@ -242,76 +220,85 @@ class OptimConfig(Section):
 class PrecisionConfig(Section):
     """Mixed precision: parameter (master) dtype, compute dtype, and loss scaling for float16.
 
-    compute=auto is bfloat16 on GPU and TPU, float32 on CPU. Losses and the gradients the optimizer
-    sees are float32.
-
-    loss_scale=auto is dynamic for float16 compute, none otherwise: the loss is multiplied by the
-    scale, a step whose gradients are not all finite is skipped and halves the scale, and
-    `loss_scale_period` clean steps in a row double it.
+    Losses and the gradients the optimizer sees are float32. Dynamic loss scaling skips a step
+    whose gradients are not all finite and halves the scale.
     """
 
-    compute: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    params: Literal["float32", "bfloat16"] = "float32"
-    # Keep the matmul weights' compute-dtype copies between steps, written by the optimizer's update,
-    # instead of casting every weight at the start of each step (same values and gradients).
-    compute_copies: bool = True
-    loss_scale: Literal["auto", "dynamic", "none"] = "auto"
-    loss_scale_init: float = Field(2.0**15, gt=0)
-    loss_scale_period: int = Field(2000, gt=0)
+    compute: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="compute dtype; auto: bfloat16 on GPU and TPU, float32 on CPU")
+    params: Literal["float32", "bfloat16"] = Field("float32", description="dtype of the stored (master) parameters")
+    compute_copies: bool = Field(
+        True, description="keep the weights' compute-dtype copies between steps instead of casting each step")
+    loss_scale: Literal["auto", "dynamic", "none"] = Field(
+        "auto", description="loss scaling; auto: dynamic for float16 compute, none otherwise")
+    loss_scale_init: float = Field(2.0**15, gt=0, description="initial dynamic loss scale")
+    loss_scale_period: int = Field(2000, gt=0, description="clean steps in a row that double the loss scale")
 
 
 class LogConfig(Section):
-    every: int = Field(10, gt=0)
+    """Console and metrics logging."""
+
+    every: int = Field(10, gt=0, description="log metrics every N steps (and the first and last)")
 
 
 class EvalConfig(Section):
-    every: int = Field(0, ge=0)
-    batches: int | None = Field(None, gt=0)  # None: the whole eval split
+    """Evaluation on the held-out split."""
+
+    every: int = Field(0, ge=0, description="evaluate every N steps and at the end (0: never)")
+    batches: int | None = Field(None, gt=0, description="eval batches per evaluation (null: the whole eval split)")
 
 
 class CheckpointConfig(Section):
-    """`every`: save every N steps and at the last step, asynchronously (0: never save; a run_dir's
-    existing checkpoints are still resumed from). `keep`: how many of the newest to keep."""
+    """Asynchronous checkpoints in run_dir/checkpoints (existing ones are resumed from even at every=0)."""
 
-    every: int = Field(0, ge=0)
-    keep: int = Field(3, gt=0)
+    every: int = Field(0, ge=0, description="save every N steps and at the last step (0: never)")
+    keep: int = Field(3, gt=0, description="how many of the newest checkpoints to keep")
 
 
 class PipelineConfig(Section):
-    """Pipeline parallelism, used when mesh.stage > 1 (jaxdist.parallel.pipeline).
+    """Pipeline parallelism, used when mesh.stage > 1 (jaxdist.parallel.pipeline)."""
 
-    `microbatches` per gradient-accumulation step (a multiple of mesh.stage); `repeats` layer
-    groups per stage taken round-robin (1: GPipe; more: circular, a smaller bubble for more
-    transfers); `remat` recomputes each stage's forward in the backward pass.
-    """
-
-    microbatches: int = Field(1, gt=0)
-    repeats: int = Field(1, gt=0)
-    remat: bool = False
+    microbatches: int = Field(
+        1, gt=0, description="pipeline microbatches per accumulation step (a multiple of mesh.stage)")
+    repeats: int = Field(
+        1, gt=0, description="layer groups per stage, round-robin (1: GPipe; more: circular, smaller bubble)")
+    remat: bool = Field(False, description="recompute each stage's forward in the backward pass")
 
 
 class SampleConfig(Section):
-    prompt: str = "def "
-    tokens: int = Field(200, ge=0)
-    temperature: float = Field(0.8, ge=0)
+    """The text sample printed after training."""
+
+    prompt: str = Field("def ", description="prompt the sample continues")
+    tokens: int = Field(200, ge=0, description="tokens to generate (0: no sample)")
+    temperature: float = Field(0.8, ge=0, description="sampling temperature (0: greedy)")
+
+
+class ProfileConfig(Section):
+    """A JAX profiler trace of some train steps, into run_dir/profile/process_<i>."""
+
+    start_step: int = Field(1, gt=0, description="first traced step")
+    steps: int = Field(0, ge=0, description="steps to trace (0: no trace)")
 
 
 class Config(Section):
-    seed: int = 0
-    run_dir: str = "runs/default"
-    mesh: MeshConfig = MeshConfig()
-    rules: RulesConfig = RulesConfig()
-    model: ModelConfig = ModelConfig()
-    impl: ImplConfig = ImplConfig()
-    data: DataConfig = DataConfig()
-    train: TrainConfig = TrainConfig()
-    optim: OptimConfig = OptimConfig()
-    precision: PrecisionConfig = PrecisionConfig()
-    log: LogConfig = LogConfig()
-    eval: EvalConfig = EvalConfig()
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    pipeline: PipelineConfig = PipelineConfig()
-    sample: SampleConfig = SampleConfig()
+    """A whole run: its sections, seed and run directory."""
+
+    seed: int = Field(0, description="seed of parameter init, data order and sampling")
+    run_dir: str = Field("runs/default", description="directory of config.yaml, metrics.jsonl and checkpoints/")
+    mesh: MeshConfig = Field(MeshConfig(), description="device mesh axis sizes")
+    rules: RulesConfig = Field(RulesConfig(), description="logical-axis rules")
+    model: ModelConfig = Field(ModelConfig(), description="the architecture")
+    impl: ImplConfig = Field(ImplConfig(), description="how the model runs")
+    data: DataConfig = Field(DataConfig(), description="the input data")
+    train: TrainConfig = Field(TrainConfig(), description="steps, batch and accumulation")
+    optim: OptimConfig = Field(OptimConfig(), description="optimizer and schedule")
+    precision: PrecisionConfig = Field(PrecisionConfig(), description="mixed precision")
+    log: LogConfig = Field(LogConfig(), description="logging")
+    eval: EvalConfig = Field(EvalConfig(), description="evaluation")
+    checkpoint: CheckpointConfig = Field(CheckpointConfig(), description="checkpoints")
+    pipeline: PipelineConfig = Field(PipelineConfig(), description="pipeline parallelism")
+    sample: SampleConfig = Field(SampleConfig(), description="the text sample after training")
+    profile: ProfileConfig = Field(ProfileConfig(), description="profiler trace of train steps")
 
     @field_validator("run_dir")
     @classmethod
@@ -344,6 +331,36 @@ class Config(Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
+def describe(cfg: Config) -> list[tuple[str, str, str, str]]:
+    """Every leaf key of `cfg` as (dotted key, value, type, description), in declaration order."""
+    return list(_describe_section(cfg, ""))
+
+
+def _describe_section(section: BaseModel, prefix: str) -> Iterator[tuple[str, str, str, str]]:
+    for name, field in type(section).model_fields.items():
+        value = getattr(section, name)
+        if isinstance(value, BaseModel):
+            yield from _describe_section(value, f"{prefix}{name}.")
+        else:
+            shown = value if isinstance(value, str) else json.dumps(value)
+            yield f"{prefix}{name}", shown, _type_name(field.annotation), field.description or ""
+
+
+def _type_name(annotation: Any) -> str:
+    """A field's type as a user writes its values: `int`, `float | null`, `auto|xla|pallas`."""
+    if get_origin(annotation) is Literal:
+        return "|".join(str(choice) for choice in get_args(annotation))
+    if get_origin(annotation) in (Union, UnionType):
+        return " | ".join(_type_name(arg) for arg in get_args(annotation))
+    if annotation is type(None):
+        return "null"
+    if get_origin(annotation) is dict:
+        return "mapping"
+    if get_origin(annotation) is list:
+        return f"list[{_type_name(get_args(annotation)[0])}]"
+    return getattr(annotation, "__name__", str(annotation))
+
+
 class DuplicateKey(yaml.YAMLError):
     """A mapping names the same key twice (YAML forbids it; PyYAML alone would keep the last)."""
 
@@ -364,13 +381,31 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def recipes() -> list[str]:
+    """Names of the recipes that ship with jaxdist (`jaxdist/recipes/NAME.yaml`)."""
+    return sorted(recipe.stem for recipe in RECIPES.glob("*.yaml"))
+
+
+def _locate(path: str | Path) -> Path:
+    """`path` itself, or the recipe it names when it is a bare name (no suffix, no folder) and no file."""
+    path = Path(path)
+    if path.is_file() or path.suffix or len(path.parts) != 1:
+        return path
+    recipe = RECIPES / f"{path}.yaml"
+    if not recipe.is_file():
+        raise UserError(f"config {path} is neither a file nor a recipe; recipes: {', '.join(recipes())}")
+    return recipe
+
+
 def load(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    """Reads a YAML file (or the defaults, when path is None) and applies `key.sub=value` overrides."""
+    """Reads a YAML file or a recipe by name (or the defaults, when path is None) and applies
+    `key.sub=value` overrides."""
     raw: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
+        path = _locate(path)
         if not path.is_file():
-            raise UserError(f"config file {path} does not exist: pass the path of a YAML file")
+            raise UserError(f"config file {path} does not exist: pass the path of a YAML file, or a recipe: "
+                            f"{', '.join(recipes())}")
         try:
             raw = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeyLoader) or {}
         except UnicodeDecodeError as err:

@@ -7,7 +7,9 @@ with nothing of that step saved.
 """
 
 import argparse
+import importlib
 import math
+from types import ModuleType
 
 
 class UserError(Exception):
@@ -17,6 +19,15 @@ class UserError(Exception):
 class NonFiniteError(Exception):
     """A step's loss or gradients were not finite and `train.on_nonfinite` says to stop; the message
     names the step and the last checkpoint, which holds only finite steps."""
+
+
+def optional_import(module: str, extra: str, purpose: str) -> ModuleType:
+    """Imports `module`, an optional dependency; if it is missing, a `UserError` naming the extra
+    that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UserError(f"{purpose} needs {module.partition('.')[0]}; pip install 'jaxdist[{extra}]'") from None
 
 
 def cli_number(kind: type[int] | type[float], allow_zero: bool = False):

@@ -24,6 +24,7 @@ from jaxdist.config import Config, TrainConfig
 from jaxdist.data import loader
 from jaxdist.errors import NonFiniteError, UserError
 from jaxdist.observe.metrics import MetricsWriter, drop_after
+from jaxdist.observe.profile import StepProfiler
 from jaxdist.parallel import feed
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import mesh as mesh_lib
@@ -96,9 +97,12 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
     guard = NonFiniteGuard(cfg.train, lambda: checkpoints.last_saved)
     try:
         # guard.halting() is innermost: a halt must not reach the save after an error.
-        with StopSignals() as stop, checkpoints.saving_on_error(trainer), guard.halting():
+        with StopSignals() as stop, checkpoints.saving_on_error(trainer), StepProfiler(
+                cfg.profile, run_dir) as profiler, guard.halting():
             for step in range(start.step + 1, cfg.train.steps + 1):
+                profiler.before(step)
                 metrics = trainer.step(batch)
+                profiler.after(step, metrics)
                 guard.record(step, metrics)
                 if step < cfg.train.steps:
                     batch = trainer.global_batch(next(batches))

@@ -3,7 +3,8 @@
     python3 scripts/profile_summary.py PROFILE_DIR [--steps 3] [--top 25] [--against OTHER_DIR]
 
 Reads the newest `perfetto_trace.json.gz` under PROFILE_DIR (written by `jaxdist bench
---profile PROFILE_DIR`, which traces 3 steps) and sums the kernels on the GPU streams of the first
+--profile PROFILE_DIR`, which traces 3 steps, or by `jaxdist train` into RUN_DIR/profile/process_<i>
+for `profile.steps` steps: pass that count as --steps) and sums the kernels on the GPU streams of the first
 GPU. Times are per step. Kinds are told apart by kernel names: cuBLAS/CUTLASS GEMMs, cuDNN
 attention, NCCL collectives, copies, and XLA's own fusions (elementwise and reductions).
 

@@ -61,7 +61,7 @@ def test_cuda_visible_devices_maps_ordinals_to_nvidia_smi_indices(monkeypatch):
 
 def _bench(capsys) -> dict:
     overrides = ["model.layers=1", "train.global_batch=8", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "--devices", "1"]
-    assert cli.main(["bench", "configs/tiny.yaml", *overrides, "--steps", "2", "--warmup", "1"]) == 0
+    assert cli.main(["bench", "jaxdist/recipes/tiny.yaml", *overrides, "--steps", "2", "--warmup", "1"]) == 0
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 

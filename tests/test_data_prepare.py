@@ -1,6 +1,7 @@
 """`jaxdist data prepare`: formats, tokenizers, manifest; bad input is one line and exit code 2."""
 
 import json
+import sys
 import zlib
 
 import numpy as np
@@ -197,3 +198,21 @@ def test_corrupt_record_is_one_line_and_exit_2_before_compiling(tmp_path, capfd,
     assert code == 2 and len(err) == 1, err
     assert "of shard train-00000.array_record is corrupt (Corrupted Riegeli" in err[0], err
     assert compiles.count == 0
+
+
+@pytest.mark.parametrize("module, extra, suffix, tokenizer", [
+    ("pyarrow", "parquet", ".parquet", "byte"),
+    ("sentencepiece", "sentencepiece", ".txt", "sentencepiece"),
+])
+def test_a_missing_optional_dependency_names_its_extra(tmp_path, capfd, monkeypatch, module, extra, suffix, tokenizer):
+    source = tmp_path / f"docs{suffix}"
+    if suffix == ".parquet":
+        pq.write_table(pa.table({"text": PARQUET_DOCS}), source)
+    else:
+        source.write_text("some text\n")
+    for name in {module, *(name for name in sys.modules if name.startswith(f"{module}."))}:
+        monkeypatch.setitem(sys.modules, name, None)  # None in sys.modules makes `import` fail
+    code = cli.main(["data", "prepare", str(source), "--out", str(tmp_path / "out"), "--tokenizer", tokenizer])
+    err = capfd.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert f"needs {module}; pip install 'jaxdist[{extra}]'" in err

@@ -107,7 +107,7 @@ def test_gpu_defaults_add_jaxdist_flags_and_keep_the_users(monkeypatch):
 
 def test_the_cli_applies_gpu_defaults(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", USER_FLAGS)
-    assert cli.main(["scale", str(ROOT / "configs/gpt_406m.yaml"), "--hosts", "2"]) == 0
+    assert cli.main(["scale", str(ROOT / "jaxdist/recipes/gpt_406m.yaml"), "--hosts", "2"]) == 0
     assert os.environ["XLA_FLAGS"].split() == [*USER_FLAGS.split(), "--xla_gpu_dot_merger_threshold_mb=0"]
 
 
@@ -122,7 +122,7 @@ def test_a_bad_device_count_is_a_user_error(monkeypatch, value):
 
 def test_the_cli_exits_2_with_one_line_on_a_bad_device_count():
     env = {**os.environ, "JAXDIST_CPU_DEVICES": "eight", "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, "-m", "jaxdist.cli", "rules", "configs/tiny.yaml"], cwd=ROOT, env=env,
+    run = subprocess.run([sys.executable, "-m", "jaxdist.cli", "rules", "jaxdist/recipes/tiny.yaml"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert run.stderr.splitlines() == ["jaxdist: error: JAXDIST_CPU_DEVICES='eight' must be a positive integer"]

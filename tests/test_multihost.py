@@ -409,7 +409,7 @@ def test_scale_numbers_follow_from_the_parameter_count(capsys):
     from jaxdist import cli, config
     from jaxdist.observe import scaling
 
-    cfg = config.load(REPO / "configs" / "gpt_406m.yaml")
+    cfg = config.load(REPO / "jaxdist" / "recipes" / "gpt_406m.yaml")
     model = scaling.model_size(cfg)
     d, layers, vocab, seq = 1024, 24, 50304, 1024
     assert model.params == layers * (12 * d * d + 4 * d) + 2 * vocab * d + seq * d + 2 * d  # 406,259,712
@@ -434,19 +434,19 @@ def test_scale_numbers_follow_from_the_parameter_count(capsys):
     assert scaling.checkpoint_cost(model, hw, 8, ddp).total_bytes == 12 * model.params
 
     # ZeRO-2 gathers once.
-    zero2 = scaling.model_size(config.load(REPO / "configs" / "gpt_406m.yaml", ["train.fsdp_gather=per_step"]))
+    zero2 = scaling.model_size(config.load(REPO / "jaxdist" / "recipes" / "gpt_406m.yaml", ["train.fsdp_gather=per_step"]))
     fsdp8 = {"data": 1, "stage": 1, "fsdp": 8, "tensor": 1}
     assert scaling.layout_cost(zero2, hw, 1, fsdp8, 128).traffic["fsdp"].nvlink == pytest.approx(
         7 / 8 * (gathered + grads))
     assert "gradients cross devices as 1.02 GB" in scaling.report(cfg, hosts=1)
 
-    big = config.load(REPO / "configs" / "gpt_1b4.yaml", ["model.d_model=4096", "model.layers=32", "model.heads=32"])
+    big = config.load(REPO / "jaxdist" / "recipes" / "gpt_1b4.yaml", ["model.d_model=4096", "model.layers=32", "model.heads=32"])
     costs = [scaling.layout_cost(scaling.model_size(big), hw, 128, shape, 4096)
              for shape in scaling.candidate_shapes(128, 8)]
     assert not costs[0].fits and "GB per GPU" in costs[0].problem  # 7B with Adam does not fit data-parallel
     assert scaling.choose(costs).shape["fsdp"] * scaling.choose(costs).shape["tensor"] == 8
 
-    assert cli.main(["scale", str(REPO / "configs" / "gpt_406m.yaml"), "--hosts", "128"]) == 0
+    assert cli.main(["scale", str(REPO / "jaxdist" / "recipes" / "gpt_406m.yaml"), "--hosts", "128"]) == 0
     out = capsys.readouterr().out
     assert "128 host(s) x 8 GPUs = 1024 GPUs" in out and "smallest global batch" in out
     assert re.search(r"data=1024 .*<- chosen", out)
@@ -484,7 +484,7 @@ def _run_sbatch(tmp_path: Path, script: str) -> dict[str, str]:
         stub.chmod(0o755)
     env = {"PATH": f"{stubs}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "1234",
            "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_GPUS_ON_NODE": "8"}
-    result = subprocess.run(["bash", str(REPO / "scripts" / "slurm" / script), "configs/gpt_406m.yaml",
+    result = subprocess.run(["bash", str(REPO / "scripts" / "slurm" / script), "jaxdist/recipes/gpt_406m.yaml",
                              "mesh.data=16"], env=env, capture_output=True, text=True, timeout=30, check=True)
     return dict(line.split("=", 1) for line in result.stdout.splitlines())
 
@@ -494,7 +494,7 @@ def test_slurm_templates_point_every_task_at_the_first_node(tmp_path):
 
     per_gpu = _run_sbatch(tmp_path, "train_per_gpu.sbatch")
     assert per_gpu["JAX_COORDINATOR_ADDRESS"] == f"gpu07:{61440 + 1234 % 4096}"
-    assert per_gpu["ARGS"] == "--kill-on-bad-exit=1 --label jaxdist train configs/gpt_406m.yaml mesh.data=16"
+    assert per_gpu["ARGS"] == "--kill-on-bad-exit=1 --label jaxdist train jaxdist/recipes/gpt_406m.yaml mesh.data=16"
     assert "JAX_LOCAL_DEVICE_IDS" not in per_gpu  # JAX gives each task the GPU of its SLURM_LOCALID
     task = {**per_gpu, "SLURM_JOB_ID": "1234", "SLURM_NTASKS": "16", "SLURM_PROCID": "13", "SLURM_LOCALID": "5"}
     group = resolve(task)

@@ -16,7 +16,7 @@ SMALL = {"model": {"d_model": 64, "layers": 2, "heads": 4, "seq_len": 64, "vocab
 
 def test_gpt_1b4_under_fsdp8_holds_an_eighth_of_the_parameters_per_device(devices):
     # Scanned layers: the same parameters as the recipe's unrolled ones, compiled much faster here.
-    cfg = config.load("configs/gpt_1b4.yaml", ["mesh.fsdp=8", "impl.scan_layers=true", "precision.compute=float32"])
+    cfg = config.load("jaxdist/recipes/gpt_1b4.yaml", ["mesh.fsdp=8", "impl.scan_layers=true", "precision.compute=float32"])
     result = plan.make_plan(cfg, devices)
     params = model_size(cfg).params
     assert result.mesh == "data=1 x stage=1 x fsdp=8 x tensor=1" and result.devices == 8

@@ -26,7 +26,7 @@ from array_record.python.array_record_module import ArrayRecordWriter
 
 from jaxdist.data import sources
 from jaxdist.data import tokenizer as tokenizer_lib
-from jaxdist.errors import UserError, cli_number
+from jaxdist.errors import UserError, cli_number, optional_import
 
 SPLITS = ("train", "eval")
 # One record per chunk (group_size:1) keeps random access to a window cheap; zstd:1 decodes fast.
@@ -102,8 +102,8 @@ def _jsonl_text(line: str, where: str, text_key: str) -> str:
 
 
 def _parquet_documents(path: Path, text_key: str) -> Iterator[str]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    pa = optional_import("pyarrow", "parquet", f"data prepare: reading {path}")
+    pq = optional_import("pyarrow.parquet", "parquet", f"data prepare: reading {path}")
 
     try:
         table = pq.ParquetFile(path)

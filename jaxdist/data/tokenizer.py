@@ -17,7 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from jaxdist.data import corpus
-from jaxdist.errors import UserError
+from jaxdist.errors import UserError, optional_import
 
 SENTENCEPIECE_FILE = "tokenizer.model"
 HUGGINGFACE_FILE = "tokenizer.json"
@@ -55,8 +55,7 @@ class SentencePieceTokenizer:
     name = "sentencepiece"
 
     def __init__(self, model_proto: bytes):
-        import sentencepiece
-
+        sentencepiece = optional_import("sentencepiece", "sentencepiece", "a SentencePiece tokenizer")
         self._processor = sentencepiece.SentencePieceProcessor(model_proto=model_proto)
         self.model_proto = model_proto
         self.vocab_size = self._processor.vocab_size()
@@ -144,7 +143,7 @@ def train(name: str, documents: Iterable[str], vocab_size: int) -> Tokenizer:
         return ByteTokenizer()
     if name.endswith(".json"):
         return HuggingFaceTokenizer.from_file(Path(name))
-    import sentencepiece
+    sentencepiece = optional_import("sentencepiece", "sentencepiece", "--tokenizer=sentencepiece")
 
     # A bad input file raises inside sentencepiece's C++ loop, which would report it as its own
     # failure: stop the iteration there and raise the file's error afterwards instead.

@@ -1,0 +1,72 @@
+"""`jaxdist config show`: every key with its value, type and meaning; recipes load by name."""
+
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from jaxdist import cli, config
+from jaxdist.config import Config
+from jaxdist.errors import UserError
+
+
+def _fields_without_description(model: type[BaseModel], prefix: str = "") -> list[str]:
+    missing = []
+    for name, field in model.model_fields.items():
+        if not field.description:
+            missing.append(prefix + name)
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            missing += _fields_without_description(field.annotation, f"{prefix}{name}.")
+    return missing
+
+
+def test_every_config_field_has_a_description():
+    assert _fields_without_description(Config) == []
+
+
+def _shown(capsys, *argv: str) -> dict[str, list[str]]:
+    assert cli.main(["config", "show", *argv]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["key", "value", "type", "meaning"]
+    # Aligned columns: every row's value starts where the header's does.
+    assert all(line[lines[0].index("value") - 2:lines[0].index("value")] == "  " for line in lines)
+    return {line.split()[0]: line.split(None, 3)[1:] for line in lines[1:]}
+
+
+def test_show_lists_defaults_with_types_and_meanings(capsys):
+    rows = _shown(capsys)
+    assert rows["train.global_batch"][:2] == ["32", "int"]
+    assert "all processes together" in rows["train.global_batch"][2]
+    assert rows["mesh.fsdp"][:2] == ["-1", "int"]
+    assert "sharded" in rows["mesh.fsdp"][2]
+    assert rows["impl.loss_chunk"][:2] == ["0", "int"]
+    assert "positions at a time" in rows["impl.loss_chunk"][2]
+    assert rows["impl.remat"][1] == "none|mlp|full|dots"
+
+
+def test_show_applies_the_config_and_overrides(capsys, tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("train:\n  global_batch: 64\n")
+    assert _shown(capsys, str(path), "mesh.fsdp=4")["train.global_batch"][0] == "64"
+    assert _shown(capsys, str(path), "mesh.fsdp=4")["mesh.fsdp"][0] == "4"
+    assert _shown(capsys, "impl.loss_chunk=64")["impl.loss_chunk"][0] == "64"  # overrides without a file
+
+
+def test_a_recipe_loads_by_name(monkeypatch):
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    assert config.load("gpt_406m") == config.load("jaxdist/recipes/gpt_406m.yaml")
+    assert {"tiny", "gpt_406m", "gpt_1b4"} <= set(config.recipes())
+
+
+def test_an_unknown_recipe_is_one_line_listing_the_recipes(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["config", "show", "gpt_9t"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1
+    assert "gpt_9t" in err and "gpt_406m" in err and "tiny" in err
+    with pytest.raises(UserError, match="gpt_9t"):
+        config.load("gpt_9t")
+
+
+def test_show_names_a_recipe(capsys):
+    assert _shown(capsys, "gpt_406m")["impl.loss_chunk"][0] == "256"
