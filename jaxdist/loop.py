@@ -177,11 +177,20 @@ class NonFiniteGuard:
 
     @contextlib.contextmanager
     def halting(self) -> Iterator[None]:
-        """Leaves the block on a halt and keeps the error for `raise_if_halted`."""
+        """Leaves the block on a halt and keeps the error for `raise_if_halted`. Another error (a
+        corrupt batch, say) first checks the step not yet checked: if it was bad, the run halts
+        for it instead, so the save after an error never writes a state the guard would refuse."""
         try:
             yield
         except NonFiniteError as err:
             self.halted = err
+        except Exception:
+            try:
+                self.check()
+            except NonFiniteError as err:
+                self.halted = err
+                return
+            raise
 
     def raise_if_halted(self) -> None:
         if self.halted is not None:

@@ -15,6 +15,7 @@ from conftest import make_config
 from flax import nnx
 
 from jaxdist import cli, models
+from jaxdist.config import TrainConfig
 from jaxdist.checkpoint import Checkpoints, abstract_state
 from jaxdist.parallel import feed
 from jaxdist.parallel import layout as layout_lib
@@ -179,3 +180,28 @@ def test_guard_adds_no_copy_of_the_state_and_keeps_donation(tmp_path):
     assert on.alias_size_in_bytes == off.alias_size_in_bytes >= state_bytes - 64  # donation works
     assert abs(on.output_size_in_bytes - off.output_size_in_bytes) <= 64  # one more scalar metric
     assert on.temp_size_in_bytes - off.temp_size_in_bytes < 0.1 * state_bytes
+
+
+def test_an_error_right_after_a_bad_step_halts_for_the_step_and_saves_nothing():
+    """A bad step whose flag is not read yet, then another error (a corrupt batch, say): the run
+    halts for the bad step, and the save after an error does not run."""
+    from jaxdist.errors import NonFiniteError
+    from jaxdist.loop import NonFiniteGuard
+
+    guard = NonFiniteGuard(TrainConfig(on_nonfinite="halt"), lambda: 2)
+    saved = []
+    with pytest.raises(NonFiniteError, match="step 3: the loss is nan; stopped without saving it; the last "
+                                             "checkpoint, step 2, is intact"):
+        try:
+            with guard.halting():
+                guard.record(3, {"nonfinite": 1, "loss": float("nan"), "grad_norm": float("nan")})
+                raise RuntimeError("corrupt record")
+        except RuntimeError:
+            saved.append("the save after an error ran")
+        guard.raise_if_halted()
+    assert saved == []
+    # Without a bad step the other error goes on as it was.
+    ok = NonFiniteGuard(TrainConfig(on_nonfinite="halt"), lambda: 2)
+    with pytest.raises(RuntimeError, match="corrupt record"), ok.halting():
+        ok.record(3, {"nonfinite": 0, "loss": 1.0, "grad_norm": 1.0})
+        raise RuntimeError("corrupt record")
