@@ -51,6 +51,10 @@ class Evaluator:
 
     def __call__(self) -> float:
         params = self._trainer.params
-        sums = [self._step(params, self._trainer.global_batch(local)) for local in self._batches()]
+        sums = []
+        for local in self._batches():
+            sums.append(self._step(params, self._trainer.global_batch(local)))
+            if self._trainer.finish_each_step:  # as the train step: no two programs in flight on CPU
+                jax.block_until_ready(sums[-1])
         loss, weight = np.asarray(jax.device_get(sums), np.float64).sum(axis=0)
         return float(loss / weight)

@@ -103,7 +103,7 @@ class Trainer:
         # XLA's in-process CPU collectives can deadlock when two steps overlap on simulated
         # devices (a rendezvous waits 40 s for a device thread busy in the next step, then aborts;
         # seen under load). On CPU there is little to overlap anyway, so each step finishes first.
-        self._finish_each_step = mesh.devices.flat[0].platform == "cpu" and mesh.devices.size > 1
+        self.finish_each_step = mesh.devices.flat[0].platform == "cpu" and mesh.devices.size > 1
 
     @classmethod
     def from_config(cls, cfg: Config, devices: list | None = None, layout: layout_lib.Layout | None = None,
@@ -162,7 +162,7 @@ class Trainer:
             self.compile(batch)
         self.state, self._copies, metrics = self._compiled(self.state, self.current_copies(), batch)
         self._copies_of = self.state
-        if self._finish_each_step:
+        if self.finish_each_step:
             jax.block_until_ready(metrics)
         return metrics
 
