@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -23,7 +22,9 @@ from jaxdist.checkpoint import RunCheckpoints
 from jaxdist.config import Config, TrainConfig
 from jaxdist.data import loader
 from jaxdist.errors import NonFiniteError, UserError
-from jaxdist.observe.metrics import MetricsWriter, drop_after
+from jaxdist.observe import console
+from jaxdist.observe.bench import flops_per_token
+from jaxdist.observe.metrics import MetricsWriter, device_metrics, drop_after
 from jaxdist.observe.profile import StepProfiler
 from jaxdist.parallel import feed
 from jaxdist.parallel import layout as layout_lib
@@ -31,7 +32,7 @@ from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.train.evaluate import Evaluator
 from jaxdist.train.generate import sample
 from jaxdist.train.preemption import StopSignals
-from jaxdist.train.trainer import Trainer
+from jaxdist.train.trainer import Trainer, state_bytes_per_device
 
 
 def log(message: str) -> None:
@@ -71,6 +72,12 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
         f"; process 0 feeds rows {_ranges(rows.rows)} of each global batch of {rows.global_batch}")
     log(f"mesh {mesh_lib.describe(trainer.mesh)} on {len(trainer.mesh.devices.flat)} devices "
         f"({jax.process_count()} process(es)); rules preset {cfg.rules.preset}{reads}")
+    log(console.banner(
+        processes=jax.process_count(), devices=trainer.mesh.devices.size,
+        platform=trainer.mesh.devices.flat[0].platform, params=sum(p.size for p in jax.tree.leaves(trainer.params)),
+        global_batch=cfg.train.global_batch, device_batch=cfg.train.global_batch // layout.batch_shards,
+        param_bytes=max(state_bytes_per_device(trainer.params).values()),
+    ))
     start = checkpoints.resume(trainer)
     if start != planned:  # the planned checkpoint failed to read: an older one was restored
         batches = loader.train_iterator(cfg, rows, start_example=start.example, source=train_source)
@@ -87,13 +94,16 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
         trainer, models.get(cfg.model.name).loss, lambda: loader.eval_iterator(cfg, rows, eval_source)
     )
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
+    flops = flops_per_token(cfg)
 
-    writer = MetricsWriter(run_dir if is_writer else None, sys.stdout if is_writer else None)
+    writer = MetricsWriter(run_dir if is_writer else None)
     first = trainer.global_batch(first_local)
     trainer.compile(first)
     log(f"compiled the train step in {trainer.compile_time_s:.1f} s")
 
-    batch, last_time, last_step = first, time.perf_counter(), start.step
+    batch, last_time, last_step, data_wait = first, time.perf_counter(), start.step, 0.0
+    began = last_time
+    progress = console.StepProgress(start.step, cfg.train.steps, show=is_writer)
     guard = NonFiniteGuard(cfg.train, lambda: checkpoints.last_saved)
     try:
         # guard.halting() is innermost: a halt must not reach the save after an error.
@@ -104,18 +114,25 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
                 metrics = trainer.step(batch)
                 profiler.after(step, metrics)
                 guard.record(step, metrics)
+                progress.step(step)
                 if step < cfg.train.steps:
-                    batch = trainer.global_batch(next(batches))
+                    asked = time.perf_counter()
+                    local = next(batches)
+                    data_wait += time.perf_counter() - asked
+                    batch = trainer.global_batch(local)
                 eval_due = evaluate is not None and (step % cfg.eval.every == 0 or step == cfg.train.steps)
                 first_of_run = step == start.step + 1  # shows where the loss starts
                 if first_of_run or step % cfg.log.every == 0 or step == cfg.train.steps or eval_due:
                     values = {k: float(v) for k, v in jax.device_get(metrics).items()}
                     step_time = (time.perf_counter() - last_time) / (step - last_step)
-                    values.update(step_time_s=step_time, tokens_per_sec=tokens_per_step / step_time)
+                    values.update(step_time_s=step_time, tokens_per_sec=tokens_per_step / step_time,
+                                  data_wait_s=data_wait / (step - last_step),
+                                  **device_metrics(flops, tokens_per_step / step_time, trainer.mesh))
                     if eval_due:
                         values["eval_loss"] = evaluate()
                     writer.write(step, values)
-                    last_time, last_step = time.perf_counter(), step
+                    progress.logged(step, values)
+                    last_time, last_step, data_wait = time.perf_counter(), step, 0.0
                 if checkpoints.due(step):
                     guard.check()
                 checkpoints.after_step(step, trainer.state)
@@ -125,9 +142,13 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
                     return trainer
             guard.check()
     finally:
+        progress.close()
         writer.close()
         checkpoints.close()  # finishes the saves of finite steps
     guard.raise_if_halted()
+    saved = checkpoints.last_saved
+    log(progress.summary(time.perf_counter() - began, "no checkpoint saved" if saved is None else
+                         f"last checkpoint: step {saved} in {checkpoints.directory}"))
 
     if cfg.sample.tokens:
         write_sample(cfg, trainer, layout.batch_shards)

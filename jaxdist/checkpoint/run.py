@@ -194,6 +194,7 @@ class RunCheckpoints:
         """Starts an async save if `step` is due."""
         if self.due(step):
             self.save(step, state)
+            self.log(f"saved checkpoint step {step} in {self._store.path(step)}")
 
     @property
     def last_saved(self) -> int | None:

@@ -5,7 +5,7 @@ as the peers count it (shared/peers/README.md), so numbers compare:
 
     matmul_params   = 12 * layers * d * d + vocab * d
     flops_per_token = 6 * matmul_params + 12 * layers * d * seq
-    MFU             = flops_per_token * tokens_per_sec_per_device / 989e12
+    MFU             = flops_per_token * tokens_per_sec_per_device / peak   (989e12 on H100 and H200)
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ from jaxdist import kernels
 from jaxdist.config import Config
 from jaxdist.errors import UserError
 from jaxdist.observe import clocks, hlo
+from jaxdist.observe.metrics import mfu
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.train.trainer import Trainer
-
-PEAK_FLOPS_BF16 = 989e12  # H100/H200 dense bf16 datasheet, as the peers use
 
 
 def flops_per_token(cfg: Config) -> float:
@@ -122,6 +121,7 @@ def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = No
     tokens_per_sec = cfg.train.global_batch * cfg.model.seq_len / step_s
     per_device = tokens_per_sec / len(devices)
     peak = peak_memory_bytes(local)
+    utilization = mfu(flops_per_token(cfg), per_device, devices[0].device_kind)
     return {
         "name": "jaxdist",
         "layout": mesh_lib.describe(trainer.mesh),
@@ -145,7 +145,7 @@ def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = No
         "dispatch_ms": round(statistics.median(dispatch) * 1e3, 2),
         "tokens_per_sec": round(tokens_per_sec),
         "tokens_per_sec_per_device": round(per_device),
-        "mfu": round(flops_per_token(cfg) * per_device / PEAK_FLOPS_BF16, 4),
+        "mfu": round(utilization, 4) if utilization is not None else None,  # None where the peak is unknown (CPU)
         "peak_mem_gib": round(peak / 2**30, 2) if peak is not None else None,
         "compile_s": round(trainer.compile_time_s, 1),
         "collective_mb": {

@@ -1,27 +1,30 @@
-"""Metrics writers. Only process 0 writes; every other process gets a writer that does nothing.
+"""Metrics writers and what they measure beside the step. Only process 0 writes; every other
+process gets a writer that does nothing.
 
-`metrics.jsonl` is strict JSON: a non-finite value (a NaN loss) is written as null; the console
-shows it as nan or inf.
+`metrics.jsonl` is strict JSON: a non-finite value (a NaN loss) is written as null. TensorBoard
+gets the same values under `run_dir/tb`, `eval_` keys as `eval/...` and the others as `train/...`.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
-from typing import TextIO
 
-_CONSOLE_KEYS = ("loss", "eval_loss", "learning_rate", "grad_norm", "tokens_per_sec", "step_time_s")
+from jax.sharding import Mesh
+from tensorboardX import SummaryWriter
+
+# Dense bf16 peak FLOP/s per device from the datasheets, matched on substrings of `device_kind`.
+PEAK_FLOPS_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
 
 
 class MetricsWriter:
-    """Appends one JSON object per logged step to `metrics.jsonl` (non-finite values as null) and
-    prints a short line."""
+    """Appends one JSON object per logged step to `metrics.jsonl` (non-finite values as null), adds
+    each value to TensorBoard's event files in `run_dir/tb`; does nothing without `run_dir`."""
 
-    def __init__(self, run_dir: Path | None, console: TextIO | None = sys.stdout):
+    def __init__(self, run_dir: Path | None):
         self._file = open(run_dir / "metrics.jsonl", "a") if run_dir is not None else None
-        self._console = console
+        self._tensorboard = SummaryWriter(str(run_dir / "tb")) if run_dir is not None else None
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
@@ -29,21 +32,49 @@ class MetricsWriter:
             strict = {k: v if math.isfinite(v) else None for k, v in record.items()}
             self._file.write(json.dumps(strict, allow_nan=False) + "\n")
             self._file.flush()
-        if self._console is not None:
-            shown = "  ".join(f"{k} {_fmt(record[k])}" for k in _CONSOLE_KEYS if k in record)
-            print(f"step {step:>6}  {shown}", file=self._console, flush=True)
+        if self._tensorboard is not None:
+            for key, value in metrics.items():
+                self._tensorboard.add_scalar(tensorboard_tag(key), float(value), step)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()  # flushes
 
 
-def _fmt(value: float) -> str:
-    if not math.isfinite(value):
-        return str(value)
-    if value == 0 or 1e-3 <= abs(value) < 1e5:
-        return f"{value:.4g}" if abs(value) < 100 else f"{value:,.0f}"
-    return f"{value:.3e}"
+def tensorboard_tag(key: str) -> str:
+    """`eval_loss` -> `eval/loss`, `loss` -> `train/loss`."""
+    return f"eval/{key.removeprefix('eval_')}" if key.startswith("eval_") else f"train/{key}"
+
+
+def peak_flops(device_kind: str) -> float | None:
+    """The dense bf16 peak FLOP/s of a device kind ("NVIDIA H100 80GB HBM3"), None where unknown (CPU)."""
+    return next((peak for name, peak in PEAK_FLOPS_BF16.items() if name in device_kind), None)
+
+
+def mfu(flops_per_token: float, tokens_per_sec_per_device: float, device_kind: str) -> float | None:
+    """Model FLOPs utilization: the model's FLOP/s per device over the device's peak; None where unknown."""
+    peak = peak_flops(device_kind)
+    return None if peak is None else flops_per_token * tokens_per_sec_per_device / peak
+
+
+def device_metrics(flops_per_token: float, tokens_per_sec: float, mesh: Mesh) -> dict[str, float]:
+    """`mfu` over the mesh's devices where their peak is known, and the memory in use on this
+    process's first device where the platform reports it."""
+    device = mesh.local_devices[0]
+    values = memory_gb(device)
+    utilization = mfu(flops_per_token, tokens_per_sec / mesh.devices.size, device.device_kind)
+    return values if utilization is None else {"mfu": utilization, **values}
+
+
+def memory_gb(device) -> dict[str, float]:
+    """`memory_gb` and `peak_memory_gb` (bytes in use now and at most so far, in GB) of a device;
+    empty where the platform keeps no statistics (CPU)."""
+    stats = device.memory_stats()
+    if stats is None:
+        return {}
+    return {"memory_gb": stats["bytes_in_use"] / 1e9, "peak_memory_gb": stats["peak_bytes_in_use"] / 1e9}
 
 
 def drop_after(run_dir: Path, step: int) -> None:

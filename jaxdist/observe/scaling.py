@@ -29,7 +29,8 @@ import jax
 from jaxdist import models
 from jaxdist.config import MESH_AXES, Config
 from jaxdist.errors import UserError
-from jaxdist.observe.bench import PEAK_FLOPS_BF16, flops_per_token
+from jaxdist.observe.bench import flops_per_token
+from jaxdist.observe.metrics import PEAK_FLOPS_BF16
 from jaxdist.parallel.mesh import split_across_hosts
 from jaxdist.train.state import abstract_model
 
@@ -45,7 +46,7 @@ class Hardware:
     nvlink_bw: float = 450 * GB  # per GPU, one direction (NVLink 4: 900 GB/s both ways)
     network_bw: float = 50 * GB  # per GPU, one direction (one 400 Gb/s InfiniBand NIC per GPU)
     storage_bw: float = 2 * GB  # checkpoint write bandwidth per host (parallel filesystem client)
-    peak_flops: float = PEAK_FLOPS_BF16
+    peak_flops: float = PEAK_FLOPS_BF16["H100"]
     mfu: float = 0.45  # measured for the 406M recipe on one H100/H200 (shared/peers/README.md)
     usable_memory: float = 0.9  # of gpu_memory; XLA and CUDA keep the rest
 

@@ -1,0 +1,100 @@
+"""What a run shows on process 0's console: a start banner, progress, a summary at the end.
+
+On a terminal the progress is a live bar (step, elapsed, ETA, loss, tokens/s); anywhere else (CI,
+log files, `jaxdist launch` children) it is one plain line per logged step, `step <n>  loss ...`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+import sys
+
+import jax
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+_LINE_KEYS = ("loss", "eval_loss", "learning_rate", "grad_norm", "tokens_per_sec", "step_time_s")
+
+
+def terminal() -> Console | None:
+    """A rich console on stdout when stdout is a terminal, else None."""
+    return Console() if sys.stdout.isatty() else None
+
+
+def banner(*, processes: int, devices: int, platform: str, params: int, global_batch: int, device_batch: int,
+           param_bytes: int) -> str:
+    """The lines that open a run beside the mesh's: versions, where it runs and what it trains."""
+    return (f"jaxdist {importlib.metadata.version('jaxdist')}, jax {jax.__version__}; {processes} process(es), "
+            f"{devices} {platform} devices\n"
+            f"{params:,} parameters, {param_bytes / 1e6:,.1f} MB of them per device; global batch {global_batch}, "
+            f"{device_batch} per device")
+
+
+def plain_line(step: int, values: dict[str, float]) -> str:
+    shown = "  ".join(f"{k} {_fmt(values[k])}" for k in _LINE_KEYS if k in values)
+    return f"step {step:>6}  {shown}"
+
+
+def _fmt(value: float) -> str:
+    if not math.isfinite(value):
+        return str(value)
+    if value == 0 or 1e-3 <= abs(value) < 1e5:
+        return f"{value:.4g}" if abs(value) < 100 else f"{value:,.0f}"
+    return f"{value:.3e}"
+
+
+class StepProgress:
+    """Shows the run's progress from `start` to `total` steps when `show` (process 0): a live bar on
+    a terminal, else a plain line per logged step. Keeps what the summary needs."""
+
+    def __init__(self, start: int, total: int, show: bool):
+        self._show = show
+        self._start = start
+        self._bar: Progress | None = None
+        self.steps = 0  # logged so far
+        self._seconds = self._tokens = self._mfu_seconds = 0.0
+        self.last: dict[str, float] = {}  # the newest value of each metric
+        console = terminal() if show else None
+        if console is not None:
+            self._bar = Progress(
+                TextColumn("step {task.completed:.0f}/{task.total:.0f}"), BarColumn(), TimeElapsedColumn(),
+                TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[shown]}"), console=console,
+            )
+            self._task = self._bar.add_task("train", total=total, completed=start, shown="")
+            self._bar.start()
+
+    def step(self, step: int) -> None:
+        """Moves the bar to `step` (called after each step)."""
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step)
+
+    def logged(self, step: int, values: dict[str, float]) -> None:
+        """Shows a logged step's metrics."""
+        steps = step - self._start - self.steps
+        self.steps += steps
+        seconds = values["step_time_s"] * steps
+        self._seconds += seconds
+        self._tokens += values["tokens_per_sec"] * seconds
+        # MFU is proportional to tokens/s: weighted by time, its mean is the mean throughput's.
+        self._mfu_seconds += values.get("mfu", math.nan) * seconds
+        self.last.update(values)
+        if self._bar is not None:
+            shown = f"loss {_fmt(values['loss'])}  tokens/s {_fmt(values['tokens_per_sec'])}"
+            self._bar.update(self._task, completed=step, shown=shown)
+        elif self._show:
+            print(plain_line(step, values), flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def summary(self, wall_s: float, checkpoint: str) -> str:
+        """The closing lines: steps, wall time, mean throughput (and MFU where known), the last
+        losses, `checkpoint` (where it is)."""
+        tokens_per_sec = self._tokens / self._seconds if self._seconds else 0.0
+        mfu = self._mfu_seconds / self._seconds if self._seconds else math.nan
+        utilization = f", MFU {mfu:.1%}" if math.isfinite(mfu) else ""
+        losses = "  ".join(f"{k.replace('_', ' ')} {_fmt(self.last[k])}" for k in ("loss", "eval_loss") if k in self.last)
+        return (f"trained {self.steps} steps in {wall_s:.1f} s; mean {tokens_per_sec:,.0f} tokens/s{utilization}; "
+                f"last {losses}\n{checkpoint}")

@@ -1,0 +1,35 @@
+"""What process 0 shows: a banner, a line per checkpoint, plain step lines off a terminal (a live
+bar on one), a summary."""
+
+import io
+import re
+import sys
+
+from conftest import make_config
+from rich.console import Console
+
+from jaxdist import loop
+from jaxdist.observe import console
+
+
+def test_plain_lines_when_stdout_is_not_a_terminal(tmp_path, capsys):
+    loop.train(make_config(tmp_path / "run", train={"steps": 3}, checkpoint={"every": 2}))
+    out = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("jaxdist ") and ", jax " in line and "8 cpu devices" in line for line in out)
+    assert any(re.match(r"[\d,]+ parameters, [\d.]+ MB of them per device; global batch 16, 2 per device", line)
+               for line in out), out  # fsdp=8: 8 batch shards
+    assert [int(line.split()[1]) for line in out if re.match(r"step +\d+ +loss", line)] == [1, 2, 3]
+    saved = [line for line in out if line.startswith("saved checkpoint step")]
+    assert saved == [f"saved checkpoint step {s} in {tmp_path / 'run' / 'checkpoints' / str(s)}" for s in (2, 3)]
+    assert any(line.startswith("trained 3 steps in ") and "tokens/s" in line and "MFU" not in line for line in out)
+    assert f"last checkpoint: step 3 in {tmp_path / 'run' / 'checkpoints'}" in out
+
+
+def test_live_progress_on_a_terminal(tmp_path, capsys, monkeypatch):
+    screen = io.StringIO()
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    monkeypatch.setattr(console, "Console", lambda: Console(file=screen, force_terminal=True, width=120))
+    loop.train(make_config(tmp_path / "run", train={"steps": 4}, log={"every": 2}))
+    shown = screen.getvalue()
+    assert "step 4/4" in shown and "loss" in shown and "tokens/s" in shown
+    assert not re.search(r"^step +\d+ +loss", capsys.readouterr().out, re.MULTILINE)  # the bar replaces the lines

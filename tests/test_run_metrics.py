@@ -1,0 +1,73 @@
+"""What a run logs beside the loss: MFU and memory where the device reports them, the data wait, the
+parameter norm; and the same values in TensorBoard's event files."""
+
+import json
+import math
+import struct
+
+import pytest
+from conftest import make_config
+from tensorboardX.proto import event_pb2
+
+from jaxdist import loop
+from jaxdist.observe.metrics import mfu, peak_flops
+
+NAMED = ("loss", "learning_rate", "grad_norm", "tokens_per_sec", "step_time_s", "param_norm", "data_wait_s")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("metrics") / "run"
+    loop.train(make_config(run_dir, train={"steps": 4}, log={"every": 2}, eval={"every": 2}))
+    return run_dir
+
+
+def records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_peak_flops_by_device_kind():
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops("NVIDIA H200") == 989e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_flops("NVIDIA B200") == 2250e12
+    assert peak_flops("cpu") is None
+    assert mfu(1e9, 989e3, "NVIDIA H100 PCIe") == pytest.approx(1.0)
+    assert mfu(1e9, 989e3, "TPU v5 lite") is None
+
+
+def test_logged_steps_carry_data_wait_and_param_norm_and_no_device_numbers_on_cpu(run_dir):
+    logged = records(run_dir)
+    assert [r["step"] for r in logged] == [1, 2, 4]
+    for record in logged:
+        assert record["data_wait_s"] >= 0
+        assert record["param_norm"] > 0 and math.isfinite(record["param_norm"])
+        assert not {"mfu", "memory_gb", "peak_memory_gb"} & record.keys()  # CPU: no peak, no memory statistics
+    assert logged[0]["param_norm"] != logged[-1]["param_norm"]  # measured after each update
+
+
+def scalars(tb_dir) -> dict[str, dict[int, float]]:
+    """Every scalar in the event files: tag -> step -> value (TFRecord framing: length, its CRC, data, CRC)."""
+    found: dict[str, dict[int, float]] = {}
+    for path in sorted(tb_dir.glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        at = 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at:at + 8])
+            event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
+            at += 12 + length + 4
+            for value in event.summary.value:
+                found.setdefault(value.tag, {})[event.step] = value.simple_value
+    return found
+
+
+def test_tensorboard_holds_every_logged_metric(run_dir):
+    logged = records(run_dir)
+    events = scalars(run_dir / "tb")
+    for key in NAMED + ("eval_loss",):
+        tag = f"eval/{key.removeprefix('eval_')}" if key.startswith("eval_") else f"train/{key}"
+        expected = {r["step"]: r[key] for r in logged if key in r}
+        assert expected, key
+        assert events[tag].keys() == expected.keys(), tag
+        for step, value in expected.items():
+            assert events[tag][step] == pytest.approx(value, rel=1e-6, abs=1e-12), (tag, step)
