@@ -14,6 +14,8 @@ from pathlib import Path
 from jax.sharding import Mesh
 from tensorboardX import SummaryWriter
 
+from jaxdist.errors import UserError
+
 # Dense bf16 peak FLOP/s per device from the datasheets, matched on substrings of `device_kind`.
 PEAK_FLOPS_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
 
@@ -23,24 +25,33 @@ class MetricsWriter:
     each value to TensorBoard's event files in `run_dir/tb`; does nothing without `run_dir`."""
 
     def __init__(self, run_dir: Path | None):
-        self._file = open(run_dir / "metrics.jsonl", "a") if run_dir is not None else None
+        self._path = None if run_dir is None else run_dir / "metrics.jsonl"
+        self._file = open(self._path, "a") if run_dir is not None else None
         self._tensorboard = SummaryWriter(str(run_dir / "tb")) if run_dir is not None else None
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
         if self._file is not None:
             strict = {k: v if math.isfinite(v) else None for k, v in record.items()}
-            self._file.write(json.dumps(strict, allow_nan=False) + "\n")
-            self._file.flush()
+            try:
+                self._file.write(json.dumps(strict, allow_nan=False) + "\n")
+                self._file.flush()
+            except OSError as err:  # a full disk, say: one line, not a traceback
+                raise UserError(f"could not write {self._path} at step {step} ({err.strerror}); free space in "
+                                f"run_dir or pick another, then run the same command to resume") from None
         if self._tensorboard is not None:
             for key, value in metrics.items():
                 self._tensorboard.add_scalar(tensorboard_tag(key), float(value), step)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()  # flushes
+        """Closes both files. A failure to finish them (a full disk) is not raised here: the run
+        stops on the write that failed first, and its error is the one to report."""
+        for close in (self._file, self._tensorboard):
+            if close is not None:
+                try:
+                    close.close()  # flushes
+                except OSError:
+                    pass
 
 
 def tensorboard_tag(key: str) -> str:
