@@ -60,3 +60,10 @@ def test_device_memory_sizes_parse(text, size):
 def test_a_bad_device_memory_is_a_user_error():
     with pytest.raises(UserError, match="--device-memory 'lots'"):
         plan.parse_bytes("lots")
+
+
+def test_a_wider_fsdp_keeps_the_device_count(tmp_path):
+    filled = make_config(tmp_path, mesh={"data": 2, "fsdp": -1}, rules={"preset": "dp"})
+    assert plan.savings(filled)[-1] == ["mesh.data=1", "mesh.fsdp=-1", "rules.preset=fsdp"]
+    fixed = make_config(tmp_path, mesh={"data": 2, "fsdp": 4})
+    assert plan.savings(fixed)[-1] == ["mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp_tp"]

@@ -113,8 +113,9 @@ def savings(cfg: Config) -> list[list[str]]:
         candidates.append([f"train.microbatches={cfg.train.microbatches * factor}"])
     if cfg.mesh.data > 1:
         preset = "fsdp" if cfg.rules.preset == "dp" else cfg.rules.preset
-        fsdp = cfg.mesh.fsdp if cfg.mesh.fsdp > 0 else 1
-        candidates.append(["mesh.data=1", f"mesh.fsdp={cfg.mesh.data * fsdp}", f"rules.preset={preset}"])
+        # fsdp=-1 fills the devices, so it takes data's share as it is.
+        fsdp = -1 if cfg.mesh.fsdp == -1 else cfg.mesh.data * cfg.mesh.fsdp
+        candidates.append(["mesh.data=1", f"mesh.fsdp={fsdp}", f"rules.preset={preset}"])
     return candidates
 
 
