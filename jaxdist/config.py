@@ -139,8 +139,9 @@ class ImplConfig(Section):
 class DataConfig(Section):
     """Where examples come from and how they are read."""
 
-    source: Literal["stdlib", "arrayrecord", "arrays"] = Field(
-        "stdlib", description="stdlib: Python's standard library .py files; arrayrecord: prepared shards; arrays: an .npz")
+    source: Literal["stdlib", "arrayrecord", "images", "arrays"] = Field(
+        "stdlib", description="stdlib: Python's standard library .py files; arrayrecord: prepared token shards; "
+                              "images: a prepared image folder; arrays: an .npz")
     path: str | None = Field(None, description="prepared directory or .npz file (not for stdlib)")
     eval_fraction: float = Field(
         0.01, ge=0, lt=1, description="share of stdlib files or array rows held out for eval")
