@@ -6,6 +6,7 @@ import json
 import shutil
 import sys
 import zlib
+from itertools import islice
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from PIL import Image
 from jaxdist import cli
 from jaxdist.data import images, loader, sources
 from jaxdist.errors import UserError
+from jaxdist.parallel.feed import BatchRows
 
 SIZE = 16
 CLASS_SIZES = {"green": 80, "red": 100, "stripes": 60}
@@ -142,6 +144,29 @@ def test_data_images_gives_the_classes_and_the_image_shape(folder, tmp_path):
         loader.data_images(make_config(tmp_path))
 
 
+def test_the_images_source_feeds_augmented_train_and_plain_eval_batches(folder, tmp_path):
+    _, out, manifest, _ = folder
+    cfg = images_config(tmp_path, out, augment={"crop_padding": 2, "flip": True})
+    train, held_out = loader.open_split(cfg, "train", ("images", "labels")), loader.open_split(cfg, "eval")
+    assert (len(train), len(held_out)) == (192, 48)
+    rows = BatchRows(8, tuple(range(8)))
+    running = loader.train_iterator(cfg, rows, source=train)
+    batches = list(islice(running, 30))  # 240 examples: over an epoch boundary
+    resumed = list(islice(loader.train_iterator(cfg, rows, start_example=20 * 8), 10))
+    for a, b in zip(batches[20:], resumed, strict=True):
+        np.testing.assert_array_equal(a["images"], b["images"])
+        np.testing.assert_array_equal(a["labels"], b["labels"])
+    assert batches[0]["images"].shape == (8, 16, 16, 3) and batches[0]["labels"].dtype == np.int32
+    plain = {train[i]["images"].tobytes() for i in range(len(train))}
+    changed = sum(image.tobytes() not in plain for batch in batches for image in batch["images"])
+    assert changed > 0.8 * 240  # 1 in 50 draws is the identity (no shift, no flip)
+    eval_batches = list(loader.eval_iterator(cfg, rows))
+    assert len(eval_batches) == 6
+    for b, batch in enumerate(eval_batches):
+        np.testing.assert_array_equal(batch["images"], np.stack([held_out[b * 8 + r]["images"] for r in range(8)]))
+        np.testing.assert_array_equal(batch["weights"], np.ones(8, np.float32))
+
+
 def test_a_source_and_a_directory_of_another_kind_are_one_line(folder, tmp_path):
     out = folder[1]
     with pytest.raises(UserError, match=r"yields images and labels, but model.name=gpt reads inputs, targets"):
@@ -151,6 +176,9 @@ def test_a_source_and_a_directory_of_another_kind_are_one_line(folder, tmp_path)
     tokens, _ = prepared(tmp_path / "tokens", random_documents(5), eval_fraction=0.0)
     with pytest.raises(UserError, match=r"holds jaxdist-packed-tokens/1 data, .*; set data.source=arrayrecord"):
         loader.open_split(images_config(tmp_path, tokens), "train")
+    cfg = make_config(tmp_path, data={"source": "stdlib", "augment": {"flip": True}})
+    with pytest.raises(UserError, match=r"data.augment changes images, but data.source=stdlib yields inputs, targets"):
+        loader.train_iterator(cfg, BatchRows(8, tuple(range(8))))
 
 
 def test_an_empty_eval_split_is_one_line(tmp_path):

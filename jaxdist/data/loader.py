@@ -3,8 +3,8 @@
 `data.source` picks the examples: `stdlib` (the embedded corpus, byte tokens), `arrayrecord`
 (token shards written by `jaxdist data prepare` under `data.path`), `images` (labeled-image shards
 written by `jaxdist data prepare FOLDER`) or `arrays` (a `.npz` of equally long arrays under
-`data.path`, loaded into memory). Everything a user
-can get wrong is checked when a split is opened, before the loop compiles anything.
+`data.path`, loaded into memory). `data.augment` changes train images, never eval ones. Everything
+a user can get wrong is checked when a split is opened, before the loop compiles anything.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxdist.config import Config
 from jaxdist.data import corpus, pipeline, sources
+from jaxdist.data.augment import Augment
 from jaxdist.data import tokenizer as tokenizer_lib
 from jaxdist.errors import UserError
 from jaxdist.parallel.feed import BatchRows
@@ -189,14 +190,20 @@ def resolve_steps(cfg: Config, train_examples: int) -> Config:
 
 def train_iterator(cfg: Config, rows: BatchRows, start_example: int = 0, source=None) -> Iterator[Batch]:
     """This process's train batches (the `rows` it feeds of each global batch) from global example
-    `start_example` on (0: the beginning).
+    `start_example` on (0: the beginning), augmented as `data.augment` says.
 
     After global step s the position is `s * train.global_batch`, under any process count.
     """
+    source = open_split(cfg, "train") if source is None else source
+    augment = Augment.from_config(cfg.data.augment, cfg.seed)
+    if augment is not None and "images" not in source[0]:
+        raise UserError(
+            f"data.augment changes images, but data.source={cfg.data.source} yields {', '.join(source[0])}; "
+            f"set data.augment.crop_padding=0 and data.augment.flip=false"
+        )
     return pipeline.train_batches(
-        open_split(cfg, "train") if source is None else source,
-        rows, cfg.seed, start_example=start_example,
-        read_threads=cfg.data.read_threads, prefetch=cfg.data.prefetch, workers=cfg.data.workers,
+        source, rows, cfg.seed, start_example=start_example,
+        read_threads=cfg.data.read_threads, prefetch=cfg.data.prefetch, workers=cfg.data.workers, augment=augment,
     )
 
 
