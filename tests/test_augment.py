@@ -118,3 +118,13 @@ def test_eval_batches_are_never_augmented(arrays_config):
     weights = np.concatenate([batch["weights"] for batch in batches])
     np.testing.assert_array_equal(images[:9], source.arrays["images"])
     np.testing.assert_array_equal(weights, [1] * 9 + [0] * 7)
+
+
+@pytest.mark.parametrize("pad", [3, 8, 11])  # up to a padding wider than the 8 x 8 image
+def test_the_crop_equals_numpys_padding_at_the_drawn_offset(pad):
+    augment = Augment(seed=5, crop_padding=pad, flip=True)
+    padded = np.pad(IMAGE, [(pad, pad), (pad, pad), (0, 0)])
+    for index in range(100):
+        top, left, flip = augment.draws(index)
+        window = padded[top : top + 8, left : left + 8]
+        np.testing.assert_array_equal(augment(index, {"images": IMAGE})["images"], window[:, ::-1] if flip else window)

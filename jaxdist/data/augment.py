@@ -34,17 +34,28 @@ class Augment:
 
     def draws(self, index: int) -> tuple[int, int, bool]:
         """(row offset, column offset, flip) of the example at global index `index`."""
-        rng = np.random.default_rng((_STREAM, self.seed, index))
-        top, left = (int(offset) for offset in rng.integers(0, 2 * self.crop_padding + 1, size=2))
-        return top, left, bool(rng.random() < 0.5) and self.flip
+        # Three 32-bit words hashed from (seed, index) by numpy's SeedSequence; the modulo's bias is < 1e-8.
+        row, column, coin = np.random.SeedSequence((_STREAM, self.seed, index)).generate_state(3)
+        window = 2 * self.crop_padding + 1
+        return int(row % window), int(column % window), self.flip and bool(coin & 1)
 
     def __call__(self, index: int, example: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         image = example["images"]
         top, left, flip = self.draws(index)
         if self.crop_padding:
-            pad = self.crop_padding
-            padded = np.pad(image, [(pad, pad), (pad, pad)] + [(0, 0)] * (image.ndim - 2))
-            image = padded[top : top + image.shape[0], left : left + image.shape[1]]
+            # The window at (top, left) of the padded image: out[y, x] = image[y + top - pad, x + left - pad], else 0.
+            rows_out, rows_in = _overlap(top - self.crop_padding, image.shape[0])
+            columns_out, columns_in = _overlap(left - self.crop_padding, image.shape[1])
+            cropped = np.zeros_like(image)
+            cropped[rows_out, columns_out] = image[rows_in, columns_in]
+            image = cropped
         if flip:
-            image = image[:, ::-1]
-        return {**example, "images": np.ascontiguousarray(image)}
+            image = np.ascontiguousarray(image[:, ::-1])
+        return {**example, "images": image}
+
+
+def _overlap(shift: int, size: int) -> tuple[slice, slice]:
+    """(out, in): the positions i with out[i] = in[i + shift] inside both arrays of length `size`."""
+    start = max(0, -shift)
+    stop = max(start, min(size, size - shift))
+    return slice(start, stop), slice(start + shift, stop + shift)
