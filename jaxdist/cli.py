@@ -110,7 +110,8 @@ def _parser() -> argparse.ArgumentParser:
     scale.add_argument("--nvlink-gbs", type=_AMOUNT, default=450.0, help="GB/s per GPU inside a host")
     scale.add_argument("--storage-gbs", type=_AMOUNT, default=2.0, help="checkpoint write GB/s per host")
     data = commands.add_parser("data", help="prepare datasets").add_subparsers(dest="data_command", required=True)
-    prepare.add_arguments(data.add_parser("prepare", help="tokenize text, JSONL or Parquet files into ArrayRecord shards"))
+    prepare.add_arguments(data.add_parser("prepare", help="tokenize text, JSONL or Parquet files, or resize an image "
+                                          "folder (a subfolder per class), into ArrayRecord shards"))
     plot = commands.add_parser("plot", help="draw runs' train and eval loss and tokens/s against step into a PNG")
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories with metrics.jsonl")
     plot.add_argument("--out", help="PNG file (default: RUN_DIR/plot.png for one run, ./plot.png for several)")

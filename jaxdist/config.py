@@ -136,11 +136,25 @@ class ImplConfig(Section):
         return self
 
 
+class AugmentConfig(Section):
+    """Random changes to each train image (eval images never change), drawn from (seed, the example's
+    global index): the same on every process and after a resume, different for an image each epoch."""
+
+    crop_padding: int = Field(
+        0, ge=0, description="pad each side by this many pixels (zeros), then crop a random H x W window (0: off)")
+    flip: bool = Field(False, description="mirror each image left-right with probability 1/2")
+
+    @property
+    def active(self) -> bool:
+        return bool(self.crop_padding or self.flip)
+
+
 class DataConfig(Section):
     """Where examples come from and how they are read."""
 
-    source: Literal["stdlib", "arrayrecord", "arrays"] = Field(
-        "stdlib", description="stdlib: Python's standard library .py files; arrayrecord: prepared shards; arrays: an .npz")
+    source: Literal["stdlib", "arrayrecord", "images", "arrays"] = Field(
+        "stdlib", description="stdlib: Python's standard library .py files; arrayrecord: prepared token shards; "
+                              "images: a prepared image folder; arrays: an .npz")
     path: str | None = Field(None, description="prepared directory or .npz file (not for stdlib)")
     eval_fraction: float = Field(
         0.01, ge=0, lt=1, description="share of stdlib files or array rows held out for eval")
@@ -148,6 +162,7 @@ class DataConfig(Section):
     workers: int = Field(0, ge=0, description="grain worker processes (0: read in this process; same batches)")
     read_threads: int = Field(2, ge=0, description="grain read threads")
     prefetch: int = Field(4, ge=0, description="grain read-ahead buffer, in elements")
+    augment: AugmentConfig = Field(AugmentConfig(), description="random crops and flips of train images")
 
     @model_validator(mode="after")
     def _path(self) -> DataConfig:

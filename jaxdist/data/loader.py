@@ -1,25 +1,30 @@
 """From the config to this process's batches: the train stream, the eval pass, the tokenizer.
 
 `data.source` picks the examples: `stdlib` (the embedded corpus, byte tokens), `arrayrecord`
-(shards written by `jaxdist data prepare` under `data.path`) or `arrays` (a `.npz` of equally
-long arrays under `data.path`, loaded into memory). Everything a user can get wrong is checked
-when a split is opened, before the loop compiles anything.
+(token shards written by `jaxdist data prepare` under `data.path`), `images` (labeled-image shards
+written by `jaxdist data prepare FOLDER`) or `arrays` (a `.npz` of equally long arrays under
+`data.path`, loaded into memory). `data.augment` changes train images, never eval ones. Everything
+a user can get wrong is checked when a split is opened, before the loop compiles anything.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from jaxdist.config import Config
 from jaxdist.data import corpus, pipeline, sources
+from jaxdist.data.augment import Augment
 from jaxdist.data import tokenizer as tokenizer_lib
 from jaxdist.errors import UserError
 from jaxdist.parallel.feed import BatchRows
 
 Batch = dict[str, np.ndarray]
+# The arrays of a labeled-image example.
+IMAGE_KEYS = ("images", "labels")
 
 
 def open_split(cfg: Config, split: str, keys: tuple[str, ...] = ()):
@@ -36,6 +41,8 @@ def open_split(cfg: Config, split: str, keys: tuple[str, ...] = ()):
         tokens = sources.ArrayRecordTokens(directory, manifest, split)
         name = f"the {split} split of data.path={data.path}"
         return _windows(tokens, cfg, name, manifest["tokenizer"]["vocab_size"], f"data.path={data.path}")
+    if data.source == "images":
+        return _images(cfg, split, keys)
     arrays = _array_split(Path(data.path), split, data.eval_fraction)
     if missing := [key for key in keys if key not in arrays]:
         raise UserError(
@@ -57,6 +64,22 @@ def _windows(tokens, cfg: Config, name: str, vocab: int, vocab_of: str) -> pipel
             f"or set eval.every=0"
         )
     return pipeline.TokenWindows(tokens, cfg.model.seq_len, name)
+
+
+def _images(cfg: Config, split: str, keys: tuple[str, ...]) -> sources.ArrayRecordImages:
+    directory = Path(cfg.data.path)
+    images = sources.ArrayRecordImages(directory, sources.read_manifest(directory, sources.IMAGES_MANIFEST_FORMAT), split)
+    if missing := [key for key in keys if key not in IMAGE_KEYS]:
+        raise UserError(
+            f"data.source=images yields {' and '.join(IMAGE_KEYS)}, but model.name={cfg.model.name} reads "
+            f"{', '.join(missing)}; use a classifier model or another data.source"
+        )
+    if not len(images):
+        raise UserError(
+            f"the {split} split of data.path={directory} is empty; prepare it with `data prepare --eval-fraction` "
+            f"above 0 or set eval.every=0"
+        )
+    return images
 
 
 def _load_arrays(path: Path, names: tuple[str, ...] | None = None) -> dict[str, np.ndarray]:
@@ -111,6 +134,40 @@ def data_vocab(cfg: Config) -> int:
     return int(max(a.max() for a in tokens)) + 1
 
 
+@dataclass(frozen=True)
+class ImageData:
+    """What a classifier takes from its labeled-image data: the classes and one image's shape."""
+
+    classes: int
+    image_shape: tuple[int, int, int]  # H, W, C
+    class_names: tuple[str, ...]  # label id -> name
+
+
+def data_images(cfg: Config) -> ImageData:
+    """The classes and image shape of the configured labeled images: from the manifest of
+    `data.source=images`, or an `arrays` file's `images` [N, H, W, C] and `labels` (classes: the
+    largest label + 1, named by their ids)."""
+    data = cfg.data
+    if data.source == "images":
+        manifest = sources.read_manifest(Path(data.path), sources.IMAGES_MANIFEST_FORMAT)
+        names = tuple(sorted(manifest["classes"], key=manifest["classes"].get))
+        return ImageData(len(names), tuple(manifest["image_shape"]), names)
+    if data.source != "arrays":
+        raise UserError(
+            f"data.source={data.source} holds no labeled images to take the classes and image shape from; "
+            f"use data.source=images or arrays, or set them in the model section"
+        )
+    arrays = _load_arrays(Path(data.path), IMAGE_KEYS)
+    images, labels = arrays.get("images"), arrays.get("labels")
+    if images is None or labels is None or images.ndim != 4 or not np.issubdtype(labels.dtype, np.integer) or not labels.size:
+        raise UserError(
+            f"data.path={data.path} needs an images array [N, H, W, C] and an integer labels array [N] to take "
+            f"the classes and image shape from; save them with numpy.savez(path, images=..., labels=...)"
+        )
+    classes = int(labels.max()) + 1
+    return ImageData(classes, tuple(int(size) for size in images.shape[1:]), tuple(str(i) for i in range(classes)))
+
+
 def resolve_vocab(cfg: Config) -> Config:
     """`cfg` with `model.vocab: auto` replaced by the vocabulary of its data (`data_vocab`)."""
     if cfg.model.vocab != "auto":
@@ -133,14 +190,20 @@ def resolve_steps(cfg: Config, train_examples: int) -> Config:
 
 def train_iterator(cfg: Config, rows: BatchRows, start_example: int = 0, source=None) -> Iterator[Batch]:
     """This process's train batches (the `rows` it feeds of each global batch) from global example
-    `start_example` on (0: the beginning).
+    `start_example` on (0: the beginning), augmented as `data.augment` says.
 
     After global step s the position is `s * train.global_batch`, under any process count.
     """
+    source = open_split(cfg, "train") if source is None else source
+    augment = Augment.from_config(cfg.data.augment, cfg.seed)
+    if augment is not None and "images" not in source[0]:
+        raise UserError(
+            f"data.augment changes images, but data.source={cfg.data.source} yields {', '.join(source[0])}; "
+            f"set data.augment.crop_padding=0 and data.augment.flip=false"
+        )
     return pipeline.train_batches(
-        open_split(cfg, "train") if source is None else source,
-        rows, cfg.seed, start_example=start_example,
-        read_threads=cfg.data.read_threads, prefetch=cfg.data.prefetch, workers=cfg.data.workers,
+        source, rows, cfg.seed, start_example=start_example,
+        read_threads=cfg.data.read_threads, prefetch=cfg.data.prefetch, workers=cfg.data.workers, augment=augment,
     )
 
 

@@ -11,7 +11,7 @@ same thing under any process count and layout.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grain
 import numpy as np
@@ -70,14 +70,18 @@ def train_batches(
     read_threads: int = 2,
     prefetch: int = 4,
     workers: int = 0,
+    augment: Callable[[int, dict], dict] | None = None,
 ) -> Iterator[dict[str, np.ndarray]]:
     """This process's batches of the endless, per-epoch-reshuffled stream, from `start_example` on.
 
-    `workers` > 0 reads in that many grain worker processes; the batches are the same. grain's
-    workers read absl flags, so then absl's `FLAGS` are marked parsed if the program has not parsed
-    them; with `workers=0` (the default) absl is left untouched.
+    `augment(index, example)`, when given, changes each example as a function of its stream index
+    (`jaxdist.data.augment.Augment`). `workers` > 0 reads in that many grain worker processes; the
+    batches are the same. grain's workers read absl flags, so then absl's `FLAGS` are marked parsed
+    if the program has not parsed them; with `workers=0` (the default) absl is left untouched.
     """
     stream = grain.MapDataset.source(source).shuffle(seed=seed).repeat(None)
+    if augment is not None:
+        stream = stream.map_with_index(augment)  # the index here is the global example index
     return _iterate(_rows_of(stream, rows, start_example), read_threads, prefetch, workers)
 
 

@@ -1,4 +1,5 @@
-"""`jaxdist data prepare`: text, JSONL or Parquet files -> packed token ArrayRecord shards.
+"""`jaxdist data prepare`: text, JSONL or Parquet files -> packed token ArrayRecord shards (an image
+folder goes to `jaxdist.data.images` instead).
 
 Each document is tokenized and followed by the tokenizer's separator; the documents of a split
 are concatenated into one token stream, cut into records of `chunk_tokens` tokens (only the
@@ -16,21 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-from array_record.python.array_record_module import ArrayRecordWriter
 
-from jaxdist.data import sources
+from jaxdist.data import images, shards, sources
 from jaxdist.data import tokenizer as tokenizer_lib
 from jaxdist.errors import UserError, cli_number, optional_import
 
 SPLITS = ("train", "eval")
-# One record per chunk (group_size:1) keeps random access to a window cheap; zstd:1 decodes fast.
-WRITER_OPTIONS = "group_size:1,zstd:1"
 
 
 def input_files(paths: list[str]) -> list[tuple[Path, str]]:
@@ -52,7 +49,8 @@ def input_files(paths: list[str]) -> list[tuple[Path, str]]:
                 and not any(part.startswith(".") for part in p.relative_to(path).parts)
             )
             if not found:
-                raise UserError(f"data prepare: directory {name} holds no non-empty files; pass one with text files")
+                raise UserError(f"data prepare: directory {name} holds no non-empty files; pass one with text files, "
+                                f"or with a subfolder of images per class")
             files.extend((path / relative, relative.as_posix()) for relative in found)
         else:
             files.append((path, path.name))
@@ -162,16 +160,13 @@ class ShardWriter:
     """Packs one split's documents into fixed-size token records across numbered shard files."""
 
     def __init__(self, directory: Path, split: str, chunk_tokens: int, records_per_shard: int, dtype: np.dtype):
-        self.directory, self.split = directory, split
-        self.chunk_tokens, self.records_per_shard, self.dtype = chunk_tokens, records_per_shard, dtype
-        self.files: list[str] = []
-        self.records: list[int] = []
+        self.chunk_tokens, self.dtype = chunk_tokens, dtype
         self.tokens = 0
         self.documents = 0
         self.longest_document = 0
         self._pending: list[np.ndarray] = []
         self._pending_tokens = 0
-        self._writer: ArrayRecordWriter | None = None
+        self._records = shards.RecordWriter(directory, split, records_per_shard)
 
     def add(self, ids: np.ndarray, separator: int) -> None:
         """Appends one document's ids and the separator after it."""
@@ -185,31 +180,18 @@ class ShardWriter:
             stream = np.concatenate(self._pending)
             whole = len(stream) - len(stream) % self.chunk_tokens
             for start in range(0, whole, self.chunk_tokens):
-                self._write(stream[start : start + self.chunk_tokens])
+                self._records.write(stream[start : start + self.chunk_tokens].tobytes())
             self._pending = [stream[whole:]]
             self._pending_tokens = len(stream) - whole
 
     def close(self) -> dict:
         """Writes the last (short) record and returns this split's manifest entry."""
         if self._pending_tokens:
-            self._write(np.concatenate(self._pending))
-        if self._writer is not None:
-            self._writer.close()
+            self._records.write(np.concatenate(self._pending).tobytes())
         return {
-            "files": self.files, "records": self.records, "tokens": self.tokens,
+            **self._records.close(), "tokens": self.tokens,
             "documents": self.documents, "longest_document": self.longest_document,
         }
-
-    def _write(self, chunk: np.ndarray) -> None:
-        if self._writer is None or self.records[-1] == self.records_per_shard:
-            if self._writer is not None:
-                self._writer.close()
-            name = f"{self.split}-{len(self.files):05d}.array_record"
-            self._writer = ArrayRecordWriter(str(self.directory / name), WRITER_OPTIONS)
-            self.files.append(name)
-            self.records.append(0)
-        self._writer.write(chunk.tobytes())
-        self.records[-1] += 1
 
 
 def prepare(
@@ -229,24 +211,15 @@ def prepare(
     if chunk_tokens < 1 or records_per_shard < 1 or vocab_size < 1:
         raise UserError("data prepare: --chunk-tokens, --records-per-shard and --vocab-size must be positive")
     files = input_files(inputs)
-    directory = Path(out)
-    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
-        raise UserError(f"data prepare: --out={out} is not empty; pass a new or empty directory")
+    with shards.new_directory(out) as scratch:
+        forced = forced_eval_document(files, text_key, eval_fraction)
 
-    forced = forced_eval_document(files, text_key, eval_fraction)
+        def all_documents() -> Iterator[tuple[str, str]]:
+            for path, name in files:
+                for index, text in enumerate(documents(path, text_key)):
+                    yield "eval" if (name, index) == forced else split_of(name, index, eval_fraction), text
 
-    def all_documents() -> Iterator[tuple[str, str]]:
-        for path, name in files:
-            for index, text in enumerate(documents(path, text_key)):
-                yield "eval" if (name, index) == forced else split_of(name, index, eval_fraction), text
-
-    tok = tokenizer_lib.train(tokenizer, (text for split, text in all_documents() if split == "train"), vocab_size)
-    # Shards are written to a scratch directory that replaces `out` only when complete, so a bad
-    # input found half way leaves nothing behind.
-    scratch = directory.with_name(directory.name + ".partial")
-    shutil.rmtree(scratch, ignore_errors=True)
-    scratch.mkdir(parents=True)
-    try:
+        tok = tokenizer_lib.train(tokenizer, (text for split, text in all_documents() if split == "train"), vocab_size)
         dtype = token_dtype(tok.vocab_size)
         writers = {split: ShardWriter(scratch, split, chunk_tokens, records_per_shard, dtype) for split in SPLITS}
         for split, text in all_documents():
@@ -267,34 +240,53 @@ def prepare(
             "splits": splits,
         }
         (scratch / sources.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
-    if directory.exists():
-        directory.rmdir()
-    scratch.rename(directory)
     return manifest
+
+
+# Options of one input form only (None: not given): giving one for the other form is a mistake.
+TEXT_OPTIONS = {"--tokenizer": "tokenizer", "--vocab-size": "vocab_size", "--chunk-tokens": "chunk_tokens",
+                "--text-key": "text_key"}
+IMAGE_OPTIONS = {"--image-size": "image_size", "--grayscale": "grayscale"}
+SHARED_OPTIONS = ("eval_fraction", "records_per_shard")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `jaxdist data prepare` command line."""
-    parser.add_argument("inputs", nargs="+", help="text, .jsonl or .parquet files, or directories of them")
+    parser.add_argument("inputs", nargs="+",
+                        help="text, .jsonl or .parquet files, or directories of them; or one folder with a "
+                             "subfolder of PNG/JPEG images per class")
     parser.add_argument("--out", required=True, help="new directory for the shards and manifest.json")
-    parser.add_argument("--tokenizer", default="byte",
-                        help=f"one of {', '.join(tokenizer_lib.TOKENIZERS)}, or the path of a Hugging Face tokenizer.json")
-    parser.add_argument("--vocab-size", type=cli_number(int), default=4096, help="sentencepiece vocabulary size")
-    parser.add_argument("--eval-fraction", type=float, default=0.01, help="share of documents held out for eval")
-    parser.add_argument("--chunk-tokens", type=cli_number(int), default=4096, help="tokens per ArrayRecord record")
-    parser.add_argument("--records-per-shard", type=cli_number(int), default=4096, help="records per shard file")
-    parser.add_argument("--text-key", default="text", help="JSONL field / Parquet column holding the text")
+    parser.add_argument("--eval-fraction", type=float,
+                        help="share of documents (default 0.01) or of each class's images (default 0.1) held out for eval")
+    parser.add_argument("--records-per-shard", type=cli_number(int), help="records per shard file (default 4096)")
+    text = parser.add_argument_group("text")
+    text.add_argument("--tokenizer",
+                      help=f"one of {', '.join(tokenizer_lib.TOKENIZERS)} (default byte), or the path of a Hugging "
+                           f"Face tokenizer.json")
+    text.add_argument("--vocab-size", type=cli_number(int), help="sentencepiece vocabulary size (default 4096)")
+    text.add_argument("--chunk-tokens", type=cli_number(int), help="tokens per ArrayRecord record (default 4096)")
+    text.add_argument("--text-key", help="JSONL field / Parquet column holding the text (default text)")
+    image = parser.add_argument_group("image folder")
+    image.add_argument("--image-size", type=cli_number(int),
+                       help="side of the square every image is resized and center-cropped to (default 32)")
+    image.add_argument("--grayscale", action="store_true", default=None,
+                       help="keep one gray channel instead of converting to RGB")
 
 
 def run(args: argparse.Namespace) -> None:
-    """Runs `prepare` for parsed arguments and prints a one-line summary."""
-    manifest = prepare(
-        args.inputs, args.out, args.tokenizer, args.vocab_size, args.eval_fraction,
-        args.chunk_tokens, args.records_per_shard, args.text_key,
-    )
+    """Prepares an image folder or text inputs, as the inputs are, and prints a one-line summary."""
+    folder = images.image_folder(args.inputs)
+    if folder is not None:
+        own, other, form = IMAGE_OPTIONS, TEXT_OPTIONS, "an image folder"
+    else:
+        own, other, form = TEXT_OPTIONS, IMAGE_OPTIONS, "text inputs"
+    if given := [flag for flag, dest in other.items() if getattr(args, dest) is not None]:
+        raise UserError(f"data prepare: {given[0]} does not apply to {form}; drop it")
+    options = {dest: getattr(args, dest) for dest in (*own.values(), *SHARED_OPTIONS) if getattr(args, dest) is not None}
+    if folder is not None:
+        print(images.summary(args.out, images.prepare(folder, args.out, **options)))
+        return
+    manifest = prepare(args.inputs, args.out, **options)
     counts = ", ".join(
         f"{split} {entry['documents']} documents / {entry['tokens']} tokens"
         for split, entry in manifest["splits"].items()

@@ -1,35 +1,37 @@
-"""Random-access data sources for grain: prepared ArrayRecord token shards and in-memory arrays.
+"""Random-access data sources for grain: prepared ArrayRecord shards and in-memory arrays.
 
 A source has `__len__` and `__getitem__`, so grain can shuffle, shard and batch it by index.
 `ArrayRecordTokens` is a token stream that slices like a numpy array, so the same
-`pipeline.TokenWindows` packs windows from it as from the in-memory stdlib corpus.
+`pipeline.TokenWindows` packs windows from it as from the in-memory stdlib corpus;
+`ArrayRecordImages` yields labeled images, one record each.
 """
 
 from __future__ import annotations
 
-import bisect
 import json
 from collections.abc import Mapping
 from pathlib import Path
 
-import grain
 import numpy as np
 
+from jaxdist.data.shards import RecordReader, first_line
 from jaxdist.errors import UserError
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "jaxdist-packed-tokens/1"
+IMAGES_MANIFEST_FORMAT = "jaxdist-labeled-images/1"
+# The `data.source` that reads each manifest format.
+SOURCE_OF_FORMAT = {MANIFEST_FORMAT: "arrayrecord", IMAGES_MANIFEST_FORMAT: "images"}
+# An image record: the label, then the pixels.
+LABEL_DTYPE = np.dtype("<i4")
 
 
-def _first_line(err: Exception) -> str:
-    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-
-
-def read_manifest(directory: Path) -> dict:
-    """The manifest `jaxdist data prepare` wrote into `directory` (the config's `data.path`)."""
+def read_manifest(directory: Path, expected: str = MANIFEST_FORMAT) -> dict:
+    """The manifest `jaxdist data prepare` wrote into `directory` (the config's `data.path`), which
+    must be of the `expected` format."""
     if not directory.is_dir():
         raise UserError(
-            f"data.path={directory} is not a directory; run `jaxdist data prepare FILES --out {directory}` first"
+            f"data.path={directory} is not a directory; run `jaxdist data prepare INPUTS --out {directory}` first"
         )
     path = directory / MANIFEST
     if not path.is_file():
@@ -39,10 +41,16 @@ def read_manifest(directory: Path) -> dict:
     try:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UserError(f"data.path={directory}: {MANIFEST} is corrupt ({_first_line(err)}); prepare the data again") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        raise UserError(f"data.path={directory}: {MANIFEST} is corrupt ({first_line(err)}); prepare the data again") from None
+    found = manifest.get("format") if isinstance(manifest, dict) else None
+    if found != expected and found in SOURCE_OF_FORMAT:
         raise UserError(
-            f"data.path={directory}: {MANIFEST} is not a {MANIFEST_FORMAT} manifest; prepare the data again"
+            f"data.path={directory} holds {found} data, which data.source={SOURCE_OF_FORMAT[found]} reads, not "
+            f"data.source={SOURCE_OF_FORMAT[expected]}; set data.source={SOURCE_OF_FORMAT[found]}"
+        )
+    if found != expected:
+        raise UserError(
+            f"data.path={directory}: {MANIFEST} is not a {expected} manifest; prepare the data again"
         )
     return manifest
 
@@ -57,36 +65,15 @@ class ArrayRecordTokens:
 
     def __init__(self, directory: Path, manifest: dict, split: str):
         entry = manifest["splits"][split]
-        self.directory = directory
-        self._names = list(entry["files"])
-        self._shards = [self._open(name, count) for name, count in zip(self._names, entry["records"])]
-        self._ends = list(np.cumsum(entry["records"]))
+        self._records = RecordReader(directory, entry["files"], entry["records"])
         self._chunk = int(manifest["chunk_tokens"])
         self._dtype = np.dtype(manifest["dtype"])
         self._length = int(entry["tokens"])
-        records = self._ends[-1] if self._ends else 0
-        if records != -(-self._length // self._chunk):
+        if len(self._records) != -(-self._length // self._chunk):
             raise UserError(
-                f"data.path={directory}: the {split} split has {records} records for {self._length} tokens; "
-                f"{MANIFEST} does not match the shards, prepare the data again"
+                f"data.path={directory}: the {split} split has {len(self._records)} records for {self._length} "
+                f"tokens; {MANIFEST} does not match the shards, prepare the data again"
             )
-
-    def _open(self, name: str, expected: int):
-        path = self.directory / name
-        if not path.is_file():
-            raise UserError(f"data.path={self.directory}: shard {name} is missing; prepare the data again")
-        try:
-            shard = grain.sources.ArrayRecordDataSource(str(path))
-        except RuntimeError as err:
-            raise UserError(
-                f"data.path={self.directory}: shard {name} is corrupt ({_first_line(err)}); prepare the data again"
-            ) from None
-        if len(shard) != expected:
-            raise UserError(
-                f"data.path={self.directory}: shard {name} has {len(shard)} records, the manifest says "
-                f"{expected}; prepare the data again"
-            )
-        return shard
 
     def __len__(self) -> int:
         return self._length
@@ -102,22 +89,36 @@ class ArrayRecordTokens:
         return tokens[offset : offset + stop - start]
 
     def _record(self, index: int) -> np.ndarray:
-        shard = bisect.bisect_right(self._ends, index)
-        position = index - (self._ends[shard - 1] if shard else 0)
         expected = min(self._chunk, self._length - index * self._chunk) * self._dtype.itemsize
-        try:
-            raw = self._shards[shard][position]
-        except RuntimeError as err:
+        return np.frombuffer(self._records.read(index, expected), self._dtype)
+
+
+class ArrayRecordImages:
+    """One split's labeled images from the shards `jaxdist data prepare FOLDER` wrote.
+
+    `source[i] == {"images": float32 [H, W, C] in [0, 1], "labels": int32 []}`. A record is the
+    label (int32, little-endian) followed by the uint8 pixels in H, W, C order.
+    """
+
+    def __init__(self, directory: Path, manifest: dict, split: str):
+        entry = manifest["splits"][split]
+        self._records = RecordReader(directory, entry["files"], entry["records"])
+        self.image_shape = tuple(int(size) for size in manifest["image_shape"])
+        self._bytes = LABEL_DTYPE.itemsize + int(np.prod(self.image_shape))
+        if len(self._records) != entry["examples"]:
             raise UserError(
-                f"data.path={self.directory}: record {position} of shard {self._names[shard]} is corrupt "
-                f"({_first_line(err)}); prepare the data again"
-            ) from None
-        if len(raw) != expected:
-            raise UserError(
-                f"data.path={self.directory}: record {position} of shard {self._names[shard]} holds "
-                f"{len(raw)} bytes, not {expected}; prepare the data again"
+                f"data.path={directory}: the {split} split has {len(self._records)} records for "
+                f"{entry['examples']} examples; {MANIFEST} does not match the shards, prepare the data again"
             )
-        return np.frombuffer(raw, self._dtype)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        raw = self._records.read(index, self._bytes)
+        label = np.frombuffer(raw, LABEL_DTYPE, count=1)[0].astype(np.int32)
+        pixels = np.frombuffer(raw, np.uint8, offset=LABEL_DTYPE.itemsize).reshape(self.image_shape)
+        return {"images": pixels.astype(np.float32) / np.float32(255), "labels": label}
 
 
 class ArraySource:
