@@ -148,7 +148,9 @@ def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = No
         "tokens_per_sec_per_device": round(per_device),
         "mfu": round(utilization, 4) if utilization is not None else None,  # None where the peak is unknown (CPU)
         "peak_mem_gib": round(peak / 2**30, 2) if peak is not None else None,
-        "compile_s": round(trainer.compile_time_s, 1),
+        # The step's trace and lowering, and XLA's compile (a load where the compilation cache has it).
+        "trace_s": round(trainer.trace_time_s, 3),
+        "compile_s": round(trainer.compile_time_s, 3),
         "collective_mb": {
             opcode: {dtype: round(size / 2**20, 1) for dtype, size in by_dtype.items()}
             for opcode, by_dtype in hlo.bytes_per_call(trainer.compiled_text()).items()
