@@ -11,6 +11,8 @@ import pytest
 from conftest import make_config
 
 from jaxdist import cli, loop
+from jaxdist.errors import UserError
+from jaxdist.observe import wandb_log
 from jaxdist.observe.metrics import tensorboard_tag
 
 wandb_internal = pytest.importorskip("wandb.proto.wandb_internal_pb2")  # the `wandb` extra, in the `test` extra
@@ -80,3 +82,14 @@ def test_without_wandb_installed_one_line_and_exit_2(tmp_path, monkeypatch, capf
     assert capfd.readouterr().err.strip().splitlines() == [
         "jaxdist: error: log.wandb=true needs Weights & Biases: pip install 'jaxdist[wandb]', or set log.wandb=false"]
     assert not (tmp_path / "run").exists()  # nothing started
+
+
+def test_online_without_a_login_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))  # no stored W&B login
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    cfg = make_config(tmp_path / "run", log={"wandb": True})
+    with pytest.raises(UserError) as err:
+        wandb_log.WandbRun(cfg, tmp_path / "run")
+    assert str(err.value) == ("log.wandb=true: Weights & Biases did not start: No API key configured. Use `wandb login` "
+                              "to log in. Or set log.wandb_mode=offline to keep the run in run_dir/wandb only")

@@ -37,12 +37,18 @@ class WandbRun:
         id_file = files / RUN_ID
         if not id_file.is_file():
             id_file.write_text(secrets.token_hex(6))
-        self._run = wandb.init(
-            project=cfg.log.wandb_project, entity=cfg.log.wandb_entity, name=cfg.log.wandb_name or run_dir.resolve().name,
-            dir=run_dir, id=id_file.read_text().strip(), resume="allow", config=cfg.model_dump(mode="json"),
-            # console off: jaxdist's own output (progress bar, lines) stays as it is.
-            settings=wandb.Settings(mode=cfg.log.wandb_mode, console="off"),
-        )
+        try:
+            self._run = wandb.init(
+                project=cfg.log.wandb_project, entity=cfg.log.wandb_entity,
+                name=cfg.log.wandb_name or run_dir.resolve().name, dir=run_dir, id=id_file.read_text().strip(),
+                resume="allow", config=cfg.model_dump(mode="json"),
+                # console off: jaxdist's own output (progress bar, lines) stays as it is.
+                settings=wandb.Settings(mode=cfg.log.wandb_mode, console="off"),
+            )
+        except wandb.errors.Error as err:  # not logged in, no network, an unknown entity
+            why = str(err).strip().splitlines()[0]
+            raise UserError(f"log.wandb=true: Weights & Biases did not start: {why} Or set log.wandb_mode=offline to "
+                            f"keep the run in run_dir/wandb only") from None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if step >= self._run.step:  # W&B keeps the first values of a step trained again after a resume
