@@ -4,9 +4,11 @@
     python benchmarks/against_tree.py .other [--config jaxdist/recipes/gpt_406m.yaml] [--pairs 2]
 
 Runs `--pairs` x (this tree, the other), each as a fresh process on the same GPU, then prints
-each run's step time, compile time and first loss, and the ratio of the medians. Before the pairs,
-this tree runs once more to fill the compilation cache and build the kernels, so its first timed
-run shows what a second start costs (`compile_s`). Both trees read this tree's config file.
+each run's step time, trace and compile times and first loss, and the ratio of the medians. Before
+the pairs, this tree runs once more to fill the compilation cache and build the kernels, so its first
+timed run shows what a second start costs (`trace_s`, paid at every start, and `compile_s`, the
+XLA compile the cache turns into a load; older trees report only `compile_s`, both together).
+Both trees read this tree's config file.
 """
 
 from __future__ import annotations
@@ -46,10 +48,10 @@ def main() -> None:
         rows.append((str(args.other), bench(args.other.resolve(), args.config, args.steps)))
     for name, result in rows:
         print(json.dumps({"tree": name, **result}), flush=True)
-    print("| tree | step ms | compile s | setup s | first loss | SM MHz |\n|---|---|---|---|---|---|")
+    print("| tree | step ms | trace s | compile s | setup s | first loss | SM MHz |\n|---|---|---|---|---|---|---|")
     for name, result in rows:
-        print(f"| {name} | {result['step_ms']:.2f} | {result['compile_s']:.1f} | {result['setup_s']:.1f} | "
-              f"{result.get('first_loss', float('nan')):.6f} | {result.get('sm_clock_mhz', '')} |")
+        print(f"| {name} | {result['step_ms']:.2f} | {result.get('trace_s', '')} | {result['compile_s']:.1f} | "
+              f"{result['setup_s']:.1f} | {result.get('first_loss', float('nan')):.6f} | {result.get('sm_clock_mhz', '')} |")
     mine = statistics.median(r["step_ms"] for n, r in rows[1:] if n == "this tree")
     other = statistics.median(r["step_ms"] for n, r in rows[1:] if n != "this tree")
     print(f"median step: this tree {mine:.2f} ms, {args.other} {other:.2f} ms, ratio {mine / other:.4f}; "

@@ -254,6 +254,14 @@ class LogConfig(Section):
     """Console and metrics logging."""
 
     every: int = Field(10, gt=0, description="log metrics every N steps (and the first and last)")
+    wandb: bool = Field(False, description="also log the metrics and the config to Weights & Biases, from process "
+                        "0 (needs the wandb extra); its files go to run_dir/wandb")
+    wandb_project: str = Field("jaxdist", description="W&B project the run is logged to")
+    wandb_entity: str | None = Field(None, description="W&B team or user (null: your default entity)")
+    wandb_name: str | None = Field(None, description="W&B run name (null: the run_dir folder's name)")
+    wandb_mode: Literal["online", "offline"] = Field(
+        "online", description="online streams to the W&B server; offline only writes run_dir/wandb, for "
+        "`wandb sync` later")
 
 
 class EvalConfig(Section):

@@ -22,7 +22,7 @@ from jaxdist.checkpoint import RunCheckpoints
 from jaxdist.config import Config, TrainConfig
 from jaxdist.data import loader
 from jaxdist.errors import NonFiniteError, UserError
-from jaxdist.observe import console
+from jaxdist.observe import console, wandb_log
 from jaxdist.observe.bench import flops_per_token
 from jaxdist.observe.metrics import MetricsWriter, device_metrics, drop_after
 from jaxdist.observe.profile import StepProfiler
@@ -48,6 +48,7 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
     says (`NonFiniteGuard`), with nothing saved from that step on."""
     # Opening the data and reading a first batch report bad data before anything compiles; so
     # does a checkpoint of another model in run_dir.
+    wandb_log.check_installed(cfg)
     cfg = loader.resolve_vocab(cfg)
     keys = models.get(cfg.model.name).batch_keys
     train_source = loader.open_split(cfg, "train", keys)
@@ -96,10 +97,13 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     flops = flops_per_token(cfg)
 
-    writer = MetricsWriter(run_dir if is_writer else None)
+    wandb = wandb_log.WandbRun(cfg, run_dir) if is_writer and cfg.log.wandb else None
+    writer = MetricsWriter(run_dir if is_writer else None, wandb)
     first = trainer.global_batch(first_local)
     trainer.compile(first)
-    log(f"compiled the train step in {trainer.compile_time_s:.1f} s")
+    # Only the XLA compile is saved by the persistent compilation cache; tracing is paid each start.
+    compile_times = {"trace_s": trainer.trace_time_s, "compile_s": trainer.compile_time_s}
+    log(f"compiled the train step: trace {trainer.trace_time_s:.1f} s, XLA compile {trainer.compile_time_s:.1f} s")
 
     batch, last_time, last_step, data_wait = first, time.perf_counter(), start.step, 0.0
     began = last_time
@@ -130,6 +134,8 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
                                   **device_metrics(flops, tokens_per_step / step_time, trainer.mesh))
                     if eval_due:
                         values["eval_loss"] = evaluate()
+                    if first_of_run:
+                        values.update(compile_times)
                     writer.write(step, values)
                     progress.logged(step, values)
                     last_time, last_step, data_wait = time.perf_counter(), step, 0.0

@@ -44,3 +44,15 @@ def test_run_dir_without_metrics_is_one_line_and_exit_2(tmp_path, capfd):
     err = capfd.readouterr().err.strip().splitlines()
     assert err == [f"jaxdist: error: plot: {tmp_path / 'empty'} has no metrics.jsonl; pass a run_dir written by `jaxdist train`"]
     assert not (tmp_path / "a" / "plot.png").exists() and not (tmp_path / "plot.png").exists()
+
+
+def test_legend_names_runs_briefly_and_tokens_per_sec_starts_at_zero(tmp_path):
+    from jaxdist.observe import plot
+
+    assert plot.labels(["/tmp/x/run"]) == {"/tmp/x/run": ""}
+    assert plot.labels(["runs/a", "other/b"]) == {"runs/a": "a ", "other/b": "b "}
+    assert plot.labels(["x/run", "y/run"]) == {"x/run": "x/run ", "y/run": "y/run "}
+    write_run(tmp_path / "a", 20, 1.0)
+    loss, throughput = plot.figure({"a": plot.read_metrics(tmp_path / "a")}).axes
+    assert [line.get_label() for line in loss.get_lines()] == ["loss", "eval_loss"]
+    assert throughput.get_ylim()[0] == 0 and throughput.get_ylim()[1] >= 1200  # 1000 + 10 x step, up to 1200

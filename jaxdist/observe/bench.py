@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -107,7 +108,7 @@ def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = No
     setup_s = time.perf_counter() - start
     first_loss = float(trainer.step(batch)["loss"])  # the untrained model's: the same under any layout
     local = [d for d in trainer.mesh.devices.flatten() if d.process_index == jax.process_index()]
-    sampler = clocks.ClockSampler(clocks.smi_indices([d.local_hardware_id for d in local if d.platform == "gpu"]))
+    sampler = clocks.ClockSampler(clocks.cuda_targets([d for d in local if d.platform == "gpu"]), notify=_on_process_0)
     times, dispatch, metrics = time_steps(trainer, batch, steps, warmup, while_timed=sampler)
     if profile_dir:
         # Back to back, as timed: a sync per step would hide waits that only happen while the
@@ -147,7 +148,9 @@ def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = No
         "tokens_per_sec_per_device": round(per_device),
         "mfu": round(utilization, 4) if utilization is not None else None,  # None where the peak is unknown (CPU)
         "peak_mem_gib": round(peak / 2**30, 2) if peak is not None else None,
-        "compile_s": round(trainer.compile_time_s, 1),
+        # The step's trace and lowering, and XLA's compile (a load where the compilation cache has it).
+        "trace_s": round(trainer.trace_time_s, 3),
+        "compile_s": round(trainer.compile_time_s, 3),
         "collective_mb": {
             opcode: {dtype: round(size / 2**20, 1) for dtype, size in by_dtype.items()}
             for opcode, by_dtype in hlo.bytes_per_call(trainer.compiled_text()).items()
@@ -155,10 +158,15 @@ def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = No
         "setup_s": round(setup_s, 1),
         "first_loss": first_loss,
         "loss": float(metrics["loss"]),
-        # This process's GPUs during the timed steps (nvidia-smi; absent without it): the SM clock
-        # and power the step time was measured at, and how often the power limit held the clock.
+        # This process's GPUs during the timed steps (NVML; absent without it): the SM clock and
+        # power the step time was measured at, and how often the power limit held the clock.
         **sampler.summary(),
     }
+
+
+def _on_process_0(line: str) -> None:
+    if jax.process_index() == 0:
+        print(line, file=sys.stderr, flush=True)
 
 
 def write(result: dict, path: str | None) -> None:

@@ -2,7 +2,8 @@
 process gets a writer that does nothing.
 
 `metrics.jsonl` is strict JSON: a non-finite value (a NaN loss) is written as null. TensorBoard
-gets the same values under `run_dir/tb`, `eval_` keys as `eval/...` and the others as `train/...`.
+gets the same values under `run_dir/tb`, `eval_` keys as `eval/...` and the others as `train/...`;
+so does W&B with `log.wandb=true` (observe/wandb_log.py).
 """
 
 from __future__ import annotations
@@ -10,11 +11,15 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jax.sharding import Mesh
 from tensorboardX import SummaryWriter
 
 from jaxdist.errors import UserError
+
+if TYPE_CHECKING:
+    from jaxdist.observe.wandb_log import WandbRun
 
 # Dense bf16 peak FLOP/s per device from the datasheets, matched on substrings of `device_kind`.
 PEAK_FLOPS_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -22,12 +27,14 @@ PEAK_FLOPS_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e
 
 class MetricsWriter:
     """Appends one JSON object per logged step to `metrics.jsonl` (non-finite values as null), adds
-    each value to TensorBoard's event files in `run_dir/tb`; does nothing without `run_dir`."""
+    each value to TensorBoard's event files in `run_dir/tb` and, given one, to a W&B run; does
+    nothing without `run_dir`."""
 
-    def __init__(self, run_dir: Path | None):
+    def __init__(self, run_dir: Path | None, wandb: WandbRun | None = None):
         self._path = None if run_dir is None else run_dir / "metrics.jsonl"
         self._file = open(self._path, "a") if run_dir is not None else None
         self._tensorboard = SummaryWriter(str(run_dir / "tb")) if run_dir is not None else None
+        self._wandb = wandb
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
@@ -42,16 +49,20 @@ class MetricsWriter:
         if self._tensorboard is not None:
             for key, value in metrics.items():
                 self._tensorboard.add_scalar(tensorboard_tag(key), float(value), step)
+        if self._wandb is not None:
+            self._wandb.log(step, {k: float(v) for k, v in metrics.items()})
 
     def close(self) -> None:
-        """Closes both files. A failure to finish them (a full disk) is not raised here: the run
-        stops on the write that failed first, and its error is the one to report."""
+        """Closes the files and finishes the W&B run. A failure to finish the files (a full disk) is
+        not raised here: the run stops on the write that failed first, and its error is the one to report."""
         for close in (self._file, self._tensorboard):
             if close is not None:
                 try:
                     close.close()  # flushes
                 except OSError:
                     pass
+        if self._wandb is not None:
+            self._wandb.close()
 
 
 def tensorboard_tag(key: str) -> str:

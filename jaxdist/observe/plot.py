@@ -8,6 +8,7 @@ canvas through `Figure`, so no pyplot state or backend setting is touched.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 from jaxdist.errors import UserError
 
 METRICS = "metrics.jsonl"
-# (panel title, [(metrics key, line style)]) top to bottom.
+# (panel title, [(metrics key, line style)]) top to bottom; the last panel's axis starts at 0.
 PANELS = (
     ("loss", [("loss", "-"), ("eval_loss", "--")]),
     ("tokens/s", [("tokens_per_sec", "-")]),
@@ -58,29 +59,46 @@ def default_out(run_dirs: list[str]) -> Path:
     return Path(run_dirs[0]) / "plot.png" if len(run_dirs) == 1 else Path("plot.png")
 
 
-def plot(run_dirs: list[str], out: str | None = None) -> Path:
-    """Draws the runs' loss (train solid, eval dashed) and tokens/s against step into a PNG at
-    `out` (default: `default_out`); returns its path."""
-    runs = {run_dir: read_metrics(Path(run_dir)) for run_dir in run_dirs}  # every run checked before drawing
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise UserError("plot needs matplotlib; pip install 'jaxdist[plot]'") from None
-    figure = Figure(figsize=(8, 6), layout="constrained")
-    axes = figure.subplots(len(PANELS), 1, sharex=True)
+def labels(run_dirs: list[str]) -> dict[str, str]:
+    """How the legend names each run: nothing for one run (the key says it all), the folder's name
+    for several with distinct names, the path as given otherwise."""
+    if len(run_dirs) == 1:
+        return {run_dirs[0]: ""}
+    names = {run_dir: Path(run_dir).name or run_dir for run_dir in run_dirs}
+    distinct = len(set(names.values())) == len(names)
+    return {run_dir: f"{names[run_dir] if distinct else run_dir} " for run_dir in run_dirs}
+
+
+def figure(runs: dict[str, list[dict]]):
+    """The matplotlib `Figure` of `runs` (run_dir -> its metrics records): loss (train solid, eval
+    dashed) and tokens/s against step; tokens/s from 0, so that noise looks like noise."""
+    from matplotlib.figure import Figure
+
+    drawn = Figure(figsize=(8, 6), layout="constrained")
+    axes = drawn.subplots(len(PANELS), 1, sharex=True)
+    names = labels(list(runs))
     for ax, (title, lines) in zip(axes, PANELS):
         for index, (run_dir, records) in enumerate(runs.items()):
             for key, style in lines:
                 steps, values = series(records, key)
                 if steps:
                     ax.plot(steps, values, style, color=f"C{index}", marker="." if len(steps) < 30 else None,
-                            label=f"{run_dir} {key}")
+                            label=f"{names[run_dir]}{key}")
         ax.set_ylabel(title)
         ax.grid(alpha=0.3)
         if ax.has_data():
             ax.legend(fontsize="small")
+    axes[-1].set_ylim(bottom=0)
     axes[-1].set_xlabel("step")
+    return drawn
+
+
+def plot(run_dirs: list[str], out: str | None = None) -> Path:
+    """Draws the runs' `figure` into a PNG at `out` (default: `default_out`); returns its path."""
+    runs = {run_dir: read_metrics(Path(run_dir)) for run_dir in run_dirs}  # every run checked before drawing
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UserError("plot needs matplotlib; pip install 'jaxdist[plot]'")
     path = Path(out) if out else default_out(run_dirs)
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
+    figure(runs).savefig(path, dpi=100)
     return path

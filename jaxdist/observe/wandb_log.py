@@ -1,0 +1,58 @@
+"""Weights & Biases for `log.wandb=true` (the `wandb` extra): the resolved config, and every logged
+step's values under TensorBoard's tags (`train/loss`, `eval/loss`, ...). Only process 0 logs.
+
+The run's files go to `run_dir/wandb`; `log.wandb_mode=offline` writes only there (`wandb sync`
+uploads them later). The mode is passed to `wandb.init`, not through the environment. A run that
+resumes in the same run_dir continues the same W&B run (its id is kept in `run_dir/wandb/run_id`);
+steps it trains again after the restored checkpoint are not logged twice.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import secrets
+from pathlib import Path
+
+from jaxdist.config import Config
+from jaxdist.errors import UserError
+from jaxdist.observe.metrics import tensorboard_tag
+
+RUN_ID = "run_id"
+
+
+def check_installed(cfg: Config) -> None:
+    """Raises a `UserError` where `log.wandb` is on and wandb cannot be imported."""
+    if cfg.log.wandb and importlib.util.find_spec("wandb") is None:
+        raise UserError("log.wandb=true needs Weights & Biases: pip install 'jaxdist[wandb]', or set log.wandb=false")
+
+
+class WandbRun:
+    """One W&B run for a run_dir: `log` each logged step, `close` at the end."""
+
+    def __init__(self, cfg: Config, run_dir: Path):
+        import wandb
+
+        files = run_dir / "wandb"
+        files.mkdir(parents=True, exist_ok=True)
+        id_file = files / RUN_ID
+        if not id_file.is_file():
+            id_file.write_text(secrets.token_hex(6))
+        try:
+            self._run = wandb.init(
+                project=cfg.log.wandb_project, entity=cfg.log.wandb_entity,
+                name=cfg.log.wandb_name or run_dir.resolve().name, dir=run_dir, id=id_file.read_text().strip(),
+                resume="allow", config=cfg.model_dump(mode="json"),
+                # console off: jaxdist's own output (progress bar, lines) stays as it is.
+                settings=wandb.Settings(mode=cfg.log.wandb_mode, console="off"),
+            )
+        except wandb.errors.Error as err:  # not logged in, no network, an unknown entity
+            why = str(err).strip().splitlines()[0]
+            raise UserError(f"log.wandb=true: Weights & Biases did not start: {why} Or set log.wandb_mode=offline to "
+                            f"keep the run in run_dir/wandb only") from None
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if step >= self._run.step:  # W&B keeps the first values of a step trained again after a resume
+            self._run.log({tensorboard_tag(key): value for key, value in metrics.items()}, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
