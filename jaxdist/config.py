@@ -278,7 +278,7 @@ class PipelineConfig(Section):
     """Pipeline parallelism, used when mesh.stage > 1 (jaxdist.parallel.pipeline)."""
 
     microbatches: int = Field(
-        1, gt=0, description="pipeline microbatches per accumulation step (a multiple of mesh.stage)")
+        1, gt=0, description="pipeline microbatches per accumulation step (at least mesh.stage)")
     repeats: int = Field(
         1, gt=0, description="layer groups per stage, round-robin (1: GPipe; more: circular, smaller bubble)")
     remat: bool = Field(False, description="recompute each stage's forward in the backward pass")
