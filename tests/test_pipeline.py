@@ -128,13 +128,16 @@ def _max_relative_error(got, expected) -> float:
 
 
 @pytest.mark.parametrize(
-    "stages, microbatches, repeats, data, tensor",
-    [(2, 4, 1, 2, 1), (2, 8, 2, 1, 2), (4, 4, 1, 1, 2), (4, 8, 2, 2, 1)],
-    ids=["S2_M4_data2", "S2_M8_R2_tensor2", "S4_M4_tensor2", "S4_M8_R2_data2"],
+    "stages, microbatches, repeats, data, tensor, norm_impl",
+    [(2, 4, 1, 2, 1, "xla"), (2, 8, 2, 1, 2, "xla"), (4, 4, 1, 1, 2, "pallas"), (4, 8, 2, 2, 1, "xla")],
+    ids=["S2_M4_data2", "S2_M8_R2_tensor2", "S4_M4_tensor2_fused_norms", "S4_M8_R2_data2"],
 )
-def test_pipelined_loss_and_grads_match_unpipelined(tmp_path, devices, reference, stages, microbatches, repeats, data, tensor):
+def test_pipelined_loss_and_grads_match_unpipelined(tmp_path, devices, reference, stages, microbatches, repeats, data,
+                                                    tensor, norm_impl):
+    """Also with the fused norm kernels (in Pallas's interpreter here) in the stages' unrolled layers,
+    their backward traced outside the pipeline's rules."""
     params, batch, expected_loss, expected_grads = reference
-    cfg = _pipe_config(tmp_path, stages, microbatches, repeats, data, tensor)
+    cfg = _pipe_config(tmp_path, stages, microbatches, repeats, data, tensor, impl={"norm_impl": norm_impl})
     layout = layout_lib.from_config(cfg, devices)
     mesh, rules = layout.mesh, layout.rules
     _, abstract, names = abstract_model(models.get("gpt").create(cfg), cfg.seed)
