@@ -1,6 +1,6 @@
 """Pipeline stages against one GPU: gpt_406m per GPU, `jaxdist bench` runs one after the other.
 
-    python3 benchmarks/pipeline_vs_one_gpu.py [--stages 2] [--microbatches 4,8,16] [--repeats 1,2] [--out r.jsonl]
+    python3 benchmarks/pipeline_vs_one_gpu.py [--stages 2] [--microbatches 4,8,16] [--repeats 1,2] [--unroll] [--out r.jsonl]
     JAXDIST_CPU_DEVICES=2 python benchmarks/pipeline_vs_one_gpu.py --steps 2 --microbatches 2 \
         --set model.d_model=32 model.layers=4 model.heads=4 model.seq_len=16 model.vocab=256 \
         impl.loss_chunk=0 precision.compute=float32                                  # CPU: checks it runs
@@ -11,7 +11,7 @@ GPUs (2 or more):
 - 1 GPU, the recipe (16 sequences, layers unrolled): the baseline;
 - 1 GPU with `impl.scan_layers=true`: what the stacked layers cost without a pipeline;
 - `mesh.stage=S` with 16 x S sequences (16 per GPU) for each `pipeline.microbatches` M and
-  `pipeline.repeats` R.
+  `pipeline.repeats` R; with `--unroll`, each also with `pipeline.unroll=true`.
 
 and prints one table: step ms, tokens/s per GPU, per-GPU ratio to the 1-GPU recipe, and the
 measured bubble (1 - that ratio: every cost of the pipeline beyond the recipe's step, its idle
@@ -32,7 +32,7 @@ def _ints(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part]
 
 
-def runs(stages: int, microbatches: list[int], repeats: list[int], batch_per_gpu: int,
+def runs(stages: int, microbatches: list[int], repeats: list[int], unroll: list[bool], batch_per_gpu: int,
          overrides: list[str], steps: int) -> list[tuple[str, list[str]]]:
     """(label, command) of every run, the 1-GPU baseline first; `overrides` go to every run."""
     timing = ["--steps", str(steps)]
@@ -42,9 +42,10 @@ def runs(stages: int, microbatches: list[int], repeats: list[int], batch_per_gpu
     return [
         ("1 GPU, recipe", one_gpu + ["--devices", "1", *timing]),
         ("1 GPU, scanned layers", one_gpu + ["impl.scan_layers=true", "--devices", "1", *timing]),
-        *[(f"stage={stages} R={r} M={m}",
-           staged + [f"pipeline.microbatches={m}", f"pipeline.repeats={r}", "--devices", str(stages), *timing])
-          for r in repeats for m in microbatches],
+        *[(f"stage={stages} R={r} M={m}{' unrolled' if u else ''}",
+           staged + [f"pipeline.microbatches={m}", f"pipeline.repeats={r}", f"pipeline.unroll={str(u).lower()}",
+                     "--devices", str(stages), *timing])
+          for u in unroll for r in repeats for m in microbatches],
     ]
 
 
@@ -76,12 +77,16 @@ def main() -> None:
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="config overrides for every run, e.g. model.vocab=512 (the head's share of the step)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per run")
+    parser.add_argument("--unroll", action="store_true",
+                        help="each pipeline row again with pipeline.unroll=true (iterations unrolled: longer compile)")
     parser.add_argument("--timeout", type=int, default=600)
     parser.add_argument("--out", help="append every result as a JSON line")
     args = parser.parse_args()
     jaxdist.gpu_defaults()
     results = []
-    for label, command in runs(args.stages, args.microbatches, args.repeats, args.batch_per_gpu, args.set, args.steps):
+    unroll = [False, True] if args.unroll else [False]
+    for label, command in runs(args.stages, args.microbatches, args.repeats, unroll, args.batch_per_gpu, args.set,
+                               args.steps):
         results.append(run(label, command, args.timeout, args.stages))
         if args.out:  # kept as they come: a call cut short still returns what it measured
             with open(args.out, "a") as out:
