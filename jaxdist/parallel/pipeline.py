@@ -10,7 +10,8 @@ iterations; every iteration each stage runs its layers on one microbatch (all st
 unrolled, as the unrolled model runs them), then the outputs move one stage on: a roll of the
 stage dim, which XLA turns into one collective permute, the only collective inside the loop. The
 backward pass is autodiff of that scan, i.e. GPipe: all forwards, then all backwards. A stage is
-idle for S - 1 of the iterations, the bubble (S - 1) / (R * M + S - 1).
+idle for S - 1 of the iterations, the bubble (S - 1) / (R * M + S - 1). With `pipeline.unroll` the
+same iterations run as straight-line code instead of the scan.
 
 Outside the pipeline the stage axis splits the batch like the data axes (`rules_from_config` adds
 it to the `batch` rule), so the embedding, the final norm, the head and the loss each run on
