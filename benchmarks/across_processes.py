@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 LAYOUTS = {
-    # Each stage on its own GPU: every process feeds the whole batch (a non-batch axis spans them).
+    # Each stage on its own GPU: the batch is split over the stages too, so each process feeds its half.
     "stage": ["mesh.stage=-1", "mesh.fsdp=1", "impl.scan_layers=true", "pipeline.microbatches=8"],
     # The batch split over fsdp: each process feeds its own rows.
     "fsdp": ["mesh.fsdp=-1"],

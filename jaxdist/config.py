@@ -111,7 +111,7 @@ class ImplConfig(Section):
         "none", description="recomputed in the backward: nothing, the MLP activation, all but matmuls, or each block")
     attention: Literal["auto", "xla", "cudnn"] = Field("auto", description="attention implementation")
     norm_impl: Literal["auto", "xla", "pallas"] = Field(
-        "auto", description="residual add + norm as one Pallas kernel (kernels/fused_norm.py; unrolled layers)")
+        "auto", description="residual add + norm as one Pallas kernel (kernels/fused_norm.py)")
     gelu_grad_impl: Literal["auto", "xla", "cublaslt"] = Field(
         "auto", description="GELU's gradient in the MLP backward matmul's cuBLASLt epilogue (kernels/gelu_matmul.py)")
     logits_dtype: Literal["float32", "compute"] = Field(
@@ -127,10 +127,6 @@ class ImplConfig(Section):
     def _combinations(self) -> ImplConfig:
         if self.loss_impl == "pallas" and not self.loss_chunk:
             raise ValueError("impl.loss_impl=pallas needs impl.loss_chunk > 0 (the kernel runs inside the chunked loss)")
-        if self.norm_impl == "pallas" and self.scan_layers:
-            raise ValueError("impl.norm_impl=pallas needs impl.scan_layers=false (the fused norms run on unrolled layers)")
-        if self.gelu_grad_impl == "cublaslt" and self.scan_layers:
-            raise ValueError("impl.gelu_grad_impl=cublaslt needs impl.scan_layers=false")
         if self.batch_chunks > 1 and self.scan_layers:
             raise ValueError("impl.batch_chunks > 1 needs impl.scan_layers=false (the slices interleave unrolled layers)")
         return self
@@ -282,10 +278,12 @@ class PipelineConfig(Section):
     """Pipeline parallelism, used when mesh.stage > 1 (jaxdist.parallel.pipeline)."""
 
     microbatches: int = Field(
-        1, gt=0, description="pipeline microbatches per accumulation step (a multiple of mesh.stage)")
+        1, gt=0, description="pipeline microbatches per accumulation step (at least mesh.stage)")
     repeats: int = Field(
         1, gt=0, description="layer groups per stage, round-robin (1: GPipe; more: circular, smaller bubble)")
     remat: bool = Field(False, description="recompute each stage's forward in the backward pass")
+    unroll: bool = Field(
+        False, description="iterations as straight-line code, not a lax.scan (compile time grows with R*M+S-1)")
 
 
 class SampleConfig(Section):

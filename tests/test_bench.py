@@ -21,6 +21,7 @@ def test_bench_reports_consistent_throughput_and_its_setup(tmp_path, capsys):
 
     assert printed["devices"] == 8 and printed["layout"] == "data=2 x stage=1 x fsdp=2 x tensor=2"
     assert printed["step_ms"] > 0 and printed["compile_s"] > 0
+    assert printed["pipeline_bubble"] == 0.0  # no stages
     assert 0 < printed["dispatch_ms"] <= printed["step_ms"] * 2
     tokens = 16 * 32
     assert abs(printed["tokens_per_sec"] - tokens / (printed["step_ms"] / 1e3)) <= 0.01 * printed["tokens_per_sec"] + 1

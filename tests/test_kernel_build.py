@@ -148,7 +148,8 @@ def test_train_and_bench_build_only_on_a_gpu_when_the_model_asks(monkeypatch):
     assert kernels.build_for(gelu, unrolled) is None  # this CPU
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert kernels.build_for(gelu, unrolled) == "kernels: gelu_matmul: built (/x.so)"
-    for model, impl in ((gelu, ImplConfig(scan_layers=True)), (gelu, ImplConfig(scan_layers=False, gelu_grad_impl="xla")),
+    assert kernels.build_for(gelu, ImplConfig(scan_layers=True)) == "kernels: gelu_matmul: built (/x.so)"
+    for model, impl in ((gelu, ImplConfig(scan_layers=False, gelu_grad_impl="xla")),
                         (ModelConfig(activation="swiglu"), unrolled)):
         assert kernels.build_for(model, impl) is None
 

@@ -31,6 +31,11 @@ MODEL = {"d_model": 32, "layers": 4, "heads": 8, "seq_len": 16}
 PIPE = {"microbatches": 2}
 EVAL = {"every": STEPS, "batches": 2}
 
+# With stages the batch is split over (data, fsdp, stage), the stage innermost: under stage=2 x
+# fsdp=4, 8 shards of 2 rows, stage 0's devices holding every other pair.
+STAGE_0_ROWS = [0, 1, 4, 5, 8, 9, 12, 13]
+STAGE_1_ROWS = [2, 3, 6, 7, 10, 11, 14, 15]
+
 # name: (config sections, the rows of a global batch of 16 each process feeds, by process count).
 LAYOUTS = {
     "data": ({"mesh": {"data": 2, "fsdp": 4}, "rules": {"preset": "fsdp"}},
@@ -40,16 +45,17 @@ LAYOUTS = {
     "tensor": ({"mesh": {"data": 1, "fsdp": 1, "tensor": 8}, "rules": {"preset": "tp"}},
                {2: [range(0, 16)] * 2}),
     "stage_gpipe": ({"mesh": {"data": 1, "stage": 2, "fsdp": 4}, "rules": {"preset": "fsdp"}, "pipeline": PIPE},
-                    {2: [range(0, 16)] * 2, 4: [range(0, 8), range(8, 16)] * 2}),
+                    {2: [STAGE_0_ROWS, STAGE_1_ROWS],
+                     4: [STAGE_0_ROWS[:4], STAGE_0_ROWS[4:], STAGE_1_ROWS[:4], STAGE_1_ROWS[4:]]}),
     "stage_circular": ({"mesh": {"data": 1, "stage": 2, "fsdp": 4}, "rules": {"preset": "fsdp"},
                         "pipeline": {**PIPE, "repeats": 2}},
-                       {2: [range(0, 16)] * 2}),
+                       {2: [STAGE_0_ROWS, STAGE_1_ROWS]}),
     "stage_fsdp_tensor": ({"mesh": {"data": 1, "stage": 2, "fsdp": 2, "tensor": 2}, "rules": {"preset": "fsdp_tp"},
                            "pipeline": PIPE},
-                          {2: [range(0, 16)] * 2}),
+                          {2: [[*range(0, 4), *range(8, 12)], [*range(4, 8), *range(12, 16)]]}),
     "stage_tensor": ({"mesh": {"data": 1, "stage": 2, "fsdp": 1, "tensor": 4}, "rules": {"preset": "tp"},
                       "pipeline": PIPE},
-                     {2: [range(0, 16)] * 2}),
+                     {2: [range(0, 8), range(8, 16)]}),
     "data_tensor": ({"mesh": {"data": 2, "fsdp": 1, "tensor": 4}, "rules": {"preset": "tp"}},
                     {4: [range(0, 8), range(0, 8), range(8, 16), range(8, 16)]}),
 }
@@ -141,13 +147,13 @@ def _cli(*args: str, env: dict) -> subprocess.Popen:
 
 
 def test_replicas_that_read_different_rows_stop_before_training(tmp_path):
-    """Two processes holding the same rows (stages across them) but given different data (here, by
-    different seeds) stop with one line, exit 2, before compiling the step."""
+    """Two processes holding the same rows (tensor parallelism across them) but given different data
+    (here, by different seeds) stop with one line, exit 2, before compiling the step."""
     port = free_port()
     env = {**os.environ, "JAXDIST_CPU_DEVICES": "4", "PYTHONPATH": os.pathsep.join(sys.path)}
     runs = []
     for process in range(2):
-        cfg = layout_config(tmp_path / "run", "stage_gpipe", seed=process)
+        cfg = layout_config(tmp_path / "run", "tensor", seed=process)
         config_file = tmp_path / f"{process}.yaml"
         config_file.write_text(cfg.to_yaml())
         runs.append(_cli("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(process),
@@ -157,7 +163,7 @@ def test_replicas_that_read_different_rows_stop_before_training(tmp_path):
         assert run.returncode == 2, stderr[-3000:]
         lines = [line for line in stderr.splitlines() if line.strip()]
         assert len(lines) == 1, stderr[-3000:]
-        assert lines[0].startswith("jaxdist: error: the first global batch disagrees across processes: rows 0..3 "
+        assert lines[0].startswith("jaxdist: error: the first global batch disagrees across processes: rows 0..15 "
                                    "differ between processes 0 vs processes 1")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
@@ -212,4 +218,5 @@ def test_bench_feeds_each_process_its_rows(capsys):
     assert result.returncode == 0, result.stderr[-3000:]
     two = json.loads(next(line[4:] for line in result.stdout.splitlines() if line.startswith("[0] {")))
     assert two["layout"] == one["layout"] == "data=1 x stage=2 x fsdp=4 x tensor=1"
+    assert one["pipeline_microbatches"] == 2 and one["pipeline_bubble"] == round(1 / 3, 4)  # (S-1)/(M+S-1)
     np.testing.assert_allclose(two["first_loss"], one["first_loss"], rtol=1e-6)

@@ -44,9 +44,8 @@ def build_kernels(handlers: tuple[build.Handler, ...] = NATIVE) -> list[Status]:
 
 def wants_native(model, impl) -> bool:
     """Whether a model (`ModelConfig`, `ImplConfig`) runs a C++ handler where one is available: the
-    GELU-gradient epilogue (`gelu_grad_impl` auto or cublaslt, with GELU and unrolled layers, as the
-    model takes it)."""
-    return impl.gelu_grad_impl != "xla" and model.activation == "gelu" and not impl.scan_layers
+    GELU-gradient epilogue (`gelu_grad_impl` auto or cublaslt, with GELU, as the model takes it)."""
+    return impl.gelu_grad_impl != "xla" and model.activation == "gelu"
 
 
 def build_for(model, impl) -> str | None:

@@ -68,28 +68,34 @@ def add_norm(x, delta, scale, bias, *, rms: bool, eps: float, names):
     are (features,). The norm is computed in float32 from the sum rounded to `x.dtype`, as the
     unfused `x + delta` then `norm` does. `names` are the activation's logical axis names.
     """
-    return _add_norm(rms, eps, tuple(names), x, delta, scale, bias)
+    return _add_norm(rms, eps, _shards(names), x, delta, scale, bias)
 
 
 def norm(x, scale, bias, *, rms: bool, eps: float, names):
     """`norm(x)` with the same kernels (no residual add)."""
-    return _norm(rms, eps, tuple(names), x, scale, bias)
+    return _norm(rms, eps, _shards(names), x, scale, bias)
+
+
+def _shards(names) -> tuple | None:
+    """(mesh, spec) of the activation under the rules of the forward pass, which its backward, traced
+    later (maybe outside those rules, as a pipeline's), runs under too; None without a mesh."""
+    return rules_lib.sharded_activation(tuple(names))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _add_norm(rms, eps, names, x, delta, scale, bias):
-    return _forward(rms, eps, names, x, delta, scale, bias)
+def _add_norm(rms, eps, shards, x, delta, scale, bias):
+    return _forward(rms, eps, shards, x, delta, scale, bias)
 
 
-def _add_norm_fwd(rms, eps, names, x, delta, scale, bias):
-    total, normed = _forward(rms, eps, names, x, delta, scale, bias)
+def _add_norm_fwd(rms, eps, shards, x, delta, scale, bias):
+    total, normed = _forward(rms, eps, shards, x, delta, scale, bias)
     return (total, normed), (total, scale, bias)
 
 
-def _add_norm_bwd(rms, eps, names, residuals, cotangents):
+def _add_norm_bwd(rms, eps, shards, residuals, cotangents):
     total, scale, bias = residuals
     d_total, d_normed = cotangents
-    d_sum, d_scale, d_bias = _backward(rms, eps, names, total, d_normed, d_total, scale, bias is not None)
+    d_sum, d_scale, d_bias = _backward(rms, eps, shards, total, d_normed, d_total, scale, bias is not None)
     return d_sum, d_sum, d_scale.astype(scale.dtype), None if bias is None else d_bias.astype(bias.dtype)
 
 
@@ -97,17 +103,17 @@ _add_norm.defvjp(_add_norm_fwd, _add_norm_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _norm(rms, eps, names, x, scale, bias):
-    return _forward(rms, eps, names, x, None, scale, bias)[1]
+def _norm(rms, eps, shards, x, scale, bias):
+    return _forward(rms, eps, shards, x, None, scale, bias)[1]
 
 
-def _norm_fwd(rms, eps, names, x, scale, bias):
-    return _norm(rms, eps, names, x, scale, bias), (x, scale, bias)
+def _norm_fwd(rms, eps, shards, x, scale, bias):
+    return _norm(rms, eps, shards, x, scale, bias), (x, scale, bias)
 
 
-def _norm_bwd(rms, eps, names, residuals, d_normed):
+def _norm_bwd(rms, eps, shards, residuals, d_normed):
     x, scale, bias = residuals
-    d_x, d_scale, d_bias = _backward(rms, eps, names, x, d_normed, None, scale, bias is not None)
+    d_x, d_scale, d_bias = _backward(rms, eps, shards, x, d_normed, None, scale, bias is not None)
     return d_x, d_scale.astype(scale.dtype), None if bias is None else d_bias.astype(bias.dtype)
 
 
@@ -247,32 +253,32 @@ def _row_axes(spec: PartitionSpec) -> tuple[str, ...]:
     return tuple(axis for entry in tuple(spec)[:-1] for axis in rules_lib.spec_axes(entry))
 
 
-def _run_per_shard(names, local, arrays: dict, row_wise: set[str], out_specs):
-    """`local(**arrays)` on each shard of the rows (or once, with no mesh); None entries stay out."""
+def _run_per_shard(shards, local, arrays: dict, row_wise: set[str], out_specs):
+    """`local(**arrays)` on each shard of the rows of the (mesh, spec) `shards` (or once, with None);
+    None entries stay out."""
     present = {name: value for name, value in arrays.items() if value is not None}
 
     def run(present):
         return local(**{**dict.fromkeys(arrays), **present})
 
-    sharded = rules_lib.sharded_activation(names)
-    if sharded is None:
+    if shards is None:
         return run(present)
-    mesh, spec = sharded
+    mesh, spec = shards
     in_specs = {name: spec if name in row_wise else PartitionSpec() for name in present}
     partials = PartitionSpec(_row_axes(spec) or None, None)
     out_specs = tuple(spec if kind == "rows" else partials if kind == "partials" else None for kind in out_specs)
     return jax.shard_map(run, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs, check_vma=False)(present)
 
 
-def _forward(rms, eps, names, x, delta, scale, bias):
+def _forward(rms, eps, shards, x, delta, scale, bias):
     arrays = dict(x=x, delta=delta, scale=scale, bias=bias)
     local = functools.partial(_forward_local, rms, eps)
-    return _run_per_shard(names, local, arrays, {"x", "delta"}, ("rows", "rows"))
+    return _run_per_shard(shards, local, arrays, {"x", "delta"}, ("rows", "rows"))
 
 
-def _backward(rms, eps, names, total, d_normed, d_total, scale, has_bias):
+def _backward(rms, eps, shards, total, d_normed, d_total, scale, has_bias):
     arrays = dict(total=total, d_normed=d_normed, d_total=d_total, scale=scale)
     local = functools.partial(_backward_local, rms, eps, has_bias)
     outputs = ("rows", "partials", "partials" if has_bias else None)
-    d_sum, d_scale, d_bias = _run_per_shard(names, local, arrays, {"total", "d_normed", "d_total"}, outputs)
+    d_sum, d_scale, d_bias = _run_per_shard(shards, local, arrays, {"total", "d_normed", "d_total"}, outputs)
     return d_sum, d_scale.sum(0), None if d_bias is None else d_bias.sum(0)

@@ -13,13 +13,14 @@ the rules split it (tensor parallelism), `embed` whole on each device.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from jaxdist.kernels import build
 from jaxdist.parallel import rules as rules_lib
@@ -120,7 +121,26 @@ def gelu_project(pre: jax.Array, down: jax.Array, kernel: bool) -> jax.Array:
 
     pre: (batch, length, mlp); down: (mlp, embed), both in the compute dtype.
     """
-    return _gelu_project(kernel, pre, down)
+    return _gelu_project(_Shards.here() if kernel else None, pre, down)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shards:
+    """Where the kernel runs per shard: the mesh (None: unsharded) and the specs of `pre` and `d_out`.
+
+    Taken from the rules of the forward pass: the backward, traced later (maybe outside those
+    rules, as a pipeline's), runs under them too."""
+
+    mesh: Mesh | None = None
+    pre_spec: PartitionSpec | None = None
+    out_spec: PartitionSpec | None = None
+
+    @classmethod
+    def here(cls) -> _Shards:
+        active = rules_lib.active()
+        if active is None or active[0].size == 1:
+            return cls()
+        return cls(active[0], *_specs(active[1]))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -135,7 +155,10 @@ def _gelu_project_fwd(kernel, pre, down):
 
 def _gelu_project_bwd(kernel, residuals, d_out):
     pre, post, down = residuals
-    d_pre = gelu_grad_matmul(d_out, down, pre) if kernel else xla_gelu_grad_matmul(d_out, down, pre)
+    if kernel is None:
+        d_pre = xla_gelu_grad_matmul(d_out, down, pre)
+    else:
+        d_pre = _grad_matmul_per_shard(kernel, d_out, down, pre)
     d_down = jnp.einsum("...m,...e->me", post, d_out)
     return d_pre, d_down
 
@@ -151,13 +174,15 @@ def xla_gelu_grad_matmul(d_out: jax.Array, down: jax.Array, pre: jax.Array) -> j
 
 def gelu_grad_matmul(d_out: jax.Array, down: jax.Array, pre: jax.Array) -> jax.Array:
     """`(d_out @ down.T) * gelu'(pre)` in one cuBLASLt call per device (d_out: (batch, length, embed))."""
-    active = rules_lib.active()
-    if active is None or active[0].size == 1:
+    return _grad_matmul_per_shard(_Shards.here(), d_out, down, pre)
+
+
+def _grad_matmul_per_shard(shards: _Shards, d_out: jax.Array, down: jax.Array, pre: jax.Array) -> jax.Array:
+    if shards.mesh is None:
         return _local(d_out, down, pre)
-    mesh, rules = active
-    pre_spec, out_spec = _specs(rules)  # `embed` whole in out_spec: `use_kernel` checks
+    pre_spec, out_spec = shards.pre_spec, shards.out_spec  # `embed` whole in out_spec: `use_kernel` checks
     down_spec = PartitionSpec(pre_spec[2], None)
-    return jax.shard_map(_local, mesh=mesh, in_specs=(out_spec, down_spec, pre_spec), out_specs=pre_spec,
+    return jax.shard_map(_local, mesh=shards.mesh, in_specs=(out_spec, down_spec, pre_spec), out_specs=pre_spec,
                          check_vma=False)(d_out, down, pre)
 
 

@@ -63,8 +63,7 @@ class Norm(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
         self.kind = cfg.norm
-        # The kernels run per shard with shard_map, which the scanned and pipelined stacks don't nest.
-        self.impl = "xla" if impl.scan_layers else impl.norm_impl
+        self.impl = impl.norm_impl
         self.scale = _param(rngs, nnx.initializers.ones_init(), (cfg.d_model,), ("embed",), param_dtype)
         if cfg.norm == "layernorm":
             self.bias = _param(rngs, nnx.initializers.zeros_init(), (cfg.d_model,), ("embed",), param_dtype)
@@ -153,8 +152,7 @@ def _attention_impl(attention: str, dtype) -> str | None:
 class Mlp(nnx.Module):
     def __init__(self, cfg: ModelConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
         self.activation = cfg.activation
-        # As the fused norms: the kernel runs per shard with shard_map, kept out of scanned stacks.
-        self.gelu_grad_impl = "xla" if impl.scan_layers else impl.gelu_grad_impl
+        self.gelu_grad_impl = impl.gelu_grad_impl
         self.recompute_activation = impl.remat == "mlp"
         self.up = _param(rngs, _normal, (cfg.d_model, cfg.mlp_dim), ("embed", "mlp"), param_dtype)
         if cfg.activation == "swiglu":
@@ -299,8 +297,15 @@ class GPT(nnx.Module):
         run = functools.partial(self._run_layers, graphdef)
         return pipeline_lib.run_layers(run, stacked, x, self.pipeline, RESIDUAL), None
 
-    def _run_layers(self, graphdef: nnx.GraphDef, x: jax.Array, stacked: nnx.State) -> jax.Array:
-        """Scans the blocks whose parameters are stacked in `stacked`, in order."""
+    def _run_layers(self, graphdef: nnx.GraphDef, x: jax.Array, stacked: nnx.State, *, unroll: bool) -> jax.Array:
+        """Runs the blocks whose parameters are stacked in `stacked`, in order: scanned, or (`unroll`,
+        a pipeline stage's layers) one call each, passing the pending residual add as unrolled blocks do."""
+        if unroll:
+            delta = None
+            for i in range(jax.tree.leaves(stacked)[0].shape[0]):
+                block = nnx.merge(graphdef, jax.tree.map(lambda w, i=i: w[i], stacked))
+                x, delta = self._remat(lambda carry, pending, b=block: b(carry, pending))(x, delta)
+            return x + delta
 
         def body(carry, layer_state):
             x, delta = nnx.merge(graphdef, layer_state)(carry)

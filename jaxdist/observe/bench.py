@@ -28,6 +28,7 @@ from jaxdist.errors import UserError
 from jaxdist.observe import clocks, hlo
 from jaxdist.observe.metrics import mfu
 from jaxdist.parallel import mesh as mesh_lib
+from jaxdist.parallel import pipeline
 from jaxdist.train.trainer import Trainer
 
 
@@ -45,6 +46,16 @@ def random_tokens(cfg: Config, rows: Sequence[int] | None = None) -> dict[str, n
     if rows is not None:
         tokens = tokens[np.asarray(rows)]
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def pipeline_schedule(cfg: Config, stages: int) -> dict:
+    """The pipeline's microbatches, repeats, unroll and theoretical bubble (S-1)/(R*M+S-1); bubble 0 without stages."""
+    if stages == 1:
+        return {"pipeline_bubble": 0.0}
+    schedule = pipeline.Schedule(stages, cfg.pipeline.microbatches, cfg.pipeline.repeats)
+    return {"pipeline_microbatches": schedule.microbatches, "pipeline_repeats": schedule.repeats,
+            "pipeline_unroll": cfg.pipeline.unroll,
+            "pipeline_bubble": round(schedule.bubble, 4)}
 
 
 def peak_memory_bytes(devices) -> int | None:
@@ -138,6 +149,7 @@ def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = No
         "microbatches": cfg.train.microbatches,
         "scan_layers": cfg.impl.scan_layers,
         "remat": cfg.impl.remat,
+        **pipeline_schedule(cfg, trainer.mesh.shape["stage"]),
         "step_ms": round(step_s * 1e3, 2),
         "step_ms_min_window": round(min(times) * 1e3, 2),
         # Host time per step call. Near step_ms, the host waited for the device (on GPU, in

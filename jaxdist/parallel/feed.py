@@ -1,10 +1,11 @@
 """Which rows of each global batch a process feeds, decided by the batch sharding on the mesh.
 
-The batch dimension is split over the mesh axes of the `batch` rule; every other mesh axis
-(stage, tensor, and fsdp or data where the rules leave them out of the batch) holds replicas of
-those rows. A process feeds exactly the distinct rows its own devices hold: when a non-batch axis
-spans processes (pipeline stages on different hosts, tensor parallelism across hosts), several
-processes hold, and so read, the same rows. The process count alone never decides it.
+The batch dimension is split over the mesh axes of the `batch` rule (with pipeline stages, the
+stage axis too: parallel/pipeline.py); every other mesh axis (tensor, and fsdp or data where the
+rules leave them out of the batch) holds replicas of those rows. A process feeds exactly the
+distinct rows its own devices hold: when a non-batch axis spans processes (tensor parallelism
+across hosts), several processes hold, and so read, the same rows. The process count alone never
+decides it.
 
 Row r of global batch b is example `start + b * global_batch + r` of the global stream (data
 pipelines), so processes that hold the same rows read the same examples.

@@ -79,4 +79,4 @@ def check(cfg: Config, layout: Layout) -> None:
             f"model.heads={cfg.model.heads} is not divisible by mesh.tensor={tensor}; "
             f"use a tensor size that divides {cfg.model.heads}"
         )
-    pipeline.check_config(cfg, dict(layout.mesh.shape), per_chunk)
+    pipeline.check_config(cfg, layout.mesh, layout.rules)

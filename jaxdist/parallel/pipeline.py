@@ -6,23 +6,30 @@ as (repeats R, stages S, layers per stage, ...): layer group g = r * S + s runs 
 R > 1 the groups go round-robin over the stages (circular / interleaved schedule). The batch is
 split into M microbatches that flow through the stages in one `lax.scan` over R * M + S - 1
 iterations; every iteration each stage runs its layers on one microbatch (all stages at once, as a
-`vmap` whose stage dim is sharded over the mesh), then the outputs move one stage on (a roll of the
-stage dim, which XLA turns into a collective permute). The backward pass is autodiff of that
-scan, i.e. GPipe: all forwards, then all backwards. A stage is idle for S - 1 of the iterations,
-the bubble (S - 1) / (R * M + S - 1).
+`vmap` whose stage dim is sharded over the mesh; within a stage the layers run as one call each,
+unrolled, as the unrolled model runs them), then the outputs move one stage on: a roll of the
+stage dim, which XLA turns into one collective permute, the only collective inside the loop. The
+backward pass is autodiff of that scan, i.e. GPipe: all forwards, then all backwards. A stage is
+idle for S - 1 of the iterations, the bubble (S - 1) / (R * M + S - 1). With `pipeline.unroll` the
+same iterations run as straight-line code instead of the scan.
 
-Buffers, all with the stage dim split over the mesh so each device holds only its stage's rows:
+Outside the pipeline the stage axis splits the batch like the data axes (`rules_from_config` adds
+it to the `batch` rule), so the embedding, the final norm, the head and the loss each run on
+1 / S of the rows per stage device. Inside, the microbatches keep the batch axes less the stage
+axes (`data_parallel_axes`), and the buffers that cross iterations put their stage dim on the
+stage axes:
 
-- `io`, shape (S, M / S, microbatch...): the inputs, then the outputs. Each iteration reads the
-  input of stage 0 from row 0 of one column, shifts that column up one stage and writes the last
-  stage's output into its bottom row (the MaxText `state_io` scheme: one microbatch moves per
-  device per iteration, and the finished outputs end up spread over the stages).
-- `recycle`, shape (S, M / S - 1, microbatch...), only with R > 1 and M > S: the same kind of
-  conveyor, holding each last-stage output until stage 0 runs that microbatch's next repeat,
-  M - S + 1 iterations later. With M == S the output goes straight from the last stage to the
-  first.
+- the inputs: stage 0 reads microbatch t in iteration t from a stage-split buffer whose other
+  stages hold zeros (the scan's `xs`), so every read is local. Filling it gathers each row to
+  stage 0 once, before the loop; its gradient returns to the rows in one reduction after it.
+- the outputs: every stage's output of every iteration is the scan's `ys`; after the loop the last
+  stage's last M iterations (each microbatch's final pass) go back to the rows' devices in one
+  reduction over the stage axis (its gradient: one gather).
+- with R > 1, stage 0 runs microbatch m's next lap M iterations after its previous one, so what
+  the roll brings it from the last stage waits M - S iterations in a local delay line
+  (`recycled`, only with M > S).
 
-Bubble iterations compute on stale or zero inputs and their results are never read, so they add
+Bubble iterations compute on zero or stale inputs and their results are never read, so they add
 time but no gradient. Layers stay in their canonical order in the parameters; with R > 1 the
 stored (contiguous) block of a device is not the round-robin set it runs, so the step regroups
 them with one all-to-all over the stage axis (parameters in, gradients out).
@@ -31,13 +38,12 @@ them with one all-to-all over the stage axis (parameters in, gradients out).
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+import functools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.errors import UserError
@@ -51,8 +57,14 @@ if TYPE_CHECKING:
 STAGE = "stage"
 # Logical name of the stacked-layer dim of layer parameters.
 LAYERS = "layers"
+# Logical name of the batch dim of activations.
+BATCH = "batch"
 
-ApplyLayers = Callable[[jax.Array, Any], jax.Array]
+
+class ApplyLayers(Protocol):
+    def __call__(self, x: jax.Array, layers: Any, *, unroll: bool) -> jax.Array:
+        """Runs a contiguous slice of the stacked `layers` on `x`, in order: as a `lax.scan`, or
+        with `unroll` as one call per layer."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +85,9 @@ class Schedule:
         """Fraction of iterations a stage idles: (S - 1) / (R * M + S - 1)."""
         return (self.stages - 1) / self.iterations
 
-    def check(self, layers: int, batch: int | None = None) -> None:
-        """Raises a `UserError` naming the config key if this schedule cannot run `layers` layers."""
+    def check(self, layers: int, rows: int | None = None) -> None:
+        """Raises a `UserError` naming the config key if this schedule cannot run `layers` layers
+        on batches of `rows` rows per data-parallel batch shard."""
         stages, micro, repeats = self.stages, self.microbatches, self.repeats
         if layers % (stages * repeats):
             raise UserError(
@@ -87,41 +100,56 @@ class Schedule:
                 f"pipeline.microbatches={micro} is less than mesh.stage={stages}: stages would idle "
                 f"on every step; use at least {stages} (more shrinks the bubble (S-1)/(M+S-1))"
             )
-        if micro % stages:
+        if rows is not None and rows % micro:
             raise UserError(
-                f"pipeline.microbatches={micro} is not a multiple of mesh.stage={stages}; use a "
-                f"multiple such as {stages * math.ceil(micro / stages)}"
-            )
-        if batch is not None and batch % micro:
-            raise UserError(
-                f"pipeline.microbatches={micro} does not divide the {batch} rows each batch shard "
-                f"gets per gradient-accumulation step (train.global_batch / batch shards / "
-                f"train.microbatches); pick a divisor of {batch}"
+                f"pipeline.microbatches={micro} does not divide the {rows} rows each batch shard "
+                f"gets per gradient-accumulation step (train.global_batch / the data-parallel batch "
+                f"shards, which the stages share / train.microbatches); pick a divisor of {rows}"
             )
 
 
-def check_config(cfg: Config, mesh_shape: dict[str, int], rows: int) -> None:
-    """The pipeline checks `layout.check` runs before anything compiles; `rows` is what each
-    batch shard gets per gradient-accumulation step."""
-    if mesh_shape["stage"] == 1:
+def data_parallel_axes(rules: rules_lib.Rules, name: str = BATCH) -> tuple[str, ...]:
+    """The mesh axes of the `name` activation rule less the stage axes.
+
+    Along these every device runs the whole model on its own rows: the pipeline's microbatches are
+    split over them, and a device's gradients over its rows are complete along them (the stages
+    split the rows of the embedding, head and loss, but each stage's layer gradients sum them all).
+    """
+    stage = set(rules.activations.get(STAGE, ()))
+    return tuple(axis for axis in rules.activations.get(name, ()) if axis not in stage)
+
+
+def check_config(cfg: Config, mesh: Mesh, rules: rules_lib.Rules) -> None:
+    """The pipeline checks `layout.check` runs before anything compiles."""
+    stages = mesh.shape["stage"]
+    if stages == 1:
         return
     if not cfg.impl.scan_layers:
         raise UserError(
-            f"mesh.stage={mesh_shape['stage']} pipelines the stacked layer stack, but impl.scan_layers=false "
+            f"mesh.stage={stages} pipelines the stacked layer stack, but impl.scan_layers=false "
             f"gives each layer its own parameters; set impl.scan_layers=true"
         )
-    Schedule(mesh_shape["stage"], cfg.pipeline.microbatches, cfg.pipeline.repeats).check(cfg.model.layers, rows)
+    shards = rules_lib.axes_size(mesh, data_parallel_axes(rules))
+    rows = cfg.train.global_batch // shards // cfg.train.microbatches
+    Schedule(stages, cfg.pipeline.microbatches, cfg.pipeline.repeats).check(cfg.model.layers, rows)
 
 
 def rules_from_config(rules_cfg: RulesConfig, mesh_shape: dict[str, int]) -> rules_lib.Rules:
-    """The configured rules; with a stage axis, the `layers` dim of parameters split over it.
+    """The configured rules; with a stage axis, the `layers` dim of parameters split over it and the
+    batch split over it too, outside the pipeline (innermost, after the data axes).
 
-    An explicit `rules.params.layers` in the config wins (e.g. null keeps every layer on every
-    stage, trading memory for no regrouping).
+    An explicit rule in the config wins: `rules.params.layers: null` keeps every layer on every
+    stage (more memory, no regrouping); a `rules.activations.batch` without the stage axis runs the
+    embedding, head and loss on every row on every stage.
     """
     rules = rules_lib.from_config(rules_cfg)
-    if mesh_shape["stage"] > 1 and LAYERS not in rules_cfg.params:
+    if mesh_shape["stage"] == 1:
+        return rules
+    if LAYERS not in rules_cfg.params:
         rules = rules.override(params={LAYERS: "stage"})
+    if BATCH not in rules_cfg.activations:
+        stage = rules.activations.get(STAGE, ())
+        rules = rules.override(activations={BATCH: [*data_parallel_axes(rules), *stage]})
     return rules
 
 
@@ -134,24 +162,24 @@ def run_layers(
 ) -> jax.Array:
     """`apply_layers(x, layers)`, pipelined over the stage axis when the active mesh has one.
 
-    `layers` is a pytree whose leaves have a leading stacked-layer dim; `apply_layers(x, some)`
-    runs a contiguous slice of them in order. `names` are the logical names of `x`'s dims (the
-    first one the batch). Without active rules, a stage axis or pipeline settings, or when the
-    batch does not split into microbatches across its shards (e.g. sampling a few rows), it runs
-    unpipelined: the same math, with the layer parameters gathered from their stages.
+    `layers` is a pytree whose leaves have a leading stacked-layer dim. `names` are the logical
+    names of `x`'s dims (the first one the batch). Without active rules, a stage axis or pipeline
+    settings, or when the batch does not split into microbatches across its data-parallel shards
+    (e.g. sampling a few rows), it runs unpipelined, scanned: the same math, with the layer
+    parameters gathered from their stages.
     """
     active = rules_lib.active()
     if settings is None or active is None:
-        return apply_layers(x, layers)
+        return apply_layers(x, layers, unroll=False)
     mesh, rules = active
-    rules.activation_spec((STAGE, names[0]), "a pipeline buffer")  # a UserError if a rule is missing
-    stage_axes = rules.activations[STAGE]
-    stages = rules_lib.axes_size(mesh, stage_axes)
-    if stages == 1 or x.shape[0] % (settings.microbatches * rules_lib.axes_size(mesh, rules.activations[names[0]])):
-        return apply_layers(x, layers)
+    _within_stages(rules, names[0]).activation_spec((STAGE, names[0]), "a pipeline buffer")  # rules missing or clashing
+    stages = rules_lib.axes_size(mesh, rules.activations[STAGE])
+    shards = rules_lib.axes_size(mesh, data_parallel_axes(rules, names[0]))
+    if stages == 1 or x.shape[0] % (settings.microbatches * shards):
+        return apply_layers(x, layers, unroll=False)
     schedule = Schedule(stages, settings.microbatches, settings.repeats)
     schedule.check(jax.tree.leaves(layers)[0].shape[0])
-    return pipeline(apply_layers, layers, x, schedule, mesh, tuple(names), stage_axes, remat=settings.remat)
+    return pipeline(apply_layers, layers, x, schedule, tuple(names), remat=settings.remat, unroll=settings.unroll)
 
 
 def pipeline(
@@ -159,23 +187,32 @@ def pipeline(
     layers: Any,
     x: jax.Array,
     schedule: Schedule,
-    mesh: Mesh,
     names: tuple[str | None, ...],
-    stage_axes: tuple[str, ...],
     remat: bool = False,
+    unroll: bool = False,
 ) -> jax.Array:
-    """The pipelined `apply_layers(x, layers)`, traced under `rules.activation_rules` (see module doc)."""
-    stages, micro, repeats = schedule.stages, schedule.microbatches, schedule.repeats
-    columns = micro // stages
-    weights = jax.tree.map(lambda w: _by_stage(w, schedule, mesh, stage_axes), layers)
+    """The pipelined `apply_layers(x, layers)`; traced under `rules.activation_rules` (see module doc).
 
+    `remat`: each iteration's stages recomputed in the backward pass; `unroll`: the iterations as
+    one Python loop instead of a `lax.scan`."""
+    mesh, rules = rules_lib.active()
+    stage_axes = rules.activations[STAGE]
+    weights = jax.tree.map(lambda w: _by_stage(w, schedule, mesh, stage_axes), layers)
+    with rules_lib.activation_rules(mesh, _within_stages(rules, names[0])):
+        outputs = _scan_stages(apply_layers, weights, x, schedule, names, stage_axes, remat, unroll)
+    return rules_lib.constrain(outputs, names)
+
+
+def _scan_stages(apply_layers, weights, x, schedule, names, stage_axes, remat, unroll):
+    """The scan over iterations, under the rules of the inside (the batch less the stage axes)."""
+    stages, micro, repeats = schedule.stages, schedule.microbatches, schedule.repeats
     stage_of = jnp.arange(stages)
     is_first = _along_stages(stage_of == 0, x.ndim)
     is_last = _along_stages(stage_of == stages - 1, x.ndim)
     buffer_names = (STAGE, *names)
-    conveyor_names = (STAGE, None, *names)
+    stacked_names = (None, *buffer_names)
 
-    run_stages = jax.vmap(apply_layers, spmd_axis_name=stage_axes)
+    run_stages = jax.vmap(functools.partial(apply_layers, unroll=True), spmd_axis_name=stage_axes)
     pick_repeat = jax.vmap(lambda w, r: w[r], in_axes=(1, 0), spmd_axis_name=stage_axes)
 
     def run_iteration(stage_in: jax.Array, t: jax.Array) -> jax.Array:
@@ -192,51 +229,57 @@ def pipeline(
         # cost speed.
         run_iteration = jax.checkpoint(run_iteration, prevent_cse=False)
 
-    def convey(column: jax.Array, bottom: jax.Array) -> jax.Array:
-        """A conveyor column moved up one stage (row 0 leaves), with `bottom` entering the last row."""
-        return jnp.where(is_last, bottom, jnp.roll(column, -1, axis=0))
+    delay = micro - stages if repeats > 1 else 0
 
-    def iteration(carry, t):
-        previous, io, recycle = carry
-        column = _column(io, t % columns)
-        shifted = jnp.roll(previous, 1, axis=0)  # stage s gets what stage s - 1 made last iteration
-        first_in = column  # microbatch t while t < M; with R == 1 later reads are bubble
-        if recycle is not None:
-            lap = _column(recycle, t % (columns - 1))
-            first_in = jnp.where(t < micro, column, lap)
-            recycle = _set_column(recycle, t % (columns - 1), convey(lap, previous))
-        elif repeats > 1:
-            first_in = jnp.where(t < micro, column, shifted)
+    def iteration(carry, inputs):
+        previous, recycled = carry
+        t, fed = inputs
+        shifted = _to_next_stage(previous)  # stage s gets what stage s - 1 made last iteration
+        first_in = fed
+        if repeats > 1:
+            # The last stage's output, back at stage 0 through the roll, starts its next lap M - S
+            # iterations later.
+            lap = shifted
+            if delay:
+                lap = _slot(recycled, t % delay)
+                recycled = _set_slot(recycled, t % delay, shifted)
+            first_in = jnp.where(t < micro, fed, lap)
         stage_in = rules_lib.constrain(jnp.where(is_first, first_in, shifted), buffer_names)
         out = rules_lib.constrain(run_iteration(stage_in, t), buffer_names)
-        io = _set_column(io, t % columns, convey(column, out))
-        return (out, io, recycle), None
+        return (out, recycled), out
 
-    microbatches = split_microbatches(x, micro)  # constrained like the batch, per microbatch
-    io = rules_lib.constrain(microbatches.reshape(stages, columns, *microbatches.shape[1:]), conveyor_names)
+    microbatches = split_microbatches(x, micro)  # (M, rows / M, ...), whole on every stage
+    fed = jnp.where(is_first, microbatches[:, None], 0)
+    fed = jnp.concatenate([fed, jnp.zeros((schedule.iterations - micro, *fed.shape[1:]), x.dtype)])
+    fed = rules_lib.constrain(fed, stacked_names)
     previous = rules_lib.constrain(jnp.zeros((stages, *microbatches.shape[1:]), x.dtype), buffer_names)
-    recycle = None
-    if repeats > 1 and columns > 1:
-        recycle = rules_lib.constrain(jnp.zeros((stages, columns - 1, *microbatches.shape[1:]), x.dtype), conveyor_names)
-    (_, io, _), _ = jax.lax.scan(iteration, (previous, io, recycle), jnp.arange(schedule.iterations))
+    recycled = None
+    if delay:
+        recycled = rules_lib.constrain(
+            jnp.zeros((stages, delay, *microbatches.shape[1:]), x.dtype), (STAGE, None, *names))
+    if unroll:
+        # Straight-line code: no residuals stacked per iteration, static slices; compiles the
+        # stage's layers once per iteration.
+        carry, collected = (previous, recycled), []
+        for t in range(schedule.iterations):
+            carry, out = iteration(carry, (t, fed[t]))
+            collected.append(out)
+        outs = jnp.stack(collected)
+    else:
+        _, outs = jax.lax.scan(iteration, (previous, recycled), (jnp.arange(schedule.iterations), fed))
+    outs = rules_lib.constrain(outs, stacked_names)
+    # Microbatch m leaves the last stage for the last time in iteration (R - 1) M + S - 1 + m.
+    finished = jnp.where(is_last, outs[schedule.iterations - micro:], 0)
+    # A sum in the activations' dtype (jnp.sum would add in float32, and move float32 between
+    # devices): one of its terms is not zero, so it is exact.
+    outputs = jax.lax.reduce(finished, jnp.zeros((), x.dtype), jax.lax.add, (1,))
+    return merge_microbatches(outputs)
 
-    rows, cols = output_slots(schedule)
-    outputs = io[rows, cols]
-    return rules_lib.constrain(merge_microbatches(outputs), names)
 
-
-def output_slots(schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
-    """(row, column) of each microbatch's final output in `io` after the last iteration.
-
-    Microbatch m leaves the last stage in iteration w = (R - 1) M + m + S - 1 into the bottom row
-    of column w mod (M / S); every later visit of that column lifts it one row.
-    """
-    stages, micro, repeats = schedule.stages, schedule.microbatches, schedule.repeats
-    columns = micro // stages
-    m = np.arange(micro)
-    written = (repeats - 1) * micro + m + stages - 1
-    lifts = (schedule.iterations - 1 - written) // columns
-    return stages - 1 - lifts, written % columns
+def _within_stages(rules: rules_lib.Rules, batch: str) -> rules_lib.Rules:
+    """The rules inside the pipeline: the batch less the stage axes (a UserError if it has no rule)."""
+    rules.activation_spec((batch,), "the pipelined activations")
+    return rules.override(activations={batch: data_parallel_axes(rules, batch)})
 
 
 def _by_stage(w: jax.Array, schedule: Schedule, mesh: Mesh, stage_axes: tuple[str, ...]) -> jax.Array:
@@ -251,14 +294,33 @@ def _by_stage(w: jax.Array, schedule: Schedule, mesh: Mesh, stage_axes: tuple[st
     return jax.lax.with_sharding_constraint(w, NamedSharding(mesh, spec))
 
 
+@jax.custom_vjp
+def _to_next_stage(x: jax.Array) -> jax.Array:
+    """Row s moved to row s + 1 (the last to the first): one collective permute over the stage axes.
+
+    Its gradient is the roll back, also one permute (autodiff of `jnp.roll` gives two, each half).
+    """
+    return jnp.roll(x, 1, axis=0)
+
+
+def _to_next_stage_fwd(x: jax.Array) -> tuple[jax.Array, None]:
+    return _to_next_stage(x), None
+
+
+def _to_next_stage_bwd(_, cotangent: jax.Array) -> tuple[jax.Array]:
+    return (jnp.roll(cotangent, -1, axis=0),)
+
+
+_to_next_stage.defvjp(_to_next_stage_fwd, _to_next_stage_bwd)
+
+
 def _along_stages(mask: jax.Array, item_ndim: int) -> jax.Array:
     return mask.reshape(mask.shape[0], *([1] * item_ndim))
 
 
-def _column(conveyor: jax.Array, index: jax.Array) -> jax.Array:
-    return jax.lax.dynamic_index_in_dim(conveyor, index, axis=1, keepdims=False)
+def _slot(line: jax.Array, index: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_index_in_dim(line, index, axis=1, keepdims=False)
 
 
-def _set_column(conveyor: jax.Array, index: jax.Array, column: jax.Array) -> jax.Array:
-    return jax.lax.dynamic_update_index_in_dim(conveyor, column, index, axis=1)
-
+def _set_slot(line: jax.Array, index: jax.Array, value: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_index_in_dim(line, value, index, axis=1)

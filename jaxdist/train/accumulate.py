@@ -35,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.parallel.microbatches import split_microbatches
+from jaxdist.parallel.pipeline import data_parallel_axes
 from jaxdist.train import copies
 
 Batch = dict[str, jax.Array]
@@ -99,11 +100,11 @@ def _reduce_per_step(
     mesh: Mesh, rules: rules_lib.Rules, param_shardings: Any,
 ):
     """Sum over microbatches of (loss, aux, float32 grads), reduced across devices once, after the scan."""
-    axes = rules_lib.batch_axes(rules)
+    axes = data_parallel_axes(rules)
     shards = rules_lib.axes_size(mesh, axes)
-    # Inside the vmap each shard sees its own rows: `batch` maps to no mesh axis there, and the
-    # vmapped shard axis carries the batch axes instead (spmd_axis_name).
-    inner_rules = rules.override(activations={"batch": None})
+    # Inside the vmap each shard sees its own rows: the vmapped shard axis carries the
+    # data-parallel axes (spmd_axis_name), and `batch` keeps only the others (a pipeline's stages).
+    inner_rules = rules.override(activations={"batch": [a for a in rules_lib.batch_axes(rules) if a not in axes]})
 
     def shard_grads(p, b):
         with rules_lib.activation_rules(mesh, inner_rules):
@@ -113,7 +114,9 @@ def _reduce_per_step(
     per_shard = jax.vmap(shard_grads, in_axes=(None, 0), spmd_axis_name=axes)
 
     def split(x: jax.Array) -> jax.Array:
-        x = x.reshape(shards, microbatches, x.shape[0] // (shards * microbatches), *x.shape[1:]).swapaxes(0, 1)
+        # Within a shard the microbatches take every k-th row, as `split_microbatches`: a split of
+        # the shard's rows over the other batch axes (stages) then holds a part of every microbatch.
+        x = jnp.moveaxis(x.reshape(shards, x.shape[0] // (shards * microbatches), microbatches, *x.shape[1:]), 2, 0)
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(None, axes)))
 
     micro = jax.tree.map(split, batch)
@@ -158,8 +161,7 @@ def loss_and_grads(
     """
     if reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"reduction={reduction!r}: use one of {GRAD_REDUCTIONS}")
-    axes = rules_lib.batch_axes(rules)
-    shards = rules_lib.axes_size(mesh, axes)
+    shards = rules_lib.axes_size(mesh, data_parallel_axes(rules))
     if reduction == "per_step" and microbatches > 1 and shards > 1:
         # Each shard's gradients stay unreduced until after the scan: none reduce-scattered inside.
         per_shard_gather = None if copies_gather is None else dataclasses.replace(copies_gather, split=None)

@@ -24,6 +24,7 @@ from jaxdist.config import Config
 from jaxdist.errors import UserError
 from jaxdist.parallel import feed
 from jaxdist.parallel import layout as layout_lib
+from jaxdist.parallel.pipeline import data_parallel_axes
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.train import copies as copies_lib
 from jaxdist.models import dtypes as dtypes_lib
@@ -86,9 +87,9 @@ class Trainer:
         if compute_copies is not None:
             copy_shardings = copies_shardings(compute_copies, self.state.params, self.state_shardings.params)
             if fsdp_gather == "per_step":
-                # ZeRO-2: each copy whole along the axes that split the batch (data, fsdp), still
-                # split along the others (tensor, stage).
-                batch_axes = rules_lib.batch_axes(rules)
+                # ZeRO-2: each copy whole along the data-parallel axes (data, fsdp), still split
+                # along the others (tensor, stage).
+                batch_axes = data_parallel_axes(rules)
                 whole = jax.tree.map(lambda s: NamedSharding(s.mesh, rules_lib.spec_without(s.spec, batch_axes)),
                                      copy_shardings)
                 copies_gather = copies_lib.Gather(whole=whole, split=copy_shardings)
