@@ -22,13 +22,12 @@ from jaxdist.kernels import fused_norm
 from jaxdist.models.gpt import RESIDUAL
 
 
-# Block shapes to try: (rows, warps) forward; (rows per iteration, programs, warps) backward.
+# Settings to try: blocks in flight (copies ahead) and programs per multiprocessor, forward and backward.
 SWEEP = [
-    dict(FORWARD_ROWS=f_rows, FORWARD_WARPS=f_warps, BACKWARD_ROWS=b_rows, BACKWARD_PROGRAMS=programs, BACKWARD_WARPS=b_warps)
-    for f_rows, f_warps, b_rows, programs, b_warps in [
-        (8, 4, 4, 512, 4), (16, 8, 4, 512, 4), (4, 4, 4, 512, 4), (8, 8, 4, 512, 4),
-        (8, 4, 8, 512, 8), (8, 4, 4, 1024, 4), (8, 4, 2, 1024, 4), (8, 4, 8, 1024, 8), (8, 4, 16, 256, 8),
-        (8, 4, 4, 512, 8), (8, 4, 4, 2048, 4),
+    dict(FORWARD_STAGES=f_stages, FORWARD_PROGRAMS_PER_SM=f_programs, BACKWARD_STAGES=b_stages,
+         BACKWARD_PROGRAMS_PER_SM=b_programs)
+    for f_stages, f_programs, b_stages, b_programs in [
+        (2, 2, 2, 2), (3, 2, 3, 2), (2, 3, 2, 1), (2, 4, 1, 2), (4, 2, 3, 1), (1, 3, 2, 2), (3, 3, 1, 1),
     ]
 ]
 
@@ -71,7 +70,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", type=int, nargs=3, default=[16, 1024, 1024])
     parser.add_argument("--norm", choices=["layernorm", "rmsnorm"], default="layernorm")
-    parser.add_argument("--sweep", action="store_true", help="also time other block sizes and warp counts")
+    parser.add_argument("--sweep", action="store_true", help="also time other pipeline depths and program counts")
     args = parser.parse_args()
     rms = args.norm == "rmsnorm"
     shape, features = tuple(args.shape), args.shape[-1]

@@ -1,4 +1,4 @@
-"""Residual add + LayerNorm/RMSNorm as one GPU kernel forward and one backward (Pallas).
+"""Residual add + LayerNorm/RMSNorm as one GPU kernel forward and one backward (Pallas, Mosaic GPU).
 
 A pre-norm block computes `x = x + delta` and then `norm(x)`. XLA splits that, and its backward,
 into several fusions with a float32 intermediate: on the 406M GPT (one H100) the norms and residual
@@ -9,56 +9,83 @@ adds took about 470 us per layer, against about 180 us to move their bytes once.
   along the residual path; recomputes the row statistics; writes the sum's gradient and per-program
   partial sums of the scale and bias gradients (summed outside, where XLA reduces across devices).
 
-The kernels use Pallas's Triton backend, which OpenXLA's own kernel library (tokamax) also uses for
-its norms. Off the GPU they run in Pallas's interpreter, so the CPU tests check the same code.
-Under a mesh the kernels run per shard (`shard_map` over the rows' mesh axes); the embedding axis
-must be whole on each device. `supported` says when this path applies; the model falls back to
-plain XLA otherwise.
+The kernels use Pallas's Mosaic GPU backend (Hopper and later; kernels/mosaic.py says how a program
+holds its rows). Each program walks a contiguous share of the rows in blocks of 4, the inputs
+copied into shared memory a few blocks ahead (TMA), the outputs stored from registers. Off the GPU
+they run in Mosaic GPU's interpreter, so the CPU tests check the same code. Under a mesh the
+kernels run per shard (`shard_map` over the rows' mesh axes); the embedding axis must be whole on
+each device. `unsupported` says when this path doesn't apply; the model falls back to plain XLA.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec
 
+from jaxdist.kernels import mosaic
 from jaxdist.parallel import rules as rules_lib
 
-try:  # deprecated in jax 0.11 and to be removed: without it, the model keeps XLA's norms
-    from jax.experimental.pallas import triton as pallas_triton
-except ImportError:
-    pallas_triton = None
-
-# Rows per program in the forward, and per loop iteration in the backward (which also keeps the
-# scale/bias gradient sums in registers across iterations, so the partial sums stay small).
-FORWARD_ROWS = 8
-FORWARD_WARPS = 4
-BACKWARD_ROWS = 4
-BACKWARD_PROGRAMS = 512
-BACKWARD_WARPS = 4
+# Blocks in flight per program (copies issued ahead of the block being computed) and programs per
+# multiprocessor: the fastest of those timed on one H100 (benchmarks/bench_fused_norm.py --sweep).
+FORWARD_STAGES = 2
+FORWARD_PROGRAMS_PER_SM = 2
+BACKWARD_STAGES = 2
+BACKWARD_PROGRAMS_PER_SM = 2
 
 
-def supported(shape: tuple[int, ...], names) -> bool:
-    """Whether the kernels take an activation of this (..., features) shape and logical names.
-
-    Triton blocks need powers of two (features, and rows per shard); the feature axis must be whole
-    on each device; the installed jax must still have Pallas's Triton backend.
-    """
-    if pallas_triton is None:
-        return False
+def unsupported(shape: tuple[int, ...], dtype, names) -> str | None:
+    """Why the kernels can't take an activation of this (..., features) shape, dtype and logical names
+    here, or None where they can: the feature axis whole on each device and a multiple of 32 (16
+    bytes per lane where it can), rows per device a multiple of 4, Mosaic GPU in this jax and GPU."""
+    reason = mosaic.unavailable()
+    if reason is not None:
+        return reason
     sharded = rules_lib.sharded_activation(tuple(names))
     shards = 1
     if sharded is not None:
         mesh, spec = sharded
         if spec[-1] is not None:
-            return False
+            return "the rules split the feature axis over devices"
         shards = rules_lib.axes_size(mesh, _row_axes(spec))
     rows = int(np.prod(shape[:-1])) // shards
-    return _pow2(shape[-1]) and _pow2(rows) and rows >= FORWARD_ROWS * BACKWARD_ROWS
+    if mosaic.vector(shape[-1], jnp.dtype(dtype).itemsize) is None:
+        return f"features ({shape[-1]}) must be a multiple of 32"
+    if rows % mosaic.ROWS:
+        return f"rows per device ({rows}) must be a multiple of {mosaic.ROWS}"
+    return None
+
+
+def supported(shape: tuple[int, ...], names, dtype=jnp.bfloat16) -> bool:
+    """Whether the kernels take an activation of this shape, logical names and dtype here."""
+    return unsupported(shape, dtype, names) is None
+
+
+def use_kernel(impl: str, x: jax.Array, names) -> bool:
+    """Whether `impl.norm_impl` = `impl` runs the kernels on the activation `x` here.
+
+    `auto` takes them on a GPU where they apply, warning once where they don't; `pallas` insists,
+    raising with the reason.
+    """
+    if impl == "xla" or (impl == "auto" and jax.default_backend() != "gpu"):
+        return False
+    reason = unsupported(x.shape, x.dtype, names)
+    if reason is None:
+        return True
+    if impl == "pallas":
+        raise ValueError(f"impl.norm_impl=pallas: the fused norm can't run on activations of shape {x.shape} "
+                         f"here: {reason}; use auto or xla")
+    _warn_once(reason)
+    return False
+
+
+@functools.cache
+def _warn_once(reason: str) -> None:
+    warnings.warn(f"the residual adds and norms run as XLA's fusions (slower): {reason}", stacklevel=4)
 
 
 def add_norm(x, delta, scale, bias, *, rms: bool, eps: float, names):
@@ -127,116 +154,94 @@ def normalize(total, rms: bool, eps: float):
     return centered * rstd, rstd
 
 
-def _forward_kernel(*refs, rms, eps, has_delta, has_bias):
-    refs = list(refs)
-    x_ref = refs.pop(0)
-    delta_ref = refs.pop(0) if has_delta else None
-    scale_ref = refs.pop(0)
-    bias_ref = refs.pop(0) if has_bias else None
-    total_ref, normed_ref = refs if has_delta else (None, refs[0])
-    total = x_ref[...]
-    if has_delta:
-        total = (total.astype(jnp.float32) + delta_ref[...].astype(jnp.float32)).astype(total_ref.dtype)
-        total_ref[...] = total
-    normed = normalize(total.astype(jnp.float32), rms, eps)[0] * scale_ref[...].astype(jnp.float32)
-    if has_bias:
-        normed = normed + bias_ref[...].astype(jnp.float32)
-    normed_ref[...] = normed.astype(normed_ref.dtype)
-
-
-def _backward_kernel(*refs, rms, eps, has_residual_grad, has_bias, steps):
-    refs = list(refs)
-    total_ref, d_normed_ref = refs.pop(0), refs.pop(0)
-    d_total_ref = refs.pop(0) if has_residual_grad else None
-    scale_ref = refs.pop(0)
-    d_sum_ref, d_scale_ref = refs.pop(0), refs.pop(0)
-    d_bias_ref = refs.pop(0) if has_bias else None
-    program = pl.program_id(0)
-    scale = scale_ref[...].astype(jnp.float32)
-    features = scale.shape[-1]
-
-    def body(step, sums):
-        rows = pl.ds((program * steps + step) * BACKWARD_ROWS, BACKWARD_ROWS)
-        normalized, rstd = normalize(total_ref[rows, :].astype(jnp.float32), rms, eps)
-        d_normed = d_normed_ref[rows, :].astype(jnp.float32)
-        grad = d_normed * scale
-        # d/dx of the normalization: rstd * (g - mean(g) - xhat * mean(g * xhat)), without the
-        # mean(g) term for RMSNorm (xhat: the normalized row, g: the gradient times the scale).
-        d_x = grad - normalized * jnp.mean(grad * normalized, axis=-1, keepdims=True)
-        if not rms:
-            d_x = d_x - jnp.mean(grad, axis=-1, keepdims=True)
-        d_x = d_x * rstd
-        if has_residual_grad:
-            d_x = d_x + d_total_ref[rows, :].astype(jnp.float32)
-        d_sum_ref[rows, :] = d_x.astype(d_sum_ref.dtype)
-        d_scale_sum, d_bias_sum = sums
-        return d_scale_sum + jnp.sum(d_normed * normalized, axis=0), d_bias_sum + jnp.sum(d_normed, axis=0)
-
-    zeros = jnp.zeros((features,), jnp.float32)
-    d_scale_sum, d_bias_sum = jax.lax.fori_loop(0, steps, body, (zeros, zeros))
-    d_scale_ref[pl.ds(program, 1), :] = d_scale_sum[None, :]
-    if has_bias:
-        d_bias_ref[pl.ds(program, 1), :] = d_bias_sum[None, :]
-
-
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
-def _interpret() -> bool:
-    return jax.default_backend() != "gpu"
+def _statistics(total, rms: bool, eps: float, layout):
+    """`normalize` in a kernel: (rows, features) float32 in `layout` -> (centered rows, 1 / row std)."""
+    shape, features = total.shape, total.shape[1]
+    centered = total if rms else total - mosaic.per_row(jnp.sum(total, axis=1) / features, shape, layout)
+    return centered, jax.lax.rsqrt(jnp.sum(centered * centered, axis=1) / features + eps)
 
 
 def _forward_local(rms, eps, x, delta, scale, bias):
     shape, features = x.shape, x.shape[-1]
-    rows = int(np.prod(shape[:-1]))
+    rows, dtype = x.size // features, x.dtype
     has_delta, has_bias = delta is not None, bias is not None
-    operands = [x.reshape(rows, features)]
-    if has_delta:
-        operands.append(delta.reshape(rows, features))
-    operands.append(scale)
-    if has_bias:
-        operands.append(bias)
-    row_block = pl.BlockSpec((FORWARD_ROWS, features), lambda i: (i, 0))
-    vector = pl.BlockSpec((features,), lambda i: (0,))
-    in_specs = [row_block] * (2 if has_delta else 1) + [vector] * (2 if has_bias else 1)
-    outputs = [jax.ShapeDtypeStruct((rows, features), x.dtype)] * (2 if has_delta else 1)
-    results = pl.pallas_call(
-        functools.partial(_forward_kernel, rms=rms, eps=eps, has_delta=has_delta, has_bias=has_bias),
-        out_shape=outputs,
-        grid=(rows // FORWARD_ROWS,),
-        in_specs=in_specs,
-        out_specs=[row_block] * len(outputs),
-        compiler_params=pallas_triton.CompilerParams(num_warps=FORWARD_WARPS, num_stages=1),
-        interpret=_interpret(),
-        name="add_norm_forward",
-    )(*operands)
-    total, normed = results if has_delta else (x.reshape(rows, features), results[0])
+    layout = mosaic.block_layout(mosaic.vector(features, dtype.itemsize))
+    blocks = rows // mosaic.ROWS
+    programs = min(blocks, mosaic.programs_per_device(FORWARD_PROGRAMS_PER_SM))
+    streamed = [mosaic.runs(a.reshape(rows, features)) for a in (x, delta) if a is not None]
+    vectors = [v for v in (scale, bias) if v is not None]
+
+    def add_norm_forward(*refs):
+        streamed_refs, vector_refs, out_refs = refs[:len(streamed)], refs[len(streamed):-len(streamed)], refs[-len(streamed):]
+        scale, *bias = [mosaic.load(ref, layout.reduce(0)).astype(jnp.float32) for ref in vector_refs]
+
+        def step(block, x_block, *delta_block):
+            total = mosaic.load_shared(x_block, layout)
+            if has_delta:
+                total = (total.astype(jnp.float32) + mosaic.load_shared(delta_block[0], layout).astype(jnp.float32))
+                total = total.astype(dtype)
+            centered, rstd = _statistics(total.astype(jnp.float32), rms, eps, layout)
+            normed = centered * mosaic.per_row(rstd, centered.shape, layout) * mosaic.per_column(scale, centered.shape, layout)
+            if has_bias:
+                normed = normed + mosaic.per_column(bias[0], centered.shape, layout)
+            rows = mosaic.block_rows(block)
+            out_refs[0][rows] = normed.astype(dtype)
+            if has_delta:
+                out_refs[1][rows] = total
+            mosaic.end_step()
+
+        mosaic.stream(step, streamed_refs, blocks, programs, FORWARD_STAGES)
+
+    out_type = [jax.ShapeDtypeStruct((rows, features), dtype)] * len(streamed)
+    normed, *total = mosaic.kernel(add_norm_forward, out_type, programs, "add_norm_forward")(*streamed, *vectors)
+    total = total[0] if has_delta else x
     return total.reshape(shape), normed.reshape(shape)
 
 
 def _backward_local(rms, eps, has_bias, total, d_normed, d_total, scale):
     shape, features = total.shape, total.shape[-1]
-    rows = int(np.prod(shape[:-1]))
-    programs = min(BACKWARD_PROGRAMS, rows // BACKWARD_ROWS)
-    steps = rows // (BACKWARD_ROWS * programs)
-    operands = [total.reshape(rows, features), d_normed.reshape(rows, features)]
-    if d_total is not None:
-        operands.append(d_total.reshape(rows, features))
-    operands.append(scale)
-    partial = jax.ShapeDtypeStruct((programs, features), jnp.float32)
-    outputs = [jax.ShapeDtypeStruct((rows, features), total.dtype), partial] + ([partial] if has_bias else [])
-    results = pl.pallas_call(
-        functools.partial(_backward_kernel, rms=rms, eps=eps, has_residual_grad=d_total is not None,
-                          has_bias=has_bias, steps=steps),
-        out_shape=outputs,
-        grid=(programs,),
-        compiler_params=pallas_triton.CompilerParams(num_warps=BACKWARD_WARPS, num_stages=1),
-        interpret=_interpret(),
-        name="add_norm_backward",
-    )(*operands)
-    d_sum = results[0].reshape(shape)
-    return (d_sum, *results[1:]) if has_bias else (d_sum, results[1], None)
+    rows, dtype = total.size // features, total.dtype
+    has_residual_grad = d_total is not None
+    layout = mosaic.block_layout(mosaic.vector(features, dtype.itemsize))
+    blocks = rows // mosaic.ROWS
+    programs = min(blocks, mosaic.programs_per_device(BACKWARD_PROGRAMS_PER_SM))
+    streamed = [mosaic.runs(a.reshape(rows, features)) for a in (total, d_normed, d_total) if a is not None]
+
+    def add_norm_backward(*refs):
+        outputs = 3 if has_bias else 2
+        streamed_refs, scale_ref, (d_sum_ref, *sum_refs) = refs[:-outputs - 1], refs[-outputs - 1], refs[-outputs:]
+        scale = mosaic.load(scale_ref, layout.reduce(0)).astype(jnp.float32)
+
+        def step(block, total_block, d_normed_block, *rest):
+            *d_total_block, sums = rest
+            centered, rstd = _statistics(mosaic.load_shared(total_block, layout).astype(jnp.float32), rms, eps, layout)
+            size = centered.shape
+            rstd = mosaic.per_row(rstd, size, layout)
+            normalized = centered * rstd
+            d_normed = mosaic.load_shared(d_normed_block, layout).astype(jnp.float32)
+            grad = d_normed * mosaic.per_column(scale, size, layout)
+            # d/dx of the normalization: rstd * (g - mean(g) - xhat * mean(g * xhat)), without the
+            # mean(g) term for RMSNorm (xhat: the normalized row, g: the gradient times the scale).
+            d_x = grad - normalized * mosaic.per_row(jnp.sum(grad * normalized, axis=1) / features, size, layout)
+            if not rms:
+                d_x = d_x - mosaic.per_row(jnp.sum(grad, axis=1) / features, size, layout)
+            d_x = d_x * rstd
+            if has_residual_grad:
+                d_x = d_x + mosaic.load_shared(d_total_block[0], layout).astype(jnp.float32)
+            d_sum_ref[mosaic.block_rows(block)] = d_x.astype(dtype)
+            mosaic.end_step()
+            return tuple(total + term for total, term in zip(sums, (d_normed * normalized, d_normed)))
+
+        # Each lane keeps its columns' running sums over its rows; the program writes them out once.
+        zeros = mosaic.relayout(jnp.zeros((mosaic.ROWS, features), jnp.float32), layout)
+        sums = mosaic.stream(step, streamed_refs, blocks, programs, BACKWARD_STAGES, carry=(zeros,) * len(sum_refs))
+        for ref, value in zip(sum_refs, sums):
+            ref[mosaic.block_rows(mosaic.program())] = value
+
+    partial = jax.ShapeDtypeStruct((programs * mosaic.ROWS, features), jnp.float32)
+    out_type = [jax.ShapeDtypeStruct((rows, features), dtype)] + [partial] * (2 if has_bias else 1)
+    d_sum, d_scale, *d_bias = mosaic.kernel(add_norm_backward, out_type, programs, "add_norm_backward")(*streamed, scale)
+    return d_sum.reshape(shape), d_scale, d_bias[0] if has_bias else None
 
 
 # -- running per shard under a mesh -----------------------------------------------------------------
