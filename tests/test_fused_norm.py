@@ -1,8 +1,9 @@
 """The fused residual-add + norm kernels (kernels/fused_norm.py) compute the unfused function.
 
-Off the GPU the Pallas kernels run in Mosaic GPU's interpreter: the same kernel code as on the GPU,
-at about 2 ms per row here, so the model-level tests keep their rows few, and the sharded training
-run swaps each device's kernels for XLA's form of the same results (its subject is the wiring).
+Off the GPU the Pallas kernels run in their interpreters: the same kernel code as on the GPU, each
+implementation (Mosaic GPU, Triton) on its own. Mosaic GPU's interpreter takes about 2 ms per row
+here, so the model-level tests keep their rows few, and the sharded training run swaps each
+device's kernels for XLA's form of the same results (its subject is the wiring).
 tests/test_kernels_gpu.py checks on a GPU that the compiled step runs the kernels.
 """
 
@@ -18,7 +19,7 @@ from flax import nnx
 
 from jaxdist import loop, models
 from jaxdist.config import ImplConfig, ModelConfig
-from jaxdist.kernels import fused_norm
+from jaxdist.kernels import fused_norm, fused_norm_mosaic, fused_norm_triton
 from jaxdist.models.gpt import GPT, RESIDUAL
 
 
@@ -50,10 +51,32 @@ def _value_and_grads(fn, x, delta, scale, bias, rms, weights):
     return fn(x, delta, scale, bias, rms), jax.grad(loss, argnums=argnums)(x, delta, scale, bias)
 
 
+IMPLEMENTATIONS = {"mosaic": (fused_norm_mosaic, {}), "mosaic_8_rows": (fused_norm_mosaic, {"FORWARD_ROWS": 8}),
+                   "triton": (fused_norm_triton, {})}
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("with_add", [True, False], ids=["add_norm", "norm"])
-def test_kernels_equal_the_unfused_norm_and_its_gradients(dtype, rms, with_add):
+@pytest.mark.parametrize("implementation", ["mosaic", "triton"])
+def test_kernels_equal_the_unfused_norm_and_its_gradients(monkeypatch, implementation, dtype, rms, with_add):
+    _use_only(monkeypatch, implementation)
+    _check_against_the_unfused_norm(dtype, rms, with_add)
+
+
+def test_mosaic_forward_in_blocks_of_8_rows(monkeypatch):
+    _use_only(monkeypatch, "mosaic_8_rows")
+    _check_against_the_unfused_norm(jnp.bfloat16, rms=False, with_add=True)
+
+
+def _use_only(monkeypatch, implementation: str) -> None:
+    module, settings = IMPLEMENTATIONS[implementation]
+    monkeypatch.setattr(fused_norm, "IMPLEMENTATIONS", (module,))
+    for name, value in settings.items():
+        monkeypatch.setattr(module, name, value)
+
+
+def _check_against_the_unfused_norm(dtype, rms, with_add):
     keys = jax.random.split(jax.random.key(7), 6)
     shape = (4, 16, 128)
     x = (3.0 * jax.random.normal(keys[0], shape) + 1.0).astype(dtype)
@@ -152,12 +175,20 @@ def test_fused_norms_per_shard_train_like_one_device(tmp_path, monkeypatch):
 
 
 def test_unsupported_shapes_fall_back_or_fail_clearly(monkeypatch):
-    assert fused_norm.unsupported((4, 16, 48), jnp.bfloat16, RESIDUAL) == "features (48) must be a multiple of 32"
-    assert fused_norm.unsupported((3, 5, 128), jnp.bfloat16, RESIDUAL) == "rows per device (15) must be a multiple of 4"
-    assert fused_norm.supported((4, 16, 96), RESIDUAL)  # 3 runs of 32 lanes, one value each
-    with monkeypatch.context() as patch:  # a jax without Pallas's Mosaic GPU backend
-        patch.setattr(fused_norm.mosaic, "plgpu", None)
-        assert fused_norm.unsupported((4, 16, 128), jnp.bfloat16, RESIDUAL) == "this jax has no Pallas Mosaic GPU backend"
+    """Each implementation says what it needs; no kernel for a shape is one message, naming both."""
+    assert fused_norm_mosaic.unsupported(48, 64, jnp.bfloat16) == "features (48) must be a multiple of 32"
+    assert fused_norm_mosaic.unsupported(128, 15, jnp.bfloat16) == "rows per device (15) must be a multiple of 4"
+    assert fused_norm_mosaic.unsupported(96, 64, jnp.bfloat16) is None  # 3 runs of 32 lanes, one value each
+    assert fused_norm_triton.unsupported(96, 64, jnp.bfloat16).startswith("Triton blocks need powers of two")
+    assert fused_norm.supported((4, 16, 96), RESIDUAL)
+    assert fused_norm.unsupported((4, 16, 48), jnp.bfloat16, RESIDUAL) == (
+        "Triton blocks need powers of two: features 48, rows per device 64 (at least 32); "
+        "features (48) must be a multiple of 32")
+    with monkeypatch.context() as patch:  # a jax with neither backend
+        patch.setattr(fused_norm_triton, "pallas_triton", None)
+        patch.setattr(fused_norm_mosaic.mosaic, "plgpu", None)
+        assert fused_norm.unsupported((4, 16, 128), jnp.bfloat16, RESIDUAL) == (
+            "this jax has no Pallas Triton backend; this jax has no Pallas Mosaic GPU backend")
     with pytest.raises(pydantic.ValidationError, match="scan_layers=false"):
         ImplConfig(norm_impl="pallas", scan_layers=True)
     cfg = ModelConfig(vocab=64, d_model=48, layers=2, heads=4, seq_len=16)
@@ -169,7 +200,7 @@ def test_unsupported_shapes_fall_back_or_fail_clearly(monkeypatch):
         model(tokens)
     # On a GPU, `auto` runs XLA's norms where the kernels can't, and says so once, not per norm.
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(fused_norm.mosaic, "unavailable", lambda: None)
+    monkeypatch.setattr(fused_norm_mosaic.mosaic, "unavailable", lambda: None)
     fused_norm._warn_once.cache_clear()
     with pytest.warns(UserWarning, match="XLA's fusions.*features \\(48\\)") as caught:
         jax.eval_shape(auto, tokens)
