@@ -19,7 +19,7 @@ from flax import nnx
 
 from jaxdist import loop, models
 from jaxdist.config import ImplConfig, ModelConfig
-from jaxdist.kernels import fused_norm, fused_norm_mosaic, fused_norm_triton
+from jaxdist.kernels import fused_norm, fused_norm_mosaic, fused_norm_triton, switch
 from jaxdist.models.gpt import GPT, RESIDUAL
 
 
@@ -51,8 +51,7 @@ def _value_and_grads(fn, x, delta, scale, bias, rms, weights):
     return fn(x, delta, scale, bias, rms), jax.grad(loss, argnums=argnums)(x, delta, scale, bias)
 
 
-IMPLEMENTATIONS = {"mosaic": (fused_norm_mosaic, {}), "mosaic_8_rows": (fused_norm_mosaic, {"FORWARD_ROWS": 8}),
-                   "triton": (fused_norm_triton, {})}
+IMPLEMENTATIONS = {"mosaic": fused_norm_mosaic, "triton": fused_norm_triton}
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -64,16 +63,8 @@ def test_kernels_equal_the_unfused_norm_and_its_gradients(monkeypatch, implement
     _check_against_the_unfused_norm(dtype, rms, with_add)
 
 
-def test_mosaic_forward_in_blocks_of_8_rows(monkeypatch):
-    _use_only(monkeypatch, "mosaic_8_rows")
-    _check_against_the_unfused_norm(jnp.bfloat16, rms=False, with_add=True)
-
-
 def _use_only(monkeypatch, implementation: str) -> None:
-    module, settings = IMPLEMENTATIONS[implementation]
-    monkeypatch.setattr(fused_norm, "IMPLEMENTATIONS", (module,))
-    for name, value in settings.items():
-        monkeypatch.setattr(module, name, value)
+    monkeypatch.setattr(fused_norm, "IMPLEMENTATIONS", (IMPLEMENTATIONS[implementation],))
 
 
 def _check_against_the_unfused_norm(dtype, rms, with_add):
@@ -201,7 +192,7 @@ def test_unsupported_shapes_fall_back_or_fail_clearly(monkeypatch):
     # On a GPU, `auto` runs XLA's norms where the kernels can't, and says so once, not per norm.
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(fused_norm_mosaic.mosaic, "unavailable", lambda: None)
-    fused_norm._warn_once.cache_clear()
+    switch._warn_once.cache_clear()
     with pytest.warns(UserWarning, match="XLA's fusions.*features \\(48\\)") as caught:
         jax.eval_shape(auto, tokens)
     assert len(caught) == 1

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from jaxdist.kernels import softmax_grad
+from jaxdist.kernels import softmax_grad, switch
 from jaxdist.models import cross_entropy
 from jaxdist.parallel import rules as rules_lib
 
@@ -59,7 +59,7 @@ def test_auto_and_pallas_under_a_split_vocabulary(monkeypatch):
         assert softmax_grad.unsupported(shape, jnp.bfloat16) == "it needs the vocabulary whole on each device; " \
                                                                 "the rules split it"
         assert not softmax_grad.use_kernel("auto", shape, jnp.bfloat16)
-        with pytest.raises(ValueError, match="loss_impl=pallas.*vocabulary whole on each device"):
+        with pytest.raises(ValueError, match="impl.loss_impl=pallas: it needs the vocabulary whole on each device"):
             softmax_grad.use_kernel("pallas", shape, jnp.bfloat16)
     with rules_lib.activation_rules(mesh, rules_lib.preset("fsdp")):
         assert softmax_grad.unsupported(shape, jnp.bfloat16) is None
@@ -76,7 +76,7 @@ def test_unsupported_shapes_fall_back_and_say_so_once(monkeypatch):
     reason however many chunks ask; a jax without Mosaic GPU says so too."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(softmax_grad.mosaic, "unavailable", lambda: None)
-    softmax_grad._warn_once.cache_clear()
+    switch._warn_once.cache_clear()
     assert softmax_grad.unsupported((3, 5, 512), jnp.bfloat16) == "rows per device (15) must be a multiple of 4"
     assert softmax_grad.unsupported((4, 8, 16), jnp.float32) == "the vocabulary (16) must be at least 32 wide"
     with pytest.warns(UserWarning, match="XLA's two passes.*rows per device") as caught:

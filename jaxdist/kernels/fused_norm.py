@@ -21,14 +21,13 @@ interpreters, so the CPU tests check the same code. Under a mesh the kernels run
 from __future__ import annotations
 
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxdist.kernels import fused_norm_mosaic, fused_norm_triton
+from jaxdist.kernels import fused_norm_mosaic, fused_norm_triton, switch
 from jaxdist.parallel import rules as rules_lib
 
 IMPLEMENTATIONS = (fused_norm_triton, fused_norm_mosaic)
@@ -56,26 +55,9 @@ def supported(shape: tuple[int, ...], names, dtype=jnp.bfloat16) -> bool:
 
 
 def use_kernel(impl: str, x: jax.Array, names) -> bool:
-    """Whether `impl.norm_impl` = `impl` runs the kernels on the activation `x` here.
-
-    `auto` takes them on a GPU where they apply, warning once where they don't; `pallas` insists,
-    raising with the reason.
-    """
-    if impl == "xla" or (impl == "auto" and jax.default_backend() != "gpu"):
-        return False
-    reason = unsupported(x.shape, x.dtype, names)
-    if reason is None:
-        return True
-    if impl == "pallas":
-        raise ValueError(f"impl.norm_impl=pallas: the fused norm can't run on activations of shape {x.shape} "
-                         f"here: {reason}; use auto or xla")
-    _warn_once(reason)
-    return False
-
-
-@functools.cache
-def _warn_once(reason: str) -> None:
-    warnings.warn(f"the residual adds and norms run as XLA's fusions (slower): {reason}", stacklevel=4)
+    """Whether `impl.norm_impl` = `impl` runs the kernels on the activation `x` here (kernels/switch.py)."""
+    return switch.wanted(impl) and switch.decide(
+        "norm_impl", impl, unsupported(x.shape, x.dtype, names), "the residual adds and norms run as XLA's fusions")
 
 
 def add_norm(x, delta, scale, bias, *, rms: bool, eps: float, names):

@@ -3,8 +3,8 @@
 Each program walks a contiguous share of the rows in blocks (kernels/mosaic.py says how a program
 holds them: a row per warp): the inputs are copied into shared memory a few blocks ahead (TMA), the
 outputs stored from registers. The backward keeps each lane's running scale and bias gradient sums
-in registers and writes them once per program. Features any multiple of 32, rows a multiple of the
-block. Off the GPU the kernels run in Mosaic GPU's interpreter.
+in registers and writes them once per program. Features any multiple of 32, rows a multiple of 4.
+Off the GPU the kernels run in Mosaic GPU's interpreter.
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ import jax.numpy as jnp
 
 from jaxdist.kernels import mosaic
 
-# Rows per forward block (the backward's are 4, one per warp: more would not fit its registers),
-# blocks in flight per program (copies issued ahead of the block being computed) and programs per
-# multiprocessor: the fastest of those timed on one H100 (benchmarks/bench_fused_norm.py --sweep).
-FORWARD_ROWS = 4
+# Blocks in flight per program (copies issued ahead of the block being computed) and programs per
+# multiprocessor: the fastest of those timed on one H100 (benchmarks/HISTORY.md, tenth set;
+# benchmarks/bench_fused_norm.py --sweep times them).
 FORWARD_STAGES = 2
 FORWARD_PROGRAMS_PER_SM = 3
 BACKWARD_STAGES = 3
@@ -31,8 +30,8 @@ def unsupported(features: int, rows: int, dtype) -> str | None:
         return reason
     if mosaic.vector(features, jnp.dtype(dtype).itemsize) is None:
         return f"features ({features}) must be a multiple of 32"
-    if rows % max(FORWARD_ROWS, mosaic.ROWS):
-        return f"rows per device ({rows}) must be a multiple of {max(FORWARD_ROWS, mosaic.ROWS)}"
+    if rows % mosaic.ROWS:
+        return f"rows per device ({rows}) must be a multiple of {mosaic.ROWS}"
     return None
 
 
@@ -48,7 +47,7 @@ def forward_local(rms, eps, x, delta, scale, bias):
     rows, dtype = x.size // features, x.dtype
     has_delta, has_bias = delta is not None, bias is not None
     layout = mosaic.block_layout(mosaic.vector(features, dtype.itemsize))
-    programs = min(rows // FORWARD_ROWS, mosaic.programs_per_device(FORWARD_PROGRAMS_PER_SM))
+    programs = min(rows // mosaic.ROWS, mosaic.programs_per_device(FORWARD_PROGRAMS_PER_SM))
     streamed = [mosaic.runs(a.reshape(rows, features)) for a in (x, delta) if a is not None]
     vectors = [v for v in (scale, bias) if v is not None]
 
@@ -65,13 +64,13 @@ def forward_local(rms, eps, x, delta, scale, bias):
             normed = centered * mosaic.per_row(rstd, centered.shape, layout) * mosaic.per_column(scale, centered.shape, layout)
             if has_bias:
                 normed = normed + mosaic.per_column(bias[0], centered.shape, layout)
-            rows = mosaic.block_rows(block, FORWARD_ROWS)
+            rows = mosaic.block_rows(block)
             out_refs[0][rows] = normed.astype(dtype)
             if has_delta:
                 out_refs[1][rows] = total
             mosaic.end_step()
 
-        mosaic.stream(step, streamed_refs, FORWARD_ROWS, programs, FORWARD_STAGES)
+        mosaic.stream(step, streamed_refs, programs, FORWARD_STAGES)
 
     out_type = [jax.ShapeDtypeStruct((rows, features), dtype)] * len(streamed)
     normed, *total = mosaic.kernel(add_norm_forward, out_type, programs, "add_norm_forward")(*streamed, *vectors)
@@ -114,7 +113,7 @@ def backward_local(rms, eps, has_bias, total, d_normed, d_total, scale):
 
         # Each lane keeps its columns' running sums over its rows; the program writes them out once.
         zeros = mosaic.relayout(jnp.zeros((mosaic.ROWS, features), jnp.float32), layout)
-        sums = mosaic.stream(step, streamed_refs, mosaic.ROWS, programs, BACKWARD_STAGES, carry=(zeros,) * len(sum_refs))
+        sums = mosaic.stream(step, streamed_refs, programs, BACKWARD_STAGES, carry=(zeros,) * len(sum_refs))
         for ref, value in zip(sum_refs, sums):
             ref[mosaic.block_rows(mosaic.program())] = value
 

@@ -1,4 +1,4 @@
-"""What the Pallas Mosaic GPU kernels (fused_norm.py, softmax_grad.py) share.
+"""What the Pallas Mosaic GPU kernels (fused_norm_mosaic.py, softmax_grad.py) share.
 
 A program is one warpgroup (4 warps of 32 lanes). The kernels work on blocks of 4 rows: one row per
 warp, its lanes across the columns, each lane holding runs of `vector` neighbouring values (16
@@ -53,8 +53,8 @@ def vector(columns: int, itemsize: int) -> int | None:
 
 
 def block_layout(vector: int):
-    """The register layout of (4 * j, 32 * `vector` * k) blocks: row i on warp i % 4, each lane
-    `vector` neighbouring values per run of 32 * `vector` columns."""
+    """The register layout of (4, 32 * `vector` * k) blocks: row i on warp i, each lane `vector`
+    neighbouring values per run of 32 * `vector` columns."""
     return plgpu.Layout.TILED(plgpu.Tiling(((ROWS, LANES * vector), (vector,))), warp_dims=(-3,), lane_dims=(-2,),
                               vector_dim=-1)
 
@@ -99,19 +99,19 @@ def program():
     return jax.lax.axis_index("program")
 
 
-def block_rows(block, rows: int = ROWS):
-    """The rows of block `block` of `rows` rows."""
-    return pl.ds(block * rows, rows)
+def block_rows(block):
+    """The rows of block `block`."""
+    return pl.ds(block * ROWS, ROWS)
 
 
-def stream(step, refs, rows: int, programs: int, stages: int, carry=None):
+def stream(step, refs, programs: int, stages: int, carry=None):
     """Calls `step(block, *shared_blocks[, carry])` on this program's contiguous share of the
-    blocks of `rows` rows of the (rows, runs, run) global `refs`, each copied into shared memory up
-    to `stages` blocks ahead; returns the last carry. `step` ends with `end_step`."""
-    blocks = refs[0].shape[0] // rows
+    blocks of the (rows, runs, run) global `refs`, each copied into shared memory up to `stages`
+    blocks ahead; returns the last carry. `step` ends with `end_step`."""
+    blocks = refs[0].shape[0] // ROWS
     first = program() * blocks // programs
     count = (program() + 1) * blocks // programs - first
-    spec = plgpu.BlockSpec((rows, *refs[0].shape[1:]), lambda i: (first + i, 0, 0))
+    spec = plgpu.BlockSpec((ROWS, *refs[0].shape[1:]), lambda i: (first + i, 0, 0))
 
     def body(index, *args):
         return step(first + index[0], *args)

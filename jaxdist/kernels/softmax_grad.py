@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec
 
-from jaxdist.kernels import mosaic
+from jaxdist.kernels import mosaic, switch
 from jaxdist.parallel import rules as rules_lib
 
 LOGITS: tuple[str, ...] = ("batch", "length", "vocab")
@@ -48,33 +47,18 @@ def unsupported(shape: tuple[int, int, int], dtype) -> str | None:
         if spec[-1] is not None:
             return "it needs the vocabulary whole on each device; the rules split it"
         rows //= math.prod(rules_lib.axes_size(mesh, rules_lib.spec_axes(entry)) for entry in spec[:2])
-    if shape[2] < mosaic.LANES * _vector(shape[2], dtype):
-        return f"the vocabulary ({shape[2]}) must be at least 32 wide"
+    if shape[2] < mosaic.LANES:
+        return f"the vocabulary ({shape[2]}) must be at least {mosaic.LANES} wide"
     if rows % mosaic.ROWS:
         return f"rows per device ({rows}) must be a multiple of {mosaic.ROWS}"
     return None
 
 
 def use_kernel(impl: str, shape: tuple[int, int, int], dtype) -> bool:
-    """Whether `impl.loss_impl` = `impl` runs the kernel on a chunk's (batch, length, vocab) logits.
-
-    `auto` takes it on a GPU where it applies, warning once where it doesn't; `pallas` insists,
-    raising with the reason.
-    """
-    if impl == "xla" or (impl == "auto" and jax.default_backend() != "gpu"):
-        return False
-    reason = unsupported(shape, dtype)
-    if reason is None:
-        return True
-    if impl == "pallas":
-        raise ValueError(f"impl.loss_impl=pallas: the softmax kernel can't run here: {reason}; use auto or xla")
-    _warn_once(reason)
-    return False
-
-
-@functools.cache
-def _warn_once(reason: str) -> None:
-    warnings.warn(f"the loss's softmax runs as XLA's two passes (slower): {reason}", stacklevel=4)
+    """Whether `impl.loss_impl` = `impl` runs the kernel on a chunk's (batch, length, vocab) logits
+    (kernels/switch.py)."""
+    return switch.wanted(impl) and switch.decide(
+        "loss_impl", impl, unsupported(shape, dtype), "the loss's softmax runs as XLA's two passes")
 
 
 def loss_and_grad(logits: jax.Array, targets: jax.Array, weights: jax.Array, *,
@@ -98,9 +82,10 @@ def loss_and_grad(logits: jax.Array, targets: jax.Array, weights: jax.Array, *,
 
 
 def _vector(vocab: int, dtype) -> int:
-    """Values per lane and run: at most 16 bytes, and dividing the vocabulary, so that every
-    block's start (the last one's too) stays aligned."""
-    return next(v for v in (8, 4, 2, 1) if v * jnp.dtype(dtype).itemsize <= 16 and vocab % v == 0)
+    """Values per lane and run: at most 16 bytes, dividing the vocabulary, so that every block's
+    start (the last one's too) stays aligned, and one run of the warp's lanes within it."""
+    return next(v for v in (8, 4, 2, 1)
+                if v * jnp.dtype(dtype).itemsize <= 16 and vocab % v == 0 and vocab >= mosaic.LANES * v)
 
 
 def _local(logits, targets, weights, *, grad_dtype, block: int = BLOCK):
