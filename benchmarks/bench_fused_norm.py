@@ -2,10 +2,11 @@
 
     python3 benchmarks/bench_fused_norm.py [--shape 16 1024 1024] [--norm layernorm|rmsnorm]
 
-For random bf16 activations of the given shape: the largest relative error of both outputs and
-all gradients against the unfused float32 reference, and the median time of one forward + backward
-(the gradient of a linear function of both outputs) for the Pallas kernels and for XLA, with the
-bytes each must move at least and the bandwidth that implies.
+For random bf16 activations of the given shape, for each kernel implementation this jax has
+(Mosaic GPU; Triton while the backend lasts): the largest relative error of both outputs and all
+gradients against the unfused float32 reference, and the median time of one forward + backward
+(the gradient of a linear function of both outputs), as for XLA, with the bytes each must move at
+least and the bandwidth that implies. `--sweep` times the Mosaic GPU kernels' settings.
 """
 
 from __future__ import annotations
@@ -18,17 +19,17 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxdist
-from jaxdist.kernels import fused_norm
+from jaxdist.kernels import fused_norm, fused_norm_mosaic, fused_norm_triton
 from jaxdist.models.gpt import RESIDUAL
 
 
-# Block shapes to try: (rows, warps) forward; (rows per iteration, programs, warps) backward.
+# Mosaic GPU settings to try: blocks in flight (copies ahead) and programs per multiprocessor,
+# forward and backward.
 SWEEP = [
-    dict(FORWARD_ROWS=f_rows, FORWARD_WARPS=f_warps, BACKWARD_ROWS=b_rows, BACKWARD_PROGRAMS=programs, BACKWARD_WARPS=b_warps)
-    for f_rows, f_warps, b_rows, programs, b_warps in [
-        (8, 4, 4, 512, 4), (16, 8, 4, 512, 4), (4, 4, 4, 512, 4), (8, 8, 4, 512, 4),
-        (8, 4, 8, 512, 8), (8, 4, 4, 1024, 4), (8, 4, 2, 1024, 4), (8, 4, 8, 1024, 8), (8, 4, 16, 256, 8),
-        (8, 4, 4, 512, 8), (8, 4, 4, 2048, 4),
+    dict(FORWARD_STAGES=f_stages, FORWARD_PROGRAMS_PER_SM=f_programs, BACKWARD_STAGES=b_stages,
+         BACKWARD_PROGRAMS_PER_SM=b_programs)
+    for f_stages, f_programs, b_stages, b_programs in [
+        (2, 2, 2, 2), (3, 2, 3, 2), (2, 3, 2, 1), (2, 4, 1, 2), (4, 2, 3, 1), (1, 3, 2, 2), (3, 3, 1, 1),
     ]
 ]
 
@@ -71,7 +72,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", type=int, nargs=3, default=[16, 1024, 1024])
     parser.add_argument("--norm", choices=["layernorm", "rmsnorm"], default="layernorm")
-    parser.add_argument("--sweep", action="store_true", help="also time other block sizes and warp counts")
+    parser.add_argument("--sweep", action="store_true", help="also time other pipeline depths and program counts")
     args = parser.parse_args()
     rms = args.norm == "rmsnorm"
     shape, features = tuple(args.shape), args.shape[-1]
@@ -83,30 +84,35 @@ def main() -> None:
     weights = [jax.random.normal(k, shape, jnp.bfloat16) for k in keys[4:]]
     operands = (x, delta, scale, bias, *weights)
 
-    got = step(fused, rms)(*operands)
-    as32 = [a.astype(jnp.float32) if a is not None else None for a in operands]
-    want = step(unfused, rms)(*as32)
-    errors = [
-        float(jnp.linalg.norm(g.astype(jnp.float32) - w) / jnp.linalg.norm(w))
-        for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]))
-    ]
-    print(f"relative error vs float32 reference (dx, ddelta, dscale, dbias): {[f'{e:.1e}' for e in errors]}")
-
     # Fewest bytes: forward reads x, delta, writes sum, normed; backward reads sum, d_normed,
     # d_sum and writes the input gradient (4 + 4 arrays of the activation).
-    activation_bytes = np.prod(shape) * 2
-    floor_bytes = 8 * activation_bytes
-    for label, fn in (("pallas", fused), ("xla", unfused)):
-        ms = median_ms(step(fn, rms), operands)
-        print(f"{label:>7}: {ms:7.3f} ms fwd+bwd, {floor_bytes / ms / 1e6:6.0f} GB/s of the {floor_bytes / 2**20:.0f} MiB floor")
+    floor_bytes = 8 * np.prod(shape) * 2
+    rows = int(np.prod(shape[:-1]))
+    as32 = [a.astype(jnp.float32) if a is not None else None for a in operands]
+    want = step(unfused, rms)(*as32)
+    for implementation in (fused_norm_mosaic, fused_norm_triton):
+        label = implementation.__name__.rsplit("_", 1)[-1]
+        if (reason := implementation.unsupported(features, rows, jnp.bfloat16)) is not None:
+            print(f"{label:>7}: not here ({reason})")
+            continue
+        fused_norm.IMPLEMENTATIONS = (implementation,)
+        got = step(fused, rms)(*operands)
+        errors = [float(jnp.linalg.norm(g.astype(jnp.float32) - w) / jnp.linalg.norm(w))
+                  for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]))]
+        ms = median_ms(step(fused, rms), operands)
+        print(f"{label:>7}: {ms:7.3f} ms fwd+bwd, {floor_bytes / ms / 1e6:6.0f} GB/s of the {floor_bytes / 2**20:.0f} "
+              f"MiB floor; relative error vs float32 (dx, ddelta, dscale, dbias): {[f'{e:.1e}' for e in errors]}")
+    ms = median_ms(step(unfused, rms), operands)
+    print(f"{'xla':>7}: {ms:7.3f} ms fwd+bwd, {floor_bytes / ms / 1e6:6.0f} GB/s")
     if args.sweep:
-        default = {name: getattr(fused_norm, name) for name in SWEEP[0]}
+        fused_norm.IMPLEMENTATIONS = (fused_norm_mosaic,)
+        default = {name: getattr(fused_norm_mosaic, name) for name in SWEEP[0]}
         for setting in SWEEP:
             for name, value in setting.items():
-                setattr(fused_norm, name, value)
+                setattr(fused_norm_mosaic, name, value)
             print(f"{median_ms(step(fused, rms), operands):7.3f} ms  {setting}")
         for name, value in default.items():
-            setattr(fused_norm, name, value)
+            setattr(fused_norm_mosaic, name, value)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
 """The fused residual-add + norm kernels (kernels/fused_norm.py) compute the unfused function.
 
-Off the GPU the Pallas kernels run in Pallas's interpreter: the same kernel code as on the GPU.
+Off the GPU the Pallas kernels run in their interpreters: the same kernel code as on the GPU, each
+implementation (Mosaic GPU, Triton) on its own. Mosaic GPU's interpreter takes about 2 ms per row
+here, so the model-level tests keep their rows few, and the sharded training run swaps each
+device's kernels for XLA's form of the same results (its subject is the wiring).
+tests/test_kernels_gpu.py checks on a GPU that the compiled step runs the kernels.
 """
 
 import json
@@ -14,7 +18,7 @@ from flax import nnx
 
 from jaxdist import loop, models
 from jaxdist.config import ImplConfig, ModelConfig
-from jaxdist.kernels import fused_norm
+from jaxdist.kernels import fused_norm, fused_norm_mosaic, fused_norm_triton, switch
 from jaxdist.models.gpt import GPT, RESIDUAL
 
 
@@ -46,10 +50,23 @@ def _value_and_grads(fn, x, delta, scale, bias, rms, weights):
     return fn(x, delta, scale, bias, rms), jax.grad(loss, argnums=argnums)(x, delta, scale, bias)
 
 
+IMPLEMENTATIONS = {"mosaic": fused_norm_mosaic, "triton": fused_norm_triton}
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("with_add", [True, False], ids=["add_norm", "norm"])
-def test_kernels_equal_the_unfused_norm_and_its_gradients(dtype, rms, with_add):
+@pytest.mark.parametrize("implementation", ["mosaic", "triton"])
+def test_kernels_equal_the_unfused_norm_and_its_gradients(monkeypatch, implementation, dtype, rms, with_add):
+    _use_only(monkeypatch, implementation)
+    _check_against_the_unfused_norm(dtype, rms, with_add)
+
+
+def _use_only(monkeypatch, implementation: str) -> None:
+    monkeypatch.setattr(fused_norm, "IMPLEMENTATIONS", (IMPLEMENTATIONS[implementation],))
+
+
+def _check_against_the_unfused_norm(dtype, rms, with_add):
     keys = jax.random.split(jax.random.key(7), 6)
     shape = (4, 16, 128)
     x = (3.0 * jax.random.normal(keys[0], shape) + 1.0).astype(dtype)
@@ -75,11 +92,11 @@ def test_kernels_equal_the_unfused_norm_and_its_gradients(dtype, rms, with_add):
 
 
 def _model_loss_and_grads(norm_impl: str, norm: str, batch_chunks: int = 1):
-    cfg = ModelConfig(vocab=64, d_model=32, layers=3, heads=4, seq_len=16, norm=norm)
+    cfg = ModelConfig(vocab=64, d_model=32, layers=2, heads=4, seq_len=16, norm=norm)
     impl = ImplConfig(scan_layers=False, norm_impl=norm_impl, batch_chunks=batch_chunks)
     with nnx.use_eager_sharding(False):
         graphdef, params = nnx.split(GPT(cfg, impl, rngs=nnx.Rngs(0)))
-    tokens = jax.random.randint(jax.random.key(2), (4, 17), 0, 64)
+    tokens = jax.random.randint(jax.random.key(2), (2, 17), 0, 64)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     return jax.jit(jax.value_and_grad(lambda p: models.lm_loss(nnx.merge(graphdef, p), batch)))(params)
 
@@ -109,29 +126,70 @@ def _losses(run_dir) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_fused_norms_per_shard_train_like_one_device(tmp_path):
+def _xla_forward_local(rms, eps, x, delta, scale, bias):
+    """`fused_norm._forward_local`'s results, computed by XLA."""
+    return _unfused(x, delta, scale, bias, rms)
+
+
+def _xla_backward_local(rms, eps, has_bias, total, d_normed, d_total, scale):
+    """`fused_norm._backward_local`'s results by XLA: one row of partial sums per device."""
+    bias = jnp.zeros_like(scale) if has_bias else None
+    _, vjp = jax.vjp(lambda t, s, b: _unfused(t, None, s, b, rms)[1], total, scale, bias)
+    d_x, d_scale, d_bias = vjp(d_normed)
+    d_sum = d_x if d_total is None else (d_x.astype(jnp.float32) + d_total.astype(jnp.float32)).astype(d_x.dtype)
+    return d_sum, d_scale[None], None if d_bias is None else d_bias[None]
+
+
+def test_fused_norms_per_shard_train_like_one_device(tmp_path, monkeypatch):
     """data2 x fsdp2 x tensor2: the kernels run on each batch shard (shard_map), their scale and bias
     gradients are summed across shards; the losses equal the unfused single-device run's."""
+    shapes = []
+
+    def forward_local(rms, eps, x, delta, scale, bias):
+        shapes.append(x.shape)
+        return _xla_forward_local(rms, eps, x, delta, scale, bias)
+
     single, sharded = tmp_path / "single", tmp_path / "sharded"
     impl = {"scan_layers": False}
     loop.train(make_config(single, mesh={"data": 1, "fsdp": 1, "tensor": 1}, rules={"preset": "dp"},
                            impl={**impl, "norm_impl": "xla"}), devices=jax.devices()[:1])
+    monkeypatch.setattr(fused_norm, "_forward_local", forward_local)
+    monkeypatch.setattr(fused_norm, "_backward_local", _xla_backward_local)
     loop.train(make_config(sharded, mesh={"data": 2, "fsdp": 2, "tensor": 2}, rules={"preset": "fsdp_tp"},
                            impl={**impl, "norm_impl": "pallas"}))
     want = _losses(single)
     assert len(want) == 10 and want[-1] < want[0] - 0.5, want
     np.testing.assert_allclose(_losses(sharded), want, rtol=1e-5, atol=0)
+    # Traced once per norm: 2 per layer and the final one, each on a quarter of the 16 x 32 x 64 batch.
+    assert shapes == [(4, 32, 64)] * 5
 
 
 def test_unsupported_shapes_fall_back_or_fail_clearly(monkeypatch):
-    assert not fused_norm.supported((4, 16, 96), RESIDUAL)  # features not a power of two
-    assert not fused_norm.supported((3, 5, 128), RESIDUAL)  # rows not a power of two
-    with monkeypatch.context() as patch:  # a jax whose Pallas has no Triton backend any more
-        patch.setattr(fused_norm, "pallas_triton", None)
-        assert not fused_norm.supported((4, 16, 128), RESIDUAL)
-    assert fused_norm.supported((4, 16, 128), RESIDUAL)
-    cfg = ModelConfig(vocab=64, d_model=48, layers=1, heads=4, seq_len=16)
+    """Each implementation says what it needs; no kernel for a shape is one message, naming both."""
+    assert fused_norm_mosaic.unsupported(48, 64, jnp.bfloat16) == "features (48) must be a multiple of 32"
+    assert fused_norm_mosaic.unsupported(128, 15, jnp.bfloat16) == "rows per device (15) must be a multiple of 4"
+    assert fused_norm_mosaic.unsupported(96, 64, jnp.bfloat16) is None  # 3 runs of 32 lanes, one value each
+    assert fused_norm_triton.unsupported(96, 64, jnp.bfloat16).startswith("Triton blocks need powers of two")
+    assert fused_norm.supported((4, 16, 96), RESIDUAL)
+    assert fused_norm.unsupported((4, 16, 48), jnp.bfloat16, RESIDUAL) == (
+        "Triton blocks need powers of two: features 48, rows per device 64 (at least 32); "
+        "features (48) must be a multiple of 32")
+    with monkeypatch.context() as patch:  # a jax with neither backend
+        patch.setattr(fused_norm_triton, "pallas_triton", None)
+        patch.setattr(fused_norm_mosaic.mosaic, "plgpu", None)
+        assert fused_norm.unsupported((4, 16, 128), jnp.bfloat16, RESIDUAL) == (
+            "this jax has no Pallas Triton backend; this jax has no Pallas Mosaic GPU backend")
+    cfg = ModelConfig(vocab=64, d_model=48, layers=2, heads=4, seq_len=16)
     with nnx.use_eager_sharding(False):
         model = GPT(cfg, ImplConfig(scan_layers=False, norm_impl="pallas"), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="norm_impl=pallas"):
-        model(jnp.zeros((2, 16), jnp.int32))
+        auto = GPT(cfg, ImplConfig(scan_layers=False, norm_impl="auto"), rngs=nnx.Rngs(0))
+    tokens = jnp.zeros((2, 16), jnp.int32)
+    with pytest.raises(ValueError, match="norm_impl=pallas.*features \\(48\\) must be a multiple of 32"):
+        model(tokens)
+    # On a GPU, `auto` runs XLA's norms where the kernels can't, and says so once, not per norm.
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(fused_norm_mosaic.mosaic, "unavailable", lambda: None)
+    switch._warn_once.cache_clear()
+    with pytest.warns(UserWarning, match="XLA's fusions.*features \\(48\\)") as caught:
+        jax.eval_shape(auto, tokens)
+    assert len(caught) == 1

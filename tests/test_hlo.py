@@ -96,3 +96,16 @@ ENTRY %main (x: bf16[4,8], y: bf16[8,16]) -> bf16[2,16] {
 }
 """
     assert hlo.bytes_per_call(text) == {"reduce-scatter": {"bf16": 128}}
+
+
+def test_custom_calls_name_their_target_and_op_and_count_loop_trips():
+    def host_double(x):
+        return jax.pure_callback(lambda a: a * 2, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    def looped(x):
+        return jax.lax.fori_loop(0, 3, lambda i, acc: host_double(acc), x)
+
+    text = jax.jit(looped).lower(jnp.ones(4)).compile().as_text()
+    [call] = hlo.custom_calls(text)
+    assert "callback" in call.target and "pure_callback" in call.op_name
+    assert call.executions == 3

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from jaxdist.kernels import softmax_grad
+from jaxdist.kernels import softmax_grad, switch
 from jaxdist.models import cross_entropy
 from jaxdist.parallel import rules as rules_lib
 
@@ -53,16 +53,36 @@ def test_kernel_equals_xla_passes(dtype, vocab, block):
 def test_auto_and_pallas_under_a_split_vocabulary(monkeypatch):
     """Where the rules split the vocabulary over devices, `auto` keeps XLA's passes and `pallas`
     says why it cannot run; with the vocabulary whole, `auto` runs the kernel only on GPU."""
-    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("fsdp", "tensor"))
+    shape = (4, 8, 512)
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 1, 2), ("data", "fsdp", "tensor"))
     with rules_lib.activation_rules(mesh, rules_lib.preset("fsdp_tp")):
-        assert not softmax_grad.supported()
-        assert not cross_entropy._use_kernel("auto")
-        with pytest.raises(ValueError, match="vocabulary whole on each device"):
-            cross_entropy._use_kernel("pallas")
+        assert softmax_grad.unsupported(shape, jnp.bfloat16) == "it needs the vocabulary whole on each device; " \
+                                                                "the rules split it"
+        assert not softmax_grad.use_kernel("auto", shape, jnp.bfloat16)
+        with pytest.raises(ValueError, match="impl.loss_impl=pallas: it needs the vocabulary whole on each device"):
+            softmax_grad.use_kernel("pallas", shape, jnp.bfloat16)
     with rules_lib.activation_rules(mesh, rules_lib.preset("fsdp")):
-        assert softmax_grad.supported()
-        assert cross_entropy._use_kernel("pallas")
-        assert not cross_entropy._use_kernel("auto")  # this is the CPU
+        assert softmax_grad.unsupported(shape, jnp.bfloat16) is None
+        assert softmax_grad.use_kernel("pallas", shape, jnp.bfloat16)
+        assert not softmax_grad.use_kernel("auto", shape, jnp.bfloat16)  # this is the CPU
         monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-        assert cross_entropy._use_kernel("auto")
-    assert not cross_entropy._use_kernel("xla")
+        monkeypatch.setattr(softmax_grad.mosaic, "unavailable", lambda: None)
+        assert softmax_grad.use_kernel("auto", shape, jnp.bfloat16)
+    assert not softmax_grad.use_kernel("xla", shape, jnp.bfloat16)
+
+
+def test_unsupported_shapes_fall_back_and_say_so_once(monkeypatch):
+    """Under `auto` on a GPU, logits the kernel can't take run XLA's passes, with one warning per
+    reason however many chunks ask; a jax without Mosaic GPU says so too."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(softmax_grad.mosaic, "unavailable", lambda: None)
+    switch._warn_once.cache_clear()
+    assert softmax_grad.unsupported((3, 5, 512), jnp.bfloat16) == "rows per device (15) must be a multiple of 4"
+    assert softmax_grad.unsupported((4, 8, 16), jnp.float32) == "the vocabulary (16) must be at least 32 wide"
+    with pytest.warns(UserWarning, match="XLA's two passes.*rows per device") as caught:
+        for _ in range(3):
+            assert not softmax_grad.use_kernel("auto", (3, 5, 512), jnp.bfloat16)
+    assert len(caught) == 1
+    monkeypatch.setattr(softmax_grad.mosaic, "plgpu", None)
+    monkeypatch.setattr(softmax_grad.mosaic, "unavailable", lambda: "this jax has no Pallas Mosaic GPU backend")
+    assert softmax_grad.unsupported((4, 8, 512), jnp.bfloat16) == "this jax has no Pallas Mosaic GPU backend"

@@ -9,11 +9,13 @@ adds took about 470 us per layer, against about 180 us to move their bytes once.
   along the residual path; recomputes the row statistics; writes the sum's gradient and per-program
   partial sums of the scale and bias gradients (summed outside, where XLA reduces across devices).
 
-The kernels use Pallas's Triton backend, which OpenXLA's own kernel library (tokamax) also uses for
-its norms. Off the GPU they run in Pallas's interpreter, so the CPU tests check the same code.
-Under a mesh the kernels run per shard (`shard_map` over the rows' mesh axes); the embedding axis
-must be whole on each device. `supported` says when this path applies; the model falls back to
-plain XLA otherwise.
+The kernels exist twice, with one interface: on Pallas's Mosaic GPU backend (fused_norm_mosaic.py,
+Hopper and later) and on its Triton backend (fused_norm_triton.py, deprecated since jax 0.11 and to
+be removed). `IMPLEMENTATIONS` lists them in order of preference: Triton first while a jax has it,
+its forward being the faster on one H100 (benchmarks/README.md). Off the GPU both run in their
+interpreters, so the CPU tests check the same code. Under a mesh the kernels run per shard
+(`shard_map` over the rows' mesh axes); the feature axis must be whole on each device.
+`unsupported` says when no kernel applies; the model then falls back to plain XLA.
 """
 
 from __future__ import annotations
@@ -23,42 +25,39 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec
 
+from jaxdist.kernels import fused_norm_mosaic, fused_norm_triton, switch
 from jaxdist.parallel import rules as rules_lib
 
-try:  # deprecated in jax 0.11 and to be removed: without it, the model keeps XLA's norms
-    from jax.experimental.pallas import triton as pallas_triton
-except ImportError:
-    pallas_triton = None
-
-# Rows per program in the forward, and per loop iteration in the backward (which also keeps the
-# scale/bias gradient sums in registers across iterations, so the partial sums stay small).
-FORWARD_ROWS = 8
-FORWARD_WARPS = 4
-BACKWARD_ROWS = 4
-BACKWARD_PROGRAMS = 512
-BACKWARD_WARPS = 4
+IMPLEMENTATIONS = (fused_norm_triton, fused_norm_mosaic)
 
 
-def supported(shape: tuple[int, ...], names) -> bool:
-    """Whether the kernels take an activation of this (..., features) shape and logical names.
-
-    Triton blocks need powers of two (features, and rows per shard); the feature axis must be whole
-    on each device; the installed jax must still have Pallas's Triton backend.
-    """
-    if pallas_triton is None:
-        return False
+def unsupported(shape: tuple[int, ...], dtype, names) -> str | None:
+    """Why no kernel can take an activation of this (..., features) shape, dtype and logical names
+    here, or None where one can: the feature axis whole on each device, and what each
+    implementation needs of the rows and features per device (each one's reason, joined)."""
     sharded = rules_lib.sharded_activation(tuple(names))
     shards = 1
     if sharded is not None:
         mesh, spec = sharded
         if spec[-1] is not None:
-            return False
+            return "the rules split the feature axis over devices"
         shards = rules_lib.axes_size(mesh, _row_axes(spec))
     rows = int(np.prod(shape[:-1])) // shards
-    return _pow2(shape[-1]) and _pow2(rows) and rows >= FORWARD_ROWS * BACKWARD_ROWS
+    reasons = [implementation.unsupported(shape[-1], rows, dtype) for implementation in IMPLEMENTATIONS]
+    return None if None in reasons else "; ".join(reasons)
+
+
+def supported(shape: tuple[int, ...], names, dtype=jnp.bfloat16) -> bool:
+    """Whether the kernels take an activation of this shape, logical names and dtype here."""
+    return unsupported(shape, dtype, names) is None
+
+
+def use_kernel(impl: str, x: jax.Array, names) -> bool:
+    """Whether `impl.norm_impl` = `impl` runs the kernels on the activation `x` here (kernels/switch.py)."""
+    return switch.wanted(impl) and switch.decide(
+        "norm_impl", impl, unsupported(x.shape, x.dtype, names), "the residual adds and norms run as XLA's fusions")
 
 
 def add_norm(x, delta, scale, bias, *, rms: bool, eps: float, names):
@@ -133,116 +132,18 @@ def normalize(total, rms: bool, eps: float):
     return centered * rstd, rstd
 
 
-def _forward_kernel(*refs, rms, eps, has_delta, has_bias):
-    refs = list(refs)
-    x_ref = refs.pop(0)
-    delta_ref = refs.pop(0) if has_delta else None
-    scale_ref = refs.pop(0)
-    bias_ref = refs.pop(0) if has_bias else None
-    total_ref, normed_ref = refs if has_delta else (None, refs[0])
-    total = x_ref[...]
-    if has_delta:
-        total = (total.astype(jnp.float32) + delta_ref[...].astype(jnp.float32)).astype(total_ref.dtype)
-        total_ref[...] = total
-    normed = normalize(total.astype(jnp.float32), rms, eps)[0] * scale_ref[...].astype(jnp.float32)
-    if has_bias:
-        normed = normed + bias_ref[...].astype(jnp.float32)
-    normed_ref[...] = normed.astype(normed_ref.dtype)
-
-
-def _backward_kernel(*refs, rms, eps, has_residual_grad, has_bias, steps):
-    refs = list(refs)
-    total_ref, d_normed_ref = refs.pop(0), refs.pop(0)
-    d_total_ref = refs.pop(0) if has_residual_grad else None
-    scale_ref = refs.pop(0)
-    d_sum_ref, d_scale_ref = refs.pop(0), refs.pop(0)
-    d_bias_ref = refs.pop(0) if has_bias else None
-    program = pl.program_id(0)
-    scale = scale_ref[...].astype(jnp.float32)
-    features = scale.shape[-1]
-
-    def body(step, sums):
-        rows = pl.ds((program * steps + step) * BACKWARD_ROWS, BACKWARD_ROWS)
-        normalized, rstd = normalize(total_ref[rows, :].astype(jnp.float32), rms, eps)
-        d_normed = d_normed_ref[rows, :].astype(jnp.float32)
-        grad = d_normed * scale
-        # d/dx of the normalization: rstd * (g - mean(g) - xhat * mean(g * xhat)), without the
-        # mean(g) term for RMSNorm (xhat: the normalized row, g: the gradient times the scale).
-        d_x = grad - normalized * jnp.mean(grad * normalized, axis=-1, keepdims=True)
-        if not rms:
-            d_x = d_x - jnp.mean(grad, axis=-1, keepdims=True)
-        d_x = d_x * rstd
-        if has_residual_grad:
-            d_x = d_x + d_total_ref[rows, :].astype(jnp.float32)
-        d_sum_ref[rows, :] = d_x.astype(d_sum_ref.dtype)
-        d_scale_sum, d_bias_sum = sums
-        return d_scale_sum + jnp.sum(d_normed * normalized, axis=0), d_bias_sum + jnp.sum(d_normed, axis=0)
-
-    zeros = jnp.zeros((features,), jnp.float32)
-    d_scale_sum, d_bias_sum = jax.lax.fori_loop(0, steps, body, (zeros, zeros))
-    d_scale_ref[pl.ds(program, 1), :] = d_scale_sum[None, :]
-    if has_bias:
-        d_bias_ref[pl.ds(program, 1), :] = d_bias_sum[None, :]
-
-
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
-def _interpret() -> bool:
-    return jax.default_backend() != "gpu"
+def _implementation(x: jax.Array):
+    """The first of `IMPLEMENTATIONS` that takes this device's (..., features) activation."""
+    features, rows = x.shape[-1], x.size // x.shape[-1]
+    return next(each for each in IMPLEMENTATIONS if each.unsupported(features, rows, x.dtype) is None)
 
 
 def _forward_local(rms, eps, x, delta, scale, bias):
-    shape, features = x.shape, x.shape[-1]
-    rows = int(np.prod(shape[:-1]))
-    has_delta, has_bias = delta is not None, bias is not None
-    operands = [x.reshape(rows, features)]
-    if has_delta:
-        operands.append(delta.reshape(rows, features))
-    operands.append(scale)
-    if has_bias:
-        operands.append(bias)
-    row_block = pl.BlockSpec((FORWARD_ROWS, features), lambda i: (i, 0))
-    vector = pl.BlockSpec((features,), lambda i: (0,))
-    in_specs = [row_block] * (2 if has_delta else 1) + [vector] * (2 if has_bias else 1)
-    outputs = [jax.ShapeDtypeStruct((rows, features), x.dtype)] * (2 if has_delta else 1)
-    results = pl.pallas_call(
-        functools.partial(_forward_kernel, rms=rms, eps=eps, has_delta=has_delta, has_bias=has_bias),
-        out_shape=outputs,
-        grid=(rows // FORWARD_ROWS,),
-        in_specs=in_specs,
-        out_specs=[row_block] * len(outputs),
-        compiler_params=pallas_triton.CompilerParams(num_warps=FORWARD_WARPS, num_stages=1),
-        interpret=_interpret(),
-        name="add_norm_forward",
-    )(*operands)
-    total, normed = results if has_delta else (x.reshape(rows, features), results[0])
-    return total.reshape(shape), normed.reshape(shape)
+    return _implementation(x).forward_local(rms, eps, x, delta, scale, bias)
 
 
 def _backward_local(rms, eps, has_bias, total, d_normed, d_total, scale):
-    shape, features = total.shape, total.shape[-1]
-    rows = int(np.prod(shape[:-1]))
-    programs = min(BACKWARD_PROGRAMS, rows // BACKWARD_ROWS)
-    steps = rows // (BACKWARD_ROWS * programs)
-    operands = [total.reshape(rows, features), d_normed.reshape(rows, features)]
-    if d_total is not None:
-        operands.append(d_total.reshape(rows, features))
-    operands.append(scale)
-    partial = jax.ShapeDtypeStruct((programs, features), jnp.float32)
-    outputs = [jax.ShapeDtypeStruct((rows, features), total.dtype), partial] + ([partial] if has_bias else [])
-    results = pl.pallas_call(
-        functools.partial(_backward_kernel, rms=rms, eps=eps, has_residual_grad=d_total is not None,
-                          has_bias=has_bias, steps=steps),
-        out_shape=outputs,
-        grid=(programs,),
-        compiler_params=pallas_triton.CompilerParams(num_warps=BACKWARD_WARPS, num_stages=1),
-        interpret=_interpret(),
-        name="add_norm_backward",
-    )(*operands)
-    d_sum = results[0].reshape(shape)
-    return (d_sum, *results[1:]) if has_bias else (d_sum, results[1], None)
+    return _implementation(total).backward_local(rms, eps, has_bias, total, d_normed, d_total, scale)
 
 
 # -- running per shard under a mesh -----------------------------------------------------------------

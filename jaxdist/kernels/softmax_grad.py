@@ -1,48 +1,64 @@
-"""Cross-entropy's per-row loss and logits gradient in one GPU kernel (Pallas).
+"""Cross-entropy's per-row loss and logits gradient in one GPU kernel (Pallas, Mosaic GPU).
 
 The chunked loss (models/cross_entropy.py) needs, for each row of a chunk's logits, the
 logsumexp, the target's logit and the gradient `(softmax - one-hot) * weight`. XLA makes that
 two passes over the logits: a reduction (at a fraction of the memory bandwidth), then an
-elementwise pass that reads the logits again and writes the gradient. Here one program per row
-walks it twice: first an online max / sum of exponentials / target logit over blocks of the
-vocabulary, then the gradient, reading the blocks again soon after, when L2 may still hold them
-(times: docs/performance.md, benchmarks/bench_softmax_grad.py).
+elementwise pass that reads the logits again and writes the gradient. Here each program takes 4
+rows (one per warp, kernels/mosaic.py) and walks them twice: first an online maximum and sum of
+exponentials over blocks of the vocabulary, then the gradient, reading the blocks again soon
+after, when L2 may still hold them (times: docs/performance.md, benchmarks/bench_softmax_grad.py).
+The target's logit is one gather outside the kernel.
 
-The kernel uses Pallas's Triton backend, as the fused norms do (kernels/fused_norm.py); off the GPU
-it runs in Pallas's interpreter, so the CPU tests check the same code. Under a mesh it runs per
-shard of the rows; the vocabulary must be whole on each device (`supported`).
+Off the GPU the kernel runs in Mosaic GPU's interpreter, so the CPU tests check the same code.
+Under a mesh it runs per shard of the rows; the vocabulary must be whole on each device
+(`unsupported`).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec
 
+from jaxdist.kernels import mosaic, switch
 from jaxdist.parallel import rules as rules_lib
 
-try:  # deprecated in jax 0.11 and to be removed: without it, the loss keeps XLA's passes
-    from jax.experimental.pallas import triton as pallas_triton
-except ImportError:
-    pallas_triton = None
-
 LOGITS: tuple[str, ...] = ("batch", "length", "vocab")
-# Columns per block (a power of two, as Triton's blocks are; narrowed to the vocabulary's) and warps
-# per program, one program per row: the fastest of those timed on one H200 (benchmarks/bench_softmax_grad.py).
-# Programs that walk several rows each, or hold a whole row in registers, ran slower.
-BLOCK = 4096
-WARPS = 4
+# Columns per block (narrowed to the vocabulary's): the fastest of 1024, 2048 and 4096 on one H100
+# (benchmarks/bench_softmax_grad.py).
+BLOCK = 1024
 
 
-def supported() -> bool:
-    """Whether the kernel applies under the active rules: the vocabulary whole on each device."""
-    if pallas_triton is None:
-        return False
+def unsupported(shape: tuple[int, int, int], dtype) -> str | None:
+    """Why the kernel can't take (batch, length, vocab) logits of `dtype` under the active rules,
+    or None where it can: the vocabulary whole on each device and at least 32 wide, rows per device
+    a multiple of 4, Mosaic GPU in this jax and GPU."""
+    reason = mosaic.unavailable()
+    if reason is not None:
+        return reason
+    rows = shape[0] * shape[1]
     sharded = rules_lib.sharded_activation(LOGITS)
-    return sharded is None or sharded[1][-1] is None
+    if sharded is not None:
+        mesh, spec = sharded
+        if spec[-1] is not None:
+            return "it needs the vocabulary whole on each device; the rules split it"
+        rows //= math.prod(rules_lib.axes_size(mesh, rules_lib.spec_axes(entry)) for entry in spec[:2])
+    if shape[2] < mosaic.LANES:
+        return f"the vocabulary ({shape[2]}) must be at least {mosaic.LANES} wide"
+    if rows % mosaic.ROWS:
+        return f"rows per device ({rows}) must be a multiple of {mosaic.ROWS}"
+    return None
+
+
+def use_kernel(impl: str, shape: tuple[int, int, int], dtype) -> bool:
+    """Whether `impl.loss_impl` = `impl` runs the kernel on a chunk's (batch, length, vocab) logits
+    (kernels/switch.py)."""
+    return switch.wanted(impl) and switch.decide(
+        "loss_impl", impl, unsupported(shape, dtype), "the loss's softmax runs as XLA's two passes")
 
 
 def loss_and_grad(logits: jax.Array, targets: jax.Array, weights: jax.Array, *,
@@ -65,63 +81,68 @@ def loss_and_grad(logits: jax.Array, targets: jax.Array, weights: jax.Array, *,
     )(logits, targets, weights)
 
 
-def _kernel(logits_ref, targets_ref, weights_ref, losses_ref, grad_ref, *, vocab: int, block: int):
-    row = pl.ds(pl.program_id(0), 1)
-    target = targets_ref[row][:, None]
-    blocks = pl.cdiv(vocab, block)
-
-    def columns(k):
-        # The last block ends at the vocabulary's end (overlapping the one before it) rather than
-        # past it, so every load stays in bounds; `fresh` marks the columns not yet visited.
-        start = jnp.minimum(k * block, vocab - block)
-        index = start + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
-        return pl.ds(start, block), index, index >= k * block
-
-    def first_pass(k, carry):
-        maximum, total, target_logit = carry
-        cols, index, fresh = columns(k)
-        x = pallas_triton.load(logits_ref.at[row, cols], eviction_policy="evict_last")
-        x = jnp.where(fresh, x.astype(jnp.float32), -jnp.inf)
-        new_max = jnp.maximum(maximum, jnp.max(x, axis=1))
-        total = total * jnp.exp(maximum - new_max) + jnp.sum(jnp.exp(x - new_max[:, None]), axis=1)
-        target_logit = target_logit + jnp.sum(jnp.where(fresh & (index == target), x, 0.0), axis=1)
-        return new_max, total, target_logit
-
-    # The running maximum starts at float32's lowest finite value, not -inf: exp(lowest - x) is 0,
-    # where exp(-inf - -inf) would be nan.
-    lowest = jnp.full((1,), jnp.finfo(jnp.float32).min, jnp.float32)
-    zeros = jnp.zeros((1,), jnp.float32)
-    maximum, total, target_logit = jax.lax.fori_loop(0, blocks, first_pass, (lowest, zeros, zeros))
-    logsumexp = maximum + jnp.log(total)
-    losses_ref[row] = logsumexp - target_logit
-    weight = weights_ref[row][:, None]
-
-    def second_pass(k, _):
-        # The overlapping columns of the last block are written twice with the same values.
-        cols, index, _ = columns(k)
-        x = pallas_triton.load(logits_ref.at[row, cols], eviction_policy="evict_first").astype(jnp.float32)
-        grad = (jnp.exp(x - logsumexp[:, None]) - (index == target)) * weight
-        grad_ref[row, cols] = grad.astype(grad_ref.dtype)
-        return 0
-
-    jax.lax.fori_loop(0, blocks, second_pass, 0)
+def _vector(vocab: int, dtype) -> int:
+    """Values per lane and run: at most 16 bytes, dividing the vocabulary, so that every block's
+    start (the last one's too) stays aligned, and one run of the warp's lanes within it."""
+    return next(v for v in (8, 4, 2, 1)
+                if v * jnp.dtype(dtype).itemsize <= 16 and vocab % v == 0 and vocab >= mosaic.LANES * v)
 
 
-def _local(logits, targets, weights, *, grad_dtype, block: int = BLOCK, warps: int = WARPS):
-    """The kernel on one device's (batch, length, vocab) logits: one program per row."""
+def _local(logits, targets, weights, *, grad_dtype, block: int = BLOCK):
+    """The kernel on one device's (batch, length, vocab) logits."""
     batch, length, vocab = logits.shape
     rows = batch * length
+    vector = _vector(vocab, logits.dtype)
+    run = mosaic.LANES * vector
+    block = max(run, min(block, vocab) // run * run)  # whole runs, within the vocabulary
+    layout = mosaic.block_layout(vector)
+    blocks = pl.cdiv(vocab, block)
+    size = (mosaic.ROWS, block)
+
+    def softmax_grad(logits_ref, targets_ref, weights_ref, logsumexp_ref, grad_ref):
+        rows = mosaic.block_rows(mosaic.program())
+        column = mosaic.relayout(jax.lax.broadcasted_iota(jnp.int32, size, 1), layout)
+
+        def start(k):
+            # The last block ends at the vocabulary's end (overlapping the one before it) rather
+            # than past it, so every load stays in bounds.
+            return jnp.minimum(k * block, vocab - block)
+
+        def first_pass(k, carry):
+            maximum, total = carry
+            x = mosaic.load(logits_ref.at[rows, pl.ds(start(k), block)], layout).astype(jnp.float32)
+            x = jnp.where(column >= k * block - start(k), x, -jnp.inf)  # columns not visited yet
+            new_max = jnp.maximum(maximum, jnp.max(x, axis=1))
+            exp = jnp.exp(x - mosaic.per_row(new_max, size, layout))
+            return new_max, total * jnp.exp(maximum - new_max) + jnp.sum(exp, axis=1)
+
+        # The running maximum starts at float32's lowest finite value, not -inf: exp(lowest - x) is
+        # 0, where exp(-inf - -inf) would be nan.
+        per_row = layout.reduce(1)
+        lowest = mosaic.relayout(jnp.full((mosaic.ROWS,), jnp.finfo(jnp.float32).min, jnp.float32), per_row)
+        zeros = mosaic.relayout(jnp.zeros((mosaic.ROWS,), jnp.float32), per_row)
+        maximum, total = jax.lax.fori_loop(0, blocks, first_pass, (lowest, zeros))
+        logsumexp = maximum + jnp.log(total)
+        logsumexp_ref[rows] = logsumexp
+        logsumexp = mosaic.per_row(logsumexp, size, layout)
+        target = mosaic.load(targets_ref.at[rows], per_row)
+        weight = mosaic.per_row(mosaic.load(weights_ref.at[rows], per_row), size, layout)
+
+        def second_pass(k, _):
+            # The overlapping columns of the last block are written twice with the same values.
+            cols = pl.ds(start(k), block)
+            x = mosaic.load(logits_ref.at[rows, cols], layout).astype(jnp.float32)
+            is_target = column == mosaic.per_row(target - start(k), size, layout)
+            grad = (jnp.exp(x - logsumexp) - jnp.where(is_target, 1.0, 0.0)) * weight
+            grad_ref[rows, cols] = grad.astype(grad_dtype)
+            return 0
+
+        jax.lax.fori_loop(0, blocks, second_pass, 0)
+
     row_weights = jnp.broadcast_to(weights.astype(jnp.float32)[:, None], (batch, length)).reshape(rows)
-    losses, grad = pl.pallas_call(
-        functools.partial(_kernel, vocab=vocab, block=min(block, _floor_pow2(vocab))),
-        out_shape=(jax.ShapeDtypeStruct((rows,), jnp.float32), jax.ShapeDtypeStruct((rows, vocab), grad_dtype)),
-        grid=(rows,),
-        compiler_params=pallas_triton.CompilerParams(num_warps=warps, num_stages=1),
-        interpret=jax.default_backend() != "gpu",
-        name="softmax_grad",
-    )(logits.reshape(rows, vocab), targets.reshape(rows).astype(jnp.int32), row_weights)
-    return losses.reshape(batch, length), grad.reshape(logits.shape)
-
-
-def _floor_pow2(n: int) -> int:
-    return 1 << (n.bit_length() - 1)
+    out_type = (jax.ShapeDtypeStruct((rows,), jnp.float32), jax.ShapeDtypeStruct((rows, vocab), grad_dtype))
+    flat_logits, flat_targets = logits.reshape(rows, vocab), targets.reshape(rows).astype(jnp.int32)
+    logsumexp, grad = mosaic.kernel(softmax_grad, out_type, rows // mosaic.ROWS, "softmax_grad")(
+        flat_logits, flat_targets, row_weights)
+    target_logit = jnp.take_along_axis(flat_logits, flat_targets[:, None], axis=1)[:, 0].astype(jnp.float32)
+    return (logsumexp - target_logit).reshape(batch, length), grad.reshape(logits.shape)

@@ -74,7 +74,8 @@ def _fused(chunk, logits_dtype, impl, hidden, head, targets, weights):
 
 def _fused_fwd(chunk, logits_dtype, impl, hidden, head, targets, weights):
     loss_sum, (d_hidden, d_head) = _scan_chunks(chunk, logits_dtype, hidden, head, targets, weights, with_grads=True,
-                                                kernel=_use_kernel(impl))
+                                                kernel=softmax_grad.use_kernel(impl, (hidden.shape[0], chunk, head.shape[1]),
+                                                                               logits_dtype))
     total = _total_weight(hidden, weights)
     return loss_sum / total, (d_hidden, d_head, total)
 
@@ -93,18 +94,6 @@ def _fused_bwd(chunk, logits_dtype, impl, residuals, cotangent):
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
-
-
-def _use_kernel(impl: str) -> bool:
-    """Whether `impl` runs the chunks' softmax and gradient as the Pallas kernel here."""
-    if impl == "xla":
-        return False
-    if not softmax_grad.supported():
-        if impl == "pallas":
-            raise ValueError("impl.loss_impl=pallas: the kernel needs the vocabulary whole on each device and "
-                             "Pallas's Triton backend in this jax; use auto or xla")
-        return False
-    return impl == "pallas" or jax.default_backend() == "gpu"
 
 
 def _total_weight(hidden: jax.Array, weights: jax.Array) -> jax.Array:

@@ -84,15 +84,7 @@ class Norm(nnx.Module):
         return total, self._xla(total)
 
     def _fused(self, x: jax.Array) -> bool:
-        if self.impl == "xla" or (self.impl == "auto" and jax.default_backend() != "gpu"):
-            return False
-        if fused_norm.supported(x.shape, RESIDUAL):
-            return True
-        if self.impl == "pallas":
-            raise ValueError(f"impl.norm_impl=pallas: the fused norm does not take activations of shape "
-                             f"{x.shape} here (needs powers of two per shard, features unsharded, and Pallas's "
-                             "Triton backend in this jax); use auto or xla")
-        return False
+        return fused_norm.use_kernel(self.impl, x, RESIDUAL)
 
     def _bias(self) -> jax.Array | None:
         return self.bias[...] if self.kind == "layernorm" else None

@@ -1,4 +1,4 @@
-"""Reading compiled HLO text: which collectives a step runs, and how often per call.
+"""Reading compiled HLO text: which collectives and custom calls a step runs, and how often per call.
 
 `jitted.lower(...).compile().as_text()` is the program XLA will run after SPMD partitioning.
 `collectives` lists every all-reduce / reduce-scatter / all-gather in it with the shapes of its
@@ -32,6 +32,8 @@ _CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _OPERAND = re.compile(r"%([\w.\-]+)(?:#(\d+))?")  # `%x#1`: element 1 of the tuple `%x`
 _NAME = re.compile(r"%?([\w.\-]+)")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_OP_NAME = re.compile(r'op_name="([^"]+)"')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,3 +163,27 @@ def bytes_per_call(hlo_text: str) -> dict[str, dict[str, int]]:
         for dtype, size in op.operand_bytes.items():
             totals[op.opcode.removesuffix("-start")][dtype] += size * op.executions
     return {opcode: dict(by_dtype) for opcode, by_dtype in totals.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class CustomCall:
+    """One custom call of a compiled program: its target (a kernel's runtime handler, e.g. Mosaic
+    GPU's or an FFI handler's name), the JAX op path it came from, and executions per call."""
+
+    target: str
+    op_name: str
+    executions: int
+
+
+def custom_calls(hlo_text: str) -> list[CustomCall]:
+    """Every custom call in a compiled HLO module, with executions per call (loops multiply)."""
+    computations, entry = _parse(hlo_text)
+    counts = _executions(computations, entry)
+    found = []
+    for comp_name, comp in computations.items():
+        for _, _, opcode, rest in comp.lines:
+            if opcode == "custom-call" and counts.get(comp_name, 0):
+                op_name = _OP_NAME.search(rest)
+                found.append(CustomCall(_TARGET.search(rest).group(1), op_name.group(1) if op_name else "",
+                                        counts[comp_name]))
+    return found

@@ -1,0 +1,29 @@
+"""The rule the Pallas kernels' `impl.*` switches follow: `auto`, `xla`, or the kernel's own name."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+
+
+def wanted(impl: str) -> bool:
+    """Whether the switch asks for the kernel here at all: by its own name anywhere, `auto` on a GPU."""
+    return impl != "xla" and (impl != "auto" or jax.default_backend() == "gpu")
+
+
+def decide(key: str, impl: str, reason: str | None, fallback: str) -> bool:
+    """Whether a `wanted` kernel runs: where it can't (`reason`), `auto` takes `fallback` and says so
+    once per reason (not once per layer or chunk), and the kernel's own name raises with the reason."""
+    if reason is None:
+        return True
+    if impl != "auto":
+        raise ValueError(f"impl.{key}={impl}: {reason}; use auto or xla")
+    _warn_once(f"{fallback} (slower): {reason}")
+    return False
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, stacklevel=4)

@@ -1,0 +1,70 @@
+"""On a GPU host, the train step really runs each GPU kernel: the fused norms' forward and
+backward (on the implementation fused_norm.py prefers, and on Mosaic GPU alone), the loss's softmax
+(Mosaic GPU) and the GELU-gradient epilogue (the cuBLASLt FFI handler), each found by name in the
+compiled program of a small 406M-like step.
+
+Skipped where JAX finds no GPU (CI's machines); run it on a GPU host with
+`pytest tests/test_kernels_gpu.py`.
+"""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import make_config
+
+from jaxdist import kernels
+from jaxdist.kernels import fused_norm, fused_norm_mosaic, fused_norm_triton, gelu_matmul
+from jaxdist.observe import bench, hlo
+from jaxdist.train.trainer import Trainer
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+
+LAYERS, SEQ, CHUNK = 2, 128, 32
+KERNELS = ("add_norm_forward", "add_norm_backward", "softmax_grad")
+
+
+def _backend(target: str) -> str:
+    return "mosaic_gpu" if "mosaic_gpu" in target else "triton" if "triton" in target else target
+
+
+def _kernel_runs(tmp_path) -> collections.Counter:
+    """(backend or FFI target, kernel name) -> executions per step, for the small step."""
+    cfg = make_config(
+        tmp_path,
+        model={"vocab": 1024, "d_model": 256, "layers": LAYERS, "heads": 4, "seq_len": SEQ, "norm": "layernorm",
+               "activation": "gelu"},
+        impl={"scan_layers": False, "loss_chunk": CHUNK, "norm_impl": "pallas", "loss_impl": "pallas",
+              "gelu_grad_impl": "cublaslt"},
+        train={"global_batch": 8},
+        precision={"compute": "bfloat16"},
+    )
+    assert "unavailable" not in kernels.build_for(cfg.model, cfg.impl)
+    gelu_matmul.unavailable_reason.cache_clear()
+    trainer = Trainer.from_config(cfg, jax.devices()[:1])
+    batch = trainer.global_batch(bench.random_tokens(cfg))
+    trainer.compile(batch)
+    loss = float(trainer.step(batch)["loss"])
+    assert 6.5 < loss < 7.5, loss  # about log(1024) = 6.93 for the untrained model
+    runs = collections.Counter()
+    for call in hlo.custom_calls(trainer.compiled_text()):
+        names = [name for name in KERNELS if name in call.op_name]
+        runs[_backend(call.target), names[0] if names else ""] += call.executions
+    return runs
+
+
+@pytest.mark.parametrize("norms", ["preferred", "mosaic_gpu"])
+def test_train_step_runs_every_kernel(tmp_path, monkeypatch, norms):
+    if norms == "mosaic_gpu":
+        monkeypatch.setattr(fused_norm, "IMPLEMENTATIONS", (fused_norm_mosaic,))
+    runs = _kernel_runs(tmp_path)
+    chosen = next(each for each in fused_norm.IMPLEMENTATIONS if each.unsupported(256, 8 * SEQ, jnp.bfloat16) is None)
+    norm_calls = 2 * LAYERS + 1  # before attention, before the MLP, and the final norm
+    if chosen is fused_norm_triton:  # Triton's calls carry no kernel name: the norms are its only ones
+        assert sum(n for (backend, _), n in runs.items() if backend == "triton") == 2 * norm_calls, runs
+    else:
+        assert runs["mosaic_gpu", "add_norm_forward"] == norm_calls, runs
+        assert runs["mosaic_gpu", "add_norm_backward"] == norm_calls, runs
+    assert runs["mosaic_gpu", "softmax_grad"] == SEQ // CHUNK, runs  # once per loss chunk
+    assert runs[gelu_matmul.HANDLER.target, ""] == LAYERS, runs
