@@ -14,7 +14,7 @@ from conftest import make_config
 from flax import nnx
 
 from jaxdist import loop, models
-from jaxdist.config import ImplConfig, ModelConfig
+from jaxdist.config import GPTConfig, ImplConfig
 from jaxdist.kernels import fused_norm
 from jaxdist.models.gpt import GPT, RESIDUAL
 
@@ -76,7 +76,7 @@ def test_kernels_equal_the_unfused_norm_and_its_gradients(dtype, rms, with_add):
 
 
 def _model_loss_and_grads(norm_impl: str, norm: str, batch_chunks: int = 1):
-    cfg = ModelConfig(vocab=64, d_model=32, layers=3, heads=4, seq_len=16, norm=norm)
+    cfg = GPTConfig(vocab=64, d_model=32, layers=3, heads=4, seq_len=16, norm=norm)
     impl = ImplConfig(scan_layers=False, norm_impl=norm_impl, batch_chunks=batch_chunks)
     with nnx.use_eager_sharding(False):
         graphdef, params = nnx.split(GPT(cfg, impl, rngs=nnx.Rngs(0)))
@@ -133,7 +133,7 @@ def test_unsupported_shapes_fall_back_or_fail_clearly(monkeypatch):
     assert fused_norm.supported((4, 16, 128), RESIDUAL)
     with pytest.raises(pydantic.ValidationError, match="scan_layers=false"):
         ImplConfig(norm_impl="pallas", scan_layers=True)
-    cfg = ModelConfig(vocab=64, d_model=48, layers=1, heads=4, seq_len=16)
+    cfg = GPTConfig(vocab=64, d_model=48, layers=1, heads=4, seq_len=16)
     with nnx.use_eager_sharding(False):
         model = GPT(cfg, ImplConfig(scan_layers=False, norm_impl="pallas"), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="norm_impl=pallas"):

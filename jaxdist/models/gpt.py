@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdist.config import ImplConfig, ModelConfig, PipelineConfig
+from jaxdist.config import GPTConfig, ImplConfig, PipelineConfig
 from jaxdist.kernels import fused_norm, gelu_matmul
 from jaxdist.parallel import pipeline as pipeline_lib
 from jaxdist.parallel.rules import constrain
@@ -61,7 +61,7 @@ class Norm(nnx.Module):
     (`impl.norm_impl`, kernels/fused_norm.py), elsewhere as plain XLA.
     """
 
-    def __init__(self, cfg: ModelConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: GPTConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
         self.kind = cfg.norm
         # The kernels run per shard with shard_map, which the scanned and pipelined stacks don't nest.
         self.impl = "xla" if impl.scan_layers else impl.norm_impl
@@ -116,7 +116,7 @@ def rope(x: jax.Array, positions: jax.Array) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: GPTConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
         head_dim = cfg.d_model // cfg.heads
         self.rope = cfg.positions == "rope"
         self.implementation = impl.attention
@@ -151,7 +151,7 @@ def _attention_impl(attention: str, dtype) -> str | None:
 
 
 class Mlp(nnx.Module):
-    def __init__(self, cfg: ModelConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: GPTConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
         self.activation = cfg.activation
         # As the fused norms: the kernel runs per shard with shard_map, kept out of scanned stacks.
         self.gelu_grad_impl = "xla" if impl.scan_layers else impl.gelu_grad_impl
@@ -190,7 +190,7 @@ class Block(nnx.Module):
     GPU), so the last block's add is done by the caller's final norm. `delta` None: nothing pending.
     """
 
-    def __init__(self, cfg: ModelConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: GPTConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
         self.norm1 = Norm(cfg, impl, param_dtype, rngs)
         self.attn = Attention(cfg, impl, param_dtype, rngs)
         self.norm2 = Norm(cfg, impl, param_dtype, rngs)
@@ -225,7 +225,7 @@ class GPT(nnx.Module):
 
     def __init__(
         self,
-        cfg: ModelConfig,
+        cfg: GPTConfig,
         impl: ImplConfig = ImplConfig(),
         *,
         rngs: nnx.Rngs,

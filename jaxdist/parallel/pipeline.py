@@ -105,12 +105,17 @@ def check_config(cfg: Config, mesh_shape: dict[str, int], rows: int) -> None:
     batch shard gets per gradient-accumulation step."""
     if mesh_shape["stage"] == 1:
         return
+    if cfg.model.layer_stack is None:
+        raise UserError(
+            f"mesh.stage={mesh_shape['stage']} pipelines a stack of identical layers, and model.name={cfg.model.name} "
+            f"has none; use mesh.stage=1"
+        )
     if not cfg.impl.scan_layers:
         raise UserError(
             f"mesh.stage={mesh_shape['stage']} pipelines the stacked layer stack, but impl.scan_layers=false "
             f"gives each layer its own parameters; set impl.scan_layers=true"
         )
-    Schedule(mesh_shape["stage"], cfg.pipeline.microbatches, cfg.pipeline.repeats).check(cfg.model.layers, rows)
+    Schedule(mesh_shape["stage"], cfg.pipeline.microbatches, cfg.pipeline.repeats).check(cfg.model.layer_stack, rows)
 
 
 def rules_from_config(rules_cfg: RulesConfig, mesh_shape: dict[str, int]) -> rules_lib.Rules:
