@@ -133,7 +133,7 @@ def _rules(args) -> None:
     from jaxdist.parallel import rules
     from jaxdist.train.trainer import param_layouts
 
-    cfg = loader.resolve_vocab(config.load(args.config, args.overrides))
+    cfg = loader.resolve_model(config.load(args.config, args.overrides))
     table = rules.sharding_table(param_layouts(cfg))
     loop.log(table)  # process 0 only
 
@@ -218,7 +218,7 @@ def _scale(args) -> None:
 
     hardware = scaling.Hardware(network_bw=args.network_gbs * 1e9, nvlink_bw=args.nvlink_gbs * 1e9,
                                 storage_bw=args.storage_gbs * 1e9)
-    cfg = loader.resolve_vocab(config.load(args.config, args.overrides))
+    cfg = loader.resolve_model(config.load(args.config, args.overrides))
     print(scaling.report(cfg, args.hosts, args.gpus_per_host, args.batch_per_gpu, hardware))
 
 

@@ -248,8 +248,9 @@ class ImplConfig(Section):
 class DataConfig(Section):
     """Where examples come from and how they are read."""
 
-    source: Literal["stdlib", "arrayrecord", "arrays"] = Field(
-        "stdlib", description="stdlib: Python's standard library .py files; arrayrecord: prepared shards; arrays: an .npz")
+    source: Literal["stdlib", "arrayrecord", "arrays", "digits"] = Field(
+        "stdlib", description="stdlib: Python's standard library .py files; arrayrecord: prepared shards; arrays: an "
+                              ".npz; digits: scikit-learn's 8x8 digit images (fixed split: 1,437 train, 360 eval)")
     path: str | None = Field(None, description="prepared directory or .npz file (not for stdlib)")
     eval_fraction: float = Field(
         0.01, ge=0, lt=1, description="share of stdlib files or array rows held out for eval")
@@ -260,9 +261,9 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _path(self) -> DataConfig:
-        if self.source == "stdlib" and self.path is not None:
-            raise ValueError(f"data.path={self.path} is set but data.source=stdlib reads no path; drop data.path")
-        if self.source != "stdlib" and not self.path:
+        if self.source in ("stdlib", "digits") and self.path is not None:
+            raise ValueError(f"data.path={self.path} is set but data.source={self.source} reads no path; drop data.path")
+        if self.source not in ("stdlib", "digits") and not self.path:
             raise ValueError(f"data.source={self.source} needs data.path (a prepared directory or a .npz file)")
         return self
 

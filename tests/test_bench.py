@@ -5,7 +5,7 @@ import json
 import jax
 
 from jaxdist import cli, config
-from jaxdist.observe.bench import flops_per_token
+from jaxdist.models.gpt import flops_per_token
 from jaxdist.observe.metrics import peak_flops
 
 

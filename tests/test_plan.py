@@ -7,7 +7,7 @@ from conftest import make_config
 from jaxdist import cli, config
 from jaxdist.errors import UserError
 from jaxdist.observe import plan
-from jaxdist.observe.bench import flops_per_token
+from jaxdist.models.gpt import flops_per_token
 from jaxdist.observe.scaling import model_size
 
 SMALL = {"model": {"d_model": 64, "layers": 2, "heads": 4, "seq_len": 64, "vocab": 256},

@@ -1,9 +1,10 @@
 """From the config to this process's batches: the train stream, the eval pass, the tokenizer.
 
 `data.source` picks the examples: `stdlib` (the embedded corpus, byte tokens), `arrayrecord`
-(shards written by `jaxdist data prepare` under `data.path`) or `arrays` (a `.npz` of equally
-long arrays under `data.path`, loaded into memory). Everything a user can get wrong is checked
-when a split is opened, before the loop compiles anything.
+(shards written by `jaxdist data prepare` under `data.path`), `arrays` (a `.npz` of equally
+long arrays under `data.path`, loaded into memory) or `digits` (scikit-learn's 8x8 digit images,
+data/digits.py). Everything a user can get wrong is checked when a split is opened, before the
+loop compiles anything.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxdist.config import Config
-from jaxdist.data import corpus, pipeline, sources
+from jaxdist.config import ClassifierSection, Config
+from jaxdist.data import corpus, digits, pipeline, sources
 from jaxdist.data import tokenizer as tokenizer_lib
 from jaxdist.errors import UserError
 from jaxdist.parallel.feed import BatchRows
@@ -26,6 +27,9 @@ def open_split(cfg: Config, split: str, keys: tuple[str, ...] = ()):
     """The random-access source of `split` ('train' or 'eval') that `cfg.data` describes; an `arrays`
     file must hold the arrays named in `keys` (the model's batch keys)."""
     data = cfg.data
+    if data.source in ("stdlib", "arrayrecord") and cfg.model.tokens_per_example is None:
+        raise UserError(f"data.source={data.source} holds token sequences, but model.name={cfg.model.name} reads "
+                        f"images and labels; use data.source=digits or arrays")
     if data.source == "stdlib":
         name = f"the {split} split of the stdlib corpus (data.eval_fraction={data.eval_fraction})"
         tokens = corpus.stdlib_tokens(split, data.eval_fraction)
@@ -36,13 +40,15 @@ def open_split(cfg: Config, split: str, keys: tuple[str, ...] = ()):
         tokens = sources.ArrayRecordTokens(directory, manifest, split)
         name = f"the {split} split of data.path={data.path}"
         return _windows(tokens, cfg, name, manifest["tokenizer"]["vocab_size"], f"data.path={data.path}")
-    arrays = _array_split(Path(data.path), split, data.eval_fraction)
+    if data.source == "digits":
+        arrays, name, fix = digits.split(split), "data.source=digits", "use a classifier (model.name=mlp or resnet)"
+    else:
+        arrays, name = _array_split(Path(data.path), split, data.eval_fraction), f"data.path={data.path}"
+        fix = f"save them with numpy.savez(path, {'=..., '.join(keys)}=...)"
     if missing := [key for key in keys if key not in arrays]:
-        raise UserError(
-            f"data.path={data.path} lacks the array(s) {', '.join(missing)} that model.name={cfg.model.name} reads "
-            f"(it holds {', '.join(arrays)}); save them with numpy.savez(path, {'=..., '.join(keys)}=...)"
-        )
-    return sources.ArraySource(arrays, f"data.path={data.path}")
+        raise UserError(f"{name} lacks the array(s) {', '.join(missing)} that model.name={cfg.model.name} reads "
+                        f"(it holds {', '.join(arrays)}); {fix}")
+    return sources.ArraySource(arrays, name)
 
 
 def _windows(tokens, cfg: Config, name: str, vocab: int, vocab_of: str) -> pipeline.TokenWindows:
@@ -97,6 +103,8 @@ def data_vocab(cfg: Config) -> int:
     """The vocabulary size of the configured data: the prepared tokenizer's, 256 bytes for the
     stdlib corpus, or the largest token id + 1 of an `arrays` file's integer inputs and targets."""
     data = cfg.data
+    if data.source == "digits":
+        raise UserError("model.vocab=auto: data.source=digits holds images, not tokens; use a token source")
     if data.source == "stdlib":
         return tokenizer_lib.ByteTokenizer.vocab_size
     if data.source == "arrayrecord":
@@ -111,11 +119,38 @@ def data_vocab(cfg: Config) -> int:
     return int(max(a.max() for a in tokens)) + 1
 
 
-def resolve_vocab(cfg: Config) -> Config:
-    """`cfg` with `model.vocab: auto` replaced by the vocabulary of its data (`data_vocab`)."""
-    if cfg.model.vocab != "auto":
+def data_classes_and_shape(cfg: Config, key: str) -> tuple[int, list[int]]:
+    """(classes, [height, width, channels]) of the configured data, for the `auto` of model.`key`:
+    digits' 10 and [8, 8, 1], or an `arrays` file's largest label + 1 and its images' shape."""
+    data = cfg.data
+    if data.source == "digits":
+        return digits.CLASSES, list(digits.IMAGE_SHAPE)
+    if data.source == "arrays":
+        arrays = _load_arrays(Path(data.path), ("images", "labels"))
+        images, labels = arrays.get("images"), arrays.get("labels")
+        if images is not None and labels is not None and images.ndim == 4 and labels.size and (
+                np.issubdtype(labels.dtype, np.integer)):
+            return int(labels.max()) + 1, list(images.shape[1:])
+        raise UserError(f"model.{key}=auto: data.path={data.path} has no images [N, height, width, channels] and "
+                        f"integer labels arrays to take it from; set model.{key}")
+    raise UserError(f"model.{key}=auto: data.source={data.source} holds no labelled images; set model.{key}, "
+                    f"or use data.source=digits or arrays")
+
+
+def resolve_model(cfg: Config) -> Config:
+    """`cfg` with every `auto` of its model section taken from its data: model.vocab (`data_vocab`),
+    model.classes and model.image_shape (`data_classes_and_shape`)."""
+    model, update = cfg.model, {}
+    if getattr(model, "vocab", None) == "auto":
+        update["vocab"] = data_vocab(cfg)
+    if isinstance(model, ClassifierSection):
+        auto = [key for key in ("classes", "image_shape") if getattr(model, key) == "auto"]
+        if auto:
+            classes, image_shape = data_classes_and_shape(cfg, auto[0])
+            update.update({key: {"classes": classes, "image_shape": image_shape}[key] for key in auto})
+    if not update:
         return cfg
-    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab": data_vocab(cfg)})})
+    return cfg.model_copy(update={"model": model.model_copy(update=update)})
 
 
 def resolve_steps(cfg: Config, train_examples: int) -> Config:

@@ -15,9 +15,10 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from jaxdist.config import GPTConfig, ImplConfig, PipelineConfig
+from jaxdist.config import Config, GPTConfig, ImplConfig, PipelineConfig
 from jaxdist.kernels import fused_norm, gelu_matmul
 from jaxdist.parallel import pipeline as pipeline_lib
 from jaxdist.parallel.rules import constrain
@@ -313,3 +314,18 @@ class GPT(nnx.Module):
         if self.impl.remat in ("none", "mlp"):
             return fn
         return jax.checkpoint(fn, policy=_REMAT_POLICIES[self.impl.remat], prevent_cse=not self.impl.scan_layers)
+
+
+def flops_per_token(cfg: Config) -> int:
+    """Training FLOPs per token, counted as the peers count them (shared/peers/README.md), so MFU
+    compares: 6 x (12 x layers x d^2 + vocab x d) for the matmuls, plus 12 x layers x d x seq for
+    attention."""
+    m = cfg.model
+    matmul_params = 12 * m.layers * m.d_model**2 + m.vocab * m.d_model
+    return 6 * matmul_params + 12 * m.layers * m.d_model * m.seq_len
+
+
+def random_tokens(cfg: Config, rng: np.random.Generator, rows: int) -> dict[str, np.ndarray]:
+    """`rows` sequences of uniform random tokens: inputs and the same tokens shifted by one as targets."""
+    tokens = rng.integers(0, cfg.model.vocab, (rows, cfg.model.seq_len + 1), dtype=np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}

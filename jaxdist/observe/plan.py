@@ -16,10 +16,11 @@ import re
 from typing import Any
 
 import jax
+import numpy as np
 
+from jaxdist import models
 from jaxdist.config import Config, with_overrides
 from jaxdist.errors import UserError
-from jaxdist.observe.bench import flops_per_token
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.train.trainer import Trainer
 
@@ -44,7 +45,7 @@ def _bytes_per_device(tree: Any) -> int:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Bytes per device of what the compiled step holds, and the model's FLOPs per step and device
-    (the peers' formula, as `jaxdist bench` counts MFU)."""
+    (`ModelEntry.flops_per_example`, as `jaxdist bench` counts MFU)."""
 
     mesh: str
     devices: int
@@ -82,8 +83,9 @@ def compiled_trainer(cfg: Config, devices: list | None = None) -> tuple[Trainer,
     """A trainer whose state is described, not allocated, with its step compiled for an abstract
     batch of `cfg`'s shapes on `devices`; and that batch."""
     trainer = Trainer.from_config(cfg, devices, materialize=False)
-    tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len), "int32", sharding=trainer.batch_sharding)
-    batch = {"inputs": tokens, "targets": tokens}
+    example = models.get(cfg.model.name).random_batch(cfg, np.random.default_rng(0), 1)  # its shapes and dtypes
+    batch = {key: jax.ShapeDtypeStruct((cfg.train.global_batch, *value.shape[1:]), value.dtype,
+                                       sharding=trainer.batch_sharding) for key, value in example.items()}
     trainer.compile(batch)
     return trainer, batch
 
@@ -94,13 +96,12 @@ def make_plan(cfg: Config, devices: list | None = None) -> Plan:
     memory = trainer.compiled.memory_analysis()
     state = trainer.state
     mesh_devices = trainer.mesh.devices.flatten()
-    tokens = cfg.train.global_batch * cfg.model.seq_len
     return Plan(
         mesh=mesh_lib.describe(trainer.mesh), devices=len(mesh_devices), platform=mesh_devices[0].platform,
         params=_bytes_per_device(state.params), opt_state=_bytes_per_device(state.opt_state),
         copies=_bytes_per_device(trainer.current_copies()), batch=_bytes_per_device(batch),
         temporaries=int(memory.temp_size_in_bytes), code=int(memory.generated_code_size_in_bytes),
-        flops=flops_per_token(cfg) * tokens / len(mesh_devices),
+        flops=models.get(cfg.model.name).flops_per_example(cfg) * cfg.train.global_batch / len(mesh_devices),
     )
 
 

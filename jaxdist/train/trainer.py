@@ -30,7 +30,7 @@ from jaxdist.models import dtypes as dtypes_lib
 from jaxdist.train import precision
 from jaxdist.train.optim import build_optimizer
 from jaxdist.train.precision import LossScale
-from jaxdist.train.state import ModelFactory, TrainState, abstract_model, init_state, with_shardings
+from jaxdist.train.state import AbstractModel, ModelFactory, TrainState, abstract_model, init_state, with_shardings
 from jaxdist.train.step import LossFn, copies_shardings, make_train_step
 
 FSDP_GATHERS = ("per_layer", "per_step")
@@ -52,7 +52,7 @@ class Trainer:
         grad_reduction: str = "per_step",
         schedule: optax.Schedule | None = None,
         loss_scale: LossScale | None = None,
-        abstract: tuple | None = None,
+        abstract: AbstractModel | None = None,
         compute_copies: Callable[[Any], Any] | None = None,
         fsdp_gather: str = "per_layer",
         materialize: bool = True,
@@ -120,7 +120,7 @@ class Trainer:
         entry = models.get(cfg.model.name)
         create_model = entry.create(cfg)
         abstract = abstract_model(create_model, cfg.seed)
-        tx, schedule = build_optimizer(cfg.optim, cfg.train, abstract[2])
+        tx, schedule = build_optimizer(cfg.optim, cfg.train, abstract.names)
         make_copies = None
         dtypes = dtypes_lib.policy(cfg.precision, mesh.devices.flat[0].platform)
         if cfg.precision.compute_copies and entry.read_in_compute_dtype is not None:
@@ -198,12 +198,12 @@ class Trainer:
 def param_layouts(cfg: Config, devices: list | None = None) -> Any:
     """Each parameter's checked placement under this config, computed without allocating or compiling."""
     layout = layout_lib.from_config(cfg, devices)
-    _, abstract_params, names = abstract_model(models.get(cfg.model.name).create(cfg), cfg.seed)
-    return rules_lib.param_layouts(abstract_params, names, layout.rules, layout.mesh)
+    abstract = abstract_model(models.get(cfg.model.name).create(cfg), cfg.seed)
+    return rules_lib.param_layouts(abstract.params, abstract.names, layout.rules, layout.mesh)
 
 
 def state_bytes_per_device(state: TrainState) -> dict[Any, int]:
-    """Bytes of the state each device holds (params + optimizer state + step)."""
+    """Bytes of the state each device holds (params + optimizer state + model state + step)."""
     per_device: dict[Any, int] = {}
     for leaf in jax.tree.leaves(state):
         for shard in leaf.addressable_shards:
