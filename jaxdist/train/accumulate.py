@@ -130,7 +130,14 @@ def _reduce_per_step(
     per_shard = jax.vmap(shard_grads, in_axes=(None, None, 0), axis_name=SHARDS, spmd_axis_name=axes)
 
     def split(x: jax.Array) -> jax.Array:
-        x = x.reshape(shards, microbatches, x.shape[0] // (shards * microbatches), *x.shape[1:]).swapaxes(0, 1)
+        """(B, ...) -> (microbatches, shards, rows, ...), each shard's rows of a microbatch from its own."""
+        rows = x.shape[0] // (shards * microbatches)
+        if model_state is None:  # any split sums to the same loss and gradients: each shard's rows in blocks
+            x = x.reshape(shards, microbatches, rows, *x.shape[1:]).swapaxes(0, 1)
+        else:
+            # Batch statistics depend on which rows share a microbatch: every M-th row, as
+            # `split_microbatches` takes them, so that a microbatch is the same rows on any layout.
+            x = jnp.moveaxis(x.reshape(shards, rows, microbatches, *x.shape[1:]), 2, 0)
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(None, axes)))
 
     micro = jax.tree.map(split, batch)
