@@ -104,7 +104,7 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 SLOW_MODULES = {
-    "test_accumulation", "test_bench", "test_checkpoint_integrity", "test_checkpoint_resume", "test_clocks",
+    "test_accumulation", "test_bench", "test_checkpoint_integrity", "test_classifier_training", "test_checkpoint_resume", "test_clocks",
     "test_console", "test_copies", "test_data_loop", "test_data_multiprocess", "test_fsdp_gather", "test_fused_norm",
     "test_gelu_matmul", "test_gpt", "test_kernel_build", "test_layouts", "test_layouts_multiprocess",
     "test_loss_chunk", "test_main_job", "test_multihost", "test_nonfinite", "test_pipeline", "test_plan",
