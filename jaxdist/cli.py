@@ -140,6 +140,7 @@ def _rules(args) -> None:
 
 def _plan(args) -> None:
     from jaxdist import config
+    from jaxdist.data import loader
     from jaxdist.observe import plan
 
     import jax
@@ -151,7 +152,7 @@ def _plan(args) -> None:
     if devices is not None and len(devices) < args.devices:
         raise UserError(f"plan --devices {args.devices}: only {len(devices)} devices here; on a CPU-only machine "
                         f"JAXDIST_CPU_DEVICES must not be set below it")
-    cfg = config.load(args.config, args.overrides)
+    cfg = loader.resolve_model(config.load(args.config, args.overrides))  # `auto` sizes, as train takes them
     built = kernels.build_for(cfg.model, cfg.impl)  # the kernels the step will load, as train builds them
     text = plan.report(cfg, devices, limit)
     if built and jax.process_index() == 0:

@@ -2,9 +2,9 @@
 
 The train state is described, not allocated (`Trainer.from_config(..., materialize=False)`), and the
 real step is compiled for it ahead of time on the configured mesh; on a CPU machine `--devices N`
-simulates N devices. Per device it reports the parameters, optimizer state and compute-dtype copies
-(from their shardings), the batch, and XLA's own count of temporaries (activations, gradients,
-collective buffers) and code. Over `--device-memory` it compiles changes that save memory (remat,
+simulates N devices. Per device it reports the parameters, optimizer state, model state (BatchNorm's
+running averages) and compute-dtype copies (from their shardings), the batch, and XLA's own count
+of temporaries (activations, gradients, collective buffers) and code. Over `--device-memory` it compiles changes that save memory (remat,
 more microbatches, a wider fsdp axis) and suggests the first that fits.
 """
 
@@ -57,15 +57,18 @@ class Plan:
     temporaries: int
     code: int
     flops: float
+    model_state: int = 0  # the model's non-parameter variables (BatchNorm's running averages)
 
     @property
     def total(self) -> int:
         """Peak bytes per device: the step's inputs (its outputs reuse their donated buffers),
         its temporaries and its code."""
-        return self.params + self.opt_state + self.copies + self.batch + self.temporaries + self.code
+        return (self.params + self.opt_state + self.model_state + self.copies + self.batch + self.temporaries
+                + self.code)
 
     def lines(self) -> list[str]:
-        parts = [("parameters", self.params), ("optimizer state", self.opt_state), ("compute copies", self.copies),
+        parts = [("parameters", self.params), ("optimizer state", self.opt_state), ("model state", self.model_state),
+                 ("compute copies", self.copies),
                  ("batch", self.batch), ("temporaries", self.temporaries), ("code", self.code)]
         shown = ", ".join(f"{name} {_gb(size)}" for name, size in parts if size)
         return [f"plan: mesh {self.mesh} ({self.devices} {self.platform} devices)",
@@ -99,6 +102,7 @@ def make_plan(cfg: Config, devices: list | None = None) -> Plan:
     return Plan(
         mesh=mesh_lib.describe(trainer.mesh), devices=len(mesh_devices), platform=mesh_devices[0].platform,
         params=_bytes_per_device(state.params), opt_state=_bytes_per_device(state.opt_state),
+        model_state=_bytes_per_device(state.model_state),
         copies=_bytes_per_device(trainer.current_copies()), batch=_bytes_per_device(batch),
         temporaries=int(memory.temp_size_in_bytes), code=int(memory.generated_code_size_in_bytes),
         flops=models.get(cfg.model.name).flops_per_example(cfg) * cfg.train.global_batch / len(mesh_devices),
