@@ -114,7 +114,8 @@ def _parser() -> argparse.ArgumentParser:
     plot = commands.add_parser("plot", help="draw runs' train and eval loss and tokens/s against step into a PNG")
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories with metrics.jsonl")
     plot.add_argument("--out", help="PNG file (default: RUN_DIR/plot.png for one run, ./plot.png for several)")
-    export = commands.add_parser("export", help="write a run's checkpointed params as one .safetensors or .npz file")
+    export = commands.add_parser("export", help="write a run's checkpointed params (and BatchNorm statistics) as one "
+                                 ".safetensors or .npz file")
     export.add_argument("run_dir", help="run directory with checkpoints/")
     export.add_argument("out", help="output file, ending in .safetensors or .npz")
     export.add_argument("--step", type=_INDEX, help="checkpoint step (default: the newest)")

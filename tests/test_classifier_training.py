@@ -12,6 +12,7 @@ import pytest
 from conftest import SMALL_RESNET, make_classifier_config
 
 from jaxdist import config, loop
+from jaxdist.checkpoint import export_params
 
 STEPS = 6
 LAYOUTS = {
@@ -91,6 +92,10 @@ def test_resnet_resumes_bitwise_with_its_running_averages_and_onto_another_layou
     resumed = loop.train(_resnet(run_dir, "data8", checkpoint={"every": saved_at}))
     assert [m["loss"] for m in metrics(run_dir)] == expected  # bitwise
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.state.model_state), uninterrupted)
+    export_params(run_dir, tmp_path / "resnet.npz")  # the running averages travel with the parameters
+    exported = np.load(tmp_path / "resnet.npz")
+    np.testing.assert_array_equal(exported["stem.norm.var"], uninterrupted["stem"]["norm"]["var"])
+    assert "stem.norm.scale" in exported and "head.kernel" in exported
 
     moved = loop.train(_resnet(tmp_path / "moved", "fsdp4_data2"))
     np.testing.assert_allclose([m["loss"] for m in metrics(tmp_path / "moved")], expected, rtol=1e-5, atol=0)
