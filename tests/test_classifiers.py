@@ -133,3 +133,16 @@ def test_rules_place_convolutions_by_preset(capsys):
     assert fsdp["stem/norm/scale"][-2:] == ["(fsdp)", "8"]
     assert tp["blocks/7/convs/1/conv/kernel"][0] == "3x3x128x128" and tp["blocks/7/convs/1/conv/kernel"][-2] == "tensor)"
     assert tp["head/kernel"][-3:] == ["(-,", "-)", f"{128 * 10 * 4:,}"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["scale", "digits_resnet_lars", "--hosts", "2"],
+     "jaxdist scale models a transformer's traffic (layers, heads, tokens per sequence); model.name=resnet is not "
+     "one: use a gpt config"),
+    (["bench", "digits_mlp"],
+     "model.classes=auto takes its value from the data, but bench runs on random examples; set model.classes"),
+])
+def test_commands_that_need_a_transformer_or_fixed_sizes_say_so(capsys, compiles, argv, message):
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.strip() == f"jaxdist: error: {message}"
+    assert compiles.count == 0

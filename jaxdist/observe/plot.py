@@ -1,5 +1,6 @@
-"""`jaxdist plot RUN_DIR...`: train and eval loss and tokens/s against step, one PNG for one or
-several runs, read from each run's `metrics.jsonl`.
+"""`jaxdist plot RUN_DIR...`: train and eval loss, throughput (tokens/s or examples/s) and, for
+classifiers, accuracy against step, one PNG for one or several runs, read from each run's
+`metrics.jsonl`.
 
 Keys a line lacks, or holds as null, leave a gap in that line's curve; nothing else is required
 of a run beyond some logged steps. Needs matplotlib (the `plot` extra); drawing uses its Agg
@@ -15,10 +16,11 @@ from pathlib import Path
 from jaxdist.errors import UserError
 
 METRICS = "metrics.jsonl"
-# (panel title, [(metrics key, line style)]) top to bottom.
+# (panel title, [(metrics key, line style)]) top to bottom; a panel no run has values for is left out.
 PANELS = (
     ("loss", [("loss", "-"), ("eval_loss", "--")]),
-    ("tokens/s", [("tokens_per_sec", "-")]),
+    ("throughput", [("tokens_per_sec", "-"), ("examples_per_sec", "-")]),
+    ("accuracy", [("accuracy", "-"), ("eval_accuracy", "--")]),
 )
 
 
@@ -53,22 +55,29 @@ def series(records: list[dict], key: str) -> tuple[list[float], list[float]]:
     return [step for step, _ in points], [value for _, value in points]
 
 
+def panels(runs: dict[str, list[dict]]) -> list[tuple[str, list[tuple[str, str]]]]:
+    """The `PANELS` that some run has a value for."""
+    return [(title, lines) for title, lines in PANELS
+            if any(series(records, key)[0] for records in runs.values() for key, _ in lines)]
+
+
 def default_out(run_dirs: list[str]) -> Path:
     """RUN_DIR/plot.png for one run; plot.png in the current directory for several."""
     return Path(run_dirs[0]) / "plot.png" if len(run_dirs) == 1 else Path("plot.png")
 
 
 def plot(run_dirs: list[str], out: str | None = None) -> Path:
-    """Draws the runs' loss (train solid, eval dashed) and tokens/s against step into a PNG at
-    `out` (default: `default_out`); returns its path."""
+    """Draws the runs' loss and accuracy (train solid, eval dashed) and throughput against step into
+    a PNG at `out` (default: `default_out`); returns its path."""
     runs = {run_dir: read_metrics(Path(run_dir)) for run_dir in run_dirs}  # every run checked before drawing
     try:
         from matplotlib.figure import Figure
     except ImportError:
         raise UserError("plot needs matplotlib; pip install 'jaxdist[plot]'") from None
-    figure = Figure(figsize=(8, 6), layout="constrained")
-    axes = figure.subplots(len(PANELS), 1, sharex=True)
-    for ax, (title, lines) in zip(axes, PANELS):
+    shown = panels(runs)
+    figure = Figure(figsize=(8, 3 * len(shown)), layout="constrained")
+    axes = figure.subplots(len(shown), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (title, lines) in zip(axes, shown):
         for index, (run_dir, records) in enumerate(runs.items()):
             for key, style in lines:
                 steps, values = series(records, key)
