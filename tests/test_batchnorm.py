@@ -7,9 +7,12 @@ averages and gradients equal the one-device ones, also with 2 microbatches throu
 gradient reductions (per_step's per-shard vmap included).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import FAST_COMPILE
 from flax import nnx
@@ -21,6 +24,7 @@ from jaxdist.parallel import rules as rules_lib
 from jaxdist.parallel.mesh import build_mesh
 from jaxdist.train.accumulate import loss_and_grads
 from jaxdist.train.state import abstract_model, model_variables
+from jaxdist.train.trainer import Trainer
 
 BATCH, FEATURES, MOMENTUM = 32, 6, 0.9
 MESHES = {"one": {"data": 1}, "data8": {"data": 8}}
@@ -118,3 +122,24 @@ def test_eval_mode_normalizes_by_the_running_averages():
     want = (x - 0.5) / np.sqrt(4.0 + 1e-5)
     np.testing.assert_allclose(model.norm(x), want, rtol=1e-6)
     assert float(model.norm.mean[0]) == 0.5  # nothing updated in eval mode
+
+
+class FlaxBatchNormNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.norm = nnx.BatchNorm(3, rngs=rngs)
+        self.head = nnx.Linear(3, 4, rngs=rngs)
+
+    def __call__(self, images):
+        return self.head(self.norm(images).mean(axis=(1, 2)))
+
+
+def test_flax_batch_norm_under_per_shard_gradients_is_refused(devices):
+    """flax's own BatchNorm would normalize each shard by its own rows in per_step's vmap: refused
+    there; elsewhere its statistics are the global batch's, as XLA partitions its mean."""
+    mesh = build_mesh({"data": 8, "stage": 1, "fsdp": 1, "tensor": 1}, devices)
+    make = functools.partial(Trainer, FlaxBatchNormNet, classifier.loss, optax.sgd(0.1), mesh, rules_lib.preset("dp"))
+    with pytest.raises(ValueError, match="flax's nnx.BatchNorm would take its statistics from one batch shard"):
+        make(microbatches=2)
+    trainer = make(microbatches=2, grad_reduction="per_microbatch")
+    trainer.step(_batch())
+    assert trainer.state.model_state["norm"]["mean"].shape == (3,)

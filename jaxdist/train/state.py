@@ -67,8 +67,9 @@ def abstract_model(create_model: ModelFactory, seed: int) -> AbstractModel:
     with nnx.use_eager_sharding(False):
         model = nnx.eval_shape(lambda: create_model(nnx.Rngs(seed)))
     graphdef, params, state = nnx.split(model, nnx.Param, ...)
-    return AbstractModel(graphdef, nnx.to_pure_dict(params), _names(params),
-                         _or_none(nnx.to_pure_dict(state)), _or_none(_names(state)))
+    state_dict = _or_none(nnx.to_pure_dict(state))
+    return AbstractModel(graphdef, nnx.to_pure_dict(params), _names(params), state_dict,
+                         None if state_dict is None else _names(state))
 
 
 def model_variables(create_model: ModelFactory, seed: int) -> tuple[Any, Any]:
