@@ -38,9 +38,9 @@ TINY_GPT = {
 }
 
 
-def make_config(run_dir, **sections) -> config_lib.Config:
-    """The tiny GPT config with some sections (or keys within them) replaced."""
-    raw = {key: dict(value) for key, value in TINY_GPT.items()}
+def make_config(run_dir, base: dict | None = None, **sections) -> config_lib.Config:
+    """The tiny GPT config (or `base`) with some sections (or keys within them) replaced."""
+    raw = {key: dict(value) for key, value in (TINY_GPT if base is None else base).items()}
     for key, value in sections.items():
         if isinstance(value, dict):
             raw.setdefault(key, {}).update(value)
@@ -58,15 +58,8 @@ SMALL_RESNET = {"name": "resnet", "depth": 18, "width": 8, "stem": "small"}
 def make_classifier_config(run_dir, model: dict, **sections) -> config_lib.Config:
     """A classifier `model` section on the digits, with the tiny GPT config's other sections (some
     replaced as in `make_config`)."""
-    raw = {key: dict(value) for key, value in TINY_GPT.items() if key not in ("model", "sample")}
-    raw.update(model=dict(model), data={"source": "digits"})
-    for key, value in sections.items():
-        if isinstance(value, dict):
-            raw.setdefault(key, {}).update(value)
-        else:
-            raw[key] = value
-    raw["run_dir"] = str(run_dir)
-    return config_lib.from_dict(raw)
+    base = {key: value for key, value in TINY_GPT.items() if key not in ("model", "sample")}
+    return make_config(run_dir, {**base, "model": model, "data": {"source": "digits"}}, **sections)
 
 
 @pytest.fixture
