@@ -18,6 +18,8 @@ STEPS = 6
 LAYOUTS = {
     "data8": {"mesh": {"data": 8, "fsdp": 1}, "rules": {"preset": "dp"}},
     "fsdp4_data2": {"mesh": {"data": 2, "fsdp": 4}, "rules": {"preset": "fsdp"}},
+    # Convolutions split by output channels over tensor, their activations' channels too.
+    "tensor4_data2": {"mesh": {"data": 2, "fsdp": 1, "tensor": 4}, "rules": {"preset": "tp"}},
 }
 
 
