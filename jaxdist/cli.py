@@ -115,7 +115,8 @@ def _parser() -> argparse.ArgumentParser:
     plot = commands.add_parser("plot", help="draw runs' train and eval loss and tokens/s against step into a PNG")
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories with metrics.jsonl")
     plot.add_argument("--out", help="PNG file (default: RUN_DIR/plot.png for one run, ./plot.png for several)")
-    export = commands.add_parser("export", help="write a run's checkpointed params as one .safetensors or .npz file")
+    export = commands.add_parser("export", help="write a run's checkpointed params (and BatchNorm statistics) as one "
+                                 ".safetensors or .npz file")
     export.add_argument("run_dir", help="run directory with checkpoints/")
     export.add_argument("out", help="output file, ending in .safetensors or .npz")
     export.add_argument("--step", type=_INDEX, help="checkpoint step (default: the newest)")
@@ -134,13 +135,14 @@ def _rules(args) -> None:
     from jaxdist.parallel import rules
     from jaxdist.train.trainer import param_layouts
 
-    cfg = loader.resolve_vocab(config.load(args.config, args.overrides))
+    cfg = loader.resolve_model(config.load(args.config, args.overrides))
     table = rules.sharding_table(param_layouts(cfg))
     loop.log(table)  # process 0 only
 
 
 def _plan(args) -> None:
     from jaxdist import config
+    from jaxdist.data import loader
     from jaxdist.observe import plan
 
     import jax
@@ -152,7 +154,7 @@ def _plan(args) -> None:
     if devices is not None and len(devices) < args.devices:
         raise UserError(f"plan --devices {args.devices}: only {len(devices)} devices here; on a CPU-only machine "
                         f"JAXDIST_CPU_DEVICES must not be set below it")
-    cfg = config.load(args.config, args.overrides)
+    cfg = loader.resolve_model(config.load(args.config, args.overrides))  # `auto` sizes, as train takes them
     built = kernels.build_for(cfg.model, cfg.impl)  # the kernels the step will load, as train builds them
     text = plan.report(cfg, devices, limit)
     if built and jax.process_index() == 0:
@@ -219,7 +221,7 @@ def _scale(args) -> None:
 
     hardware = scaling.Hardware(network_bw=args.network_gbs * 1e9, nvlink_bw=args.nvlink_gbs * 1e9,
                                 storage_bw=args.storage_gbs * 1e9)
-    cfg = loader.resolve_vocab(config.load(args.config, args.overrides))
+    cfg = loader.resolve_model(config.load(args.config, args.overrides))
     print(scaling.report(cfg, args.hosts, args.gpus_per_host, args.batch_per_gpu, hardware))
 
 

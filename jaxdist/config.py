@@ -11,14 +11,16 @@ import math
 from collections.abc import Hashable, Iterator
 from pathlib import Path
 from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator,
+                      model_validator)
 
 from jaxdist.errors import UserError
 
 MESH_AXES = ("data", "stage", "fsdp", "tensor")
+_MODEL_NAME = "the model: gpt, mlp or resnet; each has its own keys (`jaxdist config show model.name=NAME`)"
 RECIPES = Path(__file__).parent / "recipes"
 
 
@@ -60,10 +62,40 @@ class RulesConfig(Section):
         default_factory=dict, description="activation rules overrides: logical name -> mesh axis, axes or null")
 
 
-class ModelConfig(Section):
-    """The architecture: what the model computes (`impl` says how it runs)."""
+class ModelSection(Section):
+    """What every model's section answers for the layers that are not the model (layout, pipeline,
+    throughput); each model's own keys live in its subclass."""
 
-    name: str = Field("gpt", description="registered model name (jaxdist.models)")
+    @property
+    def layer_stack(self) -> int | None:
+        """Layers of the stack of identical layers a pipeline splits into stages; None: no such stack."""
+        return None
+
+    @property
+    def tokens_per_example(self) -> int | None:
+        """Tokens in one example (a sequence), for tokens/s; None where examples are not token sequences."""
+        return None
+
+    def tensor_divides(self) -> dict[str, int]:
+        """Config keys (dotted) whose values mesh.tensor must divide."""
+        return {}
+
+    def summary(self) -> dict[str, Any]:
+        """The sizes that tell models apart in a benchmark record (`jaxdist bench`)."""
+        return {}
+
+
+def _positive_or_auto(key: str, value: Any, unit: str, what: str) -> Any:
+    # Checked in a "before" validator, so a bad value is one error naming the key, not one per member of the union.
+    if value == "auto" or (type(value) is int and value > 0):
+        return value
+    raise ValueError(f"{key}={value!r}: use a positive number of {unit}, or auto (the data's {what})")
+
+
+class GPTConfig(ModelSection):
+    """A decoder-only transformer language model (models/gpt.py)."""
+
+    name: Literal["gpt"] = Field("gpt", description=_MODEL_NAME)
     vocab: int | Literal["auto"] = Field(
         256, description="vocabulary size; auto: the configured data's (resolved before the model is built)")
     d_model: int = Field(256, gt=0, description="width of the residual stream")
@@ -79,13 +111,10 @@ class ModelConfig(Section):
     @field_validator("vocab", mode="before")
     @classmethod
     def _vocab(cls, value: Any) -> Any:
-        # Checked here, so a bad value is one error naming the key, not one per member of the union.
-        if value == "auto" or (type(value) is int and value > 0):
-            return value
-        raise ValueError(f"model.vocab={value!r}: use a positive number of ids, or auto (the data's vocabulary)")
+        return _positive_or_auto("model.vocab", value, "ids", "vocabulary")
 
     @model_validator(mode="after")
-    def _shapes(self) -> ModelConfig:
+    def _shapes(self) -> GPTConfig:
         if self.d_model % self.heads:
             raise ValueError(f"model.d_model={self.d_model} is not divisible by model.heads={self.heads}")
         if self.positions == "rope" and (self.d_model // self.heads) % 2:
@@ -95,6 +124,86 @@ class ModelConfig(Section):
     @property
     def mlp_dim(self) -> int:
         return int(self.d_model * self.mlp_ratio)
+
+    @property
+    def layer_stack(self) -> int:
+        return self.layers
+
+    @property
+    def tokens_per_example(self) -> int:
+        return self.seq_len
+
+    def tensor_divides(self) -> dict[str, int]:
+        return {"model.heads": self.heads}
+
+    def summary(self) -> dict[str, Any]:
+        return {"d": self.d_model, "layers": self.layers, "seq": self.seq_len}
+
+
+def _classes(value: Any) -> Any:
+    return _positive_or_auto("model.classes", value, "classes", "classes")
+
+
+def _image_shape(value: Any) -> Any:
+    if value == "auto" or (isinstance(value, (list, tuple)) and len(value) == 3
+                           and all(type(size) is int and size > 0 for size in value)):
+        return value
+    raise ValueError(f"model.image_shape={value!r}: use [height, width, channels] (three positive sizes), "
+                     f"or auto (the data's)")
+
+
+ClassCount = Annotated[int | Literal["auto"], BeforeValidator(_classes), Field(
+    description="number of classes; auto: the configured data's (resolved before the model is built)")]
+ImageShape = Annotated[list[int] | Literal["auto"], BeforeValidator(_image_shape), Field(
+    description="[height, width, channels] of an input image; auto: the configured data's")]
+
+
+class ClassifierSection(ModelSection):
+    """An image classifier: images [height, width, channels] in, one of `classes` labels out. Each
+    subclass has the keys `classes` (`ClassCount`) and `image_shape` (`ImageShape`)."""
+
+
+class MLPConfig(ClassifierSection):
+    """A multilayer perceptron classifier: the flattened image through ReLU layers (models/mlp.py)."""
+
+    name: Literal["mlp"] = Field("mlp", description=_MODEL_NAME)
+    classes: ClassCount = "auto"
+    image_shape: ImageShape = "auto"
+    hidden: list[Annotated[int, Field(gt=0)]] = Field(
+        [256, 256], description="width of each hidden layer, first to last (its length is the depth)")
+
+    def summary(self) -> dict[str, Any]:
+        return {"hidden": list(self.hidden)}
+
+
+class ResNetConfig(ClassifierSection):
+    """A residual convolutional network with BatchNorm (He et al. 2016; models/resnet.py)."""
+
+    name: Literal["resnet"] = Field("resnet", description=_MODEL_NAME)
+    classes: ClassCount = "auto"
+    image_shape: ImageShape = "auto"
+    depth: Literal[18, 50] = Field(
+        18, description="18: basic blocks [2, 2, 2, 2]; 50: bottleneck blocks [3, 4, 6, 3]")
+    width: int = Field(64, gt=0, description="channels of the first stage (doubled at each later stage; 64 published)")
+    stem: Literal["imagenet", "small"] = Field(
+        "imagenet", description="imagenet: 7x7 stride-2 conv + 3x3 max-pool; small: one 3x3 stride-1 conv (small images)")
+    bn_momentum: float = Field(0.9, gt=0, lt=1, description="decay of BatchNorm's running averages per update")
+
+    def summary(self) -> dict[str, Any]:
+        return {"depth": self.depth, "width": self.width, "stem": self.stem}
+
+
+def _model_name(raw: Any) -> Any:
+    """The model section's `name`; gpt when a mapping leaves it out."""
+    return raw.get("name", "gpt") if isinstance(raw, dict) else getattr(raw, "name", None)
+
+
+# The `model:` section: one of these, picked by `model.name`.
+MODEL_CONFIGS: dict[str, type[ModelSection]] = {"gpt": GPTConfig, "mlp": MLPConfig, "resnet": ResNetConfig}
+ModelConfig = Annotated[
+    Union[tuple(Annotated[section, Tag(name)] for name, section in MODEL_CONFIGS.items())],
+    Discriminator(_model_name),
+]
 
 
 class ImplConfig(Section):
@@ -148,9 +257,10 @@ class AugmentConfig(Section):
 class DataConfig(Section):
     """Where examples come from and how they are read."""
 
-    source: Literal["stdlib", "arrayrecord", "images", "arrays"] = Field(
+    source: Literal["stdlib", "arrayrecord", "images", "arrays", "digits"] = Field(
         "stdlib", description="stdlib: Python's standard library .py files; arrayrecord: prepared token shards; "
-                              "images: a prepared image folder; arrays: an .npz")
+                              "images: a prepared image folder; arrays: an .npz; digits: scikit-learn's 8x8 digit "
+                              "images (fixed split: 1,437 train, 360 eval)")
     path: str | None = Field(None, description="prepared directory or .npz file (not for stdlib)")
     eval_fraction: float = Field(
         0.01, ge=0, lt=1, description="share of stdlib files or array rows held out for eval")
@@ -162,9 +272,9 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _path(self) -> DataConfig:
-        if self.source == "stdlib" and self.path is not None:
-            raise ValueError(f"data.path={self.path} is set but data.source=stdlib reads no path; drop data.path")
-        if self.source != "stdlib" and not self.path:
+        if self.source in ("stdlib", "digits") and self.path is not None:
+            raise ValueError(f"data.path={self.path} is set but data.source={self.source} reads no path; drop data.path")
+        if self.source not in ("stdlib", "digits") and not self.path:
             raise ValueError(f"data.source={self.source} needs data.path (a prepared directory or a .npz file)")
         return self
 
@@ -308,7 +418,7 @@ class Config(Section):
     run_dir: str = Field("runs/default", description="directory of config.yaml, metrics.jsonl and checkpoints/")
     mesh: MeshConfig = Field(MeshConfig(), description="device mesh axis sizes")
     rules: RulesConfig = Field(RulesConfig(), description="logical-axis rules")
-    model: ModelConfig = Field(ModelConfig(), description="the architecture")
+    model: ModelConfig = Field(GPTConfig(), description="the architecture")
     impl: ImplConfig = Field(ImplConfig(), description="how the model runs")
     data: DataConfig = Field(DataConfig(), description="the input data")
     train: TrainConfig = Field(TrainConfig(), description="steps, batch and accumulation")
@@ -331,6 +441,13 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _impl_fits_model(self) -> Config:
+        if not isinstance(self.model, GPTConfig):
+            # impl says how the GPT runs; no other model reads it, so a changed key would do nothing.
+            default = ImplConfig()
+            if changed := [key for key in ImplConfig.model_fields if getattr(self.impl, key) != getattr(default, key)]:
+                raise ValueError(f"impl.{changed[0]}={getattr(self.impl, changed[0])}: the impl section says how "
+                                 f"model.name=gpt runs, and model.name={self.model.name} reads none of it; drop it")
+            return self
         chunk, seq_len = self.impl.loss_chunk, self.model.seq_len
         if chunk and seq_len % chunk:
             raise ValueError(
@@ -364,11 +481,15 @@ def _describe_section(section: BaseModel, prefix: str) -> Iterator[tuple[str, st
             yield from _describe_section(value, f"{prefix}{name}.")
         else:
             shown = value if isinstance(value, str) else json.dumps(value)
-            yield f"{prefix}{name}", shown, _type_name(field.annotation), field.description or ""
+            kind = "|".join(MODEL_CONFIGS) if isinstance(section, ModelSection) and name == "name" else (
+                _type_name(field.annotation))
+            yield f"{prefix}{name}", shown, kind, field.description or ""
 
 
 def _type_name(annotation: Any) -> str:
     """A field's type as a user writes its values: `int`, `float | null`, `auto|xla|pallas`."""
+    if get_origin(annotation) is Annotated:
+        return _type_name(get_args(annotation)[0])
     if get_origin(annotation) is Literal:
         return "|".join(str(choice) for choice in get_args(annotation))
     if get_origin(annotation) in (Union, UnionType):
@@ -477,13 +598,23 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
 def _describe(err: ValidationError) -> str:
     """The first validation error as one line: the dotted key, what is wrong, and the fix."""
     first = err.errors()[0]
-    key = ".".join(str(part) for part in first["loc"])
+    loc = first["loc"]
+    if loc[:1] == ("model",) and len(loc) > 1 and loc[1] in MODEL_CONFIGS:
+        loc = ("model", *loc[2:])  # the union's tag: the model is named by model.name
+    key = ".".join(str(part) for part in loc)
     kind = first["type"]
+    if kind in ("union_tag_invalid", "union_tag_not_found"):
+        given = first["input"].get("name") if isinstance(first["input"], dict) else first["input"]
+        what = "model.name" if isinstance(first["input"], dict) else "model"
+        return f"config: {what}={given!r} is not a model; use model.name: one of {', '.join(MODEL_CONFIGS)}"
     if kind == "extra_forbidden":
-        if first["loc"][:-1] == ("model",) and first["loc"][-1] in ImplConfig.model_fields:
-            return f"config: unknown key '{key}'; it is impl.{first['loc'][-1]} (the impl section says how the model runs)"
+        if loc[:-1] == ("model",) and loc[-1] in ImplConfig.model_fields:
+            return f"config: unknown key '{key}'; it is impl.{loc[-1]} (the impl section says how the model runs)"
         section = _section_of(first["loc"][:-1])
         known = ", ".join(section.model_fields) if section else ""
+        if section is not None and issubclass(section, ModelSection):
+            return (f"config: unknown key '{key}' for model.name={first['loc'][1]}; its keys: {known} "
+                    f"(other models: {', '.join(name for name in MODEL_CONFIGS if name != first['loc'][1])})")
         return f"config: unknown key '{key}'; known keys here: {known}"
     if kind == "value_error":
         return f"config: {first['msg'].removeprefix('Value error, ')}"
@@ -494,6 +625,14 @@ def _describe(err: ValidationError) -> str:
 def _section_of(loc: tuple) -> type[BaseModel] | None:
     model: type[BaseModel] = Config
     for part in loc:
+        if model is Config and part == "model":
+            model = ModelSection  # the concrete section follows as the union's tag
+            continue
+        if model is ModelSection:
+            model = MODEL_CONFIGS.get(str(part))
+            if model is None:
+                return None
+            continue
         field = model.model_fields.get(str(part))
         annotation = field.annotation if field else None
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):

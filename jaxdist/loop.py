@@ -23,8 +23,7 @@ from jaxdist.config import Config, TrainConfig
 from jaxdist.data import loader
 from jaxdist.errors import NonFiniteError, UserError
 from jaxdist.observe import console, wandb_log
-from jaxdist.observe.bench import flops_per_token
-from jaxdist.observe.metrics import MetricsWriter, device_metrics, drop_after
+from jaxdist.observe.metrics import MetricsWriter, device_metrics, drop_after, throughput
 from jaxdist.observe.profile import StepProfiler
 from jaxdist.parallel import feed
 from jaxdist.parallel import layout as layout_lib
@@ -49,8 +48,9 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
     # Opening the data and reading a first batch report bad data before anything compiles; so
     # does a checkpoint of another model in run_dir.
     wandb_log.check_installed(cfg)
-    cfg = loader.resolve_vocab(cfg)
-    keys = models.get(cfg.model.name).batch_keys
+    cfg = loader.resolve_model(cfg)
+    entry = models.get(cfg.model.name)
+    keys = entry.batch_keys
     train_source = loader.open_split(cfg, "train", keys)
     eval_source = loader.open_split(cfg, "eval", keys) if cfg.eval.every else None
     cfg = loader.resolve_steps(cfg, len(train_source))
@@ -92,10 +92,9 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
         return trainer
 
     evaluate = None if eval_source is None else Evaluator(
-        trainer, models.get(cfg.model.name).loss, lambda: loader.eval_iterator(cfg, rows, eval_source)
+        trainer, entry.eval_sums, lambda: loader.eval_iterator(cfg, rows, eval_source)
     )
-    tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
-    flops = flops_per_token(cfg)
+    flops = entry.flops_per_example(cfg)
 
     wandb = wandb_log.WandbRun(cfg, run_dir) if is_writer and cfg.log.wandb else None
     writer = MetricsWriter(run_dir if is_writer else None, wandb)
@@ -129,11 +128,12 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
                 if first_of_run or step % cfg.log.every == 0 or step == cfg.train.steps or eval_due:
                     values = {k: float(v) for k, v in jax.device_get(metrics).items()}
                     step_time = (time.perf_counter() - last_time) / (step - last_step)
-                    values.update(step_time_s=step_time, tokens_per_sec=tokens_per_step / step_time,
+                    examples_per_sec = cfg.train.global_batch / step_time
+                    values.update(step_time_s=step_time, **throughput(examples_per_sec, cfg.model.tokens_per_example),
                                   data_wait_s=data_wait / (step - last_step),
-                                  **device_metrics(flops, tokens_per_step / step_time, trainer.mesh))
+                                  **device_metrics(flops, examples_per_sec, trainer.mesh))
                     if eval_due:
-                        values["eval_loss"] = evaluate()
+                        values.update(evaluate())
                     if first_of_run:
                         values.update(compile_times)
                     writer.write(step, values)
@@ -156,7 +156,7 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
     log(progress.summary(time.perf_counter() - began, "no checkpoint saved" if saved is None else
                          f"last checkpoint: step {saved} in {checkpoints.directory}"))
 
-    if cfg.sample.tokens:
+    if cfg.sample.tokens and entry.samples_text:
         write_sample(cfg, trainer, layout.batch_shards)
     return trainer
 

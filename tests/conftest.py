@@ -38,9 +38,9 @@ TINY_GPT = {
 }
 
 
-def make_config(run_dir, **sections) -> config_lib.Config:
-    """The tiny GPT config with some sections (or keys within them) replaced."""
-    raw = {key: dict(value) for key, value in TINY_GPT.items()}
+def make_config(run_dir, base: dict | None = None, **sections) -> config_lib.Config:
+    """The tiny GPT config (or `base`) with some sections (or keys within them) replaced."""
+    raw = {key: dict(value) for key, value in (TINY_GPT if base is None else base).items()}
     for key, value in sections.items():
         if isinstance(value, dict):
             raw.setdefault(key, {}).update(value)
@@ -48,6 +48,18 @@ def make_config(run_dir, **sections) -> config_lib.Config:
             raw[key] = value
     raw["run_dir"] = str(run_dir)
     return config_lib.from_dict(raw)
+
+
+# A ResNet-18 at width 8 (8 to 64 channels) with the stem for small images: a classifier with
+# BatchNorm that compiles in seconds on 2 cores.
+SMALL_RESNET = {"name": "resnet", "depth": 18, "width": 8, "stem": "small"}
+
+
+def make_classifier_config(run_dir, model: dict, **sections) -> config_lib.Config:
+    """A classifier `model` section on the digits, with the tiny GPT config's other sections (some
+    replaced as in `make_config`)."""
+    base = {key: value for key, value in TINY_GPT.items() if key not in ("model", "sample")}
+    return make_config(run_dir, {**base, "model": model, "data": {"source": "digits"}}, **sections)
 
 
 @pytest.fixture
@@ -85,9 +97,10 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 SLOW_MODULES = {
-    "test_accumulation", "test_bench", "test_checkpoint_integrity", "test_checkpoint_resume", "test_clocks",
-    "test_compile_cache", "test_console", "test_copies", "test_data_loop", "test_data_multiprocess", "test_fsdp_gather",
-    "test_fused_norm", "test_gelu_matmul", "test_gpt", "test_kernel_build", "test_layouts", "test_layouts_multiprocess",
+    "test_accumulation", "test_bench", "test_checkpoint_integrity", "test_checkpoint_resume", "test_classifier_training",
+    "test_clocks", "test_compile_cache", "test_console", "test_copies", "test_data_loop", "test_data_multiprocess",
+    "test_fsdp_gather", "test_fused_norm", "test_gelu_matmul", "test_gpt", "test_kernel_build", "test_layouts",
+    "test_layouts_multiprocess",
     "test_loss_chunk", "test_main_job", "test_multihost", "test_nonfinite", "test_pipeline", "test_plan",
     "test_precision", "test_profile", "test_run_metrics", "test_wandb",
 }

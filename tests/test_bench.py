@@ -3,9 +3,11 @@
 import json
 
 import jax
+import pytest
 
 from jaxdist import cli, config
-from jaxdist.observe.bench import flops_per_token
+from jaxdist.models.gpt import flops_per_token
+from jaxdist.observe import bench
 from jaxdist.observe.metrics import peak_flops
 
 
@@ -36,3 +38,24 @@ def test_bench_reports_consistent_throughput_and_its_setup(tmp_path, capsys):
     assert "--xla_gpu_dot_merger_threshold_mb=0" in printed["xla_flags"]
     # The layout moves gradients and activations across devices: the bytes per step are reported.
     assert printed["collective_mb"] and all(size >= 0 for kind in printed["collective_mb"].values() for size in kind.values())
+
+
+@pytest.mark.parametrize("recipe, sizes, devices", [
+    ("digits_mlp", {"hidden": [256, 256]}, 8),
+    ("digits_resnet_lars", {"depth": 18, "width": 8, "stem": "small"}, 1),  # one device: a quicker compile
+])
+def test_bench_runs_a_classifier_on_random_images(capsys, recipe, sizes, devices):
+    """Every registered model benches: random pixels and labels, examples/s, its FLOPs for MFU."""
+    overrides = ["model.classes=10", "model.image_shape=[8,8,1]", "train.global_batch=32", f"mesh.data={devices}"]
+    assert cli.main(["bench", recipe, *overrides, "--devices", str(devices), "--steps", "2", "--warmup", "0"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["model"] == recipe.split("_")[1] and {k: printed[k] for k in sizes} == sizes
+    assert printed["devices"] == devices and "tokens_per_sec" not in printed
+    assert abs(printed["examples_per_sec"] - 32 / (printed["step_ms"] / 1e3)) <= 0.01 * printed["examples_per_sec"] + 1
+    assert abs(printed["examples_per_sec_per_device"] * devices - printed["examples_per_sec"]) <= devices
+    assert printed["mfu"] is None or printed["mfu"] > 0  # None on CPU: no known peak
+    # An untrained classifier's loss on random labels: near ln(10) = 2.30.
+    assert 1.5 < printed["first_loss"] < 4.0
+    if devices > 1:  # the same random batch on one device: the same first loss
+        one = bench.run(config.load(recipe, [*overrides, "mesh.data=1"]), steps=1, warmup=0, devices=jax.devices()[:1])
+        assert abs(one["first_loss"] - printed["first_loss"]) <= 1e-5 * printed["first_loss"]

@@ -6,7 +6,7 @@ import pytest
 from pydantic import BaseModel
 
 from jaxdist import cli, config
-from jaxdist.config import Config
+from jaxdist.config import MODEL_CONFIGS, Config
 from jaxdist.errors import UserError
 
 
@@ -22,6 +22,8 @@ def _fields_without_description(model: type[BaseModel], prefix: str = "") -> lis
 
 def test_every_config_field_has_a_description():
     assert _fields_without_description(Config) == []
+    for name, section in MODEL_CONFIGS.items():  # `model:` is one of these, by model.name
+        assert _fields_without_description(section, f"model[{name}].") == []
 
 
 def _shown(capsys, *argv: str) -> dict[str, list[str]]:
@@ -70,3 +72,13 @@ def test_an_unknown_recipe_is_one_line_listing_the_recipes(capsys, tmp_path, mon
 
 def test_show_names_a_recipe(capsys):
     assert _shown(capsys, "gpt_406m")["impl.loss_chunk"][0] == "256"
+
+
+def test_show_lists_the_configured_models_keys_and_names_the_models(capsys):
+    rows = _shown(capsys, "model.name=resnet")
+    model_keys = [key for key in rows if key.startswith("model.")]
+    assert model_keys == ["model.name", "model.classes", "model.image_shape", "model.depth", "model.width",
+                          "model.stem", "model.bn_momentum"]
+    assert rows["model.name"][:2] == ["resnet", "gpt|mlp|resnet"]
+    assert rows["model.depth"][:2] == ["18", "18|50"]
+    assert "model.d_model" in _shown(capsys) and "model.hidden" in _shown(capsys, "digits_mlp")

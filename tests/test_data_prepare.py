@@ -91,12 +91,12 @@ def test_vocab_auto_takes_the_vocabulary_of_the_data(tmp_path):
         ({"source": "arrayrecord", "path": str(path)}, 290),
         ({"source": "arrays", "path": str(tmp_path / "tokens.npz")}, 10),
     ]:
-        assert loader.resolve_vocab(make_config(tmp_path, data=data, model=auto)).model.vocab == vocab
+        assert loader.resolve_model(make_config(tmp_path, data=data, model=auto)).model.vocab == vocab
     fixed = make_config(tmp_path, model={"vocab": 512})
-    assert loader.resolve_vocab(fixed) is fixed
+    assert loader.resolve_model(fixed) is fixed
     with pytest.raises(UserError, match=r"model.vocab=auto: data.path=.*images.npz has no integer inputs or targets"):
-        loader.resolve_vocab(make_config(tmp_path, data={"source": "arrays", "path": str(tmp_path / "images.npz")}, model=auto))
-    with pytest.raises(UserError, match="model.vocab=auto takes the vocabulary from the data, but bench runs on random"):
+        loader.resolve_model(make_config(tmp_path, data={"source": "arrays", "path": str(tmp_path / "images.npz")}, model=auto))
+    with pytest.raises(UserError, match="model.vocab=auto takes its value from the data, but bench runs on random"):
         bench.run(make_config(tmp_path, model=auto))
 
 

@@ -17,7 +17,7 @@ from conftest import make_config
 from flax import nnx
 
 from jaxdist import loop, models
-from jaxdist.config import ImplConfig, ModelConfig
+from jaxdist.config import GPTConfig, ImplConfig
 from jaxdist.kernels import fused_norm, fused_norm_mosaic, fused_norm_triton, switch
 from jaxdist.models.gpt import GPT, RESIDUAL
 
@@ -92,7 +92,7 @@ def _check_against_the_unfused_norm(dtype, rms, with_add):
 
 
 def _model_loss_and_grads(norm_impl: str, norm: str, batch_chunks: int = 1):
-    cfg = ModelConfig(vocab=64, d_model=32, layers=2, heads=4, seq_len=16, norm=norm)
+    cfg = GPTConfig(vocab=64, d_model=32, layers=2, heads=4, seq_len=16, norm=norm)
     impl = ImplConfig(scan_layers=False, norm_impl=norm_impl, batch_chunks=batch_chunks)
     with nnx.use_eager_sharding(False):
         graphdef, params = nnx.split(GPT(cfg, impl, rngs=nnx.Rngs(0)))
@@ -179,7 +179,7 @@ def test_unsupported_shapes_fall_back_or_fail_clearly(monkeypatch):
         patch.setattr(fused_norm_mosaic.mosaic, "plgpu", None)
         assert fused_norm.unsupported((4, 16, 128), jnp.bfloat16, RESIDUAL) == (
             "this jax has no Pallas Triton backend; this jax has no Pallas Mosaic GPU backend")
-    cfg = ModelConfig(vocab=64, d_model=48, layers=2, heads=4, seq_len=16)
+    cfg = GPTConfig(vocab=64, d_model=48, layers=2, heads=4, seq_len=16)
     with nnx.use_eager_sharding(False):
         model = GPT(cfg, ImplConfig(scan_layers=False, norm_impl="pallas"), rngs=nnx.Rngs(0))
         auto = GPT(cfg, ImplConfig(scan_layers=False, norm_impl="auto"), rngs=nnx.Rngs(0))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxdist.config import ImplConfig, ModelConfig
+from jaxdist.config import GPTConfig, ImplConfig
 from jaxdist.models.gpt import GPT
 
 
@@ -15,7 +15,7 @@ from jaxdist.models.gpt import GPT
     ({}, "full"),
 ])
 def test_unrolled_per_layer_params_equal_the_scanned_stack(variant, remat):
-    cfg = ModelConfig(vocab=64, d_model=32, layers=3, heads=4, seq_len=16, **variant)
+    cfg = GPTConfig(vocab=64, d_model=32, layers=3, heads=4, seq_len=16, **variant)
     with nnx.use_eager_sharding(False):
         unrolled = GPT(cfg, ImplConfig(scan_layers=False, remat=remat), rngs=nnx.Rngs(0))
         scanned = GPT(cfg, ImplConfig(scan_layers=True, remat=remat), rngs=nnx.Rngs(1))
@@ -35,7 +35,7 @@ def _loss_grads_and_temp_bytes(remat: str, activation: str):
     """(loss, gradients, temp bytes of the compiled value-and-grad) of a small unrolled GPT."""
     from jaxdist import models
 
-    cfg = ModelConfig(vocab=64, d_model=32, layers=4, heads=4, seq_len=64, mlp_ratio=8, activation=activation)
+    cfg = GPTConfig(vocab=64, d_model=32, layers=4, heads=4, seq_len=64, mlp_ratio=8, activation=activation)
     with nnx.use_eager_sharding(False):
         graphdef, params = nnx.split(GPT(cfg, ImplConfig(scan_layers=False, remat=remat), rngs=nnx.Rngs(0)))
     tokens = jax.random.randint(jax.random.key(2), (8, 65), 0, 64)

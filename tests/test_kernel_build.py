@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxdist import cli, kernels
-from jaxdist.config import ImplConfig, ModelConfig
+from jaxdist.config import GPTConfig, ImplConfig
 from jaxdist.kernels import build, gelu_matmul
 
 from test_gelu_matmul import STAND_IN
@@ -144,13 +144,13 @@ def test_tracing_with_nothing_built_never_compiles_and_falls_back(cache, fake_cu
 
 def test_train_and_bench_build_only_on_a_gpu_when_the_model_asks(monkeypatch):
     monkeypatch.setattr(kernels, "build_kernels", lambda: [kernels.Status("gelu_matmul", "built", "/x.so")])
-    gelu, unrolled = ModelConfig(), ImplConfig(scan_layers=False)
+    gelu, unrolled = GPTConfig(), ImplConfig(scan_layers=False)
     assert kernels.build_for(gelu, unrolled) is None  # this CPU
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert kernels.build_for(gelu, unrolled) == "kernels: gelu_matmul: built (/x.so)"
     assert kernels.build_for(gelu, ImplConfig(scan_layers=True)) == "kernels: gelu_matmul: built (/x.so)"
     for model, impl in ((gelu, ImplConfig(scan_layers=False, gelu_grad_impl="xla")),
-                        (ModelConfig(activation="swiglu"), unrolled)):
+                        (GPTConfig(activation="swiglu"), unrolled)):
         assert kernels.build_for(model, impl) is None
 
 

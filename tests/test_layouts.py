@@ -11,7 +11,7 @@ from conftest import make_config
 
 from jaxdist import loop
 from jaxdist.observe import hlo
-from jaxdist.observe.bench import random_tokens
+from jaxdist.observe.bench import random_batch
 from jaxdist.train.trainer import Trainer, state_bytes_per_device
 
 
@@ -89,7 +89,7 @@ def test_batch_chunks_change_neither_the_math_nor_what_crosses_devices(tmp_path)
     for chunks in (1, 2):
         cfg = make_config(tmp_path / str(chunks), impl={"scan_layers": False, "batch_chunks": chunks}, **layout)
         trainer = Trainer.from_config(cfg, devices)
-        trainer.compile(trainer.global_batch(random_tokens(cfg)))
+        trainer.compile(trainer.global_batch(random_batch(cfg)))
         text = trainer.compiled_text()
         calls = collections.Counter()
         for op in hlo.collectives(text):

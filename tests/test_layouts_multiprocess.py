@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import make_config
+from conftest import SMALL_RESNET, make_classifier_config, make_config
 
 from jaxdist import loop
 from jaxdist.launch import free_port
@@ -119,6 +119,26 @@ def test_every_layout_across_processes_trains_like_one_process(tmp_path, one_pro
         fed = [json.loads((tmp_path / name / f"rows-{p}.json").read_text()) for p in range(processes)]
         assert fed == [list(rows) for rows in LAYOUTS[name][1][processes]], name
         _assert_same_training(metrics(tmp_path / name), one_process[name])
+
+
+def test_classifier_eval_is_exact_across_processes(tmp_path):
+    """A BatchNorm ResNet on data=2 x fsdp=4 as 1 process x 8 devices and as 2 x 4: the same losses,
+    and the same eval loss and accuracy over the whole eval split of 360 digits, which batches of
+    32 do not divide (the last one is padded with rows of weight 0)."""
+
+    def case(name):
+        return make_classifier_config(tmp_path / name, SMALL_RESNET, mesh={"data": 2, "fsdp": 4},
+                                      rules={"preset": "fsdp"}, train={"steps": 2, "global_batch": 32},
+                                      eval={"every": 2})
+
+    run_processes([case("one")], 1, tmp_path, fast_compile=True)
+    run_processes([case("two")], 2, tmp_path, fast_compile=True)
+    one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    np.testing.assert_allclose([m["loss"] for m in two], [m["loss"] for m in one], rtol=1e-5, atol=0)
+    assert two[-1]["eval_accuracy"] == one[-1]["eval_accuracy"]
+    np.testing.assert_allclose(two[-1]["eval_loss"], one[-1]["eval_loss"], rtol=1e-6, atol=0)
+    correct = one[-1]["eval_accuracy"] * 360  # a whole number of the 360 eval images, no padding counted
+    assert abs(correct - round(correct)) < 1e-9 and 0 < round(correct) < 360
 
 
 def test_pipeline_saved_by_two_processes_resumes_in_one_under_another_layout(tmp_path):

@@ -26,7 +26,7 @@ def gpt(tmp_path_factory):
     from one per layer.
     """
     cfg = make_config(tmp_path_factory.mktemp("gpt"))
-    _, abstract, names = abstract_model(models.get("gpt").create(cfg), 0)
+    _, abstract, names, _, _ = abstract_model(models.get("gpt").create(cfg), 0)
     rng = np.random.default_rng(0)
     layer_scale = np.array([1.0, 3.0])
 

@@ -103,7 +103,7 @@ def _pipe_config(tmp_path, stages=1, microbatches=1, repeats=1, data=1, tensor=1
 
 def _loss_and_grads_fn(cfg):
     entry = models.get("gpt")
-    graphdef, _, _ = abstract_model(entry.create(cfg), cfg.seed)
+    graphdef = abstract_model(entry.create(cfg), cfg.seed).graphdef
 
     def loss_and_grads(params, batch):
         return jax.value_and_grad(lambda p: entry.loss(nnx.merge(graphdef, p), batch))(params)
@@ -141,7 +141,7 @@ def test_pipelined_loss_and_grads_match_unpipelined(tmp_path, devices, reference
     cfg = _pipe_config(tmp_path, stages, microbatches, repeats, data, tensor, impl={"norm_impl": norm_impl})
     layout = layout_lib.from_config(cfg, devices)
     mesh, rules = layout.mesh, layout.rules
-    _, abstract, names = abstract_model(models.get("gpt").create(cfg), cfg.seed)
+    _, abstract, names, _, _ = abstract_model(models.get("gpt").create(cfg), cfg.seed)
     layouts = rules_lib.param_layouts(abstract, names, rules, mesh)
     sharded = jax.device_put(params, rules_lib.layout_shardings(layouts, mesh))
     assert sharded["blocks"]["mlp"]["up"].sharding.spec[0] == "stage"

@@ -4,11 +4,12 @@ import jax
 import pytest
 from conftest import make_config
 
-from jaxdist import cli, config
+from jaxdist import cli, config, models
 from jaxdist.errors import UserError
 from jaxdist.observe import plan
-from jaxdist.observe.bench import flops_per_token
+from jaxdist.models.gpt import flops_per_token
 from jaxdist.observe.scaling import model_size
+from jaxdist.train.state import abstract_model
 
 SMALL = {"model": {"d_model": 64, "layers": 2, "heads": 4, "seq_len": 64, "vocab": 256},
          "train": {"global_batch": 16}, "mesh": {"data": 2, "fsdp": 4, "tensor": 1}, "rules": {"preset": "fsdp"}}
@@ -67,3 +68,27 @@ def test_a_wider_fsdp_keeps_the_device_count(tmp_path):
     assert plan.savings(filled)[-1] == ["mesh.data=1", "mesh.fsdp=-1", "rules.preset=fsdp"]
     fixed = make_config(tmp_path, mesh={"data": 2, "fsdp": 4})
     assert plan.savings(fixed)[-1] == ["mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp_tp"]
+
+
+@pytest.mark.parametrize("recipe", ["digits_mlp", "digits_resnet_lars"])
+def test_plan_for_a_classifier_counts_its_state_batch_and_flops(capsys, recipe):
+    """Every registered model plans: under fsdp=8 the ResNet's kernels, BatchNorm parameters and
+    running averages hold an eighth per device (all but the head's 10 biases); the batch is 64
+    images of 8x8x1 float32 and their int32 labels; the FLOPs are the model's per example."""
+    overrides = ["mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp", "train.global_batch=64"]
+    assert cli.main(["plan", recipe, *overrides]) == 0  # `auto` sizes from the digits, as train takes them
+    assert capsys.readouterr().out.startswith("plan: mesh data=1 x stage=1 x fsdp=8 x tensor=1 (8 cpu devices)\n")
+    cfg = config.load(recipe, [*overrides, "model.classes=10", "model.image_shape=[8,8,1]"])
+    result = plan.make_plan(cfg)
+    abstract = abstract_model(models.get(cfg.model.name).create(cfg), cfg.seed)
+    count = sum(leaf.size for leaf in jax.tree.leaves(abstract.params))
+    assert result.batch == 64 * (8 * 8 * 1 * 4 + 4) // 8
+    assert result.flops == models.get(cfg.model.name).flops_per_example(cfg) * 64 / 8
+    if recipe == "digits_resnet_lars":
+        assert result.params == ((count - 10) // 8 + 10) * 4
+        state = sum(leaf.size for leaf in jax.tree.leaves(abstract.state))
+        assert result.model_state == state * 4 // 8 and "model state" in result.lines()[1]
+    else:  # the hidden layers' biases (`mlp`) stay whole under fsdp
+        assert result.model_state == 0
+        biases = sum(cfg.model.hidden) + 10
+        assert result.params == ((count - biases) // 8 + biases) * 4

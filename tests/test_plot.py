@@ -1,4 +1,5 @@
-"""`jaxdist plot`: one PNG of loss and tokens/s for one or several runs; a bad run dir is one line, exit 2."""
+"""`jaxdist plot`: one PNG of loss, throughput (and accuracy) for one or several runs; a bad run dir is one line,
+exit 2."""
 
 import json
 
@@ -56,3 +57,18 @@ def test_legend_names_runs_briefly_and_tokens_per_sec_starts_at_zero(tmp_path):
     loss, throughput = plot.figure({"a": plot.read_metrics(tmp_path / "a")}).axes
     assert [line.get_label() for line in loss.get_lines()] == ["loss", "eval_loss"]
     assert throughput.get_ylim()[0] == 0 and throughput.get_ylim()[1] >= 1200  # 1000 + 10 x step, up to 1200
+
+
+def test_a_classifiers_plot_shows_examples_per_second_and_accuracy(tmp_path):
+    from jaxdist.observe import plot
+
+    (tmp_path / "c").mkdir()
+    records = [{"step": step, "loss": 2.0 / step, "accuracy": 1 - 1 / (step + 1), "examples_per_sec": 500.0}
+               for step in range(1, 6)]
+    records[-1].update(eval_loss=0.3, eval_accuracy=0.9)
+    (tmp_path / "c" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    write_run(tmp_path / "gpt", 5, 1.0)
+    assert [title for title, _ in plot.panels({"gpt": plot.read_metrics(tmp_path / "gpt")})] == ["loss", "throughput"]
+    runs = {"c": plot.read_metrics(tmp_path / "c")}
+    assert [title for title, _ in plot.panels(runs)] == ["loss", "throughput", "accuracy"]
+    assert imread(plot.plot([str(tmp_path / "c")])).shape[0] >= 800  # three panels

@@ -13,11 +13,13 @@ from jaxdist.errors import UserError
 
 
 def export_params(run_dir: str | Path, out: str | Path, step: int | None = None) -> tuple[int, int]:
-    """Writes the params of a run's checkpoint (default: the newest) as one safetensors or npz file.
+    """Writes the params of a run's checkpoint (default: the newest) as one safetensors or npz file,
+    with the model state (BatchNorm's running averages) where the model has one.
 
-    Keys are the dotted parameter paths (`blocks.attn.qkv`); a safetensors file's metadata holds
-    the step and the resolved config. Returns (step, number of arrays). Only the params are read,
-    but all of them, into this host's memory: this is for use elsewhere, not for training.
+    Keys are the dotted variable paths (`blocks.attn.qkv`, `stem.norm.mean`); a safetensors file's
+    metadata holds the step and the resolved config. Returns (step, number of arrays). Only the
+    params and model state are read, but all of them, into this host's memory: this is for use
+    elsewhere, not for training.
     """
     out = Path(out)
     if out.suffix not in (".safetensors", ".npz"):
@@ -42,8 +44,9 @@ def export_params(run_dir: str | Path, out: str | Path, step: int | None = None)
             step = steps[-1]
         elif step not in steps:
             raise UserError(f"export: --step {step} is not in {directory}; available: {', '.join(map(str, steps))}")
-        params, meta = store.read_params(step)
-    arrays = {dotted_name(path): np.ascontiguousarray(leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+        parts, meta = store.read_parts(step, ("params", "model_state"))
+    arrays = {dotted_name(path): np.ascontiguousarray(leaf)
+              for part in parts.values() for path, leaf in jax.tree_util.tree_flatten_with_path(part)[0]}
     if out.suffix == ".npz":
         np.savez(out, **arrays)
     else:

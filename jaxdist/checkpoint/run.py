@@ -126,7 +126,7 @@ class RunCheckpoints:
                     store.set_aside(step, err)
                     continue
                 if any(name.startswith("params.") for name in saved):
-                    _, params, _ = abstract_model(models.get(self.cfg.model.name).create(self.cfg), self.cfg.seed)
+                    params = abstract_model(models.get(self.cfg.model.name).create(self.cfg), self.cfg.seed).params
                     with self._explaining_mismatch(store):
                         store.check_fits(step, params, part="params")
                 self._planned = step

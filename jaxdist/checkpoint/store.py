@@ -333,15 +333,17 @@ class Checkpoints:
         restored = self._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))
         return dict(restored[META])
 
-    def read_params(self, step: int) -> tuple[Any, dict[str, Any]]:
-        """The params of checkpoint `step` as numpy arrays on this host (nothing else of the state
-        is read), and its meta."""
-        saved = self._manager.item_metadata(step)[STATE].tree["params"]
+    def read_parts(self, step: int, parts: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The parts of checkpoint `step`'s state named in `parts` that it holds (e.g. params and
+        model_state) as numpy arrays on this host (nothing else of the state is read), and its meta."""
+        tree = self._manager.item_metadata(step)[STATE].tree
+        saved = {part: tree[part] for part in parts if tree.get(part) is not None}
         as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), saved)
-        state = ocp.args.PyTreeRestore(item={"params": saved}, restore_args={"params": as_numpy}, partial_restore=True)
+        state = ocp.args.PyTreeRestore(item=saved, restore_args=as_numpy, partial_restore=True)
         restored = self._manager.restore(step, args=ocp.args.Composite(**{STATE: state, META: ocp.args.JsonRestore()}))
-        self.verify(step, {"params": restored[STATE]["params"]})
-        return restored[STATE]["params"], dict(restored[META])
+        found = {part: restored[STATE][part] for part in saved}
+        self.verify(step, found)
+        return found, dict(restored[META])
 
     def check_fits(self, step: int, target: Any, part: str | None = None) -> None:
         """Raises `CheckpointMismatch` naming the first leaf whose shape differs from `target`'s.

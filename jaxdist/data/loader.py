@@ -2,9 +2,10 @@
 
 `data.source` picks the examples: `stdlib` (the embedded corpus, byte tokens), `arrayrecord`
 (token shards written by `jaxdist data prepare` under `data.path`), `images` (labeled-image shards
-written by `jaxdist data prepare FOLDER`) or `arrays` (a `.npz` of equally long arrays under
-`data.path`, loaded into memory). `data.augment` changes train images, never eval ones. Everything
-a user can get wrong is checked when a split is opened, before the loop compiles anything.
+written by `jaxdist data prepare FOLDER`), `arrays` (a `.npz` of equally long arrays under
+`data.path`, loaded into memory) or `digits` (scikit-learn's 8x8 digit images, data/digits.py).
+`data.augment` changes train images, never eval ones. Everything a user can get wrong is checked
+when a split is opened, before the loop compiles anything.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxdist.config import Config
-from jaxdist.data import corpus, pipeline, sources
+from jaxdist.config import ClassifierSection, Config
+from jaxdist.data import corpus, digits, pipeline, sources
 from jaxdist.data.augment import Augment
 from jaxdist.data import tokenizer as tokenizer_lib
 from jaxdist.errors import UserError
@@ -31,6 +32,9 @@ def open_split(cfg: Config, split: str, keys: tuple[str, ...] = ()):
     """The random-access source of `split` ('train' or 'eval') that `cfg.data` describes; an `arrays`
     file must hold the arrays named in `keys` (the model's batch keys)."""
     data = cfg.data
+    if data.source in ("stdlib", "arrayrecord") and cfg.model.tokens_per_example is None:
+        raise UserError(f"data.source={data.source} holds token sequences, but model.name={cfg.model.name} reads "
+                        f"images and labels; use data.source=digits or arrays")
     if data.source == "stdlib":
         name = f"the {split} split of the stdlib corpus (data.eval_fraction={data.eval_fraction})"
         tokens = corpus.stdlib_tokens(split, data.eval_fraction)
@@ -43,13 +47,15 @@ def open_split(cfg: Config, split: str, keys: tuple[str, ...] = ()):
         return _windows(tokens, cfg, name, manifest["tokenizer"]["vocab_size"], f"data.path={data.path}")
     if data.source == "images":
         return _images(cfg, split, keys)
-    arrays = _array_split(Path(data.path), split, data.eval_fraction)
+    if data.source == "digits":
+        arrays, name, fix = digits.split(split), "data.source=digits", "use a classifier (model.name=mlp or resnet)"
+    else:
+        arrays, name = _array_split(Path(data.path), split, data.eval_fraction), f"data.path={data.path}"
+        fix = f"save them with numpy.savez(path, {'=..., '.join(keys)}=...)"
     if missing := [key for key in keys if key not in arrays]:
-        raise UserError(
-            f"data.path={data.path} lacks the array(s) {', '.join(missing)} that model.name={cfg.model.name} reads "
-            f"(it holds {', '.join(arrays)}); save them with numpy.savez(path, {'=..., '.join(keys)}=...)"
-        )
-    return sources.ArraySource(arrays, f"data.path={data.path}")
+        raise UserError(f"{name} lacks the array(s) {', '.join(missing)} that model.name={cfg.model.name} reads "
+                        f"(it holds {', '.join(arrays)}); {fix}")
+    return sources.ArraySource(arrays, name)
 
 
 def _windows(tokens, cfg: Config, name: str, vocab: int, vocab_of: str) -> pipeline.TokenWindows:
@@ -120,6 +126,8 @@ def data_vocab(cfg: Config) -> int:
     """The vocabulary size of the configured data: the prepared tokenizer's, 256 bytes for the
     stdlib corpus, or the largest token id + 1 of an `arrays` file's integer inputs and targets."""
     data = cfg.data
+    if data.source == "digits":
+        raise UserError("model.vocab=auto: data.source=digits holds images, not tokens; use a token source")
     if data.source == "stdlib":
         return tokenizer_lib.ByteTokenizer.vocab_size
     if data.source == "arrayrecord":
@@ -168,11 +176,32 @@ def data_images(cfg: Config) -> ImageData:
     return ImageData(classes, tuple(int(size) for size in images.shape[1:]), tuple(str(i) for i in range(classes)))
 
 
-def resolve_vocab(cfg: Config) -> Config:
-    """`cfg` with `model.vocab: auto` replaced by the vocabulary of its data (`data_vocab`)."""
-    if cfg.model.vocab != "auto":
+def data_classes_and_shape(cfg: Config, key: str) -> tuple[int, list[int]]:
+    """(classes, [height, width, channels]) of the configured data, for the `auto` of model.`key`:
+    digits' 10 and [8, 8, 1], or those of labeled images (`data_images`)."""
+    if cfg.data.source == "digits":
+        return digits.CLASSES, list(digits.IMAGE_SHAPE)
+    if cfg.data.source not in ("images", "arrays"):
+        raise UserError(f"model.{key}=auto: data.source={cfg.data.source} holds no labelled images; set model.{key}, "
+                        f"or use data.source=digits, images or arrays")
+    images = data_images(cfg)
+    return images.classes, list(images.image_shape)
+
+
+def resolve_model(cfg: Config) -> Config:
+    """`cfg` with every `auto` of its model section taken from its data: model.vocab (`data_vocab`),
+    model.classes and model.image_shape (`data_classes_and_shape`)."""
+    model, update = cfg.model, {}
+    if getattr(model, "vocab", None) == "auto":
+        update["vocab"] = data_vocab(cfg)
+    if isinstance(model, ClassifierSection):
+        auto = [key for key in ("classes", "image_shape") if getattr(model, key) == "auto"]
+        if auto:
+            classes, image_shape = data_classes_and_shape(cfg, auto[0])
+            update.update({key: {"classes": classes, "image_shape": image_shape}[key] for key in auto})
+    if not update:
         return cfg
-    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab": data_vocab(cfg)})})
+    return cfg.model_copy(update={"model": model.model_copy(update=update)})
 
 
 def resolve_steps(cfg: Config, train_examples: int) -> Config:

@@ -43,13 +43,13 @@ def build_kernels(handlers: tuple[build.Handler, ...] = NATIVE) -> list[Status]:
 
 
 def wants_native(model, impl) -> bool:
-    """Whether a model (`ModelConfig`, `ImplConfig`) runs a C++ handler where one is available: the
-    GELU-gradient epilogue (`gelu_grad_impl` auto or cublaslt, with GELU, as the model takes it)."""
-    return impl.gelu_grad_impl != "xla" and model.activation == "gelu"
+    """Whether a model (a `model:` section, `ImplConfig`) runs a C++ handler where one is available: the
+    GPT's GELU-gradient epilogue (`gelu_grad_impl` auto or cublaslt, with GELU, as the model takes it)."""
+    return model.name == "gpt" and impl.gelu_grad_impl != "xla" and model.activation == "gelu"
 
 
 def build_for(model, impl) -> str | None:
-    """On a GPU, builds the C++ handlers that a model (`ModelConfig`, `ImplConfig`) asks for, before
+    """On a GPU, builds the C++ handlers that a model (a `model:` section, `ImplConfig`) asks for, before
     its step compiles.
 
     Returns one status line, or None where there is nothing to build (not a GPU, or not asked).

@@ -1,4 +1,6 @@
-"""Models, registered by name. A model is built from the config and scored by its loss function."""
+"""Models, registered by name: built from the config, trained by their loss, evaluated by their eval
+sums, their work counted in FLOPs per example. `model.name` picks one (gpt, mlp, resnet); each has
+its own config section (jaxdist.config.MODEL_CONFIGS)."""
 
 from __future__ import annotations
 
@@ -7,15 +9,18 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
 from jaxdist.config import Config
 from jaxdist.errors import UserError
-from jaxdist.models.cross_entropy import fused_linear_cross_entropy
-from jaxdist.models import gpt
-from jaxdist.models.gpt import GPT
+from jaxdist.models import classifier, gpt, mlp, resnet
 from jaxdist.models import dtypes as dtypes_lib
+from jaxdist.models.cross_entropy import fused_linear_cross_entropy
+from jaxdist.models.gpt import GPT
+from jaxdist.models.mlp import MLP
+from jaxdist.models.resnet import ResNet
 
 
 def lm_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
@@ -40,23 +45,38 @@ def lm_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
     return (losses * weights).sum() / weights.sum()
 
 
+def lm_eval_sums(model: nnx.Module, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The eval batch's summed loss: `lm_loss` (the weighted mean) times the real sequences' weight."""
+    return {"loss": lm_loss(model, batch) * batch["weights"].sum()}
+
+
 @dataclass(frozen=True)
 class ModelEntry:
-    """How to build a registered model from the config, and its training loss."""
+    """How to build a registered model from the config, train it, evaluate it and count its work."""
 
     create: Callable[[Config], Callable[[nnx.Rngs], nnx.Module]]
-    loss: Callable[[nnx.Module, dict[str, jax.Array]], jax.Array]
+    # The training loss: the mean over the batch, or (mean, {name: mean metric}) (e.g. accuracy).
+    loss: Callable[[nnx.Module, dict[str, jax.Array]], jax.Array | tuple[jax.Array, dict[str, jax.Array]]]
+    # Over one eval batch (with `weights`, 0 on padding): {metric: its sum over the real examples};
+    # the evaluator divides the totals over the split by the total weight (train/evaluate.py).
+    eval_sums: Callable[[nnx.Module, dict[str, jax.Array]], dict[str, jax.Array]]
+    # Training FLOPs of one example (MFU, `jaxdist bench` and `plan`).
+    flops_per_example: Callable[[Config], float]
+    # `random_batch(cfg, rng, rows)`: `rows` random examples, numpy (`jaxdist bench`; `plan` takes its shapes).
+    random_batch: Callable[[Config, np.random.Generator, int], dict[str, np.ndarray]]
+    # The arrays each batch holds (checked against a data source before compiling).
+    batch_keys: tuple[str, ...]
     # Which parameters (by pytree path) the model reads only in the compute dtype: these may be
     # kept as compute-dtype copies between steps (`precision.compute_copies`, train/copies.py).
     read_in_compute_dtype: Callable[[tuple], bool] | None = None
-    # The arrays each batch must hold (checked against a `data.source=arrays` file before compiling).
-    batch_keys: tuple[str, ...] = ()
+    # A language model: `sample:` continues a prompt after training.
+    samples_text: bool = False
 
 
 def _gpt(cfg: Config) -> Callable[[nnx.Rngs], nnx.Module]:
     if cfg.model.vocab == "auto":
         raise UserError("model.vocab=auto is not resolved; pass the config through "
-                        "jaxdist.data.loader.resolve_vocab, or set model.vocab to a number")
+                        "jaxdist.data.loader.resolve_model, or set model.vocab to a number")
     dtypes = dtypes_lib.policy(cfg.precision)
     return lambda rngs: GPT(
         cfg.model, cfg.impl, rngs=rngs, param_dtype=dtypes.param_dtype, compute_dtype=dtypes.compute_dtype,
@@ -64,9 +84,33 @@ def _gpt(cfg: Config) -> Callable[[nnx.Rngs], nnx.Module]:
     )
 
 
+def _classifier(model_class: type[nnx.Module]) -> Callable[[Config], Callable[[nnx.Rngs], nnx.Module]]:
+    def create(cfg: Config) -> Callable[[nnx.Rngs], nnx.Module]:
+        classifier.sizes(cfg.model)  # `auto` resolved, or one line saying so
+        dtypes = dtypes_lib.policy(cfg.precision)
+        return lambda rngs: model_class(cfg.model, rngs=rngs, param_dtype=dtypes.param_dtype,
+                                        compute_dtype=dtypes.compute_dtype)
+
+    return create
+
+
+def _classifier_entry(model_class: type[nnx.Module], flops_per_example: Callable[[Config], float]) -> ModelEntry:
+    return ModelEntry(
+        create=_classifier(model_class), loss=classifier.loss, eval_sums=classifier.eval_sums,
+        flops_per_example=flops_per_example, batch_keys=classifier.BATCH_KEYS,
+        random_batch=lambda cfg, rng, rows: classifier.random_batch(cfg.model, rng, rows),
+    )
+
+
 MODELS: dict[str, ModelEntry] = {
-    "gpt": ModelEntry(create=_gpt, loss=lm_loss, read_in_compute_dtype=gpt.read_in_compute_dtype,
-                      batch_keys=("inputs", "targets")),
+    "gpt": ModelEntry(
+        create=_gpt, loss=lm_loss, eval_sums=lm_eval_sums,
+        flops_per_example=lambda cfg: gpt.flops_per_token(cfg) * cfg.model.seq_len,
+        random_batch=gpt.random_tokens, batch_keys=("inputs", "targets"),
+        read_in_compute_dtype=gpt.read_in_compute_dtype, samples_text=True,
+    ),
+    "mlp": _classifier_entry(MLP, mlp.flops_per_example),
+    "resnet": _classifier_entry(ResNet, resnet.flops_per_example),
 }
 
 

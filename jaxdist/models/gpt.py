@@ -15,9 +15,10 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from jaxdist.config import ImplConfig, ModelConfig, PipelineConfig
+from jaxdist.config import Config, GPTConfig, ImplConfig, PipelineConfig
 from jaxdist.kernels import fused_norm, gelu_matmul
 from jaxdist.parallel import pipeline as pipeline_lib
 from jaxdist.parallel.rules import constrain
@@ -61,7 +62,7 @@ class Norm(nnx.Module):
     (`impl.norm_impl`, kernels/fused_norm.py), elsewhere as plain XLA.
     """
 
-    def __init__(self, cfg: ModelConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: GPTConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
         self.kind = cfg.norm
         self.impl = impl.norm_impl
         self.scale = _param(rngs, nnx.initializers.ones_init(), (cfg.d_model,), ("embed",), param_dtype)
@@ -107,7 +108,7 @@ def rope(x: jax.Array, positions: jax.Array) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: GPTConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
         head_dim = cfg.d_model // cfg.heads
         self.rope = cfg.positions == "rope"
         self.implementation = impl.attention
@@ -142,7 +143,7 @@ def _attention_impl(attention: str, dtype) -> str | None:
 
 
 class Mlp(nnx.Module):
-    def __init__(self, cfg: ModelConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: GPTConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
         self.activation = cfg.activation
         self.gelu_grad_impl = impl.gelu_grad_impl
         self.recompute_activation = impl.remat == "mlp"
@@ -180,7 +181,7 @@ class Block(nnx.Module):
     GPU), so the last block's add is done by the caller's final norm. `delta` None: nothing pending.
     """
 
-    def __init__(self, cfg: ModelConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: GPTConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
         self.norm1 = Norm(cfg, impl, param_dtype, rngs)
         self.attn = Attention(cfg, impl, param_dtype, rngs)
         self.norm2 = Norm(cfg, impl, param_dtype, rngs)
@@ -215,7 +216,7 @@ class GPT(nnx.Module):
 
     def __init__(
         self,
-        cfg: ModelConfig,
+        cfg: GPTConfig,
         impl: ImplConfig = ImplConfig(),
         *,
         rngs: nnx.Rngs,
@@ -310,3 +311,18 @@ class GPT(nnx.Module):
         if self.impl.remat in ("none", "mlp"):
             return fn
         return jax.checkpoint(fn, policy=_REMAT_POLICIES[self.impl.remat], prevent_cse=not self.impl.scan_layers)
+
+
+def flops_per_token(cfg: Config) -> int:
+    """Training FLOPs per token, counted as the peers count them (shared/peers/README.md), so MFU
+    compares: 6 x (12 x layers x d^2 + vocab x d) for the matmuls, plus 12 x layers x d x seq for
+    attention."""
+    m = cfg.model
+    matmul_params = 12 * m.layers * m.d_model**2 + m.vocab * m.d_model
+    return 6 * matmul_params + 12 * m.layers * m.d_model * m.seq_len
+
+
+def random_tokens(cfg: Config, rng: np.random.Generator, rows: int) -> dict[str, np.ndarray]:
+    """`rows` sequences of uniform random tokens: inputs and the same tokens shifted by one as targets."""
+    tokens = rng.integers(0, cfg.model.vocab, (rows, cfg.model.seq_len + 1), dtype=np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}

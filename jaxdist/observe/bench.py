@@ -1,11 +1,14 @@
-"""`jaxdist bench`: times the real train step (the `train` code path) on fixed random tokens.
+"""`jaxdist bench`: times the real train step (the `train` code path) on a fixed random batch.
 
-Warm-up steps are excluded; the step time is the median over windows of timed steps. MFU is counted exactly
-as the peers count it (shared/peers/README.md), so numbers compare:
+Any registered model: random tokens for the GPT, random pixels and labels for a classifier
+(`ModelEntry.random_batch`). Warm-up steps are excluded; the step time is the median over windows
+of timed steps. MFU is the model's training FLOPs per example (`ModelEntry.flops_per_example`)
+times examples per second and device over the device's peak (989e12 on H100 and H200). For the
+GPT that is exactly the peers' count (shared/peers/README.md), so numbers compare:
 
     matmul_params   = 12 * layers * d * d + vocab * d
     flops_per_token = 6 * matmul_params + 12 * layers * d * seq
-    MFU             = flops_per_token * tokens_per_sec_per_device / peak   (989e12 on H100 and H200)
+    MFU             = flops_per_token * tokens_per_sec_per_device / peak
 """
 
 from __future__ import annotations
@@ -22,30 +25,21 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxdist import kernels
+from jaxdist import kernels, models
 from jaxdist.config import Config
 from jaxdist.errors import UserError
 from jaxdist.observe import clocks, hlo
-from jaxdist.observe.metrics import mfu
+from jaxdist.observe.metrics import mfu, throughput
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.parallel import pipeline
 from jaxdist.train.trainer import Trainer
 
 
-def flops_per_token(cfg: Config) -> float:
-    m = cfg.model
-    matmul_params = 12 * m.layers * m.d_model**2 + m.vocab * m.d_model
-    return 6 * matmul_params + 12 * m.layers * m.d_model * m.seq_len
-
-
-def random_tokens(cfg: Config, rows: Sequence[int] | None = None) -> dict[str, np.ndarray]:
-    """The `rows` (default: all) of a global batch of random tokens drawn from `cfg.seed`: the same
-    rows hold the same tokens on every process."""
-    rng = np.random.default_rng(cfg.seed)
-    tokens = rng.integers(0, cfg.model.vocab, (cfg.train.global_batch, cfg.model.seq_len + 1), dtype=np.int32)
-    if rows is not None:
-        tokens = tokens[np.asarray(rows)]
-    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+def random_batch(cfg: Config, rows: Sequence[int] | None = None) -> dict[str, np.ndarray]:
+    """The `rows` (default: all) of a global batch of random examples of the model drawn from
+    `cfg.seed`: the same rows hold the same values on every process."""
+    batch = models.get(cfg.model.name).random_batch(cfg, np.random.default_rng(cfg.seed), cfg.train.global_batch)
+    return batch if rows is None else {key: value[np.asarray(rows)] for key, value in batch.items()}
 
 
 def pipeline_schedule(cfg: Config, stages: int) -> dict:
@@ -107,14 +101,14 @@ def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = No
 
     With `profile_dir`, three more steps are traced by the JAX profiler into that folder.
     """
-    if cfg.model.vocab == "auto":
-        raise UserError("model.vocab=auto takes the vocabulary from the data, but bench runs on random tokens; "
-                        "set model.vocab to a number")
+    if auto := [key for key in ("vocab", "classes", "image_shape") if getattr(cfg.model, key, None) == "auto"]:
+        raise UserError(f"model.{auto[0]}=auto takes its value from the data, but bench runs on random examples; "
+                        f"set model.{auto[0]}")
     start = time.perf_counter()
     if (built := kernels.build_for(cfg.model, cfg.impl)) and jax.process_index() == 0:
         print(built, flush=True)  # before compiling: the model only loads the kernels while traced
     trainer = Trainer.from_config(cfg, devices)
-    batch = trainer.global_batch(random_tokens(cfg, trainer.process_rows(cfg.train.global_batch).rows))
+    batch = trainer.global_batch(random_batch(cfg, trainer.process_rows(cfg.train.global_batch).rows))
     trainer.compile(batch)
     setup_s = time.perf_counter() - start
     first_loss = float(trainer.step(batch)["loss"])  # the untrained model's: the same under any layout
@@ -130,10 +124,12 @@ def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = No
             jax.block_until_ready(metrics)
     step_s = statistics.median(times)
     devices = trainer.mesh.devices.flatten().tolist()
-    tokens_per_sec = cfg.train.global_batch * cfg.model.seq_len / step_s
-    per_device = tokens_per_sec / len(devices)
+    examples_per_sec = cfg.train.global_batch / step_s
+    rates = throughput(examples_per_sec, cfg.model.tokens_per_example)  # tokens/s or examples/s
+    rates.update({f"{key}_per_device": value / len(devices) for key, value in rates.items()})
     peak = peak_memory_bytes(local)
-    utilization = mfu(flops_per_token(cfg), per_device, devices[0].device_kind)
+    utilization = mfu(models.get(cfg.model.name).flops_per_example(cfg), examples_per_sec / len(devices),
+                      devices[0].device_kind)
     return {
         "name": "jaxdist",
         "layout": mesh_lib.describe(trainer.mesh),
@@ -142,9 +138,8 @@ def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = No
         "device_kind": devices[0].device_kind,
         "jax": jax.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "d": cfg.model.d_model,
-        "layers": cfg.model.layers,
-        "seq": cfg.model.seq_len,
+        "model": cfg.model.name,
+        **cfg.model.summary(),
         "global_batch": cfg.train.global_batch,
         "microbatches": cfg.train.microbatches,
         "scan_layers": cfg.impl.scan_layers,
@@ -156,8 +151,7 @@ def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = No
         # cuGraphLaunch while the previous step ran: harmless) or the device for the host; the
         # GPU idle time in `--profile` tells which.
         "dispatch_ms": round(statistics.median(dispatch) * 1e3, 2),
-        "tokens_per_sec": round(tokens_per_sec),
-        "tokens_per_sec_per_device": round(per_device),
+        **{key: round(value) for key, value in rates.items()},
         "mfu": round(utilization, 4) if utilization is not None else None,  # None where the peak is unknown (CPU)
         "peak_mem_gib": round(peak / 2**30, 2) if peak is not None else None,
         # The step's trace and lowering, and XLA's compile (a load where the compilation cache has it).

@@ -1,7 +1,8 @@
 """What a run shows on process 0's console: a start banner, progress, a summary at the end.
 
-On a terminal the progress is a live bar (step, elapsed, ETA, loss, tokens/s); anywhere else (CI,
-log files, `jaxdist launch` children) it is one plain line per logged step, `step <n>  loss ...`.
+On a terminal the progress is a live bar (step, elapsed, ETA, loss, tokens/s or examples/s);
+anywhere else (CI, log files, `jaxdist launch` children) it is one plain line per logged step,
+`step <n>  loss ...`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,16 @@ import jax
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-_LINE_KEYS = ("loss", "eval_loss", "learning_rate", "grad_norm", "tokens_per_sec", "step_time_s")
+_LINE_KEYS = ("loss", "accuracy", "eval_loss", "eval_accuracy", "learning_rate", "grad_norm", "tokens_per_sec",
+              "examples_per_sec", "step_time_s")
+# The throughput a run logs: tokens/s for token sequences, examples/s otherwise (metrics.throughput).
+_THROUGHPUTS = {"tokens_per_sec": "tokens/s", "examples_per_sec": "examples/s"}
+
+
+def _throughput(values: dict[str, float]) -> tuple[str, float]:
+    """(unit, value) of the logged throughput."""
+    key = next(key for key in _THROUGHPUTS if key in values)
+    return _THROUGHPUTS[key], values[key]
 
 
 def terminal() -> Console | None:
@@ -53,7 +63,8 @@ class StepProgress:
         self._start = start
         self._bar: Progress | None = None
         self.steps = 0  # logged so far
-        self._seconds = self._tokens = self._mfu_seconds = 0.0
+        self._seconds = self._items = self._mfu_seconds = 0.0
+        self._unit = "tokens/s"
         self.last: dict[str, float] = {}  # the newest value of each metric
         console = terminal() if show else None
         if console is not None:
@@ -75,12 +86,13 @@ class StepProgress:
         self.steps += steps
         seconds = values["step_time_s"] * steps
         self._seconds += seconds
-        self._tokens += values["tokens_per_sec"] * seconds
+        self._unit, per_sec = _throughput(values)
+        self._items += per_sec * seconds
         # MFU is proportional to tokens/s: weighted by time, its mean is the mean throughput's.
         self._mfu_seconds += values.get("mfu", math.nan) * seconds
         self.last.update(values)
         if self._bar is not None:
-            shown = f"loss {_fmt(values['loss'])}  tokens/s {_fmt(values['tokens_per_sec'])}"
+            shown = f"loss {_fmt(values['loss'])}  {self._unit} {_fmt(per_sec)}"
             self._bar.update(self._task, completed=step, shown=shown)
         elif self._show:
             print(plain_line(step, values), flush=True)
@@ -91,10 +103,11 @@ class StepProgress:
 
     def summary(self, wall_s: float, checkpoint: str) -> str:
         """The closing lines: steps, wall time, mean throughput (and MFU where known), the last
-        losses, `checkpoint` (where it is)."""
-        tokens_per_sec = self._tokens / self._seconds if self._seconds else 0.0
+        losses (and accuracies), `checkpoint` (where it is)."""
+        per_sec = self._items / self._seconds if self._seconds else 0.0
         mfu = self._mfu_seconds / self._seconds if self._seconds else math.nan
         utilization = f", MFU {mfu:.1%}" if math.isfinite(mfu) else ""
-        losses = "  ".join(f"{k.replace('_', ' ')} {_fmt(self.last[k])}" for k in ("loss", "eval_loss") if k in self.last)
-        return (f"trained {self.steps} steps in {wall_s:.1f} s; mean {tokens_per_sec:,.0f} tokens/s{utilization}; "
+        losses = "  ".join(f"{k.replace('_', ' ')} {_fmt(self.last[k])}"
+                           for k in ("loss", "accuracy", "eval_loss", "eval_accuracy") if k in self.last)
+        return (f"trained {self.steps} steps in {wall_s:.1f} s; mean {per_sec:,.0f} {self._unit}{utilization}; "
                 f"last {losses}\n{checkpoint}")

@@ -75,18 +75,26 @@ def peak_flops(device_kind: str) -> float | None:
     return next((peak for name, peak in PEAK_FLOPS_BF16.items() if name in device_kind), None)
 
 
-def mfu(flops_per_token: float, tokens_per_sec_per_device: float, device_kind: str) -> float | None:
-    """Model FLOPs utilization: the model's FLOP/s per device over the device's peak; None where unknown."""
+def mfu(flops_per_item: float, items_per_sec_per_device: float, device_kind: str) -> float | None:
+    """Model FLOPs utilization: the model's FLOP/s per device (FLOPs per token or example times
+    tokens or examples per second) over the device's peak; None where unknown."""
     peak = peak_flops(device_kind)
-    return None if peak is None else flops_per_token * tokens_per_sec_per_device / peak
+    return None if peak is None else flops_per_item * items_per_sec_per_device / peak
 
 
-def device_metrics(flops_per_token: float, tokens_per_sec: float, mesh: Mesh) -> dict[str, float]:
+def throughput(examples_per_sec: float, tokens_per_example: int | None) -> dict[str, float]:
+    """`tokens_per_sec` for a model of token sequences, else `examples_per_sec`."""
+    if tokens_per_example is None:
+        return {"examples_per_sec": examples_per_sec}
+    return {"tokens_per_sec": examples_per_sec * tokens_per_example}
+
+
+def device_metrics(flops_per_example: float, examples_per_sec: float, mesh: Mesh) -> dict[str, float]:
     """`mfu` over the mesh's devices where their peak is known, and the memory in use on this
     process's first device where the platform reports it."""
     device = mesh.local_devices[0]
     values = memory_gb(device)
-    utilization = mfu(flops_per_token, tokens_per_sec / mesh.devices.size, device.device_kind)
+    utilization = mfu(flops_per_example, examples_per_sec / mesh.devices.size, device.device_kind)
     return values if utilization is None else {"mfu": utilization, **values}
 
 

@@ -2,9 +2,9 @@
 
 The train state is described, not allocated (`Trainer.from_config(..., materialize=False)`), and the
 real step is compiled for it ahead of time on the configured mesh; on a CPU machine `--devices N`
-simulates N devices. Per device it reports the parameters, optimizer state and compute-dtype copies
-(from their shardings), the batch, and XLA's own count of temporaries (activations, gradients,
-collective buffers) and code. Over `--device-memory` it compiles changes that save memory (remat,
+simulates N devices. Per device it reports the parameters, optimizer state, model state (BatchNorm's
+running averages) and compute-dtype copies (from their shardings), the batch, and XLA's own count
+of temporaries (activations, gradients, collective buffers) and code. Over `--device-memory` it compiles changes that save memory (remat,
 more microbatches, a wider fsdp axis) and suggests the first that fits.
 """
 
@@ -16,10 +16,11 @@ import re
 from typing import Any
 
 import jax
+import numpy as np
 
+from jaxdist import models
 from jaxdist.config import Config, with_overrides
 from jaxdist.errors import UserError
-from jaxdist.observe.bench import flops_per_token
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.train.trainer import Trainer
 
@@ -44,7 +45,7 @@ def _bytes_per_device(tree: Any) -> int:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Bytes per device of what the compiled step holds, and the model's FLOPs per step and device
-    (the peers' formula, as `jaxdist bench` counts MFU)."""
+    (`ModelEntry.flops_per_example`, as `jaxdist bench` counts MFU)."""
 
     mesh: str
     devices: int
@@ -56,15 +57,18 @@ class Plan:
     temporaries: int
     code: int
     flops: float
+    model_state: int = 0  # the model's non-parameter variables (BatchNorm's running averages)
 
     @property
     def total(self) -> int:
         """Peak bytes per device: the step's inputs (its outputs reuse their donated buffers),
         its temporaries and its code."""
-        return self.params + self.opt_state + self.copies + self.batch + self.temporaries + self.code
+        return (self.params + self.opt_state + self.model_state + self.copies + self.batch + self.temporaries
+                + self.code)
 
     def lines(self) -> list[str]:
-        parts = [("parameters", self.params), ("optimizer state", self.opt_state), ("compute copies", self.copies),
+        parts = [("parameters", self.params), ("optimizer state", self.opt_state), ("model state", self.model_state),
+                 ("compute copies", self.copies),
                  ("batch", self.batch), ("temporaries", self.temporaries), ("code", self.code)]
         shown = ", ".join(f"{name} {_gb(size)}" for name, size in parts if size)
         return [f"plan: mesh {self.mesh} ({self.devices} {self.platform} devices)",
@@ -82,8 +86,9 @@ def compiled_trainer(cfg: Config, devices: list | None = None) -> tuple[Trainer,
     """A trainer whose state is described, not allocated, with its step compiled for an abstract
     batch of `cfg`'s shapes on `devices`; and that batch."""
     trainer = Trainer.from_config(cfg, devices, materialize=False)
-    tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len), "int32", sharding=trainer.batch_sharding)
-    batch = {"inputs": tokens, "targets": tokens}
+    example = models.get(cfg.model.name).random_batch(cfg, np.random.default_rng(0), 1)  # its shapes and dtypes
+    batch = {key: jax.ShapeDtypeStruct((cfg.train.global_batch, *value.shape[1:]), value.dtype,
+                                       sharding=trainer.batch_sharding) for key, value in example.items()}
     trainer.compile(batch)
     return trainer, batch
 
@@ -94,13 +99,13 @@ def make_plan(cfg: Config, devices: list | None = None) -> Plan:
     memory = trainer.compiled.memory_analysis()
     state = trainer.state
     mesh_devices = trainer.mesh.devices.flatten()
-    tokens = cfg.train.global_batch * cfg.model.seq_len
     return Plan(
         mesh=mesh_lib.describe(trainer.mesh), devices=len(mesh_devices), platform=mesh_devices[0].platform,
         params=_bytes_per_device(state.params), opt_state=_bytes_per_device(state.opt_state),
+        model_state=_bytes_per_device(state.model_state),
         copies=_bytes_per_device(trainer.current_copies()), batch=_bytes_per_device(batch),
         temporaries=int(memory.temp_size_in_bytes), code=int(memory.generated_code_size_in_bytes),
-        flops=flops_per_token(cfg) * tokens / len(mesh_devices),
+        flops=models.get(cfg.model.name).flops_per_example(cfg) * cfg.train.global_batch / len(mesh_devices),
     )
 
 

@@ -1,5 +1,6 @@
-"""`jaxdist plot RUN_DIR...`: train and eval loss and tokens/s against step, one PNG for one or
-several runs, read from each run's `metrics.jsonl`.
+"""`jaxdist plot RUN_DIR...`: train and eval loss, throughput (tokens/s or examples/s) and, for
+classifiers, accuracy against step, one PNG for one or several runs, read from each run's
+`metrics.jsonl`.
 
 Keys a line lacks, or holds as null, leave a gap in that line's curve; nothing else is required
 of a run beyond some logged steps. Needs matplotlib (the `plot` extra); drawing uses its Agg
@@ -16,10 +17,11 @@ from pathlib import Path
 from jaxdist.errors import UserError
 
 METRICS = "metrics.jsonl"
-# (panel title, [(metrics key, line style)]) top to bottom; the last panel's axis starts at 0.
+# (panel title, [(metrics key, line style)]) top to bottom; a panel no run has values for is left out.
 PANELS = (
     ("loss", [("loss", "-"), ("eval_loss", "--")]),
-    ("tokens/s", [("tokens_per_sec", "-")]),
+    ("throughput", [("tokens_per_sec", "-"), ("examples_per_sec", "-")]),
+    ("accuracy", [("accuracy", "-"), ("eval_accuracy", "--")]),
 )
 
 
@@ -54,6 +56,12 @@ def series(records: list[dict], key: str) -> tuple[list[float], list[float]]:
     return [step for step, _ in points], [value for _, value in points]
 
 
+def panels(runs: dict[str, list[dict]]) -> list[tuple[str, list[tuple[str, str]]]]:
+    """The `PANELS` that some run has a value for."""
+    return [(title, lines) for title, lines in PANELS
+            if any(series(records, key)[0] for records in runs.values() for key, _ in lines)]
+
+
 def default_out(run_dirs: list[str]) -> Path:
     """RUN_DIR/plot.png for one run; plot.png in the current directory for several."""
     return Path(run_dirs[0]) / "plot.png" if len(run_dirs) == 1 else Path("plot.png")
@@ -70,14 +78,15 @@ def labels(run_dirs: list[str]) -> dict[str, str]:
 
 
 def figure(runs: dict[str, list[dict]]):
-    """The matplotlib `Figure` of `runs` (run_dir -> its metrics records): loss (train solid, eval
-    dashed) and tokens/s against step; tokens/s from 0, so that noise looks like noise."""
+    """The matplotlib `Figure` of `runs` (run_dir -> its metrics records): loss and accuracy (train
+    solid, eval dashed) and throughput against step; throughput from 0, so that noise looks like noise."""
     from matplotlib.figure import Figure
 
-    drawn = Figure(figsize=(8, 6), layout="constrained")
-    axes = drawn.subplots(len(PANELS), 1, sharex=True)
+    shown = panels(runs)
+    drawn = Figure(figsize=(8, 3 * len(shown)), layout="constrained")
+    axes = drawn.subplots(len(shown), 1, sharex=True, squeeze=False)[:, 0]
     names = labels(list(runs))
-    for ax, (title, lines) in zip(axes, PANELS):
+    for ax, (title, lines) in zip(axes, shown):
         for index, (run_dir, records) in enumerate(runs.items()):
             for key, style in lines:
                 steps, values = series(records, key)
@@ -88,7 +97,8 @@ def figure(runs: dict[str, list[dict]]):
         ax.grid(alpha=0.3)
         if ax.has_data():
             ax.legend(fontsize="small")
-    axes[-1].set_ylim(bottom=0)
+        if title == "throughput":
+            ax.set_ylim(bottom=0)
     axes[-1].set_xlabel("step")
     return drawn
 

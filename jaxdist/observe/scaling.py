@@ -27,9 +27,9 @@ import math
 import jax
 
 from jaxdist import models
-from jaxdist.config import MESH_AXES, Config
+from jaxdist.config import MESH_AXES, Config, GPTConfig
 from jaxdist.errors import UserError
-from jaxdist.observe.bench import flops_per_token
+from jaxdist.models.gpt import flops_per_token
 from jaxdist.observe.metrics import PEAK_FLOPS_BF16
 from jaxdist.parallel.mesh import split_across_hosts
 from jaxdist.train.state import abstract_model
@@ -81,8 +81,11 @@ class ModelSize:
 
 def model_size(cfg: Config) -> ModelSize:
     """The recipe's sizes; the parameter count is read off the abstract model (nothing allocated)."""
+    if not isinstance(cfg.model, GPTConfig):
+        raise UserError(f"jaxdist scale models a transformer's traffic (layers, heads, tokens per sequence); "
+                        f"model.name={cfg.model.name} is not one: use a gpt config")
     entry = models.get(cfg.model.name)
-    _, abstract_params, _ = abstract_model(entry.create(cfg), cfg.seed)
+    abstract_params = abstract_model(entry.create(cfg), cfg.seed).params
     params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_params))
     param_bytes, compute_bytes = _dtype_bytes(cfg.precision.params), _dtype_bytes(cfg.precision.compute)
     matmul = 0

@@ -74,9 +74,7 @@ def check(cfg: Config, layout: Layout) -> None:
             f"runs at a time (train.global_batch / {shards} batch shards / train.microbatches); pick a divisor"
         )
     tensor = layout.mesh.shape["tensor"]
-    if cfg.model.heads % tensor:
-        raise UserError(
-            f"model.heads={cfg.model.heads} is not divisible by mesh.tensor={tensor}; "
-            f"use a tensor size that divides {cfg.model.heads}"
-        )
+    for key, value in cfg.model.tensor_divides().items():
+        if value % tensor:
+            raise UserError(f"{key}={value} is not divisible by mesh.tensor={tensor}; use a tensor size that divides {value}")
     pipeline.check_config(cfg, layout.mesh, layout.rules)

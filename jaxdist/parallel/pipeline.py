@@ -124,6 +124,11 @@ def check_config(cfg: Config, mesh: Mesh, rules: rules_lib.Rules) -> None:
     stages = mesh.shape["stage"]
     if stages == 1:
         return
+    if cfg.model.layer_stack is None:
+        raise UserError(
+            f"mesh.stage={stages} pipelines a stack of identical layers, and model.name={cfg.model.name} "
+            f"has none; use mesh.stage=1"
+        )
     if not cfg.impl.scan_layers:
         raise UserError(
             f"mesh.stage={stages} pipelines the stacked layer stack, but impl.scan_layers=false "
@@ -131,7 +136,7 @@ def check_config(cfg: Config, mesh: Mesh, rules: rules_lib.Rules) -> None:
         )
     shards = rules_lib.axes_size(mesh, data_parallel_axes(rules))
     rows = cfg.train.global_batch // shards // cfg.train.microbatches
-    Schedule(stages, cfg.pipeline.microbatches, cfg.pipeline.repeats).check(cfg.model.layers, rows)
+    Schedule(stages, cfg.pipeline.microbatches, cfg.pipeline.repeats).check(cfg.model.layer_stack, rows)
 
 
 def rules_from_config(rules_cfg: RulesConfig, mesh_shape: dict[str, int]) -> rules_lib.Rules:

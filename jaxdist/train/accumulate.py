@@ -15,6 +15,12 @@ along non-batch axes (tensor): under FSDP that is the full parameter, not its 1/
 per_microbatch: the plain GSPMD gradient inside every scan step, reduced (and, under FSDP,
 reduce-scattered to shards) k times per step; lighter on memory, heavier on the network.
 
+Model state (BatchNorm's running averages, `TrainState.model_state`) is threaded through the
+microbatches in order: each microbatch's forward pass normalizes by its own statistics, over all of
+its rows on every device (parallel/batch_stats.py; also inside per_step's per-shard vmap), and
+updates the running averages once. So with k microbatches BatchNorm sees k batches of
+global_batch / k examples per step, and the averages move k times.
+
 With one microbatch both are the plain gradient: XLA reduces each gradient once, where it likes,
 in the dtype its last op produced: under bfloat16 compute on GPU the matmul weights' gradients
 cross devices in bfloat16, unlike torch DDP's float32 (the embedding's, the head's and the norms'
@@ -33,14 +39,19 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxdist.parallel import batch_stats
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.parallel.microbatches import split_microbatches
 from jaxdist.parallel.pipeline import data_parallel_axes
 from jaxdist.train import copies
+from jaxdist.train import state as state_lib
 
 Batch = dict[str, jax.Array]
 LossFn = Callable[[nnx.Module, Batch], "jax.Array | tuple[jax.Array, dict[str, jax.Array]]"]
-GradFn = Callable[[Any, Batch], tuple[tuple[jax.Array, tuple[jax.Array, dict[str, jax.Array]]], Any]]
+# (params, model state, batch) -> ((scaled loss, (loss, aux, new model state)), grads)
+GradFn = Callable[[Any, Any, Batch], tuple[tuple[jax.Array, tuple[jax.Array, dict[str, jax.Array], Any]], Any]]
+# The vmapped axis of per_step's batch shards (a name collectives inside the vmap can use).
+SHARDS = "batch_shards"
 
 GRAD_REDUCTIONS = ("per_step", "per_microbatch")
 
@@ -52,16 +63,17 @@ def loss_and_aux(out) -> tuple[jax.Array, dict[str, jax.Array]]:
 
 def scaled_grad_fn(graphdef: nnx.GraphDef, loss_fn: LossFn, loss_scale: jax.Array | None,
                    compute_copies: Any = None, copies_gather: copies.Gather | None = None) -> GradFn:
-    """`(params, batch) -> ((scaled loss, (loss, aux)), grads of the scaled loss)`.
+    """`(params, model_state, batch) -> ((scaled loss, (loss, aux, new model_state)), grads of the scaled loss)`.
 
     The model reads the leaves that have `compute_copies` (train/copies.py) from them, gathered
-    first with `copies_gather`.
+    first with `copies_gather`. `model_state` None (a model without one) stays None.
     """
 
-    def scaled(params, batch):
-        model = nnx.merge(graphdef, copies.read_copies(params, compute_copies, copies_gather))
+    def scaled(params, model_state, batch):
+        model = state_lib.merge(graphdef, copies.read_copies(params, compute_copies, copies_gather), model_state)
         loss, aux = loss_and_aux(loss_fn(model, batch))
-        return (loss if loss_scale is None else loss * loss_scale.astype(loss.dtype)), (loss, aux)
+        scaled_loss = loss if loss_scale is None else loss * loss_scale.astype(loss.dtype)
+        return scaled_loss, (loss, aux, state_lib.model_state_of(model, model_state))
 
     return jax.value_and_grad(scaled, has_aux=True)
 
@@ -74,20 +86,22 @@ def _zeros_like_shapes(tree: Any) -> Any:
     return jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), tree)
 
 
-def _reduce_per_microbatch(grad_fn: GradFn, params: Any, batch: Batch, microbatches: int):
-    """Sum over microbatches of (loss, aux, float32 grads); GSPMD reduces inside each scan step."""
+def _reduce_per_microbatch(grad_fn: GradFn, params: Any, model_state: Any, batch: Batch, microbatches: int):
+    """(sum over microbatches of (loss, aux, float32 grads), the model state after the last);
+    GSPMD reduces inside each scan step."""
     if microbatches == 1:
-        (_, (loss, aux)), grads = grad_fn(params, batch)
-        return _float32((loss, aux, grads))
+        (_, (loss, aux, model_state)), grads = grad_fn(params, model_state, batch)
+        return _float32((loss, aux, grads)), model_state
     micro = jax.tree.map(lambda x: split_microbatches(x, microbatches), batch)
 
-    def accumulate(total, mb):
-        (_, (loss, aux)), grads = grad_fn(params, mb)
-        return jax.tree.map(jnp.add, total, _float32((loss, aux, grads))), None
+    def accumulate(carry, mb):
+        total, model_state = carry
+        (_, (loss, aux, model_state)), grads = grad_fn(params, model_state, mb)
+        return (jax.tree.map(jnp.add, total, _float32((loss, aux, grads))), model_state), None
 
-    (_, (loss, aux)), grads = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro))
-    total, _ = jax.lax.scan(accumulate, _zeros_like_shapes((loss, aux, grads)), micro)
-    return total
+    (_, (loss, aux, _)), grads = jax.eval_shape(grad_fn, params, model_state, jax.tree.map(lambda x: x[0], micro))
+    (total, model_state), _ = jax.lax.scan(accumulate, (_zeros_like_shapes((loss, aux, grads)), model_state), micro)
+    return total, model_state
 
 
 def _unreduced_sharding(sharding: NamedSharding, axes: tuple[str, ...]) -> NamedSharding:
@@ -96,22 +110,25 @@ def _unreduced_sharding(sharding: NamedSharding, axes: tuple[str, ...]) -> Named
 
 
 def _reduce_per_step(
-    grad_fn: GradFn, params: Any, batch: Batch, microbatches: int,
+    grad_fn: GradFn, params: Any, model_state: Any, batch: Batch, microbatches: int,
     mesh: Mesh, rules: rules_lib.Rules, param_shardings: Any,
 ):
-    """Sum over microbatches of (loss, aux, float32 grads), reduced across devices once, after the scan."""
+    """(Sum over microbatches of (loss, aux, float32 grads), reduced across devices once, after the
+    scan; the model state after the last microbatch)."""
     axes = data_parallel_axes(rules)
     shards = rules_lib.axes_size(mesh, axes)
     # Inside the vmap each shard sees its own rows: the vmapped shard axis carries the
     # data-parallel axes (spmd_axis_name), and `batch` keeps only the others (a pipeline's stages).
     inner_rules = rules.override(activations={"batch": [a for a in rules_lib.batch_axes(rules) if a not in axes]})
 
-    def shard_grads(p, b):
-        with rules_lib.activation_rules(mesh, inner_rules):
-            (_, (loss, aux)), grads = grad_fn(p, b)
-        return _float32(((loss, aux), grads))
+    def shard_grads(p, s, b):
+        # Batch statistics (BatchNorm) still average over every shard's rows: `SHARDS` names the
+        # vmapped axis for their collectives.
+        with rules_lib.activation_rules(mesh, inner_rules), batch_stats.across_shards(SHARDS):
+            (_, (loss, aux, s)), grads = grad_fn(p, s, b)
+        return _float32(((loss, aux), grads)), s
 
-    per_shard = jax.vmap(shard_grads, in_axes=(None, 0), spmd_axis_name=axes)
+    per_shard = jax.vmap(shard_grads, in_axes=(None, None, 0), axis_name=SHARDS, spmd_axis_name=axes)
 
     def split(x: jax.Array) -> jax.Array:
         # Within a shard the microbatches take every k-th row, as `split_microbatches`: a split of
@@ -120,21 +137,26 @@ def _reduce_per_step(
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(None, axes)))
 
     micro = jax.tree.map(split, batch)
-    metrics_shapes, grads_shapes = jax.eval_shape(per_shard, params, jax.tree.map(lambda x: x[0], micro))
+    (metrics_shapes, grads_shapes), _ = jax.eval_shape(per_shard, params, model_state,
+                                                      jax.tree.map(lambda x: x[0], micro))
     carry_shardings = (
         jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec(axes)), metrics_shapes),
         jax.tree.map(lambda s: _unreduced_sharding(s, axes), param_shardings),
     )
 
-    def accumulate(total, mb):
-        total = jax.tree.map(jnp.add, total, per_shard(params, mb))
-        return jax.lax.with_sharding_constraint(total, carry_shardings), None
+    def accumulate(carry, mb):
+        total, model_state = carry
+        sums, model_state = per_shard(params, model_state, mb)
+        total = jax.tree.map(jnp.add, total, sums)
+        # Every shard's copy of the new state is the same (its statistics span all shards): take the first.
+        return (jax.lax.with_sharding_constraint(total, carry_shardings),
+                jax.tree.map(lambda x: x[0], model_state)), None
 
     zeros = jax.lax.with_sharding_constraint(_zeros_like_shapes((metrics_shapes, grads_shapes)), carry_shardings)
-    ((loss, aux), grads), _ = jax.lax.scan(accumulate, zeros, micro)
+    (((loss, aux), grads), model_state), _ = jax.lax.scan(accumulate, (zeros, model_state), micro)
     loss, aux = jax.tree.map(lambda t: t.sum(0), (loss, aux))
     grads = jax.tree.map(lambda g: g.sum(0), grads)
-    return loss, aux, jax.lax.with_sharding_constraint(grads, param_shardings)
+    return (loss, aux, jax.lax.with_sharding_constraint(grads, param_shardings)), model_state
 
 
 def loss_and_grads(
@@ -151,8 +173,10 @@ def loss_and_grads(
     loss_scale: jax.Array | None = None,
     compute_copies: Any = None,
     copies_gather: copies.Gather | None = None,
-) -> tuple[jax.Array, dict[str, jax.Array], Any]:
-    """Mean loss, mean aux metrics and mean float32 gradients of the unscaled loss over the global batch.
+    model_state: Any = None,
+) -> tuple[jax.Array, dict[str, jax.Array], Any, Any]:
+    """Mean loss, mean aux metrics and mean float32 gradients of the unscaled loss over the global
+    batch, and the model state (`TrainState.model_state`) after the forward passes (None stays None).
 
     Must be traced under `rules_lib.activation_rules(mesh, rules)`. With `loss_scale`, the loss
     is multiplied by it before differentiation and the float32 gradients divided by it after.
@@ -166,13 +190,14 @@ def loss_and_grads(
         # Each shard's gradients stay unreduced until after the scan: none reduce-scattered inside.
         per_shard_gather = None if copies_gather is None else dataclasses.replace(copies_gather, split=None)
         grad_fn = scaled_grad_fn(graphdef, loss_fn, loss_scale, compute_copies, per_shard_gather)
-        loss, aux, grads = _reduce_per_step(
-            grad_fn, params, batch, microbatches, mesh, rules, param_shardings
+        (loss, aux, grads), model_state = _reduce_per_step(
+            grad_fn, params, model_state, batch, microbatches, mesh, rules, param_shardings
         )
         count = shards * microbatches
     else:
         grad_fn = scaled_grad_fn(graphdef, loss_fn, loss_scale, compute_copies, copies_gather)
-        loss, aux, grads = _reduce_per_microbatch(grad_fn, params, batch, microbatches)
+        (loss, aux, grads), model_state = _reduce_per_microbatch(grad_fn, params, model_state, batch, microbatches)
         count = microbatches
     grad_divisor = count if loss_scale is None else count * loss_scale
-    return loss / count, jax.tree.map(lambda v: v / count, aux), jax.tree.map(lambda g: g / grad_divisor, grads)
+    aux = jax.tree.map(lambda v: v / count, aux)
+    return loss / count, aux, jax.tree.map(lambda g: g / grad_divisor, grads), model_state

@@ -1,9 +1,12 @@
-"""Exact evaluation over a whole split: a jitted weighted loss per batch, summed on the host.
+"""Exact evaluation over a whole split: jitted sums per batch, added up on the host.
 
 Eval batches carry `weights` (1 for a real example, 0 for the padding that fills the last
-batch); the loss function must weight examples by them (`models.lm_loss` does). Each batch
-gives (mean loss x weight, weight), so the total over all batches is the exact mean over the
-split, whatever the batch size or process count.
+batch). A model's `eval_sums(model, batch)` gives each metric summed over the batch's real
+examples (the weighted loss, the count of correct predictions, ...); XLA adds the rows of every
+device and process. The host adds the batches' sums in float64 and divides each total by the total
+weight, so every metric is the exact mean over the split, whatever the batch size, layout or
+process count. The model runs in eval mode (`model.eval()`: BatchNorm normalizes by its running
+averages and updates nothing).
 """
 
 from __future__ import annotations
@@ -17,44 +20,52 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.parallel import rules as rules_lib
-from jaxdist.train.accumulate import LossFn, loss_and_aux
 from jaxdist.parallel.feed import batch_sharding
+from jaxdist.train import state as state_lib
 
 Batch = dict[str, Any]
+EvalSums = Callable[[nnx.Module, Batch], dict[str, jax.Array]]
 
 
 def make_eval_step(
-    graphdef: nnx.GraphDef, loss_fn: LossFn, mesh: Mesh, rules: rules_lib.Rules, param_shardings: Any
-) -> Callable[[Any, Batch], tuple[jax.Array, jax.Array]]:
-    """The jitted `eval_step(params, batch) -> (loss x total weight, total weight)` of one global batch."""
+    graphdef: nnx.GraphDef, eval_sums: EvalSums, mesh: Mesh, rules: rules_lib.Rules, param_shardings: Any,
+    model_state_shardings: Any = None,
+) -> Callable[[Any, Any, Batch], tuple[dict[str, jax.Array], jax.Array]]:
+    """The jitted `eval_step(params, model_state, batch) -> ({metric: sum}, total weight)` of one global batch."""
 
-    def eval_step(params, batch: Batch):
+    def eval_step(params, model_state, batch: Batch):
         with rules_lib.activation_rules(mesh, rules):
-            loss, _ = loss_and_aux(loss_fn(nnx.merge(graphdef, params), batch))
-        weight = batch["weights"].sum()
-        return loss * weight, weight
+            model = state_lib.merge(graphdef, params, model_state)
+            model.eval()
+            sums = eval_sums(model, batch)
+        return sums, batch["weights"].sum()
 
     replicated = NamedSharding(mesh, PartitionSpec())
-    return jax.jit(eval_step, in_shardings=(param_shardings, batch_sharding(mesh, rules)), out_shardings=replicated)
+    return jax.jit(eval_step, in_shardings=(param_shardings, model_state_shardings, batch_sharding(mesh, rules)),
+                   out_shardings=replicated)
 
 
 class Evaluator:
-    """The mean loss of a `Trainer`'s current parameters over every example of an eval split."""
+    """The mean of each metric of a `Trainer`'s current model over every example of an eval split."""
 
-    def __init__(self, trainer, loss_fn: LossFn, batches: Callable[[], Iterator[dict[str, np.ndarray]]]):
-        """`batches()` starts a fresh pass of this process's local eval batches (with `weights`)."""
+    def __init__(self, trainer, eval_sums: EvalSums, batches: Callable[[], Iterator[dict[str, np.ndarray]]]):
+        """`eval_sums`: the model's sums of one batch (`models.ModelEntry.eval_sums`); `batches()`
+        starts a fresh pass of this process's local eval batches (with `weights`)."""
         self._trainer = trainer
         self._batches = batches
-        self._step = make_eval_step(
-            trainer.graphdef, loss_fn, trainer.mesh, trainer.rules, trainer.state_shardings.params
-        )
+        shardings = trainer.state_shardings
+        self._step = make_eval_step(trainer.graphdef, eval_sums, trainer.mesh, trainer.rules, shardings.params,
+                                    shardings.model_state)
 
-    def __call__(self) -> float:
-        params = self._trainer.params
-        sums = []
+    def __call__(self) -> dict[str, float]:
+        """`{"eval_" + metric: mean over the split}`, e.g. eval_loss and eval_accuracy."""
+        state = self._trainer.state
+        results = []
         for local in self._batches():
-            sums.append(self._step(params, self._trainer.global_batch(local)))
+            results.append(self._step(state.params, state.model_state, self._trainer.global_batch(local)))
             if self._trainer.finish_each_step:  # as the train step: no two programs in flight on CPU
-                jax.block_until_ready(sums[-1])
-        loss, weight = np.asarray(jax.device_get(sums), np.float64).sum(axis=0)
-        return float(loss / weight)
+                jax.block_until_ready(results[-1])
+        results = jax.device_get(results)
+        weight = sum(np.float64(batch_weight) for _, batch_weight in results)
+        return {f"eval_{name}": float(sum(np.float64(sums[name]) for sums, _ in results) / weight)
+                for name in results[0][0]}

@@ -9,7 +9,7 @@ from the parameters'. No full copy of either ever sits on one device or host.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
@@ -29,7 +29,9 @@ class TrainState(flax.struct.PyTreeNode):
 
     `skipped_steps` counts the steps whose update was dropped (non-finite loss or gradients, see
     `precision.verdict`): the optimizer has taken `step - skipped_steps` steps. `loss_scale` is the
-    dynamic loss-scale state (`precision.LossScale`) under float16, else None.
+    dynamic loss-scale state (`precision.LossScale`) under float16, else None. `model_state` holds
+    the model's variables that are not parameters (BatchNorm's running averages), updated by the
+    step's forward pass, not by the optimizer; None for a model without any (the GPT).
     """
 
     step: jax.Array
@@ -37,23 +39,61 @@ class TrainState(flax.struct.PyTreeNode):
     opt_state: Any
     skipped_steps: jax.Array
     loss_scale: LossScale | None = None
+    model_state: Any = None
 
 
-def abstract_model(create_model: ModelFactory, seed: int) -> tuple[nnx.GraphDef, Any, Any]:
-    """(graphdef, abstract params as a pure dict, logical names per parameter), allocating nothing."""
+class AbstractModel(NamedTuple):
+    """A model described without memory: its graph, abstract parameters and other variables (pure
+    dicts of `jax.ShapeDtypeStruct`s) and the logical names of each."""
+
+    graphdef: nnx.GraphDef
+    params: Any
+    names: Any
+    state: Any = None  # the non-parameter variables (`TrainState.model_state`); None without any
+    state_names: Any = None
+
+
+def _names(variables: nnx.State) -> Any:
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    return nnx.to_pure_dict(jax.tree.map(rules_lib.logical_names, variables, is_leaf=is_var))
+
+
+def _or_none(variables: Any) -> Any:
+    return variables if jax.tree.leaves(variables) else None
+
+
+def abstract_model(create_model: ModelFactory, seed: int) -> AbstractModel:
+    """The model's `AbstractModel`, allocating nothing."""
     with nnx.use_eager_sharding(False):
         model = nnx.eval_shape(lambda: create_model(nnx.Rngs(seed)))
-    graphdef, params = nnx.split(model, nnx.Param)
-    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-    names = jax.tree.map(rules_lib.logical_names, params, is_leaf=is_var)
-    return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(names)
+    graphdef, params, state = nnx.split(model, nnx.Param, ...)
+    state_dict = _or_none(nnx.to_pure_dict(state))
+    return AbstractModel(graphdef, nnx.to_pure_dict(params), _names(params), state_dict,
+                         None if state_dict is None else _names(state))
+
+
+def model_variables(create_model: ModelFactory, seed: int) -> tuple[Any, Any]:
+    """Builds the model for real: (its parameters, its other variables or None) as pure dicts (run under jit)."""
+    with nnx.use_eager_sharding(False):
+        model = create_model(nnx.Rngs(seed))
+    _, params, state = nnx.split(model, nnx.Param, ...)
+    return nnx.to_pure_dict(params), _or_none(nnx.to_pure_dict(state))
 
 
 def param_dict(create_model: ModelFactory, seed: int) -> Any:
     """Builds the model for real and returns its parameters as a pure dict (run under jit)."""
-    with nnx.use_eager_sharding(False):
-        model = create_model(nnx.Rngs(seed))
-    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    return model_variables(create_model, seed)[0]
+
+
+def merge(graphdef: nnx.GraphDef, params: Any, model_state: Any = None) -> nnx.Module:
+    """The model from its graph, parameters and (where it has any) other variables."""
+    return nnx.merge(graphdef, params) if model_state is None else nnx.merge(graphdef, params, model_state)
+
+
+def model_state_of(model: nnx.Module, model_state: Any) -> Any:
+    """The model's non-parameter variables as a pure dict after a forward pass (None where
+    `model_state` was None: a model without any)."""
+    return None if model_state is None else nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
 
 
 def opt_state_shardings(tx: optax.GradientTransformation, abstract_params: Any, param_shardings: Any, mesh: Mesh):
@@ -83,7 +123,7 @@ def init_state(
     rules: rules_lib.Rules,
     seed: int,
     loss_scale: LossScale | None = None,
-    abstract: tuple[nnx.GraphDef, Any, Any] | None = None,
+    abstract: AbstractModel | None = None,
     materialize: bool = True,
 ) -> tuple[TrainState, TrainState, nnx.GraphDef, Any]:
     """Creates the sharded train state; returns (state, state shardings, graphdef, layouts).
@@ -92,29 +132,34 @@ def init_state(
     `materialize` False the state is only described (`jax.ShapeDtypeStruct`s with their shardings),
     to compile for it without allocating it (`jaxdist plan`).
     """
-    graphdef, abstract_params, names = abstract or abstract_model(create_model, seed)
-    layouts = rules_lib.param_layouts(abstract_params, names, rules, mesh)
+    abstract = abstract or abstract_model(create_model, seed)
+    layouts = rules_lib.param_layouts(abstract.params, abstract.names, rules, mesh)
     param_shardings = rules_lib.layout_shardings(layouts, mesh)
+    model_state_shardings = None
+    if abstract.state is not None:  # placed by the parameter rules, as the parameters they belong to
+        model_state_shardings = rules_lib.layout_shardings(
+            rules_lib.param_layouts(abstract.state, abstract.state_names, rules, mesh), mesh)
     shardings = TrainState(
         step=NamedSharding(mesh, PartitionSpec()),
         params=param_shardings,
         skipped_steps=NamedSharding(mesh, PartitionSpec()),
-        opt_state=opt_state_shardings(tx, abstract_params, param_shardings, mesh),
+        opt_state=opt_state_shardings(tx, abstract.params, param_shardings, mesh),
         loss_scale=jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), loss_scale),
+        model_state=model_state_shardings,
     )
 
     def init() -> TrainState:
-        params = param_dict(create_model, seed)
+        params, model_state = model_variables(create_model, seed)
         return TrainState(
             step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-            skipped_steps=jnp.zeros((), jnp.int32), loss_scale=loss_scale,
+            skipped_steps=jnp.zeros((), jnp.int32), loss_scale=loss_scale, model_state=model_state,
         )
 
     if materialize:
         state = jax.jit(init, out_shardings=shardings)()
     else:
         state = with_shardings(jax.eval_shape(init), shardings)
-    return state, shardings, graphdef, layouts
+    return state, shardings, abstract.graphdef, layouts
 
 
 def with_shardings(shapes: Any, shardings: Any) -> Any:

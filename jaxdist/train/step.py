@@ -3,7 +3,7 @@
 Gradient accumulation is a `lax.scan` over microbatches inside the step (train/accumulate.py),
 so a step means the same thing at any microbatch count. The step is jitted with explicit
 shardings for the state and the batch, and donates the old state's buffers. A step whose loss or
-gradients are not finite keeps the old parameters and optimizer state (`precision.verdict` says
+gradients are not finite keeps the old parameters, optimizer state and model state (`precision.verdict` says
 which steps are dropped and which are bad; under float16 the loss scale decides too), so the
 state never holds a non-finite update; the step counter still advances, as the data moves on.
 """
@@ -57,12 +57,12 @@ def make_train_step(
     def step(state: TrainState, copies: Any, batch: Batch):
         scale = state.loss_scale
         with rules_lib.activation_rules(mesh, rules):
-            loss, aux, grads = loss_and_grads(
+            loss, aux, grads, model_state = loss_and_grads(
                 graphdef, loss_fn, state.params, batch,
                 microbatches=microbatches, reduction=grad_reduction,
                 mesh=mesh, rules=rules,
                 param_shardings=state_shardings.params, loss_scale=None if scale is None else scale.scale,
-                compute_copies=copies, copies_gather=copies_gather,
+                compute_copies=copies, copies_gather=copies_gather, model_state=state.model_state,
             )
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -72,7 +72,8 @@ def make_train_step(
         if nonfinite_guard or scale is not None:
             apply, bad = precision.verdict(loss, grad_norm, scale)
             # A select per leaf, fused into the update: the old buffers are read, not copied.
-            params, opt_state = precision.keep_if_not_finite(apply, (params, opt_state), (state.params, state.opt_state))
+            params, opt_state, model_state = precision.keep_if_not_finite(
+                apply, (params, opt_state, model_state), (state.params, state.opt_state, state.model_state))
             skipped = skipped + (~apply).astype(skipped.dtype)
             metrics["nonfinite"] = bad.astype(jnp.int32)
             if scale is not None:
@@ -83,7 +84,8 @@ def make_train_step(
         if schedule is not None:  # dropped steps leave the optimizer's own count behind
             metrics["learning_rate"] = schedule(state.step - state.skipped_steps)
         new_state = TrainState(
-            step=state.step + 1, params=params, opt_state=opt_state, skipped_steps=skipped, loss_scale=scale
+            step=state.step + 1, params=params, opt_state=opt_state, skipped_steps=skipped, loss_scale=scale,
+            model_state=model_state,
         )
         return new_state, None if make_copies is None else make_copies(params), metrics
 

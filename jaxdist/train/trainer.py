@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxdist import models
@@ -31,7 +32,8 @@ from jaxdist.models import dtypes as dtypes_lib
 from jaxdist.train import precision
 from jaxdist.train.optim import build_optimizer
 from jaxdist.train.precision import LossScale
-from jaxdist.train.state import ModelFactory, TrainState, abstract_model, init_state, with_shardings
+from jaxdist.train.state import (AbstractModel, ModelFactory, TrainState, abstract_model, init_state, merge,
+                                 with_shardings)
 from jaxdist.train.step import LossFn, copies_shardings, make_train_step
 
 FSDP_GATHERS = ("per_layer", "per_step")
@@ -53,7 +55,7 @@ class Trainer:
         grad_reduction: str = "per_step",
         schedule: optax.Schedule | None = None,
         loss_scale: LossScale | None = None,
-        abstract: tuple | None = None,
+        abstract: AbstractModel | None = None,
         compute_copies: Callable[[Any], Any] | None = None,
         fsdp_gather: str = "per_layer",
         materialize: bool = True,
@@ -78,6 +80,12 @@ class Trainer:
         self.state = jax.block_until_ready(self.state) if materialize else self.state
         self.materialized = materialize
         self.batch_sharding = feed.batch_sharding(mesh, rules)
+        shards = rules_lib.axes_size(mesh, rules_lib.batch_axes(rules))
+        if microbatches > 1 and grad_reduction == "per_step" and shards > 1 and self._has_flax_batch_norm():
+            raise ValueError(
+                "flax's nnx.BatchNorm would take its statistics from one batch shard inside grad_reduction="
+                "'per_step''s per-shard gradients: use jaxdist.models.batchnorm.BatchNorm (statistics over the "
+                "whole batch everywhere) or grad_reduction='per_microbatch'")
         if fsdp_gather not in FSDP_GATHERS:
             raise ValueError(f"fsdp_gather={fsdp_gather!r}: use one of {FSDP_GATHERS}")
         if fsdp_gather == "per_step" and compute_copies is None:
@@ -122,7 +130,7 @@ class Trainer:
         entry = models.get(cfg.model.name)
         create_model = entry.create(cfg)
         abstract = abstract_model(create_model, cfg.seed)
-        tx, schedule = build_optimizer(cfg.optim, cfg.train, abstract[2])
+        tx, schedule = build_optimizer(cfg.optim, cfg.train, abstract.names)
         make_copies = None
         dtypes = dtypes_lib.policy(cfg.precision, mesh.devices.flat[0].platform)
         if cfg.precision.compute_copies and entry.read_in_compute_dtype is not None:
@@ -140,6 +148,12 @@ class Trainer:
             schedule=schedule, loss_scale=precision.initial_loss_scale(cfg.precision), abstract=abstract,
             compute_copies=make_copies, fsdp_gather=cfg.train.fsdp_gather, materialize=materialize,
         )
+
+    def _has_flax_batch_norm(self) -> bool:
+        if self.state.model_state is None:  # no batch statistics at all
+            return False
+        model = merge(self.graphdef, self.state.params, self.state.model_state)
+        return any(isinstance(node, nnx.BatchNorm) for _, node in nnx.iter_graph(model))
 
     def process_rows(self, global_batch: int) -> feed.BatchRows:
         """Which rows of a global batch of `global_batch` rows this process must feed: those its
@@ -205,12 +219,12 @@ class Trainer:
 def param_layouts(cfg: Config, devices: list | None = None) -> Any:
     """Each parameter's checked placement under this config, computed without allocating or compiling."""
     layout = layout_lib.from_config(cfg, devices)
-    _, abstract_params, names = abstract_model(models.get(cfg.model.name).create(cfg), cfg.seed)
-    return rules_lib.param_layouts(abstract_params, names, layout.rules, layout.mesh)
+    abstract = abstract_model(models.get(cfg.model.name).create(cfg), cfg.seed)
+    return rules_lib.param_layouts(abstract.params, abstract.names, layout.rules, layout.mesh)
 
 
 def state_bytes_per_device(state: TrainState) -> dict[Any, int]:
-    """Bytes of the state each device holds (params + optimizer state + step)."""
+    """Bytes of the state each device holds (params + optimizer state + model state + step)."""
     per_device: dict[Any, int] = {}
     for leaf in jax.tree.leaves(state):
         for shard in leaf.addressable_shards:

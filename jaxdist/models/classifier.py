@@ -1,0 +1,70 @@
+"""What the image classifiers share: their loss and accuracy, exact eval sums, FLOPs, a random batch.
+
+A classification example is `{"images": float32 [height, width, channels] in [0, 1], "labels":
+int32 []}`; a batch stacks them (`[B, H, W, C]`, `[B]`), and eval batches add `weights` (1 for a
+real example, 0 for padding). A classifier maps images to logits `[B, classes]`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxdist.config import ClassifierSection
+from jaxdist.errors import UserError
+
+Batch = dict[str, jax.Array]
+BATCH_KEYS = ("images", "labels")
+
+
+def sizes(model_cfg: ClassifierSection) -> tuple[int, tuple[int, int, int]]:
+    """(classes, image shape) of a classifier's section, once `auto` is resolved from the data."""
+    for key in ("classes", "image_shape"):
+        if getattr(model_cfg, key) == "auto":
+            raise UserError(f"model.{key}=auto is not resolved; pass the config through "
+                            f"jaxdist.data.loader.resolve_model, or set model.{key}")
+    return model_cfg.classes, tuple(model_cfg.image_shape)
+
+
+def _losses_and_hits(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """Per example: the float32 cross-entropy and whether the top logit is the label (1.0 or 0.0)."""
+    logits = model(batch["images"]).astype(jnp.float32)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+    hits = (jnp.argmax(logits, axis=-1) == batch["labels"]).astype(jnp.float32)
+    return losses, hits
+
+
+def loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Mean cross-entropy and top-1 `accuracy` over the batch (weighted by `weights` where given)."""
+    losses, hits = _losses_and_hits(model, batch)
+    if "weights" not in batch:
+        return losses.mean(), {"accuracy": hits.mean()}
+    weights = batch["weights"]
+    total = weights.sum()
+    return (losses * weights).sum() / total, {"accuracy": (hits * weights).sum() / total}
+
+
+def eval_sums(model: nnx.Module, batch: Batch) -> dict[str, jax.Array]:
+    """Sums over the batch's real examples: cross-entropy, and correct predictions (a whole number,
+    exact in float32 below 2^24 examples per batch)."""
+    losses, hits = _losses_and_hits(model, batch)
+    weights = batch["weights"]
+    return {"loss": (losses * weights).sum(), "accuracy": (hits * weights).sum()}
+
+
+def training_flops(forward_macs: int) -> int:
+    """FLOPs of one example's training step: 2 per multiply-add, and the backward pass twice the
+    forward (gradients of the inputs and of the weights)."""
+    return 6 * forward_macs
+
+
+def random_batch(model_cfg: ClassifierSection, rng: np.random.Generator, rows: int) -> dict[str, np.ndarray]:
+    """`rows` examples of uniform random pixels and labels (for `jaxdist bench`)."""
+    classes, image_shape = sizes(model_cfg)
+    return {
+        "images": rng.random((rows, *image_shape), dtype=np.float32),
+        "labels": rng.integers(0, classes, (rows,), dtype=np.int32),
+    }
