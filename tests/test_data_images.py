@@ -10,6 +10,7 @@ from itertools import islice
 
 import numpy as np
 import pytest
+import yaml
 from conftest import make_config
 from data_helpers import prepared, random_documents
 from PIL import Image
@@ -268,3 +269,30 @@ def test_without_pillow_an_image_folder_names_the_extra(tmp_path, capfd, monkeyp
     code = cli.main(["data", "prepare", str(tmp_path / "in"), "--out", str(tmp_path / "out")])
     err = capfd.readouterr().err.strip().splitlines()
     assert code == 2 and err == ["jaxdist: error: data prepare: an image folder needs PIL; pip install 'jaxdist[images]'"]
+
+
+def test_a_prepared_image_folder_trains_a_classifier(folder, tmp_path):
+    """The prepared folder (3 classes, 192 train and 48 eval images) trains an MLP, its classes and
+    image shape taken from the manifest, with augmented train images: the eval split is then
+    classified almost perfectly, and every eval image is counted once."""
+    from jaxdist import loop
+
+    _, out, manifest, _ = folder
+    cfg = make_config(
+        tmp_path, {},
+        model={"name": "mlp", "classes": "auto", "image_shape": "auto", "hidden": [32]},
+        data={"source": "images", "path": str(out), "augment": {"crop_padding": 2, "flip": True}},
+        mesh={"data": 8, "fsdp": 1}, rules={"preset": "dp"},
+        train={"steps": 30, "global_batch": 32},
+        optim={"name": "adamw", "lr": 3e-3, "warmup_steps": 0, "schedule": "constant"},
+        precision={"compute": "float32"}, log={"every": 10}, eval={"every": 30},
+    )
+    loop.train(cfg)
+    resolved = yaml.safe_load((tmp_path / "config.yaml").read_text())["model"]
+    assert resolved["classes"] == 3 and resolved["image_shape"] == [SIZE, SIZE, 3]
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    final = logged[-1]
+    assert final["step"] == 30 and manifest["splits"]["eval"]["examples"] == 48
+    assert final["eval_accuracy"] >= 0.95, final
+    assert final["eval_accuracy"] * 48 == pytest.approx(round(final["eval_accuracy"] * 48), abs=1e-6)  # whole images
+    assert final["eval_loss"] < logged[0]["loss"] / 2, (logged[0], final)
