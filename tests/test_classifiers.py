@@ -82,8 +82,10 @@ def test_auto_sizes_come_from_the_data(tmp_path):
                                data={"source": "arrays", "path": str(tmp_path / "images.npz")})
     assert loader.resolve_model(arrays).model.model_dump() == {
         "name": "mlp", "classes": 12, "image_shape": [5, 4, 3], "hidden": [256, 256]}
-    with pytest.raises(UserError, match=r"^model.classes=auto: data.source=stdlib holds no labelled images; set "):
+    with pytest.raises(UserError, match=r"^data.source=stdlib holds no labeled images to take the classes and image"):
         loader.resolve_model(make_classifier_config(tmp_path, {"name": "mlp"}, data={"source": "stdlib"}))
+    with pytest.raises(UserError, match=r"^model.vocab=auto: data.source=digits holds images, not tokens"):
+        loader.resolve_model(make_classifier_config(tmp_path, {"name": "gpt", "vocab": "auto"}))
     with pytest.raises(UserError, match=r"^model.image_shape=auto is not resolved; pass the config through"):
         models.get("mlp").create(make_classifier_config(tmp_path, {"name": "mlp", "classes": 10}))
 
@@ -105,8 +107,8 @@ MLP = {"name": "mlp"}
     (SMALL_RESNET, ["mesh.stage=2", "mesh.fsdp=4"],
      "mesh.stage=2 pipelines a stack of identical layers, and model.name=resnet has none; use mesh.stage=1"),
     ({**MLP, "classes": 10, "image_shape": [8, 8, 1]}, ["data.source=stdlib"],
-     "data.source=stdlib holds token sequences, but model.name=mlp reads images and labels; use data.source=digits "
-     "or arrays"),
+     "data.source=stdlib holds token sequences, but model.name=mlp reads images and labels; use data.source=images, "
+     "digits or arrays"),
     ({"name": "gpt", "d_model": 32, "heads": 4, "layers": 1, "seq_len": 16}, [],
      "data.source=digits lacks the array(s) inputs, targets that model.name=gpt reads (it holds images, labels); "
      "use a classifier (model.name=mlp or resnet)"),

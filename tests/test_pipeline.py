@@ -206,7 +206,7 @@ def _step_on_stages(tmp_path, stages: int, unroll: bool = False):
                        pipeline={"microbatches": HEAD_MICROBATCHES, "unroll": unroll})
     layout = layout_lib.from_config(cfg, jax.devices()[:stages])
     mesh, rules = layout.mesh, layout.rules
-    _, abstract, names = abstract_model(models.get("gpt").create(cfg), cfg.seed)
+    _, abstract, names, _, _ = abstract_model(models.get("gpt").create(cfg), cfg.seed)
     shardings = rules_lib.layout_shardings(rules_lib.param_layouts(abstract, names, rules, mesh), mesh)
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     tokens = jax.ShapeDtypeStruct((HEAD_BATCH, HEAD_GPT["seq_len"]), jnp.int32, sharding=batch_sharding(mesh, rules))

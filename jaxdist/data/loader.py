@@ -34,7 +34,7 @@ def open_split(cfg: Config, split: str, keys: tuple[str, ...] = ()):
     data = cfg.data
     if data.source in ("stdlib", "arrayrecord") and cfg.model.tokens_per_example is None:
         raise UserError(f"data.source={data.source} holds token sequences, but model.name={cfg.model.name} reads "
-                        f"images and labels; use data.source=digits or arrays")
+                        f"images and labels; use data.source=images, digits or arrays")
     if data.source == "stdlib":
         name = f"the {split} split of the stdlib corpus (data.eval_fraction={data.eval_fraction})"
         tokens = corpus.stdlib_tokens(split, data.eval_fraction)
@@ -126,8 +126,8 @@ def data_vocab(cfg: Config) -> int:
     """The vocabulary size of the configured data: the prepared tokenizer's, 256 bytes for the
     stdlib corpus, or the largest token id + 1 of an `arrays` file's integer inputs and targets."""
     data = cfg.data
-    if data.source == "digits":
-        raise UserError("model.vocab=auto: data.source=digits holds images, not tokens; use a token source")
+    if data.source in ("images", "digits"):
+        raise UserError(f"model.vocab=auto: data.source={data.source} holds images, not tokens; use a token source")
     if data.source == "stdlib":
         return tokenizer_lib.ByteTokenizer.vocab_size
     if data.source == "arrayrecord":
@@ -153,9 +153,11 @@ class ImageData:
 
 def data_images(cfg: Config) -> ImageData:
     """The classes and image shape of the configured labeled images: from the manifest of
-    `data.source=images`, or an `arrays` file's `images` [N, H, W, C] and `labels` (classes: the
-    largest label + 1, named by their ids)."""
+    `data.source=images`, the digits' 10 and 8x8x1, or an `arrays` file's `images` [N, H, W, C] and
+    `labels` (classes: the largest label + 1, named by their ids)."""
     data = cfg.data
+    if data.source == "digits":
+        return ImageData(digits.CLASSES, digits.IMAGE_SHAPE, tuple(str(i) for i in range(digits.CLASSES)))
     if data.source == "images":
         manifest = sources.read_manifest(Path(data.path), sources.IMAGES_MANIFEST_FORMAT)
         names = tuple(sorted(manifest["classes"], key=manifest["classes"].get))
@@ -163,7 +165,7 @@ def data_images(cfg: Config) -> ImageData:
     if data.source != "arrays":
         raise UserError(
             f"data.source={data.source} holds no labeled images to take the classes and image shape from; "
-            f"use data.source=images or arrays, or set them in the model section"
+            f"use data.source=images, digits or arrays, or set model.classes and model.image_shape"
         )
     arrays = _load_arrays(Path(data.path), IMAGE_KEYS)
     images, labels = arrays.get("images"), arrays.get("labels")
@@ -176,29 +178,18 @@ def data_images(cfg: Config) -> ImageData:
     return ImageData(classes, tuple(int(size) for size in images.shape[1:]), tuple(str(i) for i in range(classes)))
 
 
-def data_classes_and_shape(cfg: Config, key: str) -> tuple[int, list[int]]:
-    """(classes, [height, width, channels]) of the configured data, for the `auto` of model.`key`:
-    digits' 10 and [8, 8, 1], or those of labeled images (`data_images`)."""
-    if cfg.data.source == "digits":
-        return digits.CLASSES, list(digits.IMAGE_SHAPE)
-    if cfg.data.source not in ("images", "arrays"):
-        raise UserError(f"model.{key}=auto: data.source={cfg.data.source} holds no labelled images; set model.{key}, "
-                        f"or use data.source=digits, images or arrays")
-    images = data_images(cfg)
-    return images.classes, list(images.image_shape)
-
-
 def resolve_model(cfg: Config) -> Config:
     """`cfg` with every `auto` of its model section taken from its data: model.vocab (`data_vocab`),
-    model.classes and model.image_shape (`data_classes_and_shape`)."""
+    model.classes and model.image_shape (`data_images`)."""
     model, update = cfg.model, {}
     if getattr(model, "vocab", None) == "auto":
         update["vocab"] = data_vocab(cfg)
-    if isinstance(model, ClassifierSection):
-        auto = [key for key in ("classes", "image_shape") if getattr(model, key) == "auto"]
-        if auto:
-            classes, image_shape = data_classes_and_shape(cfg, auto[0])
-            update.update({key: {"classes": classes, "image_shape": image_shape}[key] for key in auto})
+    if isinstance(model, ClassifierSection) and "auto" in (model.classes, model.image_shape):
+        found = data_images(cfg)
+        if model.classes == "auto":
+            update["classes"] = found.classes
+        if model.image_shape == "auto":
+            update["image_shape"] = list(found.image_shape)
     if not update:
         return cfg
     return cfg.model_copy(update={"model": model.model_copy(update=update)})

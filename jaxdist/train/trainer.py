@@ -80,7 +80,7 @@ class Trainer:
         self.state = jax.block_until_ready(self.state) if materialize else self.state
         self.materialized = materialize
         self.batch_sharding = feed.batch_sharding(mesh, rules)
-        shards = rules_lib.axes_size(mesh, rules_lib.batch_axes(rules))
+        shards = rules_lib.axes_size(mesh, data_parallel_axes(rules))  # as train/accumulate.py splits them
         if microbatches > 1 and grad_reduction == "per_step" and shards > 1 and self._has_flax_batch_norm():
             raise ValueError(
                 "flax's nnx.BatchNorm would take its statistics from one batch shard inside grad_reduction="
