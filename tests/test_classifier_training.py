@@ -83,15 +83,16 @@ def test_resnet_layouts_train_like_one_device(run_of, layout):
 
 
 def test_resnet_resumes_bitwise_with_its_running_averages_and_onto_another_layout(tmp_path, run_of):
-    """Saved at step 3 of STEPS on data=8: resumed there, the run is the uninterrupted one bitwise,
-    BatchNorm's running averages included; resumed on fsdp=4 x data=2, the same to float rounding."""
+    """Saved at step 3 of STEPS (one device): resumed there, the run is the uninterrupted one
+    bitwise, BatchNorm's running averages included; resumed on fsdp=4 x data=2 (the averages
+    resharded over fsdp), the same to float rounding. (The references are the layout tests' runs.)"""
     saved_at = STEPS // 2
-    logged, uninterrupted = run_of("data8")
+    logged, uninterrupted = run_of("one_device")
     expected = [m["loss"] for m in logged]
-    run_dir = tmp_path / "run"
-    loop.train(_resnet(run_dir, "data8", saved_at, checkpoint={"every": saved_at}))
+    run_dir, one_device = tmp_path / "run", jax.devices()[:1]
+    loop.train(_resnet(run_dir, None, saved_at, checkpoint={"every": saved_at}), one_device)
     shutil.copytree(run_dir, tmp_path / "moved")
-    resumed = loop.train(_resnet(run_dir, "data8", checkpoint={"every": saved_at}))
+    resumed = loop.train(_resnet(run_dir, None, checkpoint={"every": saved_at}), one_device)
     assert [m["loss"] for m in metrics(run_dir)] == expected  # bitwise
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.state.model_state), uninterrupted)
     export_params(run_dir, tmp_path / "resnet.npz")  # the running averages travel with the parameters

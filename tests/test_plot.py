@@ -71,4 +71,7 @@ def test_a_classifiers_plot_shows_examples_per_second_and_accuracy(tmp_path):
     assert [title for title, _ in plot.panels({"gpt": plot.read_metrics(tmp_path / "gpt")})] == ["loss", "throughput"]
     runs = {"c": plot.read_metrics(tmp_path / "c")}
     assert [title for title, _ in plot.panels(runs)] == ["loss", "throughput", "accuracy"]
+    loss, throughput, accuracy = plot.figure(runs).axes
+    assert [line.get_label() for line in accuracy.get_lines()] == ["accuracy", "eval_accuracy"]
+    assert [line.get_label() for line in throughput.get_lines()] == ["examples_per_sec"]
     assert imread(plot.plot([str(tmp_path / "c")])).shape[0] >= 800  # three panels

@@ -23,6 +23,8 @@ PANELS = (
     ("throughput", [("tokens_per_sec", "-"), ("examples_per_sec", "-")]),
     ("accuracy", [("accuracy", "-"), ("eval_accuracy", "--")]),
 )
+# Its axis starts at 0, so that noise looks like noise.
+FROM_ZERO = "throughput"
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -78,8 +80,8 @@ def labels(run_dirs: list[str]) -> dict[str, str]:
 
 
 def figure(runs: dict[str, list[dict]]):
-    """The matplotlib `Figure` of `runs` (run_dir -> its metrics records): loss and accuracy (train
-    solid, eval dashed) and throughput against step; throughput from 0, so that noise looks like noise."""
+    """The matplotlib `Figure` of `runs` (run_dir -> its metrics records): loss and, for
+    classifiers, accuracy (train solid, eval dashed), and tokens/s or examples/s from 0, against step."""
     from matplotlib.figure import Figure
 
     shown = panels(runs)
@@ -97,7 +99,7 @@ def figure(runs: dict[str, list[dict]]):
         ax.grid(alpha=0.3)
         if ax.has_data():
             ax.legend(fontsize="small")
-        if title == "throughput":
+        if title == FROM_ZERO:
             ax.set_ylim(bottom=0)
     axes[-1].set_xlabel("step")
     return drawn

@@ -132,7 +132,9 @@ def _reduce_per_step(
 
     def split(x: jax.Array) -> jax.Array:
         # Within a shard the microbatches take every k-th row, as `split_microbatches`: a split of
-        # the shard's rows over the other batch axes (stages) then holds a part of every microbatch.
+        # the shard's rows over the other batch axes (stages) then holds a part of every microbatch,
+        # and a microbatch is the same rows on any layout (batch statistics depend on which rows
+        # share one).
         x = jnp.moveaxis(x.reshape(shards, x.shape[0] // (shards * microbatches), microbatches, *x.shape[1:]), 2, 0)
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(None, axes)))
 
