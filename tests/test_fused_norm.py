@@ -189,7 +189,7 @@ def test_unsupported_shapes_fall_back_or_fail_clearly(monkeypatch):
     # On a GPU, `auto` runs XLA's norms where the kernels can't, and says so once, not per norm.
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(fused_norm_mosaic.mosaic, "unavailable", lambda: None)
-    switch._warn_once.cache_clear()
+    switch.warn_once.cache_clear()
     with pytest.warns(UserWarning, match="XLA's fusions.*features \\(48\\)") as caught:
         jax.eval_shape(auto, tokens)
     assert len(caught) == 1

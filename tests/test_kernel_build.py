@@ -16,7 +16,7 @@ import pytest
 
 from jaxdist import cli, kernels
 from jaxdist.config import GPTConfig, ImplConfig
-from jaxdist.kernels import build, gelu_matmul
+from jaxdist.kernels import build, gelu_matmul, switch
 
 from test_gelu_matmul import STAND_IN
 
@@ -51,10 +51,10 @@ def stand_in(request) -> build.Handler:
 def fresh_choice():
     """`gelu_matmul`'s cached answers, cleared before and after (a test may pretend to be a GPU)."""
     gelu_matmul.unavailable_reason.cache_clear()
-    gelu_matmul._warn_once.cache_clear()
+    switch.warn_once.cache_clear()
     yield
     gelu_matmul.unavailable_reason.cache_clear()
-    gelu_matmul._warn_once.cache_clear()
+    switch.warn_once.cache_clear()
 
 
 def _run_stand_in() -> None:

@@ -76,7 +76,7 @@ def test_unsupported_shapes_fall_back_and_say_so_once(monkeypatch):
     reason however many chunks ask; a jax without Mosaic GPU says so too."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(softmax_grad.mosaic, "unavailable", lambda: None)
-    switch._warn_once.cache_clear()
+    switch.warn_once.cache_clear()
     assert softmax_grad.unsupported((3, 5, 512), jnp.bfloat16) == "rows per device (15) must be a multiple of 4"
     assert softmax_grad.unsupported((4, 8, 16), jnp.float32) == "the vocabulary (16) must be at least 32 wide"
     with pytest.warns(UserWarning, match="XLA's two passes.*rows per device") as caught:

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxdist.kernels import build
+from jaxdist.kernels import build, switch
 from jaxdist.parallel import rules as rules_lib
 
 WORKSPACE_BYTES = 32 * 2**20  # what cuBLAS asks for on Hopper
@@ -76,7 +75,7 @@ def use_kernel(impl: str, pre: jax.Array, down: jax.Array) -> bool:
     `auto` takes it on a GPU where it is built and the operands suit it, warning once where it isn't
     built; `cublaslt` insists, raising with the reason.
     """
-    if impl == "xla" or (impl == "auto" and jax.default_backend() != "gpu"):
+    if not switch.wanted(impl):
         return False
     reason = _unsuited(pre, down)
     if reason is not None:
@@ -84,12 +83,9 @@ def use_kernel(impl: str, pre: jax.Array, down: jax.Array) -> bool:
             raise ValueError(f"impl.gelu_grad_impl=cublaslt: {reason}")
         return False
     reason = unavailable_reason()
-    if reason is None:
-        return True
-    if impl == "cublaslt":
+    if reason is not None and impl == "cublaslt":
         raise RuntimeError(f"impl.gelu_grad_impl=cublaslt: the cuBLASLt handler is unavailable: {reason}")
-    _warn_once(reason)
-    return False
+    return switch.decide("gelu_grad_impl", impl, reason, "the MLP's GELU gradient runs as a separate XLA pass")
 
 
 def _unsuited(pre: jax.Array, down: jax.Array) -> str | None:
@@ -109,11 +105,6 @@ def _unsuited(pre: jax.Array, down: jax.Array) -> str | None:
     if down.shape[1] % 8 or (down.shape[0] // mlp_shards) % 8:
         return f"embed ({down.shape[1]}) and mlp per device ({down.shape[0] // mlp_shards}) must be multiples of 8"
     return None
-
-
-@functools.cache
-def _warn_once(reason: str) -> None:
-    warnings.warn(f"the MLP's GELU gradient runs as a separate XLA pass (slower): {reason}", stacklevel=3)
 
 
 def gelu_project(pre: jax.Array, down: jax.Array, kernel: bool) -> jax.Array:

@@ -20,10 +20,11 @@ def decide(key: str, impl: str, reason: str | None, fallback: str) -> bool:
         return True
     if impl != "auto":
         raise ValueError(f"impl.{key}={impl}: {reason}; use auto or xla")
-    _warn_once(f"{fallback} (slower): {reason}")
+    warn_once(f"{fallback} (slower): {reason}")
     return False
 
 
 @functools.cache
-def _warn_once(message: str) -> None:
+def warn_once(message: str) -> None:
+    """Warns with `message` the first time only (a kernel that can't run is said once, not per call)."""
     warnings.warn(message, stacklevel=4)
