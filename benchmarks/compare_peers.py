@@ -2,7 +2,8 @@
 
     python3 benchmarks/compare_peers.py SUITE [SUITE ...] [--peers DIR] [--out results.jsonl]
 
-Suites: `one_gpu`, `two_gpus_dp_fsdp` (2 GPUs), `tensor_parallel` (4 GPUs); see README.md.
+Suites: `one_gpu`, `long_sequences`, `two_gpus_dp_fsdp` (2 GPUs), `tensor_parallel` (4 GPUs); see
+README.md.
 
 Each run is a separate process (one GPU program at a time); every result is one JSON line. The
 peers are shared/peers/*.py (torch_gpt.py, torch_dist.py, plain_jax_gpt.py); pass their folder.
@@ -50,6 +51,11 @@ def suites(peers: str) -> dict[str, list[tuple[str, list[str]]]]:
             ("torch 1b4 b8", torch_gpt + ["--d", "2048", "--batch", "8"]),
             ("jaxdist 1b4", JAXDIST + GPT_1B4),
             ("jaxdist 1b4 loss_impl=xla", JAXDIST + GPT_1B4 + ["impl.loss_impl=xla"]),
+        ],
+        # The 406M model at 4,096 tokens per sequence, batch 4 (the same tokens per step).
+        "long_sequences": [
+            ("torch 406m seq4096 b4", torch_gpt + ["--seq", "4096", "--batch", "4"]),
+            ("jaxdist 406m seq4096 b4", JAXDIST + GPT_406M + ["model.seq_len=4096", "train.global_batch=4"]),
         ],
         # Data parallel, FSDP and ZeRO-2 on 2 GPUs against one GPU, torch's DDP and FSDP2.
         "two_gpus_dp_fsdp": [

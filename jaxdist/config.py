@@ -392,8 +392,6 @@ class PipelineConfig(Section):
     repeats: int = Field(
         1, gt=0, description="layer groups per stage, round-robin (1: GPipe; more: circular, smaller bubble)")
     remat: bool = Field(False, description="recompute each stage's forward in the backward pass")
-    unroll: bool = Field(
-        False, description="iterations as straight-line code, not a lax.scan (compile time grows with R*M+S-1)")
 
 
 class SampleConfig(Section):

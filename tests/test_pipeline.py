@@ -48,14 +48,13 @@ def _toy_layers(x, stacked, *, unroll):
 
 
 @pytest.mark.parametrize(
-    "stages, microbatches, repeats, batch_rule, unroll",
-    [(2, 6, 1, ["data", "fsdp", "stage"], False), (4, 6, 3, ["data", "fsdp"], False),
-     (4, 6, 3, ["data", "fsdp", "stage"], True)],
-    ids=["S2_M6_gpipe_batch_over_stages", "S4_M6_R3_batch_replicated_over_stages", "S4_M6_R3_unrolled"],
+    "stages, microbatches, repeats, batch_rule",
+    [(2, 6, 1, ["data", "fsdp", "stage"]), (4, 6, 3, ["data", "fsdp"]), (4, 6, 3, ["data", "fsdp", "stage"])],
+    ids=["S2_M6_gpipe_batch_over_stages", "S4_M6_R3_batch_replicated_over_stages", "S4_M6_R3_batch_over_stages"],
 )
-def test_schedule_applies_every_layer_in_order(devices, stages, microbatches, repeats, batch_rule, unroll):
+def test_schedule_applies_every_layer_in_order(devices, stages, microbatches, repeats, batch_rule):
     """GPipe, and circular with M not a multiple of S (laps wait M - S iterations at stage 0); the
-    batch outside the pipeline split over the stages or whole on each; iterations scanned or unrolled."""
+    batch outside the pipeline split over the stages or whole on each."""
     layers, width, batch = 24, 8, 24
     keys = jax.random.split(jax.random.key(0), 3)
     stacked = {
@@ -69,7 +68,7 @@ def test_schedule_applies_every_layer_in_order(devices, stages, microbatches, re
 
     def pipelined(stacked, x):
         with rules_lib.activation_rules(mesh, rules):
-            return pipeline.pipeline(_toy_layers, stacked, x, schedule, ("batch", None), unroll=unroll)
+            return pipeline.pipeline(_toy_layers, stacked, x, schedule, ("batch", None))
 
     def loss(fn, stacked, x):
         return jnp.sum(fn(stacked, x) ** 2)
@@ -199,11 +198,11 @@ HEAD_GPT = {**PIPE_GPT, "layers": 4, "vocab": 8192}
 HEAD_BATCH, HEAD_MICROBATCHES = 8, 4
 
 
-def _step_on_stages(tmp_path, stages: int, unroll: bool = False):
+def _step_on_stages(tmp_path, stages: int):
     """The GPT's loss and gradients with a stage per device, and abstract inputs laid out for it."""
     cfg = _pipe_config(tmp_path, stages, HEAD_MICROBATCHES, model=HEAD_GPT, train={"global_batch": HEAD_BATCH},
                        mesh={"stage": stages, "data": 1, "fsdp": 1, "tensor": 1},
-                       pipeline={"microbatches": HEAD_MICROBATCHES, "unroll": unroll})
+                       pipeline={"microbatches": HEAD_MICROBATCHES})
     layout = layout_lib.from_config(cfg, jax.devices()[:stages])
     mesh, rules = layout.mesh, layout.rules
     _, abstract, names, _, _ = abstract_model(models.get("gpt").create(cfg), cfg.seed)
@@ -245,13 +244,10 @@ def _scans(jaxpr) -> int:
 
 
 def test_stages_run_their_layers_unrolled_and_only_roll_inside_the_loop(tmp_path, devices, two_stages):
-    """One scan forward and one backward (no scan over a stage's layers nested inside; none with
-    pipeline.unroll), and the one collective in each loop is the roll to the next stage, once per
-    iteration."""
+    """One scan forward and one backward (no scan over a stage's layers nested inside), and the one
+    collective in each loop is the roll to the next stage, once per iteration."""
     jaxpr, compiled = two_stages
     assert _scans(jaxpr) == 2
-    step, params, batch = _step_on_stages(tmp_path, 2, unroll=True)
-    assert _scans(jax.make_jaxpr(step)(params, batch)) == 0
     in_loops = [op for op in hlo.collectives(compiled.as_text()) if op.in_loop]
     iterations = pipeline.Schedule(2, HEAD_MICROBATCHES).iterations
     assert [(op.opcode, op.executions) for op in in_loops] == [("collective-permute", iterations)] * 2

@@ -43,12 +43,11 @@ def random_batch(cfg: Config, rows: Sequence[int] | None = None) -> dict[str, np
 
 
 def pipeline_schedule(cfg: Config, stages: int) -> dict:
-    """The pipeline's microbatches, repeats, unroll and theoretical bubble (S-1)/(R*M+S-1); bubble 0 without stages."""
+    """The pipeline's microbatches, repeats and theoretical bubble (S-1)/(R*M+S-1); bubble 0 without stages."""
     if stages == 1:
         return {"pipeline_bubble": 0.0}
     schedule = pipeline.Schedule(stages, cfg.pipeline.microbatches, cfg.pipeline.repeats)
     return {"pipeline_microbatches": schedule.microbatches, "pipeline_repeats": schedule.repeats,
-            "pipeline_unroll": cfg.pipeline.unroll,
             "pipeline_bubble": round(schedule.bubble, 4)}
 
 

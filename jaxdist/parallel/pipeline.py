@@ -10,8 +10,7 @@ iterations; every iteration each stage runs its layers on one microbatch (all st
 unrolled, as the unrolled model runs them), then the outputs move one stage on: a roll of the
 stage dim, which XLA turns into one collective permute, the only collective inside the loop. The
 backward pass is autodiff of that scan, i.e. GPipe: all forwards, then all backwards. A stage is
-idle for S - 1 of the iterations, the bubble (S - 1) / (R * M + S - 1). With `pipeline.unroll` the
-same iterations run as straight-line code instead of the scan.
+idle for S - 1 of the iterations, the bubble (S - 1) / (R * M + S - 1).
 
 Outside the pipeline the stage axis splits the batch like the data axes (`rules_from_config` adds
 it to the `batch` rule), so the embedding, the final norm, the head and the loss each run on
@@ -184,7 +183,7 @@ def run_layers(
         return apply_layers(x, layers, unroll=False)
     schedule = Schedule(stages, settings.microbatches, settings.repeats)
     schedule.check(jax.tree.leaves(layers)[0].shape[0])
-    return pipeline(apply_layers, layers, x, schedule, tuple(names), remat=settings.remat, unroll=settings.unroll)
+    return pipeline(apply_layers, layers, x, schedule, tuple(names), remat=settings.remat)
 
 
 def pipeline(
@@ -194,21 +193,19 @@ def pipeline(
     schedule: Schedule,
     names: tuple[str | None, ...],
     remat: bool = False,
-    unroll: bool = False,
 ) -> jax.Array:
     """The pipelined `apply_layers(x, layers)`; traced under `rules.activation_rules` (see module doc).
 
-    `remat`: each iteration's stages recomputed in the backward pass; `unroll`: the iterations as
-    one Python loop instead of a `lax.scan`."""
+    `remat`: each iteration's stages recomputed in the backward pass."""
     mesh, rules = rules_lib.active()
     stage_axes = rules.activations[STAGE]
     weights = jax.tree.map(lambda w: _by_stage(w, schedule, mesh, stage_axes), layers)
     with rules_lib.activation_rules(mesh, _within_stages(rules, names[0])):
-        outputs = _scan_stages(apply_layers, weights, x, schedule, names, stage_axes, remat, unroll)
+        outputs = _scan_stages(apply_layers, weights, x, schedule, names, stage_axes, remat)
     return rules_lib.constrain(outputs, names)
 
 
-def _scan_stages(apply_layers, weights, x, schedule, names, stage_axes, remat, unroll):
+def _scan_stages(apply_layers, weights, x, schedule, names, stage_axes, remat):
     """The scan over iterations, under the rules of the inside (the batch less the stage axes)."""
     stages, micro, repeats = schedule.stages, schedule.microbatches, schedule.repeats
     stage_of = jnp.arange(stages)
@@ -262,16 +259,7 @@ def _scan_stages(apply_layers, weights, x, schedule, names, stage_axes, remat, u
     if delay:
         recycled = rules_lib.constrain(
             jnp.zeros((stages, delay, *microbatches.shape[1:]), x.dtype), (STAGE, None, *names))
-    if unroll:
-        # Straight-line code: no residuals stacked per iteration, static slices; compiles the
-        # stage's layers once per iteration.
-        carry, collected = (previous, recycled), []
-        for t in range(schedule.iterations):
-            carry, out = iteration(carry, (t, fed[t]))
-            collected.append(out)
-        outs = jnp.stack(collected)
-    else:
-        _, outs = jax.lax.scan(iteration, (previous, recycled), (jnp.arange(schedule.iterations), fed))
+    _, outs = jax.lax.scan(iteration, (previous, recycled), (jnp.arange(schedule.iterations), fed))
     outs = rules_lib.constrain(outs, stacked_names)
     # Microbatch m leaves the last stage for the last time in iteration (R - 1) M + S - 1 + m.
     finished = jnp.where(is_last, outs[schedule.iterations - micro:], 0)
