@@ -143,6 +143,14 @@ def test_data_images_gives_the_classes_and_the_image_shape(folder, tmp_path):
     assert loader.data_images(cfg) == loader.ImageData(4, (8, 6, 1), ("0", "1", "2", "3"))
     with pytest.raises(UserError, match="data.source=stdlib holds no labeled images"):
         loader.data_images(make_config(tmp_path))
+    for name, arrays in [("flat", {"images": np.zeros((10, 48)), "labels": np.arange(10)}),
+                         ("unlabeled", {"images": np.zeros((10, 8, 6, 1))}),
+                         ("float_labels", {"images": np.zeros((10, 8, 6, 1)), "labels": np.zeros(10)}),
+                         ("no_images", {"labels": np.arange(10)})]:
+        np.savez(tmp_path / f"{name}.npz", **arrays)
+        bad = make_config(tmp_path, data={"source": "arrays", "path": str(tmp_path / f"{name}.npz")})
+        with pytest.raises(UserError, match=r"needs an images array \[N, H, W, C\] and an integer labels array"):
+            loader.data_images(bad)
 
 
 def test_the_images_source_feeds_augmented_train_and_plain_eval_batches(folder, tmp_path):

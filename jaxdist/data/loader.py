@@ -167,15 +167,33 @@ def data_images(cfg: Config) -> ImageData:
             f"data.source={data.source} holds no labeled images to take the classes and image shape from; "
             f"use data.source=images, digits or arrays, or set model.classes and model.image_shape"
         )
-    arrays = _load_arrays(Path(data.path), IMAGE_KEYS)
-    images, labels = arrays.get("images"), arrays.get("labels")
-    if images is None or labels is None or images.ndim != 4 or not np.issubdtype(labels.dtype, np.integer) or not labels.size:
+    image_shape, labels = _image_shape_and_labels(Path(data.path))
+    if image_shape is None or labels is None or len(image_shape) != 3 or not np.issubdtype(labels.dtype, np.integer) \
+            or not labels.size:
         raise UserError(
             f"data.path={data.path} needs an images array [N, H, W, C] and an integer labels array [N] to take "
             f"the classes and image shape from; save them with numpy.savez(path, images=..., labels=...)"
         )
     classes = int(labels.max()) + 1
-    return ImageData(classes, tuple(int(size) for size in images.shape[1:]), tuple(str(i) for i in range(classes)))
+    return ImageData(classes, image_shape, tuple(str(i) for i in range(classes)))
+
+
+def _image_shape_and_labels(path: Path) -> tuple[tuple[int, ...] | None, np.ndarray | None]:
+    """One image's shape (from the `images` array's header: its data stays unread) and the `labels`
+    of the .npz at `path`; None for an array it lacks."""
+    labels = _load_arrays(path, ("labels",)).get("labels")
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            if "images" not in npz.files:
+                return None, labels
+            with npz.zip.open("images.npy") as member:
+                version = np.lib.format.read_magic(member)
+                read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                               (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+                shape = read_header(member)[0] if read_header else npz["images"].shape
+    except (OSError, ValueError) as err:
+        raise UserError(f"data.path={path} is not a readable .npz file ({err}); save it with numpy.savez") from None
+    return tuple(int(size) for size in shape[1:]) if len(shape) == 4 else (), labels
 
 
 def resolve_model(cfg: Config) -> Config:
