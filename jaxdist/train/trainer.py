@@ -25,7 +25,7 @@ from jaxdist.config import Config
 from jaxdist.errors import UserError
 from jaxdist.parallel import feed
 from jaxdist.parallel import layout as layout_lib
-from jaxdist.parallel.pipeline import data_parallel_axes
+from jaxdist.parallel.pipeline import data_parallel_axes, kernels_for_schedule
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.train import copies as copies_lib
 from jaxdist.models import dtypes as dtypes_lib
@@ -126,13 +126,15 @@ class Trainer:
         """
         layout = layout or layout_lib.from_config(cfg, devices)
         mesh, rules = layout.mesh, layout.rules
-        dtypes_lib.check_backend(cfg.precision, mesh.devices.flat[0].platform)
+        platform = mesh.devices.flat[0].platform
+        dtypes_lib.check_backend(cfg.precision, platform)
+        cfg = kernels_for_schedule(cfg, mesh.shape["stage"], platform)
         entry = models.get(cfg.model.name)
         create_model = entry.create(cfg)
         abstract = abstract_model(create_model, cfg.seed)
         tx, schedule = build_optimizer(cfg.optim, cfg.train, abstract.names)
         make_copies = None
-        dtypes = dtypes_lib.policy(cfg.precision, mesh.devices.flat[0].platform)
+        dtypes = dtypes_lib.policy(cfg.precision, platform)
         if cfg.precision.compute_copies and entry.read_in_compute_dtype is not None:
             make_copies = functools.partial(copies_lib.compute_copies, picks=entry.read_in_compute_dtype,
                                             dtype=dtypes.compute_dtype)
