@@ -1,0 +1,272 @@
+"""The docs users copy from name only what exists: every `section.key` and `section.key=value` in
+README.md, docs/*.md, benchmarks/README.md and the recipes' comments is a key of jaxdist/config.py
+that takes that value; every `jaxdist ...` command line parses with the current command line (and
+loads its config, where it names a recipe); every `jaxdist.NAME` and Python import resolves.
+benchmarks/HISTORY.md, a log of the past, is the one place removed options may still be named."""
+
+import contextlib
+import importlib
+import io
+import re
+import shlex
+from pathlib import Path
+from typing import Annotated, Any, get_args, get_origin
+
+import pytest
+import yaml
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from jaxdist import cli, config
+from jaxdist.config import MODEL_CONFIGS, Config
+from jaxdist.parallel import mesh as mesh_lib
+from jaxdist.parallel import pipeline as pipeline_lib
+from jaxdist.parallel import rules as rules_lib
+
+ROOT = Path(__file__).resolve().parents[1]
+MARKDOWN = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
+RECIPES = sorted(config.RECIPES.glob("*.yaml"))
+
+# Options that were removed: only benchmarks/HISTORY.md may name them.
+REMOVED = ("pipeline.unroll", "model.overlap_grad_reduce", "precision.grad_reduce", "model.scan_unroll")
+
+SECTIONS = [name for name in Config.model_fields if isinstance(getattr(Config(), name), BaseModel)]
+MENTION = re.compile(r"(?<![\w/.$-])(?P<key>(?:%s)(?:\.[A-Za-z_]\w*)+)(?P<call>\()?(?:=(?P<value>[^\s`\"'|;)]+))?"
+                     % "|".join(SECTIONS))
+# A dotted name that starts like a config section but is Python: the modules such names refer to.
+MODULES = {"rules": rules_lib, "pipeline": pipeline_lib, "mesh": mesh_lib}
+# Values that stand for any value: N, M, k, NAME.
+PLACEHOLDER = re.compile(r"^(?:[A-Za-z]|[A-Z][A-Z_]+)$")
+
+
+def _doc_text(path: Path) -> str:
+    """A markdown file, or the comments of a recipe (its YAML is the config itself)."""
+    text = path.read_text()
+    if path.suffix == ".yaml":
+        return "\n".join(line.split("#", 1)[1] for line in text.splitlines() if "#" in line)
+    return text
+
+
+def _name(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def _inline_spans(text: str) -> list[str]:
+    """The `inline code` of a markdown text, whitespace made single spaces."""
+    return [" ".join(span.split()) for span in re.findall(r"(?<!`)`([^`]+)`(?!`)", text)]
+
+
+def _field_types(key: str) -> list[Any]:
+    """The types a config key's values may have, with their constraints (one per model section that
+    has a `model.` key); KeyError if no such key."""
+    section: Any = Config
+    *parents, leaf = key.split(".")
+    for part in parents:
+        if section is Config and part == "model":
+            section = None  # one of the models' sections: the leaf decides which
+            continue
+        field = section.model_fields.get(part) if section is not None else None
+        annotation = field.annotation if field else None
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            section = annotation
+        elif get_origin(annotation) is dict:  # rules.params.NAME, rules.activations.NAME
+            if part == "activations" and not PLACEHOLDER.match(leaf) and not any(
+                    leaf in preset.activations for preset in rules_lib.PRESETS.values()):
+                raise KeyError(key)
+            return [get_args(annotation)[1]]
+        else:
+            raise KeyError(key)
+    fields = [model.model_fields[leaf] for model in (MODEL_CONFIGS.values() if section is None else [section])
+              if leaf in model.model_fields]
+    if not fields:
+        raise KeyError(key)
+    return [Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation for field in fields]
+
+
+def _value_error(key: str, text: str) -> str | None:
+    """Why `key=text` is not a value of the key, or None."""
+    for value in re.split(r",|->", text) if not text.startswith("[") else [text]:  # a sweep, or a change shown
+        if PLACEHOLDER.match(value):
+            continue
+        parsed = yaml.safe_load(value)
+        if key == "rules.preset" and parsed not in rules_lib.PRESETS:
+            return f"{parsed!r} is not a preset ({', '.join(rules_lib.PRESETS)})"
+        errors = []
+        for kind in _field_types(key):
+            try:
+                TypeAdapter(kind).validate_python(parsed)
+            except ValidationError as err:
+                errors.append(err.errors()[0]["msg"])
+        if len(errors) == len(_field_types(key)):
+            return errors[0]
+    return None
+
+
+def _mentions(path: Path) -> list[tuple[str, str | None]]:
+    """(key, value) of every config key mentioned: `key=value`, `key: value` as a whole inline span, or
+    `key` alone."""
+    text = _doc_text(path)
+    found = []
+    for match in MENTION.finditer(text):
+        key, value = match["key"], match["value"]
+        if match["call"]:
+            continue  # a Python call, checked with the names below
+        if value and value.count("]") > value.count("["):
+            value = value[:value.rindex("]")]  # the end of an optional part of a synopsis
+        found.append((key, value))
+    for span in _inline_spans(text):
+        if match := re.fullmatch(r"((?:%s)\.[\w.]+): (.+)" % "|".join(SECTIONS), span):
+            found.append((match[1], match[2]))
+    return found
+
+
+@pytest.mark.parametrize("path", MARKDOWN + RECIPES, ids=_name)
+def test_every_config_key_in_the_docs_exists_and_takes_the_value_shown(path):
+    wrong = []
+    for key, value in _mentions(path):
+        section, attribute = key.split(".", 1)
+        try:
+            _field_types(key)
+        except KeyError:
+            if not (section in MODULES and _resolves(f"{MODULES[section].__name__}.{attribute}")):
+                wrong.append(f"{key}: no such config key")
+            continue
+        if value is not None and (why := _value_error(key, value)):
+            wrong.append(f"{key}={value}: {why}")
+    assert wrong == []
+
+
+def test_the_docs_check_finds_what_they_name():
+    """The check above reads the docs: the mentions it must see are seen, and wrong ones would fail."""
+    readme = set(_mentions(ROOT / "README.md"))
+    assert {("train.fsdp_gather", "per_step"), ("log.wandb", "true"), ("impl.loss_chunk", None)} <= readme
+    assert ("rules.activations.seq", "tensor") in set(_mentions(ROOT / "docs" / "performance.md"))  # a whole span
+    assert _value_error("train.fsdp_gather", "per_block") and _value_error("rules.preset", "zero3")
+    assert _value_error("impl.remat", "all") and _value_error("mesh.data", "two")
+    assert _value_error("model.classes", "auto") is None and _value_error("rules.activations.seq", "tensor") is None
+    for key in (*REMOVED, "model.loss_impl", "rules.activations.sequence"):
+        with pytest.raises(KeyError):
+            _field_types(key)
+    assert _value_error("model.name", "resnet") is None and _value_error("model.name", "vit")
+
+
+def test_removed_options_are_named_only_in_the_history():
+    named = {(_name(path), key) for path in MARKDOWN + RECIPES for key in REMOVED if key in path.read_text()}
+    named |= {(_name(path), key) for path in (ROOT / "scripts").rglob("*") if path.is_file()
+              for key in REMOVED if key in path.read_text()}
+    assert named == set()
+
+
+# -- command lines --------------------------------------------------------------------------------
+
+# Synopsis words that stand for arguments the user writes.
+SYNOPSIS_ONLY = {"...", "dotted.key=value", "overrides"}
+
+
+def _command_lines(path: Path) -> list[tuple[str, bool]]:
+    """(`jaxdist ...` command, whether it is a whole command line) in a markdown file: the lines of
+    its code blocks (continuation lines joined) whole, its inline spans as fragments."""
+    text = _doc_text(path)
+    lines, commands = text.splitlines(), []
+    start = re.compile(r"^(?:\$ )?(?:[A-Z_]+=\S+ )*jaxdist (?=[a-z-]+(?:\s|$)|--)")
+    for number, line in enumerate(lines):
+        indent = len(line) - len(line.lstrip())
+        if indent >= 4 and start.match(line.strip()):
+            command = line.strip()
+            for following in lines[number + 1:]:
+                if len(following) - len(following.lstrip()) <= indent or not following.strip().startswith(("[", "-")):
+                    break
+                command += " " + following.strip()
+            commands.append((command, True))
+    commands += [(span, False) for span in _inline_spans(text) if start.match(span)]
+    return [(start.sub("jaxdist ", re.sub(r"\s+#.*", "", command)), whole) for command, whole in commands]
+
+
+def _argv(command: str) -> list[str]:
+    """A synopsis made a command line: optional parts included, the first of alternatives, 2 for N."""
+    argv = []
+    for word in shlex.split(command)[1:]:
+        word = word.removeprefix("[") if word.startswith("[") else word
+        if word.count("]") > word.count("["):
+            word = word[:word.rindex("]")]
+        word = word.split("|")[0].removesuffix("...") if not word.startswith("...") else word
+        if word in SYNOPSIS_ONLY or not word:
+            continue
+        argv.append("2" if re.fullmatch(r"[A-Z]", word) else word)
+    return argv
+
+
+def _parse_error(argv: list[str], whole: bool) -> str | None:
+    """What the command line says about `argv`, or None if it parses (fragments may leave out
+    arguments); a launched command and a recipe's config with its overrides are checked too."""
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            args, extra = cli._parser().parse_known_args(argv)
+    except SystemExit:
+        message = stderr.getvalue().strip()
+        fragment_ok = ("arguments are required" in message or "expected one argument" in message) and not whole
+        return None if fragment_ok else message
+    if unknown := [arg for arg in extra if "=" not in arg or arg.startswith("-")]:
+        return f"unrecognized arguments: {' '.join(unknown)}"
+    if args.command == "launch" and args.program[1:]:
+        return _parse_error(args.program[1:] if args.program[0] == "--" else args.program, whole)
+    named = getattr(args, "config", None) if args.command != "config" else None
+    if named and ((ROOT / named).is_file() or named in config.recipes()):
+        try:
+            config.load(ROOT / named if (ROOT / named).is_file() else named, [*args.overrides, *extra])
+        except config.UserError as err:
+            return str(err)
+    return None
+
+
+@pytest.mark.parametrize("path", MARKDOWN, ids=_name)
+def test_every_command_line_in_the_docs_parses(path):
+    commands = _command_lines(path)
+    wrong = [f"{command}: {why}" for command, whole in commands if (why := _parse_error(_argv(command), whole))]
+    assert wrong == []
+
+
+def test_the_command_check_reads_synopses_and_fails_wrong_commands():
+    readme = [command for command, whole in _command_lines(ROOT / "README.md") if whole]
+    assert "jaxdist data prepare FILES... --out DIR [--tokenizer byte|sentencepiece|TOKENIZER.json]" in readme
+    assert _argv(readme[readme.index("jaxdist data prepare FILES... --out DIR [--tokenizer "
+                                     "byte|sentencepiece|TOKENIZER.json]")]) == [
+        "data", "prepare", "FILES", "--out", "DIR", "--tokenizer", "byte"]
+    assert _parse_error(["bench", "tiny", "--gpus", "2"], whole=True)  # no such flag
+    assert _parse_error(["launch", "-n", "2", "--", "train", "tiny", "--steps", "3"], whole=True)
+    assert _parse_error(["train", "tiny", "model.loss_impl=xla"], whole=True)  # a key of another section
+    assert _parse_error(["bench", "--profile"], whole=False) is None  # a fragment: the config left out
+    assert _parse_error(["benchmark", "tiny"], whole=False)
+
+
+# -- Python names ---------------------------------------------------------------------------------
+
+def _resolves(dotted: str) -> bool:
+    parts = dotted.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            target: Any = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        try:
+            for attribute in parts[split:]:
+                target = getattr(target, attribute)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+@pytest.mark.parametrize("path", MARKDOWN, ids=_name)
+def test_every_python_name_and_import_in_the_docs_resolves(path):
+    text = path.read_text()
+    names = {match for span in _inline_spans(text) for match in re.findall(r"\bjaxdist(?:\.\w+)+", span)}
+    names |= {f"{module}.{attribute}" for match in MENTION.finditer(text)
+              if (module := match["key"].split(".")[0]) in MODULES and match["call"]
+              for attribute in [match["key"].split(".", 1)[1]]}
+    qualified = {name if name.startswith("jaxdist") else f"{MODULES[name.split('.')[0]].__name__}.{name.split('.', 1)[1]}"
+                 for name in names}
+    for block in re.findall(r"```python\n(.*?)```", text, re.S):
+        for statement in re.findall(r"^(?:from \S+ import .+|import .+)$", block, re.M):
+            exec(statement, {})  # noqa: S102 - the docs' own import lines
+    assert [name for name in sorted(qualified) if not _resolves(name)] == []
