@@ -25,6 +25,7 @@ from jaxdist.parallel import rules as rules_lib
 ROOT = Path(__file__).resolve().parents[1]
 MARKDOWN = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
 RECIPES = sorted(config.RECIPES.glob("*.yaml"))
+LAUNCH_TEMPLATES = sorted((ROOT / "scripts").glob("*/*"))  # SLURM and Kubernetes: their commands' overrides
 
 # Options that were removed: only benchmarks/HISTORY.md may name them.
 REMOVED = ("pipeline.unroll", "model.overlap_grad_reduce", "precision.grad_reduce", "model.scan_unroll")
@@ -39,9 +40,9 @@ PLACEHOLDER = re.compile(r"^(?:[A-Za-z]|[A-Z][A-Z_]+)$")
 
 
 def _doc_text(path: Path) -> str:
-    """A markdown file, or the comments of a recipe (its YAML is the config itself)."""
+    """A markdown file or a launch template, or the comments of a recipe (its YAML is the config itself)."""
     text = path.read_text()
-    if path.suffix == ".yaml":
+    if path.parent == config.RECIPES:
         return "\n".join(line.split("#", 1)[1] for line in text.splitlines() if "#" in line)
     return text
 
@@ -119,7 +120,7 @@ def _mentions(path: Path) -> list[tuple[str, str | None]]:
     return found
 
 
-@pytest.mark.parametrize("path", MARKDOWN + RECIPES, ids=_name)
+@pytest.mark.parametrize("path", MARKDOWN + RECIPES + LAUNCH_TEMPLATES, ids=_name)
 def test_every_config_key_in_the_docs_exists_and_takes_the_value_shown(path):
     wrong = []
     for key, value in _mentions(path):
@@ -137,6 +138,7 @@ def test_every_config_key_in_the_docs_exists_and_takes_the_value_shown(path):
 
 def test_the_docs_check_finds_what_they_name():
     """The check above reads the docs: the mentions it must see are seen, and wrong ones would fail."""
+    assert ("mesh.fsdp", "8") in _mentions(ROOT / "scripts" / "k8s" / "jaxdist-job.yaml")
     readme = set(_mentions(ROOT / "README.md"))
     assert {("train.fsdp_gather", "per_step"), ("log.wandb", "true"), ("impl.loss_chunk", None)} <= readme
     assert ("rules.activations.seq", "tensor") in set(_mentions(ROOT / "docs" / "performance.md"))  # a whole span
@@ -150,9 +152,8 @@ def test_the_docs_check_finds_what_they_name():
 
 
 def test_removed_options_are_named_only_in_the_history():
-    named = {(_name(path), key) for path in MARKDOWN + RECIPES for key in REMOVED if key in path.read_text()}
-    named |= {(_name(path), key) for path in (ROOT / "scripts").rglob("*") if path.is_file()
-              for key in REMOVED if key in path.read_text()}
+    named = {(_name(path), key) for path in [*MARKDOWN, *RECIPES, *(ROOT / "scripts").rglob("*.*")]
+             for key in REMOVED if key in path.read_text()}
     assert named == set()
 
 
