@@ -217,7 +217,7 @@ class ImplConfig(Section):
     scan_layers: bool = Field(
         True, description="true: layers stacked in a lax.scan (fast compile, needed by pipelines); false: unrolled")
     remat: Literal["none", "mlp", "full", "dots"] = Field(
-        "none", description="recomputed in the backward: nothing, the MLP activation, all but matmuls, or each block")
+        "none", description="recomputed in the backward: nothing, the MLP activation, whole blocks, or all but matmuls")
     attention: Literal["auto", "xla", "cudnn"] = Field("auto", description="attention implementation")
     norm_impl: Literal["auto", "xla", "pallas"] = Field(
         "auto", description="residual add + norm as one Pallas kernel (kernels/fused_norm.py)")

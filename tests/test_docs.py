@@ -1,6 +1,6 @@
 """The docs users copy from name only what exists: every `section.key` and `section.key=value` in
-README.md, docs/*.md, benchmarks/README.md and the recipes' comments is a key of jaxdist/config.py
-that takes that value; every `jaxdist ...` command line parses with the current command line (and
+README.md, docs/*.md, benchmarks/README.md, the recipes' comments and the SLURM and Kubernetes
+templates is a key of jaxdist/config.py that takes that value; every `jaxdist ...` command line parses with the current command line (and
 loads its config, where it names a recipe); every `jaxdist.NAME` and Python import resolves.
 benchmarks/HISTORY.md, a log of the past, is the one place removed options may still be named."""
 
@@ -91,13 +91,13 @@ def _value_error(key: str, text: str) -> str | None:
         parsed = yaml.safe_load(value)
         if key == "rules.preset" and parsed not in rules_lib.PRESETS:
             return f"{parsed!r} is not a preset ({', '.join(rules_lib.PRESETS)})"
-        errors = []
-        for kind in _field_types(key):
+        kinds, errors = _field_types(key), []
+        for kind in kinds:
             try:
                 TypeAdapter(kind).validate_python(parsed)
             except ValidationError as err:
                 errors.append(err.errors()[0]["msg"])
-        if len(errors) == len(_field_types(key)):
+        if len(errors) == len(kinds):
             return errors[0]
     return None
 
@@ -160,7 +160,7 @@ def test_removed_options_are_named_only_in_the_history():
 # -- command lines --------------------------------------------------------------------------------
 
 # Synopsis words that stand for arguments the user writes.
-SYNOPSIS_ONLY = {"...", "dotted.key=value", "overrides"}
+SYNOPSIS_ONLY = {"dotted.key=value", "overrides"}
 
 
 def _command_lines(path: Path) -> list[tuple[str, bool]]:
@@ -186,10 +186,10 @@ def _argv(command: str) -> list[str]:
     """A synopsis made a command line: optional parts included, the first of alternatives, 2 for N."""
     argv = []
     for word in shlex.split(command)[1:]:
-        word = word.removeprefix("[") if word.startswith("[") else word
+        word = word.removeprefix("[")
         if word.count("]") > word.count("["):
             word = word[:word.rindex("]")]
-        word = word.split("|")[0].removesuffix("...") if not word.startswith("...") else word
+        word = word.split("|")[0].removesuffix("...")  # FILES... is one file; a lone ... is nothing
         if word in SYNOPSIS_ONLY or not word:
             continue
         argv.append("2" if re.fullmatch(r"[A-Z]", word) else word)
@@ -209,8 +209,9 @@ def _parse_error(argv: list[str], whole: bool) -> str | None:
         return None if fragment_ok else message
     if unknown := [arg for arg in extra if "=" not in arg or arg.startswith("-")]:
         return f"unrecognized arguments: {' '.join(unknown)}"
-    if args.command == "launch" and args.program[1:]:
-        return _parse_error(args.program[1:] if args.program[0] == "--" else args.program, whole)
+    program = args.program[1:] if args.command == "launch" and args.program[:1] == ["--"] else []
+    if program:
+        return _parse_error(program, whole)
     named = getattr(args, "config", None) if args.command != "config" else None
     if named and ((ROOT / named).is_file() or named in config.recipes()):
         try:
@@ -261,13 +262,12 @@ def _resolves(dotted: str) -> bool:
 @pytest.mark.parametrize("path", MARKDOWN, ids=_name)
 def test_every_python_name_and_import_in_the_docs_resolves(path):
     text = path.read_text()
-    names = {match for span in _inline_spans(text) for match in re.findall(r"\bjaxdist(?:\.\w+)+", span)}
-    names |= {f"{module}.{attribute}" for match in MENTION.finditer(text)
-              if (module := match["key"].split(".")[0]) in MODULES and match["call"]
-              for attribute in [match["key"].split(".", 1)[1]]}
-    qualified = {name if name.startswith("jaxdist") else f"{MODULES[name.split('.')[0]].__name__}.{name.split('.', 1)[1]}"
-                 for name in names}
+    names = {name for span in _inline_spans(text) for name in re.findall(r"\bjaxdist(?:\.\w+)+", span)}
+    for match in MENTION.finditer(text):  # calls such as `rules.place(...)`
+        module, attribute = match["key"].split(".", 1)
+        if match["call"] and module in MODULES:
+            names.add(f"{MODULES[module].__name__}.{attribute}")
     for block in re.findall(r"```python\n(.*?)```", text, re.S):
         for statement in re.findall(r"^(?:from \S+ import .+|import .+)$", block, re.M):
-            exec(statement, {})  # noqa: S102 - the docs' own import lines
-    assert [name for name in sorted(qualified) if not _resolves(name)] == []
+            exec(statement, {})  # the docs' own import lines: ImportError if a name is gone
+    assert [name for name in sorted(names) if not _resolves(name)] == []
