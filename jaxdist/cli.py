@@ -274,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxdist: error: {err}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:  # Ctrl-C before training started; once it runs, a SIGINT saves and stops
+        # An object the interrupt cut off while it was built (Orbax's async checkpointer, say) may
+        # fail in its finalizer as the process exits: the promise is this one line.
+        sys.unraisablehook = lambda unraisable: None
         print("jaxdist: interrupted", file=sys.stderr)
         return 130
 

@@ -203,3 +203,26 @@ def test_ctrl_c_before_the_step_compiled_exits_130(config_file, tmp_path):
     assert run.returncode == 130, err[-3000:]
     assert err == "jaxdist: interrupted\n"
     assert "compiled the train step" not in out
+
+
+_HALF_BUILT = """
+import sys
+from jaxdist import cli
+
+class HalfBuilt:  # like a library object whose constructor the interrupt cut short
+    def __del__(self):
+        self.thread.is_alive()
+
+def interrupted(args):
+    cli.KEPT = HalfBuilt()  # finalized as the interpreter exits
+    raise KeyboardInterrupt
+
+cli._train = interrupted
+sys.exit(cli.main(["train", sys.argv[1]]))
+"""
+
+
+def test_ctrl_c_leaves_one_line_when_a_half_built_object_fails_at_exit(config_file):
+    run = subprocess.run([sys.executable, "-c", _HALF_BUILT, str(config_file)], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO), "JAXDIST_CPU_DEVICES": "8"}, cwd=REPO, timeout=120)
+    assert (run.returncode, run.stderr) == (130, "jaxdist: interrupted\n")
