@@ -3,8 +3,8 @@ backward (on the implementation fused_norm.py prefers, and on Mosaic GPU alone),
 (Mosaic GPU) and the GELU-gradient epilogue (the cuBLASLt FFI handler), each found by name in the
 compiled program of a small 406M-like step.
 
-Skipped where JAX finds no GPU (CI's machines); run it on a GPU host with
-`pytest tests/test_kernels_gpu.py`.
+The kernel tests are skipped where JAX finds no GPU (CI's machines); run them on a GPU host with
+`pytest tests/test_kernels_gpu.py`. The same small step with every switch on XLA runs everywhere.
 """
 
 import collections
@@ -19,7 +19,7 @@ from jaxdist.kernels import fused_norm, fused_norm_mosaic, fused_norm_triton, ge
 from jaxdist.observe import bench, hlo
 from jaxdist.train.trainer import Trainer
 
-pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 
 LAYERS, SEQ, CHUNK = 2, 128, 32
 KERNELS = ("add_norm_forward", "add_norm_backward", "softmax_grad")
@@ -29,24 +29,39 @@ def _backend(target: str) -> str:
     return "mosaic_gpu" if "mosaic_gpu" in target else "triton" if "triton" in target else target
 
 
-def _kernel_runs(tmp_path) -> collections.Counter:
-    """(backend or FFI target, kernel name) -> executions per step, for the small step."""
+def _small_step(tmp_path, kernel: str, gelu_kernel: str) -> Trainer:
+    """The small step's trainer, compiled and run once (its loss checked), with the norm and loss
+    switches set to `kernel` and the GELU gradient's to `gelu_kernel`."""
     cfg = make_config(
         tmp_path,
         model={"vocab": 1024, "d_model": 256, "layers": LAYERS, "heads": 4, "seq_len": SEQ, "norm": "layernorm",
                "activation": "gelu"},
-        impl={"scan_layers": False, "loss_chunk": CHUNK, "norm_impl": "pallas", "loss_impl": "pallas",
-              "gelu_grad_impl": "cublaslt"},
+        impl={"scan_layers": False, "loss_chunk": CHUNK, "norm_impl": kernel, "loss_impl": kernel,
+              "gelu_grad_impl": gelu_kernel},
         train={"global_batch": 8},
         precision={"compute": "bfloat16"},
     )
-    assert "unavailable" not in kernels.build_for(cfg.model, cfg.impl)
-    gelu_matmul.unavailable_reason.cache_clear()
+    if kernel != "xla":
+        assert "unavailable" not in kernels.build_for(cfg.model, cfg.impl)
+        gelu_matmul.unavailable_reason.cache_clear()
     trainer = Trainer.from_config(cfg, jax.devices()[:1])
-    batch = trainer.global_batch(bench.random_tokens(cfg))
+    batch = trainer.global_batch(bench.random_batch(cfg))
     trainer.compile(batch)
     loss = float(trainer.step(batch)["loss"])
     assert 6.5 < loss < 7.5, loss  # about log(1024) = 6.93 for the untrained model
+    return trainer
+
+
+def test_the_small_step_runs_without_kernels(tmp_path):
+    """The same step with every switch on XLA, on any backend: what the GPU tests build stays runnable
+    where CI runs (no GPU)."""
+    trainer = _small_step(tmp_path, "xla", "xla")
+    assert not [call for call in hlo.custom_calls(trainer.compiled_text()) if _backend(call.target) == "mosaic_gpu"]
+
+
+def _kernel_runs(tmp_path) -> collections.Counter:
+    """(backend or FFI target, kernel name) -> executions per step, for the small step."""
+    trainer = _small_step(tmp_path, "pallas", "cublaslt")
     runs = collections.Counter()
     for call in hlo.custom_calls(trainer.compiled_text()):
         names = [name for name in KERNELS if name in call.op_name]
@@ -54,6 +69,7 @@ def _kernel_runs(tmp_path) -> collections.Counter:
     return runs
 
 
+@on_gpu
 @pytest.mark.parametrize("norms", ["preferred", "mosaic_gpu"])
 def test_train_step_runs_every_kernel(tmp_path, monkeypatch, norms):
     if norms == "mosaic_gpu":
