@@ -253,20 +253,6 @@ def test_stages_run_their_layers_unrolled_and_only_roll_inside_the_loop(tmp_path
     assert [(op.opcode, op.executions) for op in in_loops] == [("collective-permute", iterations)] * 2
 
 
-def test_a_circular_schedule_on_gpus_turns_the_auto_kernels_off(tmp_path):
-    """The kernels a circular schedule hangs with on GPUs go from auto to xla there, with a warning;
-    one named by the user stays; GPipe, one stage and other platforms keep every switch."""
-    circular = _pipe_config(tmp_path, stages=2, microbatches=4, repeats=2,
-                             impl={"loss_impl": "pallas", "loss_chunk": 16})
-    with pytest.warns(UserWarning, match=r"pipeline.repeats=2: impl.norm_impl, impl.gelu_grad_impl auto -> xla"):
-        safe = pipeline.kernels_for_schedule(circular, 2, "gpu")
-    assert (safe.impl.norm_impl, safe.impl.loss_impl, safe.impl.gelu_grad_impl) == ("xla", "pallas", "xla")
-    assert safe.impl.model_copy(update={"norm_impl": "auto", "gelu_grad_impl": "auto"}) == circular.impl
-    gpipe = _pipe_config(tmp_path, stages=2, microbatches=4)
-    for cfg, stages, platform in [(circular, 2, "cpu"), (circular, 1, "gpu"), (gpipe, 2, "gpu")]:
-        assert pipeline.kernels_for_schedule(cfg, stages, platform) is cfg
-
-
 # -- bad input ---------------------------------------------------------------------------------------
 
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -137,29 +136,6 @@ def check_config(cfg: Config, mesh: Mesh, rules: rules_lib.Rules) -> None:
     shards = rules_lib.axes_size(mesh, data_parallel_axes(rules))
     rows = cfg.train.global_batch // shards // cfg.train.microbatches
     Schedule(stages, cfg.pipeline.microbatches, cfg.pipeline.repeats).check(cfg.model.layer_stack, rows)
-
-
-# The kernel switches `kernels_for_schedule` turns from auto to xla under a circular schedule on GPUs.
-CIRCULAR_GPU_KERNEL_SWITCHES = ("norm_impl", "loss_impl", "gelu_grad_impl")
-
-
-def kernels_for_schedule(cfg: Config, stages: int, platform: str) -> Config:
-    """`cfg` with the kernel switches of `CIRCULAR_GPU_KERNEL_SWITCHES` that are `auto` set to
-    `xla` when a circular schedule (pipeline.repeats > 1 over `stages` > 1) runs on GPUs.
-
-    On H200s the circular schedule of gpt_406m hangs in its first step with those kernels and runs
-    without them (docs/performance.md, "Known problem"); the cause is not found. A switch set to a
-    kernel by name is the user's choice and stays.
-    """
-    if stages == 1 or cfg.pipeline.repeats == 1 or platform != "gpu":
-        return cfg
-    auto = {key: "xla" for key in CIRCULAR_GPU_KERNEL_SWITCHES if getattr(cfg.impl, key) == "auto"}
-    if not auto:
-        return cfg
-    warnings.warn(
-        f"pipeline.repeats={cfg.pipeline.repeats}: {', '.join(f'impl.{key}' for key in auto)} auto -> xla "
-        f"(with these kernels the circular schedule hangs on GPUs; docs/performance.md)", stacklevel=2)
-    return cfg.model_copy(update={"impl": cfg.impl.model_copy(update=auto)})
 
 
 def rules_from_config(rules_cfg: RulesConfig, mesh_shape: dict[str, int]) -> rules_lib.Rules:

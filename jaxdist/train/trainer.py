@@ -25,7 +25,7 @@ from jaxdist.config import Config
 from jaxdist.errors import UserError
 from jaxdist.parallel import feed
 from jaxdist.parallel import layout as layout_lib
-from jaxdist.parallel.pipeline import data_parallel_axes, kernels_for_schedule
+from jaxdist.parallel.pipeline import data_parallel_axes
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.train import copies as copies_lib
 from jaxdist.models import dtypes as dtypes_lib
@@ -128,7 +128,6 @@ class Trainer:
         mesh, rules = layout.mesh, layout.rules
         platform = mesh.devices.flat[0].platform
         dtypes_lib.check_backend(cfg.precision, platform)
-        cfg = kernels_for_schedule(cfg, mesh.shape["stage"], platform)
         entry = models.get(cfg.model.name)
         create_model = entry.create(cfg)
         abstract = abstract_model(create_model, cfg.seed)
