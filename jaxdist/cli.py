@@ -17,7 +17,8 @@ import os
 import sys
 
 from jaxdist import runtime
-from jaxdist.data import prepare
+from jaxdist.data import images, prepare
+from jaxdist.data import tokenizer as tokenizer_lib
 from jaxdist.errors import NonFiniteError, UserError, cli_number
 from jaxdist.launch import die_with_launcher
 
@@ -110,8 +111,8 @@ def _parser() -> argparse.ArgumentParser:
     scale.add_argument("--nvlink-gbs", type=_AMOUNT, default=450.0, help="GB/s per GPU inside a host")
     scale.add_argument("--storage-gbs", type=_AMOUNT, default=2.0, help="checkpoint write GB/s per host")
     data = commands.add_parser("data", help="prepare datasets").add_subparsers(dest="data_command", required=True)
-    prepare.add_arguments(data.add_parser("prepare", help="tokenize text, JSONL or Parquet files, or resize an image "
-                                          "folder (a subfolder per class), into ArrayRecord shards"))
+    _data_prepare_arguments(data.add_parser("prepare", help="tokenize text, JSONL or Parquet files, or resize an "
+                                            "image folder (a subfolder per class), into ArrayRecord shards"))
     plot = commands.add_parser("plot", help="draw runs' train and eval loss and tokens/s against step into a PNG")
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories with metrics.jsonl")
     plot.add_argument("--out", help="PNG file (default: RUN_DIR/plot.png for one run, ./plot.png for several)")
@@ -121,6 +122,50 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("out", help="output file, ending in .safetensors or .npz")
     export.add_argument("--step", type=_INDEX, help="checkpoint step (default: the newest)")
     return parser
+
+
+def _data_prepare_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("inputs", nargs="+",
+                        help="text, .jsonl or .parquet files, or directories of them; or one folder with a "
+                             "subfolder of PNG/JPEG images per class")
+    parser.add_argument("--out", required=True, help="new directory for the shards and manifest.json")
+    parser.add_argument("--eval-fraction", type=float,
+                        help="share of documents (default 0.01) or of each class's images (default 0.1) held out for eval")
+    parser.add_argument("--records-per-shard", type=_COUNT, help="records per shard file (default 4096)")
+    text = parser.add_argument_group("text")
+    text.add_argument("--tokenizer",
+                      help=f"one of {', '.join(tokenizer_lib.TOKENIZERS)} (default byte), or the path of a Hugging "
+                           f"Face tokenizer.json")
+    text.add_argument("--vocab-size", type=_COUNT, help="sentencepiece vocabulary size (default 4096)")
+    text.add_argument("--chunk-tokens", type=_COUNT, help="tokens per ArrayRecord record (default 4096)")
+    text.add_argument("--text-key", help="JSONL field / Parquet column holding the text (default text)")
+    image = parser.add_argument_group("image folder")
+    image.add_argument("--image-size", type=_COUNT,
+                       help="side of the square every image is resized and center-cropped to (default 32)")
+    image.add_argument("--grayscale", action="store_true", default=None,
+                       help="keep one gray channel instead of converting to RGB")
+
+
+# `data prepare` options of one input form only (None: not given): giving one for the other form is a mistake.
+_TEXT_OPTIONS = {"--tokenizer": "tokenizer", "--vocab-size": "vocab_size", "--chunk-tokens": "chunk_tokens",
+                 "--text-key": "text_key"}
+_IMAGE_OPTIONS = {"--image-size": "image_size", "--grayscale": "grayscale"}
+_SHARED_OPTIONS = ("eval_fraction", "records_per_shard")
+
+
+def _data_prepare(args) -> None:
+    folder = images.image_folder(args.inputs)
+    if folder is not None:
+        own, other, form = _IMAGE_OPTIONS, _TEXT_OPTIONS, "an image folder"
+    else:
+        own, other, form = _TEXT_OPTIONS, _IMAGE_OPTIONS, "text inputs"
+    if given := [flag for flag, dest in other.items() if getattr(args, dest) is not None]:
+        raise UserError(f"data prepare: {given[0]} does not apply to {form}; drop it")
+    options = {dest: getattr(args, dest) for dest in (*own.values(), *_SHARED_OPTIONS) if getattr(args, dest) is not None}
+    if folder is not None:
+        print(images.summary(args.out, images.prepare(folder, args.out, **options)))
+    else:
+        print(prepare.summary(args.out, prepare.prepare(args.inputs, args.out, **options)))
 
 
 def _train(args) -> None:
@@ -263,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.init_timeout)
         commands = {
             "train": _train, "rules": _rules, "bench": _bench, "plan": _plan, "build-kernels": _build_kernels,
-            "launch": _launch, "doctor": _doctor, "scale": _scale, "data": prepare.run, "export": _export,
+            "launch": _launch, "doctor": _doctor, "scale": _scale, "data": _data_prepare, "export": _export,
             "plot": _plot, "config": _config_show,
         }
         return commands[args.command](args) or 0

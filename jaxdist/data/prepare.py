@@ -15,7 +15,6 @@ Directories are searched recursively.
 
 from __future__ import annotations
 
-import argparse
 import json
 import zlib
 from collections.abc import Iterator
@@ -23,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxdist.data import images, shards, sources
+from jaxdist.data import shards, sources
 from jaxdist.data import tokenizer as tokenizer_lib
-from jaxdist.errors import UserError, cli_number, optional_import
+from jaxdist.errors import UserError, optional_import
 
 SPLITS = ("train", "eval")
 
@@ -243,53 +242,10 @@ def prepare(
     return manifest
 
 
-# Options of one input form only (None: not given): giving one for the other form is a mistake.
-TEXT_OPTIONS = {"--tokenizer": "tokenizer", "--vocab-size": "vocab_size", "--chunk-tokens": "chunk_tokens",
-                "--text-key": "text_key"}
-IMAGE_OPTIONS = {"--image-size": "image_size", "--grayscale": "grayscale"}
-SHARED_OPTIONS = ("eval_fraction", "records_per_shard")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `jaxdist data prepare` command line."""
-    parser.add_argument("inputs", nargs="+",
-                        help="text, .jsonl or .parquet files, or directories of them; or one folder with a "
-                             "subfolder of PNG/JPEG images per class")
-    parser.add_argument("--out", required=True, help="new directory for the shards and manifest.json")
-    parser.add_argument("--eval-fraction", type=float,
-                        help="share of documents (default 0.01) or of each class's images (default 0.1) held out for eval")
-    parser.add_argument("--records-per-shard", type=cli_number(int), help="records per shard file (default 4096)")
-    text = parser.add_argument_group("text")
-    text.add_argument("--tokenizer",
-                      help=f"one of {', '.join(tokenizer_lib.TOKENIZERS)} (default byte), or the path of a Hugging "
-                           f"Face tokenizer.json")
-    text.add_argument("--vocab-size", type=cli_number(int), help="sentencepiece vocabulary size (default 4096)")
-    text.add_argument("--chunk-tokens", type=cli_number(int), help="tokens per ArrayRecord record (default 4096)")
-    text.add_argument("--text-key", help="JSONL field / Parquet column holding the text (default text)")
-    image = parser.add_argument_group("image folder")
-    image.add_argument("--image-size", type=cli_number(int),
-                       help="side of the square every image is resized and center-cropped to (default 32)")
-    image.add_argument("--grayscale", action="store_true", default=None,
-                       help="keep one gray channel instead of converting to RGB")
-
-
-def run(args: argparse.Namespace) -> None:
-    """Prepares an image folder or text inputs, as the inputs are, and prints a one-line summary."""
-    folder = images.image_folder(args.inputs)
-    if folder is not None:
-        own, other, form = IMAGE_OPTIONS, TEXT_OPTIONS, "an image folder"
-    else:
-        own, other, form = TEXT_OPTIONS, IMAGE_OPTIONS, "text inputs"
-    if given := [flag for flag, dest in other.items() if getattr(args, dest) is not None]:
-        raise UserError(f"data prepare: {given[0]} does not apply to {form}; drop it")
-    options = {dest: getattr(args, dest) for dest in (*own.values(), *SHARED_OPTIONS) if getattr(args, dest) is not None}
-    if folder is not None:
-        print(images.summary(args.out, images.prepare(folder, args.out, **options)))
-        return
-    manifest = prepare(args.inputs, args.out, **options)
+def summary(out: str, manifest: dict) -> str:
+    """One line on what `prepare` wrote."""
     counts = ", ".join(
         f"{split} {entry['documents']} documents / {entry['tokens']} tokens"
         for split, entry in manifest["splits"].items()
     )
-    print(f"wrote {args.out}: {counts}; {manifest['tokenizer']['name']} tokenizer, "
-          f"vocab {manifest['tokenizer']['vocab_size']}")
+    return f"wrote {out}: {counts}; {manifest['tokenizer']['name']} tokenizer, vocab {manifest['tokenizer']['vocab_size']}"
