@@ -198,17 +198,17 @@ HEAD_GPT = {**PIPE_GPT, "layers": 4, "vocab": 8192}
 HEAD_BATCH, HEAD_MICROBATCHES = 8, 4
 
 
-def _step_on_stages(tmp_path, stages: int):
-    """The GPT's loss and gradients with a stage per device, and abstract inputs laid out for it."""
-    cfg = _pipe_config(tmp_path, stages, HEAD_MICROBATCHES, model=HEAD_GPT, train={"global_batch": HEAD_BATCH},
-                       mesh={"stage": stages, "data": 1, "fsdp": 1, "tensor": 1},
+def _step_on_stages(tmp_path, stages: int, fsdp: int = 1, rows: int = HEAD_BATCH):
+    """The GPT's loss and gradients on `stages` x `fsdp` devices, and abstract inputs laid out for it."""
+    cfg = _pipe_config(tmp_path, stages, HEAD_MICROBATCHES, model=HEAD_GPT, train={"global_batch": rows},
+                       mesh={"stage": stages, "data": 1, "fsdp": fsdp, "tensor": 1},
                        pipeline={"microbatches": HEAD_MICROBATCHES})
-    layout = layout_lib.from_config(cfg, jax.devices()[:stages])
+    layout = layout_lib.from_config(cfg, jax.devices()[:stages * fsdp])
     mesh, rules = layout.mesh, layout.rules
     _, abstract, names, _, _ = abstract_model(models.get("gpt").create(cfg), cfg.seed)
     shardings = rules_lib.layout_shardings(rules_lib.param_layouts(abstract, names, rules, mesh), mesh)
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    tokens = jax.ShapeDtypeStruct((HEAD_BATCH, HEAD_GPT["seq_len"]), jnp.int32, sharding=batch_sharding(mesh, rules))
+    tokens = jax.ShapeDtypeStruct((rows, HEAD_GPT["seq_len"]), jnp.int32, sharding=batch_sharding(mesh, rules))
     loss_and_grads = _loss_and_grads_fn(cfg)
 
     def step(p, b):
@@ -251,6 +251,18 @@ def test_stages_run_their_layers_unrolled_and_only_roll_inside_the_loop(tmp_path
     in_loops = [op for op in hlo.collectives(compiled.as_text()) if op.in_loop]
     iterations = pipeline.Schedule(2, HEAD_MICROBATCHES).iterations
     assert [(op.opcode, op.executions) for op in in_loops] == [("collective-permute", iterations)] * 2
+
+
+def test_with_fsdp_the_embedding_lookup_moves_no_rows_between_devices(tmp_path, devices):
+    """Under stage=2 x fsdp=4 the batch outside the pipeline is split over both axes and the
+    embedding table over fsdp only. The table is gathered for the lookup (as FSDP gathers every
+    weight): split, XLA could produce the looked-up rows only by replicating them and partitioning
+    again, a reshuffle of activations through extra collective permutes and all-to-alls. The
+    only permutes left are the rolls inside the loops."""
+    step, params, batch = _step_on_stages(tmp_path, 2, fsdp=4, rows=2 * 4 * HEAD_MICROBATCHES)
+    ops = hlo.collectives(_compiled(step, params, batch).as_text())
+    assert [op.in_loop for op in ops if op.opcode == "collective-permute"] == [True, True]
+    assert sum(op.opcode == "all-to-all" for op in ops) <= 2  # the microbatches to stage 0 and back
 
 
 # -- bad input ---------------------------------------------------------------------------------------

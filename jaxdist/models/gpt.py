@@ -255,7 +255,11 @@ class GPT(nnx.Module):
     def features(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The output projection's two inputs: the final normed hidden states (batch, length, embed)
         in the compute dtype, and `head_weights()`."""
-        x = jnp.take(self.embed[...], tokens, axis=0)
+        # The table gathered to the activations' layout first (its `embed` dim whole, as FSDP
+        # gathers any weight before use): left split, the lookup's output would have to be split
+        # along `embed` and the batch at once, which XLA can only do by replicating it when the
+        # batch is split over more axes than the table's (the stage axis, outside a pipeline).
+        x = jnp.take(constrain(self.embed[...], ("vocab", "embed")), tokens, axis=0)
         if self.cfg.positions == "learned":
             x = x + self.positions[: tokens.shape[1]]
         x = constrain(_cast(x, self.compute_dtype), RESIDUAL)
