@@ -49,8 +49,14 @@ def test_plan_command_prints_the_plan_and_allocates_nothing(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "plan: mesh data=2 x stage=1 x fsdp=4 x tensor=1 (8 cpu devices)"
     assert out[1].startswith("per device: parameters ") and "temporaries" in out[1]
+    assert out[1].endswith(" MFLOP per step"), out[1]  # a small step's work in a unit that shows it
     assert out[2].startswith("fits in 80.00 GB per device")
     assert len(jax.live_arrays()) == before  # nothing allocated for the state
+
+
+@pytest.mark.parametrize("count, text", [(2.5e12, "2.50 TFLOP"), (3.2e9, "3.20 GFLOP"), (4e6, "4.00 MFLOP")])
+def test_flops_print_in_the_largest_unit_they_fill(count, text):
+    assert plan._flop(count) == text
 
 
 @pytest.mark.parametrize("text, size", [("80GB", 80e9), ("16GiB", 16 * 2**30), ("512 MB", 512e6), ("1e9", 1e9)])

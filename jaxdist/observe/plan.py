@@ -72,7 +72,7 @@ class Plan:
                  ("batch", self.batch), ("temporaries", self.temporaries), ("code", self.code)]
         shown = ", ".join(f"{name} {_gb(size)}" for name, size in parts if size)
         return [f"plan: mesh {self.mesh} ({self.devices} {self.platform} devices)",
-                f"per device: {shown}; total {_gb(self.total)}; {self.flops / 1e12:.2f} TFLOP per step"]
+                f"per device: {shown}; total {_gb(self.total)}; {_flop(self.flops)} per step"]
 
 
 def _gb(size: int) -> str:
@@ -80,6 +80,13 @@ def _gb(size: int) -> str:
         if size >= scale:
             return f"{size / scale:.2f} {unit}"
     return f"{size / 1e3:.1f} kB"
+
+
+def _flop(count: float) -> str:
+    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9)):
+        if count >= scale:
+            return f"{count / scale:.2f} {unit}"
+    return f"{count / 1e6:.2f} MFLOP"
 
 
 def compiled_trainer(cfg: Config, devices: list | None = None) -> tuple[Trainer, dict[str, jax.ShapeDtypeStruct]]:
