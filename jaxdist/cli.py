@@ -210,12 +210,14 @@ def _plan(args) -> None:
 
 def _bench(args) -> None:
     from jaxdist import config
+    from jaxdist.data import loader
     from jaxdist.observe import bench
 
     import jax
 
     devices = jax.devices()[: args.devices] if args.devices else None
-    result = bench.run(config.load(args.config, args.overrides), args.steps, args.warmup, devices, args.profile)
+    cfg = loader.resolve_model(config.load(args.config, args.overrides))  # `auto` sizes, as train takes them
+    result = bench.run(cfg, args.steps, args.warmup, devices, args.profile)
     bench.write(result, args.out)
 
 

@@ -6,6 +6,7 @@ import jax
 import pytest
 
 from jaxdist import cli, config
+from jaxdist.data import loader
 from jaxdist.models.gpt import flops_per_token
 from jaxdist.observe import bench
 from jaxdist.observe.metrics import peak_flops
@@ -45,8 +46,9 @@ def test_bench_reports_consistent_throughput_and_its_setup(tmp_path, capsys):
     ("digits_resnet_lars", {"depth": 18, "width": 8, "stem": "small"}, 1),  # one device: a quicker compile
 ])
 def test_bench_runs_a_classifier_on_random_images(capsys, recipe, sizes, devices):
-    """Every registered model benches: random pixels and labels, examples/s, its FLOPs for MFU."""
-    overrides = ["model.classes=10", "model.image_shape=[8,8,1]", "train.global_batch=32", f"mesh.data={devices}"]
+    """Every registered model benches: random pixels and labels, examples/s, its FLOPs for MFU. The
+    recipes' `auto` classes and image shape come from their data, as `train` takes them."""
+    overrides = ["train.global_batch=32", f"mesh.data={devices}"]
     assert cli.main(["bench", recipe, *overrides, "--devices", str(devices), "--steps", "2", "--warmup", "0"]) == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed["model"] == recipe.split("_")[1] and {k: printed[k] for k in sizes} == sizes
@@ -57,5 +59,6 @@ def test_bench_runs_a_classifier_on_random_images(capsys, recipe, sizes, devices
     # An untrained classifier's loss on random labels: near ln(10) = 2.30.
     assert 1.5 < printed["first_loss"] < 4.0
     if devices > 1:  # the same random batch on one device: the same first loss
-        one = bench.run(config.load(recipe, [*overrides, "mesh.data=1"]), steps=1, warmup=0, devices=jax.devices()[:1])
+        one_cfg = loader.resolve_model(config.load(recipe, [*overrides, "mesh.data=1"]))
+        one = bench.run(one_cfg, steps=1, warmup=0, devices=jax.devices()[:1])
         assert abs(one["first_loss"] - printed["first_loss"]) <= 1e-5 * printed["first_loss"]

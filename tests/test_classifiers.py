@@ -141,8 +141,6 @@ def test_rules_place_convolutions_by_preset(capsys):
     (["scale", "digits_resnet_lars", "--hosts", "2"],
      "jaxdist scale models a transformer's traffic (layers, heads, tokens per sequence); model.name=resnet is not "
      "one: use a gpt config"),
-    (["bench", "digits_mlp"],
-     "model.classes=auto takes its value from the data, but bench runs on random examples; set model.classes"),
 ])
 def test_commands_that_need_a_transformer_or_fixed_sizes_say_so(capsys, compiles, argv, message):
     assert cli.main(argv) == 2

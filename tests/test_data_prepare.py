@@ -96,7 +96,7 @@ def test_vocab_auto_takes_the_vocabulary_of_the_data(tmp_path):
     assert loader.resolve_model(fixed) is fixed
     with pytest.raises(UserError, match=r"model.vocab=auto: data.path=.*images.npz has no integer inputs or targets"):
         loader.resolve_model(make_config(tmp_path, data={"source": "arrays", "path": str(tmp_path / "images.npz")}, model=auto))
-    with pytest.raises(UserError, match="model.vocab=auto takes its value from the data, but bench runs on random"):
+    with pytest.raises(UserError, match=r"model.vocab = auto takes its value from the data, and bench runs on random"):
         bench.run(make_config(tmp_path, model=auto))
 
 

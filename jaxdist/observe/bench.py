@@ -98,11 +98,14 @@ def time_steps(trainer, batch: dict, steps: int, warmup: int,
 def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = None, profile_dir: str | None = None) -> dict:
     """Builds the trainer as `train` does, then times `steps` steps after `warmup` steps.
 
-    With `profile_dir`, three more steps are traced by the JAX profiler into that folder.
+    With `profile_dir`, three more steps are traced by the JAX profiler into that folder. The model's
+    `auto` sizes must be resolved (`jaxdist.data.loader.resolve_model`, as the `bench` command does).
     """
-    if auto := [key for key in ("vocab", "classes", "image_shape") if getattr(cfg.model, key, None) == "auto"]:
-        raise UserError(f"model.{auto[0]}=auto takes its value from the data, but bench runs on random examples; "
-                        f"set model.{auto[0]}")
+    if auto := [f"model.{key}" for key in ("vocab", "classes", "image_shape") if getattr(cfg.model, key, None) == "auto"]:
+        verb = "takes its value" if len(auto) == 1 else "take their values"
+        raise UserError(f"{' and '.join(auto)} = auto {verb} from the data, and bench runs on random examples: "
+                        f"set {'it' if len(auto) == 1 else 'them'}, or resolve the config with "
+                        f"jaxdist.data.loader.resolve_model first")
     start = time.perf_counter()
     if (built := kernels.build_for(cfg.model, cfg.impl)) and jax.process_index() == 0:
         print(built, flush=True)  # before compiling: the model only loads the kernels while traced
