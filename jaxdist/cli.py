@@ -13,8 +13,10 @@ applies jaxdist's process-wide settings (`JAXDIST_CPU_DEVICES`, the XLA GPU flag
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+import threading
 
 from jaxdist import runtime
 from jaxdist.data import images, prepare
@@ -321,9 +323,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxdist: error: {err}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:  # Ctrl-C before training started; once it runs, a SIGINT saves and stops
-        # An object the interrupt cut off while it was built (Orbax's async checkpointer, say) may
-        # fail in its finalizer as the process exits: the promise is this one line.
+        # What the interrupt cut short (Orbax's async checkpointer, say) may fail as the process
+        # exits, in a finalizer or in a background thread that logs or raises it: the promise is this
+        # one line.
         sys.unraisablehook = lambda unraisable: None
+        threading.excepthook = lambda failure: None
+        logging.disable(logging.CRITICAL)
         print("jaxdist: interrupted", file=sys.stderr)
         return 130
 

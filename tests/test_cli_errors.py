@@ -222,7 +222,32 @@ sys.exit(cli.main(["train", sys.argv[1]]))
 """
 
 
-def test_ctrl_c_leaves_one_line_when_a_half_built_object_fails_at_exit(config_file):
-    run = subprocess.run([sys.executable, "-c", _HALF_BUILT, str(config_file)], capture_output=True, text=True,
+_THREAD_LOGS_AT_EXIT = """
+import logging, sys, threading
+from jaxdist import cli
+
+def log_when_the_process_ends():  # like Orbax's future-signaling thread finding its executor shut down
+    threading.main_thread().join()
+    logging.getLogger("absl").error("_SignalingThread.run() raised an exception: cannot schedule new futures")
+
+def interrupted(args):
+    threading.Thread(target=log_when_the_process_ends).start()
+    raise KeyboardInterrupt
+
+cli._train = interrupted
+sys.exit(cli.main(["train", sys.argv[1]]))
+"""
+
+
+_THREAD_RAISES_AT_EXIT = _THREAD_LOGS_AT_EXIT.replace(
+    'logging.getLogger("absl").error(', "raise RuntimeError(")
+
+
+@pytest.mark.parametrize("program", [_HALF_BUILT, _THREAD_LOGS_AT_EXIT, _THREAD_RAISES_AT_EXIT],
+                         ids=["finalizer", "thread_log", "thread_raise"])
+def test_ctrl_c_leaves_one_line_when_a_half_built_object_fails_at_exit(config_file, program):
+    """What the interrupt cut short may fail as the process exits, in a finalizer or in a library's
+    background thread that logs its error: the promise is still the one line."""
+    run = subprocess.run([sys.executable, "-c", program, str(config_file)], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(REPO), "JAXDIST_CPU_DEVICES": "8"}, cwd=REPO, timeout=120)
     assert (run.returncode, run.stderr) == (130, "jaxdist: interrupted\n")
