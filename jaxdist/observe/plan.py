@@ -75,18 +75,18 @@ class Plan:
                 f"per device: {shown}; total {_gb(self.total)}; {_flop(self.flops)} per step"]
 
 
+def _in_units(value: float, units: tuple[tuple[str, float, int], ...]) -> str:
+    """`value` in the largest of `units` (name, scale, decimals) it fills; the last one below them all."""
+    unit, scale, decimals = next((each for each in units if value >= each[1]), units[-1])
+    return f"{value / scale:.{decimals}f} {unit}"
+
+
 def _gb(size: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
-        if size >= scale:
-            return f"{size / scale:.2f} {unit}"
-    return f"{size / 1e3:.1f} kB"
+    return _in_units(size, (("GB", 1e9, 2), ("MB", 1e6, 2), ("kB", 1e3, 1)))
 
 
 def _flop(count: float) -> str:
-    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9)):
-        if count >= scale:
-            return f"{count / scale:.2f} {unit}"
-    return f"{count / 1e6:.2f} MFLOP"
+    return _in_units(count, (("TFLOP", 1e12, 2), ("GFLOP", 1e9, 2), ("MFLOP", 1e6, 2)))
 
 
 def compiled_trainer(cfg: Config, devices: list | None = None) -> tuple[Trainer, dict[str, jax.ShapeDtypeStruct]]:
