@@ -176,20 +176,25 @@ def _train(args) -> None:
     loop.train(config.load(args.config, args.overrides))
 
 
-def _rules(args) -> None:
-    from jaxdist import config, loop
+def _config_with_data_sizes(args):
+    """The command's config with the model's `auto` sizes taken from its data, as `train` takes them."""
+    from jaxdist import config
     from jaxdist.data import loader
+
+    return loader.resolve_model(config.load(args.config, args.overrides))
+
+
+def _rules(args) -> None:
+    from jaxdist import loop
     from jaxdist.parallel import rules
     from jaxdist.train.trainer import param_layouts
 
-    cfg = loader.resolve_model(config.load(args.config, args.overrides))
+    cfg = _config_with_data_sizes(args)
     table = rules.sharding_table(param_layouts(cfg))
     loop.log(table)  # process 0 only
 
 
 def _plan(args) -> None:
-    from jaxdist import config
-    from jaxdist.data import loader
     from jaxdist.observe import plan
 
     import jax
@@ -201,7 +206,7 @@ def _plan(args) -> None:
     if devices is not None and len(devices) < args.devices:
         raise UserError(f"plan --devices {args.devices}: only {len(devices)} devices here; on a CPU-only machine "
                         f"JAXDIST_CPU_DEVICES must not be set below it")
-    cfg = loader.resolve_model(config.load(args.config, args.overrides))  # `auto` sizes, as train takes them
+    cfg = _config_with_data_sizes(args)
     built = kernels.build_for(cfg.model, cfg.impl)  # the kernels the step will load, as train builds them
     text = plan.report(cfg, devices, limit)
     if built and jax.process_index() == 0:
@@ -211,14 +216,12 @@ def _plan(args) -> None:
 
 
 def _bench(args) -> None:
-    from jaxdist import config
-    from jaxdist.data import loader
     from jaxdist.observe import bench
 
     import jax
 
     devices = jax.devices()[: args.devices] if args.devices else None
-    cfg = loader.resolve_model(config.load(args.config, args.overrides))  # `auto` sizes, as train takes them
+    cfg = _config_with_data_sizes(args)
     result = bench.run(cfg, args.steps, args.warmup, devices, args.profile)
     bench.write(result, args.out)
 
@@ -264,13 +267,11 @@ def _doctor(args) -> int:
 
 
 def _scale(args) -> None:
-    from jaxdist import config
-    from jaxdist.data import loader
     from jaxdist.observe import scaling
 
     hardware = scaling.Hardware(network_bw=args.network_gbs * 1e9, nvlink_bw=args.nvlink_gbs * 1e9,
                                 storage_bw=args.storage_gbs * 1e9)
-    cfg = loader.resolve_model(config.load(args.config, args.overrides))
+    cfg = _config_with_data_sizes(args)
     print(scaling.report(cfg, args.hosts, args.gpus_per_host, args.batch_per_gpu, hardware))
 
 
