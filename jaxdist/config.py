@@ -392,6 +392,8 @@ class PipelineConfig(Section):
     repeats: int = Field(
         1, gt=0, description="layer groups per stage, round-robin (1: GPipe; more: circular, smaller bubble)")
     remat: bool = Field(False, description="recompute each stage's forward in the backward pass")
+    unroll: bool = Field(
+        True, description="run the iterations unrolled (fastest on GPU); false: as one lax.scan (compiles faster)")
 
 
 class SampleConfig(Section):

@@ -28,7 +28,7 @@ RECIPES = sorted(config.RECIPES.glob("*.yaml"))
 LAUNCH_TEMPLATES = sorted((ROOT / "scripts").glob("*/*"))  # SLURM and Kubernetes: their commands' overrides
 
 # Options that were removed: only benchmarks/HISTORY.md may name them.
-REMOVED = ("pipeline.unroll", "model.overlap_grad_reduce", "precision.grad_reduce", "model.scan_unroll")
+REMOVED = ("model.overlap_grad_reduce", "precision.grad_reduce", "model.scan_unroll")
 
 SECTIONS = [name for name in Config.model_fields if isinstance(getattr(Config(), name), BaseModel)]
 MENTION = re.compile(r"(?<![\w/.$-])(?P<key>(?:%s)(?:\.[A-Za-z_]\w*)+)(?P<call>\()?(?:=(?P<value>[^\s`\"'|;)]+))?"

@@ -294,13 +294,14 @@ class GPT(nnx.Module):
         run = functools.partial(self._run_layers, graphdef)
         return pipeline_lib.run_layers(run, stacked, x, self.pipeline, RESIDUAL), None
 
-    def _run_layers(self, graphdef: nnx.GraphDef, x: jax.Array, stacked: nnx.State, *, unroll: bool) -> jax.Array:
-        """Runs the blocks whose parameters are stacked in `stacked`, in order: scanned, or (`unroll`,
-        a pipeline stage's layers) one call each, passing the pending residual add as unrolled blocks do."""
+    def _run_layers(self, graphdef: nnx.GraphDef, x: jax.Array, layers, *, unroll: bool) -> jax.Array:
+        """Runs the blocks in order: `layers` stacked (one nnx.State, a leading layer dim) scanned, or
+        with `unroll` (a pipeline stage's layers) a sequence of per-layer states, one call each,
+        passing the pending residual add as unrolled blocks do."""
         if unroll:
             delta = None
-            for i in range(jax.tree.leaves(stacked)[0].shape[0]):
-                block = nnx.merge(graphdef, jax.tree.map(lambda w, i=i: w[i], stacked))
+            for layer_state in layers:
+                block = nnx.merge(graphdef, layer_state)
                 x, delta = self._remat(lambda carry, pending, b=block: b(carry, pending))(x, delta)
             return x + delta
 
@@ -308,7 +309,7 @@ class GPT(nnx.Module):
             x, delta = nnx.merge(graphdef, layer_state)(carry)
             return x + delta, None
 
-        x, _ = jax.lax.scan(self._remat(body), x, stacked)
+        x, _ = jax.lax.scan(self._remat(body), x, layers)
         return x
 
     def _remat(self, fn):

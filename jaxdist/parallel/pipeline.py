@@ -4,13 +4,19 @@ A model with a stack of identical layers (a leading `layers` axis on every layer
 it through `run_layers`. With a stage axis of size S > 1 in the active mesh, the stack is viewed
 as (repeats R, stages S, layers per stage, ...): layer group g = r * S + s runs on stage s, so with
 R > 1 the groups go round-robin over the stages (circular / interleaved schedule). The batch is
-split into M microbatches that flow through the stages in one `lax.scan` over R * M + S - 1
-iterations; every iteration each stage runs its layers on one microbatch (all stages at once, as a
-`vmap` whose stage dim is sharded over the mesh; within a stage the layers run as one call each,
-unrolled, as the unrolled model runs them), then the outputs move one stage on: a roll of the
-stage dim, which XLA turns into one collective permute, the only collective inside the loop. The
-backward pass is autodiff of that scan, i.e. GPipe: all forwards, then all backwards. A stage is
-idle for S - 1 of the iterations, the bubble (S - 1) / (R * M + S - 1).
+split into M microbatches that flow through the stages in R * M + S - 1 iterations; every
+iteration each stage runs its layers on one microbatch (all stages at once, as a `vmap` whose stage
+dim is sharded over the mesh; within a stage the layers run as one call each, as the unrolled model
+runs them), then the outputs move one stage on: a roll of the stage dim, which XLA turns into one
+collective permute, the only collective of an iteration. The backward pass is autodiff of the
+iterations, i.e. GPipe: all forwards, then all backwards. A stage is idle for S - 1 of the
+iterations, the bubble (S - 1) / (R * M + S - 1).
+
+The iterations run unrolled by default (`pipeline.unroll`), a Python loop: a `lax.scan` must copy
+what every iteration saves for the backward pass into buffers stacked over the iterations and read
+it back, a cost the straight-line program does not have (docs/performance.md); the scan traces and
+compiles several times faster. Each layer's parameters are split from the stack once, before the
+iterations (`_layer_groups`), so that each layer's gradient adds up its own iterations.
 
 Outside the pipeline the stage axis splits the batch like the data axes (`rules_from_config` adds
 it to the `batch` rule), so the embedding, the final norm, the head and the loss each run on
@@ -19,9 +25,9 @@ axes (`data_parallel_axes`), and the buffers that cross iterations put their sta
 stage axes:
 
 - the inputs: stage 0 reads microbatch t in iteration t from a stage-split buffer whose other
-  stages hold zeros (the scan's `xs`), so every read is local. Filling it gathers each row to
+  stages hold zeros, so every read is local. Filling it gathers each row to
   stage 0 once, before the loop; its gradient returns to the rows in one reduction after it.
-- the outputs: every stage's output of every iteration is the scan's `ys`; after the loop the last
+- the outputs: every stage's output of every iteration is kept; after the loop the last
   stage's last M iterations (each microbatch's final pass) go back to the rows' devices in one
   reduction over the stage axis (its gradient: one gather).
 - with R > 1, stage 0 runs microbatch m's next lap M iterations after its previous one, so what
@@ -43,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.errors import UserError
@@ -62,8 +69,8 @@ BATCH = "batch"
 
 class ApplyLayers(Protocol):
     def __call__(self, x: jax.Array, layers: Any, *, unroll: bool) -> jax.Array:
-        """Runs a contiguous slice of the stacked `layers` on `x`, in order: as a `lax.scan`, or
-        with `unroll` as one call per layer."""
+        """Runs `layers` on `x`, in order: stacked layers (a leading layer dim on every leaf) as a
+        `lax.scan`, or with `unroll` a sequence of per-layer parameter trees, one call each."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +190,7 @@ def run_layers(
         return apply_layers(x, layers, unroll=False)
     schedule = Schedule(stages, settings.microbatches, settings.repeats)
     schedule.check(jax.tree.leaves(layers)[0].shape[0])
-    return pipeline(apply_layers, layers, x, schedule, tuple(names), remat=settings.remat)
+    return pipeline(apply_layers, layers, x, schedule, tuple(names), remat=settings.remat, unroll=settings.unroll)
 
 
 def pipeline(
@@ -193,51 +200,54 @@ def pipeline(
     schedule: Schedule,
     names: tuple[str | None, ...],
     remat: bool = False,
+    unroll: bool = True,
 ) -> jax.Array:
     """The pipelined `apply_layers(x, layers)`; traced under `rules.activation_rules` (see module doc).
 
-    `remat`: each iteration's stages recomputed in the backward pass."""
+    `remat`: each iteration's stages recomputed in the backward pass. `unroll`: the iterations
+    unrolled, else one `lax.scan`."""
     mesh, rules = rules_lib.active()
     stage_axes = rules.activations[STAGE]
     weights = jax.tree.map(lambda w: _by_stage(w, schedule, mesh, stage_axes), layers)
     with rules_lib.activation_rules(mesh, _within_stages(rules, names[0])):
-        outputs = _scan_stages(apply_layers, weights, x, schedule, names, stage_axes, remat)
+        outputs = _run_iterations(apply_layers, weights, x, schedule, names, stage_axes, remat, unroll)
     return rules_lib.constrain(outputs, names)
 
 
-def _scan_stages(apply_layers, weights, x, schedule, names, stage_axes, remat):
-    """The scan over iterations, under the rules of the inside (the batch less the stage axes)."""
+def _run_iterations(apply_layers, weights, x, schedule, names, stage_axes, remat, unroll):
+    """The iterations, under the rules of the inside (the batch less the stage axes): unrolled, a
+    Python loop whose iteration numbers are known while tracing, else a `lax.scan`."""
     stages, micro, repeats = schedule.stages, schedule.microbatches, schedule.repeats
-    stage_of = jnp.arange(stages)
+    stage_of = np.arange(stages)
     is_first = _along_stages(stage_of == 0, x.ndim)
     is_last = _along_stages(stage_of == stages - 1, x.ndim)
     buffer_names = (STAGE, *names)
     stacked_names = (None, *buffer_names)
-
     run_stages = jax.vmap(functools.partial(apply_layers, unroll=True), spmd_axis_name=stage_axes)
-    pick_repeat = jax.vmap(lambda w, r: w[r], in_axes=(1, 0), spmd_axis_name=stage_axes)
+    groups = _layer_groups(weights)
 
-    def run_iteration(stage_in: jax.Array, t: jax.Array) -> jax.Array:
-        if repeats == 1:
-            return run_stages(stage_in, jax.tree.map(lambda w: w[0], weights))
+    def run_iteration(stage_in: jax.Array, t) -> jax.Array:
         # Stage s runs pass t - s; its repeat is which lap of the M microbatches that pass is in.
-        repeat = jnp.clip((t - stage_of) // micro, 0, repeats - 1)
-        return run_stages(stage_in, jax.tree.map(lambda w: pick_repeat(w, repeat), weights))
+        numbers = np if isinstance(t, int) else jnp
+        repeat = numbers.clip((t - stage_of) // micro, 0, repeats - 1)
 
-    if remat:
-        # The backward pass keeps only each iteration's stage inputs and recomputes the rest, the
-        # weights picked for the iteration (R > 1) included; without remat it keeps a copy of
-        # those per iteration. Nothing is CSE'd across scan iterations, so prevent_cse would only
-        # cost speed.
-        run_iteration = jax.checkpoint(run_iteration, prevent_cse=False)
+        def run(stage_in, groups):
+            layers = [_pick_by_stage(repeat, [group[i] for group in groups]) for i in range(len(groups[0]))]
+            return run_stages(stage_in, layers)
+
+        if remat:
+            # The backward pass keeps only each iteration's stage inputs and recomputes the rest,
+            # the weights picked for the iteration (R > 1) included. Nothing is CSE'd across
+            # iterations, so prevent_cse would only cost speed.
+            run = jax.checkpoint(run, prevent_cse=False)
+        return run(stage_in, groups)
 
     delay = micro - stages if repeats > 1 else 0
 
-    def iteration(carry, inputs):
+    def iteration(carry, t, fed_t):
         previous, recycled = carry
-        t, fed = inputs
         shifted = _to_next_stage(previous)  # stage s gets what stage s - 1 made last iteration
-        first_in = fed
+        first_in = fed_t
         if repeats > 1:
             # The last stage's output, back at stage 0 through the roll, starts its next lap M - S
             # iterations later.
@@ -245,7 +255,7 @@ def _scan_stages(apply_layers, weights, x, schedule, names, stage_axes, remat):
             if delay:
                 lap = _slot(recycled, t % delay)
                 recycled = _set_slot(recycled, t % delay, shifted)
-            first_in = jnp.where(t < micro, fed, lap)
+            first_in = jnp.where(t < micro, fed_t, lap)
         stage_in = rules_lib.constrain(jnp.where(is_first, first_in, shifted), buffer_names)
         out = rules_lib.constrain(run_iteration(stage_in, t), buffer_names)
         return (out, recycled), out
@@ -259,7 +269,15 @@ def _scan_stages(apply_layers, weights, x, schedule, names, stage_axes, remat):
     if delay:
         recycled = rules_lib.constrain(
             jnp.zeros((stages, delay, *microbatches.shape[1:]), x.dtype), (STAGE, None, *names))
-    _, outs = jax.lax.scan(iteration, (previous, recycled), (jnp.arange(schedule.iterations), fed))
+    carry = (previous, recycled)
+    if unroll:
+        outs = []
+        for t in range(schedule.iterations):
+            carry, out = iteration(carry, t, fed[t])
+            outs.append(out)
+        outs = jnp.stack(outs)
+    else:
+        _, outs = jax.lax.scan(lambda c, xs: iteration(c, *xs), carry, (jnp.arange(schedule.iterations), fed))
     outs = rules_lib.constrain(outs, stacked_names)
     # Microbatch m leaves the last stage for the last time in iteration (R - 1) M + S - 1 + m.
     finished = jnp.where(is_last, outs[schedule.iterations - micro:], 0)
@@ -285,6 +303,48 @@ def _by_stage(w: jax.Array, schedule: Schedule, mesh: Mesh, stage_axes: tuple[st
     rest = (PartitionSpec.UNCONSTRAINED,) * (w.ndim - 3)
     spec = PartitionSpec(None, stage_axes, None, *rest)
     return jax.lax.with_sharding_constraint(w, NamedSharding(mesh, spec))
+
+
+def _layer_groups(weights: Any) -> list[list[Any]]:
+    """(repeats, stages, layers per stage, ...) leaves -> groups[r][i]: layer i of repeat r, a tree
+    of (stages, ...) leaves.
+
+    Split once, before the loop, so that each layer's gradient adds up its own iterations and the
+    gradients are stacked back once. Slicing the stack inside the loop would give each use's
+    gradient as a zero-padded copy of the whole stack, added up per iteration.
+    """
+    leaves, treedef = jax.tree.flatten(weights)
+    split = [[_unstack(group, 1) for group in _unstack(w, 0)] for w in leaves]
+    repeats, per_stage = leaves[0].shape[0], leaves[0].shape[2]
+    return [[treedef.unflatten([leaf[r][i] for leaf in split]) for i in range(per_stage)] for r in range(repeats)]
+
+
+def _pick_by_stage(repeat, options: list[Any]) -> Any:
+    """The tree whose stage s comes from options[repeat[s]]; `repeat` holds one repeat per stage,
+    known while tracing (numpy) or not."""
+    if isinstance(repeat, np.ndarray) and (repeat == repeat[0]).all():
+        return options[int(repeat[0])]
+    picked = options[0]
+    for r, option in enumerate(options[1:], start=1):
+        picked = jax.tree.map(lambda o, p, r=r: jnp.where(_along_stages(repeat == r, o.ndim - 1), o, p), option, picked)
+    return picked
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _unstack(w: jax.Array, axis: int) -> tuple[jax.Array, ...]:
+    """The slices of `w` along `axis`; their gradients come back as one stack (a concatenate)."""
+    return tuple(jax.lax.index_in_dim(w, i, axis=axis, keepdims=False) for i in range(w.shape[axis]))
+
+
+def _unstack_fwd(w: jax.Array, axis: int) -> tuple[tuple[jax.Array, ...], None]:
+    return _unstack(w, axis), None
+
+
+def _unstack_bwd(axis: int, _, cotangents: tuple[jax.Array, ...]) -> tuple[jax.Array]:
+    return (jnp.stack(cotangents, axis=axis),)
+
+
+_unstack.defvjp(_unstack_fwd, _unstack_bwd)
 
 
 @jax.custom_vjp
