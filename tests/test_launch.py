@@ -88,8 +88,9 @@ def test_a_signal_is_forwarded_and_clean_exits_give_0(codes, expected):
             time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGTERM)  # caught by _signals_stop's handler, as in the launcher
 
-    threading.Thread(target=signal_once_ready, daemon=True).start()
     with launch._signals_stop(group):
+        # Started once the handler is in place: a SIGTERM before it would kill this test process.
+        threading.Thread(target=signal_once_ready, daemon=True).start()
         code = group.wait()
 
     assert code == expected
