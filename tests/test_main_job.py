@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_default_config_trains_the_stdlib_gpt_and_prints_a_sample(tmp_path):
-    env = {**os.environ, "JAXDIST_CPU_DEVICES": "8", "PYTHONPATH": str(ROOT)}
+    # XLA's full optimisation, as a user's run has: the steps take twice as long without it.
+    env = {**os.environ, "JAXDIST_CPU_DEVICES": "8", "PYTHONPATH": str(ROOT), "XLA_FLAGS": ""}
     run = subprocess.run(
         [sys.executable, "-m", "jaxdist.cli", "train", str(ROOT / "jaxdist/recipes/tiny.yaml"), f"run_dir={tmp_path}"],
         capture_output=True, text=True, env=env, timeout=900,
@@ -18,7 +19,7 @@ def test_default_config_trains_the_stdlib_gpt_and_prints_a_sample(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     assert "fsdp=4 x tensor=2 on 8 devices" in run.stdout
     losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert len(losses) == 16  # step 1, then every 20 of 300 steps
+    assert len(losses) == 11  # step 1, then every 20 of 200 steps
     assert 5.0 < losses[0] < 6.0, losses  # bytes start near uniform: ln 256 = 5.55
     assert losses[-1] < 2.5, losses
     sample = run.stdout.split("--- sample ---\n")[1].split("\n-----")[0]
