@@ -8,6 +8,10 @@ minutes on 2 cores.
 import os
 
 os.environ.setdefault("JAXDIST_CPU_DEVICES", "8")
+# The suite compiles hundreds of small programs, in this process and in the ones it starts (they
+# inherit the environment): without LLVM's optimisations XLA compiles them in about half the time,
+# with the same partitioning and collectives. Tests that train for long set their own flags.
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
 import atexit  # noqa: E402
 import shutil  # noqa: E402
@@ -89,11 +93,6 @@ def compiles():
     _COUNTER.count, _COUNTER.active = 0, True
     yield _COUNTER
     _COUNTER.active = False
-
-
-# Compiler options for tests that compile many programs themselves: no LLVM optimisation halves
-# XLA CPU compile time; partitioning, collectives and float32 results are unchanged.
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 SLOW_MODULES = {

@@ -6,7 +6,7 @@ import math
 import jax
 import numpy as np
 import pytest
-from conftest import FAST_COMPILE, make_config
+from conftest import make_config
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist import models
@@ -59,7 +59,7 @@ def initial_params(tmp_path_factory):
     """The tiny GPT's initial parameters, on the host: one init, placed into every layout."""
     cfg = _config(tmp_path_factory.mktemp("init"), "data8", 1)
     init = jax.jit(lambda: param_dict(models.get("gpt").create(cfg), cfg.seed))
-    return jax.device_get(init.lower().compile(FAST_COMPILE)())
+    return jax.device_get(init())
 
 
 def _one_step(cfg, initial_params) -> Step:
@@ -84,7 +84,7 @@ def _one_step(cfg, initial_params) -> Step:
         cfg.train.microbatches, cfg.train.grad_reduction,
     )
     batch = feed.assemble(_batch(cfg.model.seq_len), feed.batch_sharding(mesh, rules))
-    compiled = step.lower(state, None, batch).compile(FAST_COMPILE)
+    compiled = step.lower(state, None, batch).compile()
     state, _, metrics = compiled(state, None, batch)
     update = jax.tree.map(lambda new, old: new - old, jax.device_get(state.params), initial_params)
     layouts = jax.tree.leaves(layouts, is_leaf=_is_layout)

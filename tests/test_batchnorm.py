@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import FAST_COMPILE
 from flax import nnx
 
 from jaxdist.models import classifier
@@ -69,7 +68,7 @@ def _run(mesh_shape: dict[str, int], microbatches: int, reduction: str):
 
     batch = feed.assemble(_batch(), feed.batch_sharding(mesh, rules))
     params = jax.device_put(params, param_shardings)
-    compiled = jax.jit(step).lower(params, model_state, batch).compile(FAST_COMPILE)
+    compiled = jax.jit(step).lower(params, model_state, batch).compile()
     return jax.device_get(compiled(params, model_state, batch))
 
 

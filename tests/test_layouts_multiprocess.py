@@ -2,8 +2,8 @@
 
 Each layout runs as 2 processes x 4 simulated CPU devices (and some as 4 x 2), joined by
 jax.distributed, and must give the losses and the eval loss of 1 process x 8 devices under the same
-layout. Every run, references included, compiles at XLA's lowest CPU optimization level: about
-half the compile time, the same partitioning and collectives. Whatever axis crosses the processes (data, fsdp, tensor, pipeline stages, or a mix), each
+layout. Every run, references included, compiles at XLA's lowest CPU optimization level (the
+suite's, tests/conftest.py). Whatever axis crosses the processes (data, fsdp, tensor, pipeline stages, or a mix), each
 process feeds the rows of the global batch its devices hold: processes holding the same rows read
 the same rows.
 """
@@ -71,10 +71,7 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0"
-
-
-def run_processes(cases: list, processes: int, tmp_path: Path, timeout: float = 600, fast_compile: bool = False) -> None:
+def run_processes(cases: list, processes: int, tmp_path: Path, timeout: float = 600) -> None:
     """Trains every case (a Config) in `processes` real processes of 8 / `processes` devices each."""
     cases_file = tmp_path / f"cases-{processes}.json"
     cases_file.write_text(json.dumps([cfg.model_dump(mode="json") for cfg in cases]))
@@ -82,8 +79,6 @@ def run_processes(cases: list, processes: int, tmp_path: Path, timeout: float = 
     env = {**os.environ, "JAXDIST_CPU_DEVICES": str(8 // processes), "PYTHONPATH": os.pathsep.join(sys.path),
            "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir,
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-    if fast_compile:
-        env["XLA_FLAGS"] = FAST_COMPILE_FLAGS
     workers = [
         subprocess.Popen([sys.executable, str(HERE / "layouts_process.py"), str(port), str(i), str(processes),
                           str(cases_file)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -98,7 +93,7 @@ def run_processes(cases: list, processes: int, tmp_path: Path, timeout: float = 
 def one_process(tmp_path_factory):
     """Each layout's reference: one process with all 8 devices."""
     root = tmp_path_factory.mktemp("one_process")
-    run_processes([layout_config(root / name, name) for name in LAYOUTS], 1, root, fast_compile=True)
+    run_processes([layout_config(root / name, name) for name in LAYOUTS], 1, root)
     runs = {name: metrics(root / name) for name in LAYOUTS}
     for name, run in runs.items():
         assert len(run) == STEPS and run[-1]["loss"] < run[0]["loss"], name
@@ -114,7 +109,7 @@ def _assert_same_training(got: list[dict], expected: list[dict]) -> None:
 @pytest.mark.parametrize("processes", [2, 4])
 def test_every_layout_across_processes_trains_like_one_process(tmp_path, one_process, processes):
     names = [name for name, (_, rows) in LAYOUTS.items() if processes in rows]
-    run_processes([layout_config(tmp_path / name, name) for name in names], processes, tmp_path, fast_compile=True)
+    run_processes([layout_config(tmp_path / name, name) for name in names], processes, tmp_path)
     for name in names:
         fed = [json.loads((tmp_path / name / f"rows-{p}.json").read_text()) for p in range(processes)]
         assert fed == [list(rows) for rows in LAYOUTS[name][1][processes]], name
@@ -131,8 +126,8 @@ def test_classifier_eval_is_exact_across_processes(tmp_path):
                                       rules={"preset": "fsdp"}, train={"steps": 2, "global_batch": 32},
                                       eval={"every": 2})
 
-    run_processes([case("one")], 1, tmp_path, fast_compile=True)
-    run_processes([case("two")], 2, tmp_path, fast_compile=True)
+    run_processes([case("one")], 1, tmp_path)
+    run_processes([case("two")], 2, tmp_path)
     one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     np.testing.assert_allclose([m["loss"] for m in two], [m["loss"] for m in one], rtol=1e-5, atol=0)
     assert two[-1]["eval_accuracy"] == one[-1]["eval_accuracy"]

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import FAST_COMPILE, make_config
+from conftest import make_config
 from flax import nnx
 
 from jaxdist import cli, loop, models
@@ -65,7 +65,7 @@ def _losses_and_grads(cfg, params, batch, microbatches):
 
     params = jax.device_put(params, param_shardings)
     batch = feed.assemble(batch, feed.batch_sharding(mesh, rules))
-    compiled = jax.jit(both).lower(params, batch).compile(FAST_COMPILE)
+    compiled = jax.jit(both).lower(params, batch).compile()
     return jax.device_get(compiled(params, batch)), compiled.as_text()
 
 
@@ -101,7 +101,7 @@ def test_loss_and_gradients_equal_the_unchunked_loss(tmp_path, layout, tied, imp
 
     plain_cfg, chunked_cfg = config(0), config(CHUNK)
     init = jax.jit(lambda: param_dict(models.get("gpt").create(plain_cfg), 0))
-    params = jax.device_get(init.lower().compile(FAST_COMPILE)())
+    params = jax.device_get(init())
     batch = _batch(plain_cfg.model.seq_len)
     plain, _ = _losses_and_grads(plain_cfg, params, batch, microbatches)
     chunked, chunked_hlo = _losses_and_grads(chunked_cfg, params, batch, microbatches)
@@ -165,7 +165,7 @@ def _step_temp_bytes(cfg) -> int:
     step = make_train_step(graphdef, models.lm_loss, tx, None, mesh, rules, shardings)
     tokens = np.zeros((cfg.train.global_batch, cfg.model.seq_len), np.int32)
     batch = feed.assemble({"inputs": tokens, "targets": tokens}, feed.batch_sharding(mesh, rules))
-    return step.lower(state, None, batch).compile(FAST_COMPILE).memory_analysis().temp_size_in_bytes
+    return step.lower(state, None, batch).compile().memory_analysis().temp_size_in_bytes
 
 
 def test_chunking_shrinks_the_compiled_steps_temporaries(tmp_path):
