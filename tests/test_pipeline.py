@@ -248,8 +248,8 @@ def _rolls(iterations: int) -> range:
 
 
 def test_stages_run_their_layers_unrolled_and_only_roll_between_iterations(tmp_path, devices, two_stages):
-    """One scan forward and one backward (no scan over a stage's layers nested inside), unrolled:
-    no loop is left in the program, and the only permutes are the rolls, one per iteration."""
+    """The iterations and a stage's layers are straight-line code (no scan in the traced step, no
+    loop in the program), and the only permutes are the rolls, one per iteration each way."""
     jaxpr, compiled = two_stages
     assert _scans(jaxpr) == 0
     ops = hlo.collectives(compiled.as_text())
