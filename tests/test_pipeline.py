@@ -76,6 +76,31 @@ def test_schedule_applies_every_layer_in_order(devices, stages, microbatches, re
     jax.tree.map(lambda g, e: np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6), got, expected)
 
 
+@pytest.mark.parametrize("repeats, remat", [(1, False), (2, False), (2, True)], ids=["gpipe", "circular", "circular_remat"])
+def test_unrolled_iterations_trace_the_stages_layers_once(devices, repeats, remat):
+    """Every iteration runs the stages' layers on the same shapes: they are traced once for the whole
+    step (forward and gradient), not once per iteration, which made start-up grow with M."""
+    traces = []
+
+    def counted_layers(x, layers, *, unroll):
+        traces.append(unroll)
+        return _toy_layers(x, layers, unroll=unroll)
+
+    layers, width, batch = 8, 8, 16
+    stacked = {"scale": jnp.ones((layers, width)), "shift": jnp.zeros((layers, width))}
+    mesh = mesh_lib.make_mesh(stage=2, fsdp=-1)
+    rules = rules_lib.preset("dp")
+    schedule = pipeline.Schedule(2, 4, repeats)
+    assert schedule.iterations > 4
+
+    def loss(stacked, x):
+        with rules_lib.activation_rules(mesh, rules):
+            return jnp.sum(pipeline.pipeline(counted_layers, stacked, x, schedule, ("batch", None), remat=remat))
+
+    jax.make_jaxpr(jax.value_and_grad(loss))(stacked, jnp.ones((batch, width)))
+    assert traces == [True]
+
+
 def test_bubble_is_the_idle_fraction():
     assert pipeline.Schedule(4, 8).bubble == pytest.approx(3 / 11)
     assert pipeline.Schedule(4, 8, repeats=2).bubble == pytest.approx(3 / 19)

@@ -14,9 +14,10 @@ iterations, the bubble (S - 1) / (R * M + S - 1).
 
 The iterations run unrolled by default (`pipeline.unroll`), a Python loop: a `lax.scan` must copy
 what every iteration saves for the backward pass into buffers stacked over the iterations and read
-it back, a cost the straight-line program does not have (docs/performance.md); the scan traces and
-compiles several times faster. Each layer's parameters are split from the stack once, before the
-iterations (`_layer_groups`), so that each layer's gradient adds up its own iterations.
+it back, a cost the straight-line program does not have (docs/performance.md); the scan compiles
+several times faster. Either way the stages' layers are traced once (a nested jit that every
+iteration calls). Each layer's parameters are split from the stack once, before the iterations
+(`_layer_groups`), so that each layer's gradient adds up its own iterations.
 
 Outside the pipeline the stage axis splits the batch like the data axes (`rules_from_config` adds
 it to the `batch` rule), so the embedding, the final norm, the head and the loss each run on
@@ -223,7 +224,10 @@ def _run_iterations(apply_layers, weights, x, schedule, names, stage_axes, remat
     is_last = _along_stages(stage_of == stages - 1, x.ndim)
     buffer_names = (STAGE, *names)
     stacked_names = (None, *buffer_names)
-    run_stages = jax.vmap(functools.partial(apply_layers, unroll=True), spmd_axis_name=stage_axes)
+    # A jit of its own: every iteration calls it with the same shapes, so the stages' layers are
+    # traced (and differentiated) once, not once per iteration; XLA inlines the calls, so the
+    # program is the same.
+    run_stages = jax.jit(jax.vmap(functools.partial(apply_layers, unroll=True), spmd_axis_name=stage_axes))
     groups = _layer_groups(weights)
 
     def run_iteration(stage_in: jax.Array, t) -> jax.Array:
