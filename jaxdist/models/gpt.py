@@ -284,9 +284,11 @@ class GPT(nnx.Module):
             chunks = self.impl.batch_chunks
             xs = list(split_microbatches(x, chunks)) if chunks > 1 else [x]
             deltas = [None] * chunks
+            run_block = self._block_runner(nnx.graphdef(self.blocks[0]))
             for block in self.blocks:
+                state = nnx.state(block)
                 for j in range(chunks):
-                    xs[j], deltas[j] = self._remat(lambda carry, pending, b=block: b(carry, pending))(xs[j], deltas[j])
+                    xs[j], deltas[j] = run_block(state, xs[j], deltas[j])
             if chunks == 1:
                 return xs[0], deltas[0]
             return _merge_slices(xs), _merge_slices(deltas)
@@ -299,10 +301,10 @@ class GPT(nnx.Module):
         with `unroll` (a pipeline stage's layers) a sequence of per-layer states, one call each,
         passing the pending residual add as unrolled blocks do."""
         if unroll:
+            run_block = self._block_runner(graphdef)
             delta = None
             for layer_state in layers:
-                block = nnx.merge(graphdef, layer_state)
-                x, delta = self._remat(lambda carry, pending, b=block: b(carry, pending))(x, delta)
+                x, delta = run_block(layer_state, x, delta)
             return x + delta
 
         def body(carry, layer_state):
@@ -311,6 +313,12 @@ class GPT(nnx.Module):
 
         x, _ = jax.lax.scan(self._remat(body), x, layers)
         return x
+
+    def _block_runner(self, graphdef: nnx.GraphDef):
+        """`run(block_state, x, pending_delta)`: one block's call, a jit of its own. The blocks have
+        the same shapes, so it is traced (and its kernels lowered) once, or twice with the first
+        block's missing residual, not once per layer; XLA inlines the calls: the program is the same."""
+        return jax.jit(self._remat(lambda state, carry, pending: nnx.merge(graphdef, state)(carry, pending)))
 
     def _remat(self, fn):
         if self.impl.remat in ("none", "mlp"):
