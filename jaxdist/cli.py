@@ -76,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
             command.add_argument("--out", help="append the JSON result to this file")
             command.add_argument("--devices", type=_COUNT, help="use only the first N devices")
             command.add_argument("--profile", help="trace three extra steps with the JAX profiler into this folder")
+            command.add_argument("--bubble", action="store_true",
+                                 help="with a pipeline: also time one device on its share of the batch, unpipelined, "
+                                      "and report the measured bubble (1 - that step time / the pipeline's)")
         if name == "plan":
             command.add_argument("--devices", type=_COUNT,
                                  help="plan for N devices (on a CPU-only machine: N simulated devices)")
@@ -222,7 +225,7 @@ def _bench(args) -> None:
 
     devices = jax.devices()[: args.devices] if args.devices else None
     cfg = _config_with_data_sizes(args)
-    result = bench.run(cfg, args.steps, args.warmup, devices, args.profile)
+    result = bench.run(cfg, args.steps, args.warmup, devices, args.profile, args.bubble)
     bench.write(result, args.out)
 
 

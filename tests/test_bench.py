@@ -62,3 +62,24 @@ def test_bench_runs_a_classifier_on_random_images(capsys, recipe, sizes, devices
         one_cfg = loader.resolve_model(config.load(recipe, [*overrides, "mesh.data=1"]))
         one = bench.run(one_cfg, steps=1, warmup=0, devices=jax.devices()[:1])
         assert abs(one["first_loss"] - printed["first_loss"]) <= 1e-5 * printed["first_loss"]
+
+
+def test_bench_bubble_times_one_device_on_its_share_of_the_batch(capsys):
+    """`--bubble`: beside the pipelined step, one device runs the model unpipelined on the batch's
+    per-device share, and the measured bubble is one minus its step time over the pipeline's."""
+    overrides = ["model.d_model=32", "model.layers=4", "model.heads=4", "model.seq_len=16", "model.vocab=128",
+                 "impl.loss_chunk=0", "mesh.stage=2", "mesh.fsdp=1", "mesh.tensor=1", "impl.scan_layers=true",
+                 "pipeline.microbatches=2", "train.global_batch=8"]
+    assert cli.main(["bench", "tiny", *overrides, "--devices", "2", "--steps", "2", "--warmup", "1", "--bubble"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["devices"] == 2 and printed["pipeline_bubble"] == round(1 / 3, 4)  # (S-1)/(M+S-1)
+    assert printed["one_device_global_batch"] == 4 and printed["one_device_step_ms"] > 0
+    expected = 1 - printed["one_device_step_ms"] / printed["step_ms"]
+    assert abs(printed["pipeline_bubble_measured"] - expected) <= 1e-4 + 1e-2 / printed["step_ms"]
+
+
+def test_bench_bubble_needs_a_pipeline(capsys, compiles):
+    assert cli.main(["bench", "tiny", "mesh.fsdp=1", "mesh.tensor=1", "--devices", "1", "--bubble"]) == 2
+    err = capsys.readouterr().err
+    assert "bench --bubble measures a pipeline's bubble: set mesh.stage > 1" in err
+    assert compiles.count == 0

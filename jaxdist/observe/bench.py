@@ -26,10 +26,11 @@ import jax
 import numpy as np
 
 from jaxdist import kernels, models
-from jaxdist.config import Config
+from jaxdist.config import Config, with_overrides
 from jaxdist.errors import UserError
 from jaxdist.observe import clocks, hlo
 from jaxdist.observe.metrics import mfu, throughput
+from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.parallel import pipeline
 from jaxdist.train.trainer import Trainer
@@ -95,12 +96,58 @@ def time_steps(trainer, batch: dict, steps: int, warmup: int,
     return times, dispatch, metrics
 
 
-def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = None, profile_dir: str | None = None) -> dict:
+def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = None, profile_dir: str | None = None,
+        bubble: bool = False) -> dict:
     """Builds the trainer as `train` does, then times `steps` steps after `warmup` steps.
 
-    With `profile_dir`, three more steps are traced by the JAX profiler into that folder. The model's
-    `auto` sizes must be resolved (`jaxdist.data.loader.resolve_model`, as the `bench` command does).
+    With `profile_dir`, three more steps are traced by the JAX profiler into that folder. With
+    `bubble` (a pipelined config), the pipeline's measured bubble too (`measured_bubble`). The
+    model's `auto` sizes must be resolved (`jaxdist.data.loader.resolve_model`, as the `bench`
+    command does).
     """
+    if bubble:
+        _check_bubble(cfg, devices)
+    result = _measure(cfg, steps, warmup, devices, profile_dir)
+    if bubble:
+        result.update(measured_bubble(cfg, result, steps, warmup, devices))
+    return result
+
+
+def measured_bubble(cfg: Config, pipelined: dict, steps: int, warmup: int, devices: list | None = None) -> dict:
+    """The pipeline's measured bubble beside `pipelined`, its `run` result: one minus the step time of
+    one device running the model unpipelined on one device's share of the global batch over the
+    pipelined step time. It is the fraction of each device's time the pipeline spends beyond that
+    device's share of the work: its idle iterations, transfers and whatever else it costs.
+
+    The one-device run is the same config with `impl.scan_layers=false` (per-layer parameters, the
+    fastest form without a pipeline) on the first device, so the model must fit on one device.
+    """
+    share = cfg.train.global_batch // pipelined["devices"]
+    one_device = with_overrides(cfg, ["mesh.data=1", "mesh.stage=1", "mesh.fsdp=1", "mesh.tensor=1",
+                                       f"train.global_batch={share}", "impl.scan_layers=false"])
+    baseline = _measure(one_device, steps, warmup, (devices or jax.devices())[:1])
+    return {
+        "one_device_global_batch": share,
+        "one_device_step_ms": baseline["step_ms"],
+        "pipeline_bubble_measured": round(1 - baseline["step_ms"] / pipelined["step_ms"], 4),
+    }
+
+
+def _check_bubble(cfg: Config, devices: list | None) -> None:
+    """Raises before anything is timed if `measured_bubble` cannot run for this config."""
+    layout = layout_lib.from_config(cfg, devices)
+    count = layout.mesh.devices.size
+    if layout.mesh.shape["stage"] == 1:
+        raise UserError("bench --bubble measures a pipeline's bubble: set mesh.stage > 1")
+    if jax.process_count() > 1:
+        raise UserError("bench --bubble times one device on its own: run it as one process")
+    if cfg.train.global_batch % count:
+        raise UserError(f"bench --bubble times one device on its share of the batch: train.global_batch="
+                        f"{cfg.train.global_batch} must be a multiple of the {count} devices")
+
+
+def _measure(cfg: Config, steps: int, warmup: int, devices: list | None, profile_dir: str | None = None) -> dict:
+    """`run` without the bubble: the trainer built, compiled and timed."""
     if auto := [f"model.{key}" for key in ("vocab", "classes", "image_shape") if getattr(cfg.model, key, None) == "auto"]:
         verb = "takes its value" if len(auto) == 1 else "take their values"
         raise UserError(f"{' and '.join(auto)} = auto {verb} from the data, and bench runs on random examples: "
