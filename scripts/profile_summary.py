@@ -93,9 +93,19 @@ def main() -> None:
 
 
 def load_trace(profile_dir: str) -> dict:
-    """The newest perfetto trace under `profile_dir`."""
-    path = max(Path(profile_dir).rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
-    return json.load(gzip.open(path))
+    """The newest perfetto trace under `profile_dir`; exits with a message if there is none, or if
+    it is empty or cut short (its run stopped while the profiler wrote it)."""
+    paths = list(Path(profile_dir).rglob("perfetto_trace.json.gz"))
+    if not paths:
+        raise SystemExit(f"no perfetto_trace.json.gz under {profile_dir}: write one with "
+                         f"`jaxdist bench CONFIG --profile {profile_dir}`")
+    path = max(paths, key=lambda p: p.stat().st_mtime)
+    try:
+        with gzip.open(path) as trace:
+            return json.load(trace)
+    except (EOFError, OSError, ValueError) as err:
+        raise SystemExit(f"{path} is empty or cut short ({err}): was its run stopped while the profiler "
+                         f"wrote it? Profile again, with time for the trace to be written") from None
 
 
 def kernel_ms(kernels: list[dict], steps: int) -> tuple[collections.Counter, collections.Counter]:

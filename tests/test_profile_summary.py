@@ -3,8 +3,13 @@
 The numbers in benchmarks/HISTORY.md's profile tables come from it, so a miscount here would misreport them.
 """
 
+import gzip
 import importlib.util
+import json
+import os
 from pathlib import Path
+
+import pytest
 
 spec = importlib.util.spec_from_file_location("profile_summary", Path(__file__).parents[1] / "scripts" / "profile_summary.py")
 profile_summary = importlib.util.module_from_spec(spec)
@@ -108,3 +113,19 @@ def test_difference_against_another_profile_by_kind_and_kernel(capsys):
     changed = lines[lines.index("the 3 kernels whose time changed most:") + 1:]
     assert [line.split()[-1] for line in changed] == ["ncclDevKernel_AllReduce", "cudnn_flash_fprop", "nvjet_sm90_gemm"]
     assert changed[0].split()[:3] == ["0.10", "0.00", "+0.10"]
+
+
+def test_a_missing_empty_or_cut_short_trace_is_one_message(tmp_path):
+    """A run stopped while the profiler wrote (a time limit) leaves an empty or truncated file."""
+    with pytest.raises(SystemExit, match="no perfetto_trace.json.gz under"):
+        profile_summary.load_trace(str(tmp_path))
+    older, newer = tmp_path / "a" / "perfetto_trace.json.gz", tmp_path / "b" / "perfetto_trace.json.gz"
+    older.parent.mkdir()
+    older.write_bytes(gzip.compress(json.dumps(trace()).encode()))
+    os.utime(older, (0, 0))
+    assert profile_summary.load_trace(str(tmp_path)) == trace()
+    newer.parent.mkdir()
+    for cut_short in (b"", gzip.compress(json.dumps(trace()).encode())[:40]):
+        newer.write_bytes(cut_short)
+        with pytest.raises(SystemExit, match=f"{newer} is empty or cut short"):
+            profile_summary.load_trace(str(tmp_path))
