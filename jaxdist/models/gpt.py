@@ -318,7 +318,10 @@ class GPT(nnx.Module):
         """`run(block_state, x, pending_delta)`: one block's call, a jit of its own. The blocks have
         the same shapes, so it is traced (and its kernels lowered) once, or twice with the first
         block's missing residual, not once per layer; XLA inlines the calls: the program is the same."""
-        return jax.jit(self._remat(lambda state, carry, pending: nnx.merge(graphdef, state)(carry, pending)))
+        def block(state: nnx.State, carry: jax.Array, pending: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+            return nnx.merge(graphdef, state)(carry, pending)
+
+        return jax.jit(self._remat(block))  # named: profiles and HLO read jit(block)
 
     def _remat(self, fn):
         if self.impl.remat in ("none", "mlp"):
