@@ -101,6 +101,41 @@ def test_unrolled_iterations_trace_the_stages_layers_once(devices, repeats, rema
     assert traces == [True]
 
 
+def _matmul_layers(x, stacked, *, unroll):
+    def layer(h, w):
+        return jnp.tanh(h @ w), None
+
+    if unroll:
+        for per_layer in stacked:
+            x, _ = layer(x, per_layer)
+        return x
+    return jax.lax.scan(layer, x, stacked)[0]
+
+
+@pytest.mark.parametrize("unroll", [True, False], ids=["unrolled", "scanned"])
+def test_remat_recomputes_each_iterations_forward_in_the_backward(devices, unroll):
+    """`pipeline.remat`: the compiled gradient runs the stages' forward twice, so its flops grow by
+    the forward's share (one matmul per layer on top of the backward's two: 4/3). Unrolled, XLA
+    merged the recomputation with the forward it repeats unless prevented, and the step kept every
+    activation, as if remat were off."""
+    width, batch = 64, 256
+    stacked = jnp.full((8, width, width), 0.01)
+    x = jnp.ones((batch, width))
+    mesh = mesh_lib.make_mesh(stage=2, fsdp=-1)
+    rules = rules_lib.preset("dp")
+
+    def flops(remat):
+        def loss(stacked, x):
+            with rules_lib.activation_rules(mesh, rules):
+                out = pipeline.pipeline(_matmul_layers, stacked, x, pipeline.Schedule(2, 4), ("batch", None),
+                                        remat=remat, unroll=unroll)
+            return jnp.sum(out)
+
+        return _compiled(jax.grad(loss), stacked, x).cost_analysis()["flops"]
+
+    assert flops(True) / flops(False) > 1.2
+
+
 def test_bubble_is_the_idle_fraction():
     assert pipeline.Schedule(4, 8).bubble == pytest.approx(3 / 11)
     assert pipeline.Schedule(4, 8, repeats=2).bubble == pytest.approx(3 / 19)

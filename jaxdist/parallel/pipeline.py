@@ -241,9 +241,11 @@ def _run_iterations(apply_layers, weights, x, schedule, names, stage_axes, remat
 
         if remat:
             # The backward pass keeps only each iteration's stage inputs and recomputes the rest,
-            # the weights picked for the iteration (R > 1) included. Nothing is CSE'd across
-            # iterations, so prevent_cse would only cost speed.
-            run = jax.checkpoint(run, prevent_cse=False)
+            # the weights picked for the iteration (R > 1) included. Unrolled, the recomputation
+            # shares one straight-line program with the forward it repeats, and XLA merges the two
+            # (keeping the forward's activations after all) unless prevented; a scan's body has
+            # nothing to merge it with, and preventing would only cost speed.
+            run = jax.checkpoint(run, prevent_cse=unroll)
         return run(stage_in, groups)
 
     delay = micro - stages if repeats > 1 else 0
