@@ -164,6 +164,19 @@ def test_fused_norms_per_shard_train_like_one_device(tmp_path, monkeypatch):
     assert shapes and set(shapes) == {(4, 32, 64)}, shapes
 
 
+def test_mosaic_gpu_is_preferred_up_to_1024_features_and_triton_takes_wider_rows(monkeypatch):
+    def chosen(features):
+        return next((each for each in fused_norm.IMPLEMENTATIONS if each.unsupported(features, 64, jnp.bfloat16) is None),
+                    None)
+
+    assert chosen(1024) is fused_norm_mosaic
+    assert fused_norm_mosaic.unsupported(2048, 64, jnp.bfloat16) == (
+        "features (2048) above 1024: a row per warp would spill registers")
+    assert chosen(2048) is fused_norm_triton
+    monkeypatch.setattr(fused_norm_triton, "pallas_triton", None)  # a jax without Triton: XLA's fusions
+    assert chosen(1024) is fused_norm_mosaic and chosen(2048) is None
+
+
 def test_unsupported_shapes_fall_back_or_fail_clearly(monkeypatch):
     """Each implementation says what it needs; no kernel for a shape is one message, naming both."""
     assert fused_norm_mosaic.unsupported(48, 64, jnp.bfloat16) == "features (48) must be a multiple of 32"
@@ -172,13 +185,13 @@ def test_unsupported_shapes_fall_back_or_fail_clearly(monkeypatch):
     assert fused_norm_triton.unsupported(96, 64, jnp.bfloat16).startswith("Triton blocks need powers of two")
     assert fused_norm.supported((4, 16, 96), RESIDUAL)
     assert fused_norm.unsupported((4, 16, 48), jnp.bfloat16, RESIDUAL) == (
-        "Triton blocks need powers of two: features 48, rows per device 64 (at least 32); "
-        "features (48) must be a multiple of 32")
+        "features (48) must be a multiple of 32; "
+        "Triton blocks need powers of two: features 48, rows per device 64 (at least 32)")
     with monkeypatch.context() as patch:  # a jax with neither backend
         patch.setattr(fused_norm_triton, "pallas_triton", None)
         patch.setattr(fused_norm_mosaic.mosaic, "plgpu", None)
         assert fused_norm.unsupported((4, 16, 128), jnp.bfloat16, RESIDUAL) == (
-            "this jax has no Pallas Triton backend; this jax has no Pallas Mosaic GPU backend")
+            "this jax has no Pallas Mosaic GPU backend; this jax has no Pallas Triton backend")
     cfg = GPTConfig(vocab=64, d_model=48, layers=2, heads=4, seq_len=16)
     with nnx.use_eager_sharding(False):
         model = GPT(cfg, ImplConfig(scan_layers=False, norm_impl="pallas"), rngs=nnx.Rngs(0))

@@ -11,11 +11,14 @@ adds took about 470 us per layer, against about 180 us to move their bytes once.
 
 The kernels exist twice, with one interface: on Pallas's Mosaic GPU backend (fused_norm_mosaic.py,
 Hopper and later) and on its Triton backend (fused_norm_triton.py, deprecated since jax 0.11 and to
-be removed). `IMPLEMENTATIONS` lists them in order of preference: Triton first while a jax has it,
-its forward being the faster on one H100 (benchmarks/README.md). Off the GPU both run in their
-interpreters, so the CPU tests check the same code. Under a mesh the kernels run per shard
-(`shard_map` over the rows' mesh axes); the feature axis must be whole on each device.
-`unsupported` says when no kernel applies; the model then falls back to plain XLA.
+be removed). `IMPLEMENTATIONS` lists them in order of preference: Mosaic GPU first, the faster in
+the 406M step on H100 and H200, up to the 1024 features its register layout holds; wider rows (the
+1.4B model's 2048) take Triton's while a jax has it, and XLA's fusions after (benchmarks/README.md).
+Off the GPU both run in their interpreters, so the CPU tests check the same code (Mosaic GPU's
+interpreter hangs on a kernel batched by `vmap`, as a pipeline's stages batch it; on a GPU it
+runs). Under a mesh the kernels run per shard (`shard_map` over the rows' mesh axes); the feature
+axis must be whole on each device. `unsupported` says when no kernel applies; the model then falls
+back to plain XLA.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from jax.sharding import PartitionSpec
 from jaxdist.kernels import fused_norm_mosaic, fused_norm_triton, switch
 from jaxdist.parallel import rules as rules_lib
 
-IMPLEMENTATIONS = (fused_norm_triton, fused_norm_mosaic)
+IMPLEMENTATIONS = (fused_norm_mosaic, fused_norm_triton)
 
 
 def unsupported(shape: tuple[int, ...], dtype, names) -> str | None:

@@ -4,7 +4,7 @@ Each program walks a contiguous share of the rows in blocks (kernels/mosaic.py s
 holds them: a row per warp): the inputs are copied into shared memory a few blocks ahead (TMA), the
 outputs stored from registers. The backward keeps each lane's running scale and bias gradient sums
 in registers and writes them once per program. Features any multiple of 32, rows a multiple of 4.
-Off the GPU the kernels run in Mosaic GPU's interpreter.
+Up to `MAX_FEATURES` features. Off the GPU the kernels run in Mosaic GPU's interpreter.
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ FORWARD_STAGES = 2
 FORWARD_PROGRAMS_PER_SM = 3
 BACKWARD_STAGES = 3
 BACKWARD_PROGRAMS_PER_SM = 2
+# A row per warp puts features / 32 values of each row-sized array in each lane's registers: at
+# 1024 features (32 each) the backward's arrays fit; at 2048 they spill, and the kernels ran slower
+# than XLA's fusions (benchmarks/README.md). Wider rows go to the next implementation.
+MAX_FEATURES = 1024
 
 
 def unsupported(features: int, rows: int, dtype) -> str | None:
@@ -30,6 +34,8 @@ def unsupported(features: int, rows: int, dtype) -> str | None:
         return reason
     if mosaic.vector(features, jnp.dtype(dtype).itemsize) is None:
         return f"features ({features}) must be a multiple of 32"
+    if features > MAX_FEATURES:
+        return f"features ({features}) above {MAX_FEATURES}: a row per warp would spill registers"
     if rows % mosaic.ROWS:
         return f"rows per device ({rows}) must be a multiple of {mosaic.ROWS}"
     return None
