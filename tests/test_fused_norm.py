@@ -166,8 +166,7 @@ def test_fused_norms_per_shard_train_like_one_device(tmp_path, monkeypatch):
 
 def test_mosaic_gpu_is_preferred_up_to_1024_features_and_triton_takes_wider_rows(monkeypatch):
     def chosen(features):
-        return next((each for each in fused_norm.IMPLEMENTATIONS if each.unsupported(features, 64, jnp.bfloat16) is None),
-                    None)
+        return fused_norm.implementation(features, 64, jnp.bfloat16)
 
     assert chosen(1024) is fused_norm_mosaic
     assert fused_norm_mosaic.unsupported(2048, 64, jnp.bfloat16) == (

@@ -33,15 +33,17 @@ def _compiled(fn, *args):
 # -- the schedule on toy layers ---------------------------------------------------------------------
 
 
-def _toy_layers(x, stacked, *, unroll):
-    def layer(h, w):
-        return jnp.tanh(h * w["scale"] + w["shift"]), None
-
+def _apply(layer, x, stacked, unroll):
+    """`layer(h, w) -> (h, None)` over the stack: one call per layer, or a `lax.scan`."""
     if unroll:
         for per_layer in stacked:
             x, _ = layer(x, per_layer)
         return x
     return jax.lax.scan(layer, x, stacked)[0]
+
+
+def _toy_layers(x, stacked, *, unroll):
+    return _apply(lambda h, w: (jnp.tanh(h * w["scale"] + w["shift"]), None), x, stacked, unroll)
 
 
 @pytest.mark.parametrize(
@@ -103,14 +105,7 @@ def test_unrolled_iterations_trace_the_stages_layers_once(devices, repeats, rema
 
 
 def _matmul_layers(x, stacked, *, unroll):
-    def layer(h, w):
-        return jnp.tanh(h @ w), None
-
-    if unroll:
-        for per_layer in stacked:
-            x, _ = layer(x, per_layer)
-        return x
-    return jax.lax.scan(layer, x, stacked)[0]
+    return _apply(lambda h, w: (jnp.tanh(h @ w), None), x, stacked, unroll)
 
 
 @pytest.mark.parametrize("unroll", [True, False], ids=["unrolled", "scanned"])

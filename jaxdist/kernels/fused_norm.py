@@ -135,10 +135,14 @@ def normalize(total, rms: bool, eps: float):
     return centered * rstd, rstd
 
 
+def implementation(features: int, rows: int, dtype):
+    """The first of `IMPLEMENTATIONS` that takes `rows` rows (per device) of `features`, or None."""
+    return next((each for each in IMPLEMENTATIONS if each.unsupported(features, rows, dtype) is None), None)
+
+
 def _implementation(x: jax.Array):
-    """The first of `IMPLEMENTATIONS` that takes this device's (..., features) activation."""
-    features, rows = x.shape[-1], x.size // x.shape[-1]
-    return next(each for each in IMPLEMENTATIONS if each.unsupported(features, rows, x.dtype) is None)
+    """The implementation that runs this device's (..., features) activation."""
+    return implementation(x.shape[-1], x.size // x.shape[-1], x.dtype)
 
 
 def _forward_local(rms, eps, x, delta, scale, bias):
