@@ -1,10 +1,11 @@
-"""The GPT's two layer-stack forms (stacked + scanned, per-layer + unrolled) compute one function."""
+"""The GPT's two layer-stack forms (stacked + scanned, per-layer + unrolled) start equal and compute one function."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jaxpr_walk import equations
 
 from jaxdist.config import GPTConfig, ImplConfig
 from jaxdist.models.gpt import GPT
@@ -14,21 +15,39 @@ from jaxdist.models.gpt import GPT
     ({}, "none"), ({"norm": "rmsnorm", "positions": "rope", "activation": "swiglu", "tied_embeddings": True}, "none"),
     ({}, "full"),
 ])
-def test_unrolled_per_layer_params_equal_the_scanned_stack(variant, remat):
+def test_unrolled_and_scanned_models_start_equal_and_compute_one_function(variant, remat):
     cfg = GPTConfig(vocab=64, d_model=32, layers=3, heads=4, seq_len=16, **variant)
     with nnx.use_eager_sharding(False):
         unrolled = GPT(cfg, ImplConfig(scan_layers=False, remat=remat), rngs=nnx.Rngs(0))
-        scanned = GPT(cfg, ImplConfig(scan_layers=True, remat=remat), rngs=nnx.Rngs(1))
+        scanned = GPT(cfg, ImplConfig(scan_layers=True, remat=remat), rngs=nnx.Rngs(0))
     per_layer = nnx.to_pure_dict(nnx.state(unrolled, nnx.Param))
-    stacked = dict(per_layer)
-    stacked["blocks"] = jax.tree.map(lambda *layers: jnp.stack(layers), *[per_layer["blocks"][i] for i in range(3)])
-    target = nnx.state(scanned, nnx.Param)
-    nnx.replace_by_pure_dict(target, stacked)
-    nnx.update(scanned, target)
+    stacked = nnx.to_pure_dict(nnx.state(scanned, nnx.Param))
+    assert jax.tree.leaves(stacked["blocks"])[0].shape[0] == 3  # the scanned form really is stacked
+    for i in range(3):
+        jax.tree.map(np.testing.assert_array_equal, per_layer["blocks"][i],
+                     jax.tree.map(lambda stack: stack[i], stacked["blocks"]))
+    assert not np.array_equal(per_layer["blocks"][0]["attn"]["qkv"], per_layer["blocks"][1]["attn"]["qkv"])
+    jax.tree.map(np.testing.assert_array_equal, {k: v for k, v in per_layer.items() if k != "blocks"},
+                 {k: v for k, v in stacked.items() if k != "blocks"})
 
     tokens = jax.random.randint(jax.random.key(2), (2, 16), 0, 64)
     np.testing.assert_allclose(scanned(tokens), unrolled(tokens), rtol=1e-5, atol=1e-6)
-    assert jax.tree.leaves(target)[0].shape[0] == 3  # the scanned form really is stacked
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_the_init_programs_random_draws_do_not_grow_with_depth(scan_layers):
+    """Each draw compiles to kernels of its own: a draw per layer made the unrolled 406M model's
+    init take longer to compile on a GPU than its train step."""
+    def draws(layers: int) -> int:
+        cfg = GPTConfig(vocab=64, d_model=32, layers=layers, heads=4, seq_len=16)
+
+        def init():
+            with nnx.use_eager_sharding(False):
+                return nnx.state(GPT(cfg, ImplConfig(scan_layers=scan_layers), rngs=nnx.Rngs(0)), nnx.Param)
+
+        return sum(eqn.primitive.name == "random_bits" for eqn, _ in equations(jax.make_jaxpr(init)().jaxpr))
+
+    assert draws(2) == draws(6) > 0
 
 
 def _loss_grads_and_temp_bytes(remat: str, activation: str):

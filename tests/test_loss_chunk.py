@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import make_config
+from jaxpr_walk import equations
 from flax import nnx
 
 from jaxdist import cli, loop, models
@@ -250,18 +251,10 @@ def test_one_pass_logsumexp_matches_two_passes_and_reduces_once():
     assert one.lower(logits, is_target).compile().as_text().count(" reduce(") == 1
 
 
-def _sharding_constraints(jaxpr, in_loop: bool = False):
+def _sharding_constraints(jaxpr):
     """(in a loop?, shape, spec) of every sharding constraint in a jaxpr and its sub-jaxprs."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "sharding_constraint":
-            found.append((in_loop, eqn.invars[0].aval.shape, tuple(eqn.params["sharding"].spec)))
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found += _sharding_constraints(inner, in_loop or eqn.primitive.name in ("scan", "while"))
-    return found
+    return [(in_loop, eqn.invars[0].aval.shape, tuple(eqn.params["sharding"].spec))
+            for eqn, in_loop in equations(jaxpr) if eqn.primitive.name == "sharding_constraint"]
 
 
 def test_the_head_is_laid_out_whole_over_fsdp_before_the_chunk_loop():

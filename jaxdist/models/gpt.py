@@ -5,7 +5,7 @@ Every parameter carries logical axis names (`vocab`, `embed`, `heads`, `head_dim
 the mesh is decided by the rules (jaxdist.parallel.rules), never here.
 
 The blocks are created stacked (a leading `layers` axis) and run as a `lax.scan` (fast compile),
-or created per layer and run unrolled (often faster on GPU), with optional remat.
+or split into a block per layer and run unrolled (often faster on GPU), with optional remat.
 """
 
 from __future__ import annotations
@@ -193,6 +193,20 @@ class Block(nnx.Module):
         return x, self.mlp(h)
 
 
+def _unstack(stacked: Block, create_block) -> list[Block]:
+    """The layers of a stacked block as blocks of their own (built as `create_block()` builds one)."""
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(create_block)
+    graphdef, values = nnx.graphdef(abstract), nnx.to_pure_dict(nnx.state(stacked))
+    layers = jax.tree.leaves(values)[0].shape[0]
+    blocks = []
+    for i in range(layers):
+        state = nnx.state(abstract)
+        nnx.replace_by_pure_dict(state, jax.tree.map(lambda stack: stack[i], values))
+        blocks.append(nnx.merge(graphdef, state))
+    return blocks
+
+
 def _merge_slices(parts: list[jax.Array]) -> jax.Array:
     """The batch again from its `split_microbatches` slices (impl.batch_chunks)."""
     return constrain(merge_microbatches(jnp.stack(parts)), RESIDUAL)
@@ -232,17 +246,19 @@ class GPT(nnx.Module):
         if cfg.positions == "learned":
             self.positions = _param(rngs, _normal, (cfg.seq_len, cfg.d_model), ("length", "embed"), param_dtype)
 
-        if impl.scan_layers:
-            @nnx.split_rngs(splits=cfg.layers)
-            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-            def stacked_blocks(rngs: nnx.Rngs) -> Block:
-                return Block(cfg, impl, param_dtype, rngs)
+        # The blocks are drawn stacked either way: one random draw per kind of parameter, not one per
+        # layer, keeps the init program small (each draw compiles to kernels of its own: see
+        # docs/performance.md), and a scanned and an unrolled model start from the same values.
+        @nnx.split_rngs(splits=cfg.layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stacked_blocks(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, impl, param_dtype, rngs)
 
-            self.blocks = stacked_blocks(rngs)
-        else:
-            # Separate parameters per layer: each layer's gradient is complete as soon as its
-            # backward is done, so its reduction can overlap the rest of the backward pass.
-            self.blocks = nnx.List([Block(cfg, impl, param_dtype, rngs) for _ in range(cfg.layers)])
+        stacked = stacked_blocks(rngs)
+        # Unrolled, separate parameters per layer: each layer's gradient is complete as soon as its
+        # backward is done, so its reduction can overlap the rest of the backward pass.
+        self.blocks = stacked if impl.scan_layers else nnx.List(
+            _unstack(stacked, lambda: Block(cfg, impl, param_dtype, nnx.Rngs(0))))
         self.final_norm = Norm(cfg, impl, param_dtype, rngs)
         if not cfg.tied_embeddings:
             self.head = _param(rngs, _normal, (cfg.d_model, cfg.vocab), ("embed", "vocab"), param_dtype)
