@@ -62,17 +62,28 @@ def test_kernels_equal_the_unfused_norm_and_its_gradients(monkeypatch, implement
     _check_against_the_unfused_norm(dtype, rms, with_add)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("with_add", [True, False], ids=["add_norm", "norm"])
+def test_mosaic_gpu_kernels_on_rows_wider_than_a_chunk(monkeypatch, dtype, rms, with_add):
+    """Rows of several chunks: statistics over the whole row, each pass reading the chunks again,
+    the scale and bias gradient sums kept per chunk in shared memory (512 features, chunks of 256)."""
+    _use_only(monkeypatch, "mosaic")
+    monkeypatch.setattr(fused_norm_mosaic, "CHUNK", 256)
+    _check_against_the_unfused_norm(dtype, rms, with_add, features=512)
+
+
 def _use_only(monkeypatch, implementation: str) -> None:
     monkeypatch.setattr(fused_norm, "IMPLEMENTATIONS", (IMPLEMENTATIONS[implementation],))
 
 
-def _check_against_the_unfused_norm(dtype, rms, with_add):
+def _check_against_the_unfused_norm(dtype, rms, with_add, features=128):
     keys = jax.random.split(jax.random.key(7), 6)
-    shape = (4, 16, 128)
+    shape = (4, 16, features)
     x = (3.0 * jax.random.normal(keys[0], shape) + 1.0).astype(dtype)
     delta = jax.random.normal(keys[1], shape).astype(dtype) if with_add else None
-    scale = 1.0 + 0.2 * jax.random.normal(keys[2], (128,))
-    bias = None if rms else 0.2 * jax.random.normal(keys[3], (128,))
+    scale = 1.0 + 0.2 * jax.random.normal(keys[2], (features,))
+    bias = None if rms else 0.2 * jax.random.normal(keys[3], (features,))
     weights = (jax.random.normal(keys[4], shape), jax.random.normal(keys[5], shape))
     assert fused_norm.supported(shape, RESIDUAL)
 
@@ -164,16 +175,17 @@ def test_fused_norms_per_shard_train_like_one_device(tmp_path, monkeypatch):
     assert shapes and set(shapes) == {(4, 32, 64)}, shapes
 
 
-def test_mosaic_gpu_is_preferred_up_to_1024_features_and_triton_takes_wider_rows(monkeypatch):
+def test_mosaic_gpu_is_preferred_at_every_width_it_takes(monkeypatch):
     def chosen(features):
         return fused_norm.implementation(features, 64, jnp.bfloat16)
 
-    assert chosen(1024) is fused_norm_mosaic
-    assert fused_norm_mosaic.unsupported(2048, 64, jnp.bfloat16) == (
-        "features (2048) above 1024: a row per warp would spill registers")
-    assert chosen(2048) is fused_norm_triton
-    monkeypatch.setattr(fused_norm_triton, "pallas_triton", None)  # a jax without Triton: XLA's fusions
-    assert chosen(1024) is fused_norm_mosaic and chosen(2048) is None
+    assert chosen(1024) is fused_norm_mosaic and chosen(2048) is fused_norm_mosaic  # one chunk; two
+    assert fused_norm_mosaic.unsupported(1536, 64, jnp.bfloat16) == "features (1536) above 1024 must be a multiple of 1024"
+    assert fused_norm_mosaic.unsupported(8192, 64, jnp.bfloat16) == (
+        "features (8192) too many for a block of rows in shared memory")
+    assert chosen(8192) is fused_norm_triton
+    monkeypatch.setattr(fused_norm_triton, "pallas_triton", None)  # a jax without Triton
+    assert chosen(2048) is fused_norm_mosaic and chosen(8192) is None
 
 
 def test_unsupported_shapes_fall_back_or_fail_clearly(monkeypatch):

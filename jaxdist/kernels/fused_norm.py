@@ -11,9 +11,10 @@ adds took about 470 us per layer, against about 180 us to move their bytes once.
 
 The kernels exist twice, with one interface: on Pallas's Mosaic GPU backend (fused_norm_mosaic.py,
 Hopper and later) and on its Triton backend (fused_norm_triton.py, deprecated since jax 0.11 and to
-be removed). `IMPLEMENTATIONS` lists them in order of preference: Mosaic GPU first, the faster in
-the 406M step on H100 and H200, up to the 1024 features its register layout holds; wider rows (the
-1.4B model's 2048) take Triton's while a jax has it, and XLA's fusions after (benchmarks/README.md).
+be removed). `IMPLEMENTATIONS` lists them in order of preference: Mosaic GPU first, the supported
+backend, the faster in the 406M step on H100 and H200 and level with Triton in the 1.4B step
+(benchmarks/README.md); Triton's where Mosaic GPU declines a shape, and XLA's fusions where neither
+takes it.
 Off the GPU both run in their interpreters, so the CPU tests check the same code (Mosaic GPU's
 interpreter hangs on a kernel batched by `vmap`, as a pipeline's stages batch it; on a GPU it
 runs). Under a mesh the kernels run per shard (`shard_map` over the rows' mesh axes); the feature

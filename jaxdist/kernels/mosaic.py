@@ -104,20 +104,24 @@ def block_rows(block):
     return pl.ds(block * ROWS, ROWS)
 
 
-def stream(step, refs, programs: int, stages: int, carry=None):
+def stream(step, refs, programs: int, stages: int, carry=None, chunks: int = 1):
     """Calls `step(block, *shared_blocks[, carry])` on this program's contiguous share of the
     blocks of the (rows, runs, run) global `refs`, each copied into shared memory up to `stages`
-    blocks ahead; returns the last carry. `step` ends with `end_step`."""
+    blocks ahead; returns the last carry. Each block's runs are split in `chunks` equal parts, each
+    copied to a buffer of its own: `shared_blocks` holds, ref after ref, each ref's chunks in order.
+    `step` ends with `end_step`."""
     blocks = refs[0].shape[0] // ROWS
     first = program() * blocks // programs
     count = (program() + 1) * blocks // programs - first
-    spec = plgpu.BlockSpec((ROWS, *refs[0].shape[1:]), lambda i: (first + i, 0, 0))
+    runs_per_chunk = refs[0].shape[1] // chunks
+    specs = [plgpu.BlockSpec((ROWS, runs_per_chunk, refs[0].shape[2]), lambda i, c=c: (first + i, c, 0))
+             for c in range(chunks)]
 
     def body(index, *args):
         return step(first + index[0], *args)
 
-    return plgpu.emit_pipeline(body, grid=(count,), in_specs=[spec] * len(refs), max_concurrent_steps=stages,
-                               init_carry=carry)(*refs)
+    return plgpu.emit_pipeline(body, grid=(count,), in_specs=specs * len(refs), max_concurrent_steps=stages,
+                               init_carry=carry)(*[ref for ref in refs for _ in range(chunks)])
 
 
 def end_step():
@@ -133,12 +137,15 @@ def programs_per_device(per_multiprocessor: int) -> int:
     return per_multiprocessor * jax.devices()[0].core_count
 
 
-def kernel(body, out_type, programs: int, name: str):
-    """`body(*input_refs, *output_refs)` on `programs` programs; all refs in global memory."""
+def kernel(body, out_type, programs: int, name: str, scratch=()):
+    """`body(*input_refs, *output_refs, *scratch_refs)` on `programs` programs; inputs and outputs in
+    global memory, each of `scratch` (shapes and dtypes) a shared-memory buffer of the program's own."""
     return plgpu.kernel(
         body, out_type=out_type, grid=(programs,), grid_names=("program",), kernel_name=name,
+        scratch_types=[plgpu.SMEM(shape.shape, shape.dtype) for shape in scratch],
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=True,
-            # No thread reads what it wrote, and `end_step` is the barrier before a shared block is refilled.
+            # No thread reads what another wrote, and `end_step` is the barrier before a shared
+            # block is refilled.
             unsafe_no_auto_barriers=True),
         interpret=_InterpretParams() if interpreting() else None)
