@@ -197,7 +197,9 @@ def _unstack(stacked: Block, create_block) -> list[Block]:
     """The layers of a stacked block as blocks of their own (built as `create_block()` builds one)."""
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(create_block)
-    graphdef, values = nnx.graphdef(abstract), nnx.to_pure_dict(nnx.state(stacked))
+    # The stacks whole first: XLA would otherwise fuse each layer's slice into the random draw that
+    # makes the stack, one copy of the draw's code per layer, and compile for that much longer.
+    graphdef, values = nnx.graphdef(abstract), jax.lax.optimization_barrier(nnx.to_pure_dict(nnx.state(stacked)))
     layers = jax.tree.leaves(values)[0].shape[0]
     blocks = []
     for i in range(layers):
