@@ -229,15 +229,11 @@ class ImplConfig(Section):
         0, ge=0, description="> 0: the loss projects this many positions at a time, never the full logits")
     loss_impl: Literal["auto", "xla", "pallas"] = Field(
         "auto", description="the chunked loss's softmax and gradient as one Pallas kernel (needs loss_chunk > 0)")
-    batch_chunks: int = Field(
-        1, ge=1, description="> 1: each layer runs on this many batch slices, overlapping tensor-parallel reductions")
 
     @model_validator(mode="after")
     def _combinations(self) -> ImplConfig:
         if self.loss_impl == "pallas" and not self.loss_chunk:
             raise ValueError("impl.loss_impl=pallas needs impl.loss_chunk > 0 (the kernel runs inside the chunked loss)")
-        if self.batch_chunks > 1 and self.scan_layers:
-            raise ValueError("impl.batch_chunks > 1 needs impl.scan_layers=false (the slices interleave unrolled layers)")
         return self
 
 

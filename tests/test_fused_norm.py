@@ -102,9 +102,9 @@ def _check_against_the_unfused_norm(dtype, rms, with_add, features=128):
     np.testing.assert_allclose(got_grads[-1 if rms else -2], want_grads[-1 if rms else -2], rtol=1e-4, atol=1e-4)
 
 
-def _model_loss_and_grads(norm_impl: str, norm: str, batch_chunks: int = 1):
+def _model_loss_and_grads(norm_impl: str, norm: str):
     cfg = GPTConfig(vocab=64, d_model=32, layers=2, heads=4, seq_len=16, norm=norm)
-    impl = ImplConfig(scan_layers=False, norm_impl=norm_impl, batch_chunks=batch_chunks)
+    impl = ImplConfig(scan_layers=False, norm_impl=norm_impl)
     with nnx.use_eager_sharding(False):
         graphdef, params = nnx.split(GPT(cfg, impl, rngs=nnx.Rngs(0)))
     tokens = jax.random.randint(jax.random.key(2), (2, 17), 0, 64)
@@ -121,16 +121,6 @@ def test_gpt_with_fused_norms_has_the_same_loss_and_gradients(norm):
     assert len(flat) == len(want_flat)
     for (path, got), want in zip(flat, want_flat):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6, err_msg=jax.tree_util.keystr(path))
-
-
-def test_fused_norms_on_batch_slices_match_the_whole_batch():
-    """impl.batch_chunks=2 with the kernels (as on a GPU): each slice's residual adds and norms run
-    on half the rows; loss and gradients equal one slice with XLA's norms."""
-    loss, grads = _model_loss_and_grads("pallas", "layernorm", batch_chunks=2)
-    want_loss, want_grads = _model_loss_and_grads("xla", "layernorm")
-    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
-    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
-        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 
 
 def _losses(run_dir) -> list[float]:

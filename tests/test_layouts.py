@@ -1,6 +1,5 @@
 """Principle 2: a layout is not a math change. Every layout trains like one device."""
 
-import collections
 import json
 import math
 
@@ -10,8 +9,6 @@ import pytest
 from conftest import make_config
 
 from jaxdist import loop
-from jaxdist.observe import hlo
-from jaxdist.observe.bench import random_batch
 from jaxdist.train.trainer import Trainer, state_bytes_per_device
 
 
@@ -77,27 +74,3 @@ def test_tensor_parallel_shards_heads_and_mlp(tmp_path):
     assert blocks["mlp"]["up"].addressable_shards[0].data.shape == (2, 64, 64)
     assert blocks["mlp"]["down"].addressable_shards[0].data.shape == (2, 64, 64)
     assert math.prod(blocks["attn"]["out"].sharding.shard_shape(blocks["attn"]["out"].shape)) * 4 == blocks["attn"]["out"].size
-
-
-def test_batch_chunks_change_neither_the_math_nor_what_crosses_devices(tmp_path):
-    """impl.batch_chunks=2 runs each layer on two slices of the batch in turn, so under tensor
-    parallelism one slice's all-reduces can overlap the other's compute: the same losses as one
-    slice, and the same bytes between devices, in twice as many all-reduces."""
-    devices = jax.devices()[:4]
-    layout = {"mesh": {"data": 1, "fsdp": 1, "tensor": 4}, "rules": {"preset": "tp"}}
-    runs = {}
-    for chunks in (1, 2):
-        cfg = make_config(tmp_path / str(chunks), impl={"scan_layers": False, "batch_chunks": chunks}, **layout)
-        trainer = Trainer.from_config(cfg, devices)
-        trainer.compile(trainer.global_batch(random_batch(cfg)))
-        text = trainer.compiled_text()
-        calls = collections.Counter()
-        for op in hlo.collectives(text):
-            calls[op.opcode.removesuffix("-start")] += op.executions
-        runs[chunks] = hlo.bytes_per_call(text), calls
-        loop.train(cfg, devices=devices)
-    np.testing.assert_allclose(losses(tmp_path / "2"), losses(tmp_path / "1"), rtol=1e-5, atol=0)
-    (bytes_one, calls_one), (bytes_two, calls_two) = runs[1], runs[2]
-    assert bytes_two == bytes_one
-    assert calls_two["all-reduce"] > calls_one["all-reduce"]
-    assert set(calls_two) == set(calls_one)  # nothing gathered or moved to split the batch

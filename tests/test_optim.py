@@ -225,8 +225,6 @@ def test_lr_scaling_rules_from_base_batch():
         ("optim.lr_scaling=linear", "optim.lr_scaling=linear needs optim.base_batch"),
         ("optim.min_lr_ratio=2", "optim.min_lr_ratio=2: input should be less than or equal to 1"),
         ("train.microbatches=3", "train.microbatches=3 does not divide the per-device batch 2"),
-        ("impl.batch_chunks=2", "impl.batch_chunks > 1 needs impl.scan_layers=false"),
-        ("impl.scan_layers=false impl.batch_chunks=4", "impl.batch_chunks=4 does not divide the 2 sequences each device"),
         ("train.grad_reduction=sometimes", "train.grad_reduction='sometimes': input should be 'per_step' or"),
         ("precision.compute=float16", "precision.compute=float16: XLA on CPU cannot compile float16 attention"),
     ],

@@ -22,7 +22,6 @@ from jaxdist.config import Config, GPTConfig, ImplConfig, PipelineConfig
 from jaxdist.kernels import fused_norm, gelu_matmul
 from jaxdist.parallel import pipeline as pipeline_lib
 from jaxdist.parallel.rules import constrain
-from jaxdist.parallel.microbatches import merge_microbatches, split_microbatches
 
 Names = tuple[str | None, ...]
 
@@ -209,11 +208,6 @@ def _unstack(stacked: Block, create_block) -> list[Block]:
     return blocks
 
 
-def _merge_slices(parts: list[jax.Array]) -> jax.Array:
-    """The batch again from its `split_microbatches` slices (impl.batch_chunks)."""
-    return constrain(merge_microbatches(jnp.stack(parts)), RESIDUAL)
-
-
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -296,20 +290,11 @@ class GPT(nnx.Module):
     def _run_blocks(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
         """The residual after the blocks and the last block's output not yet added to it."""
         if not self.impl.scan_layers:
-            # Slices of the batch go through each layer one after the other: they are independent,
-            # so XLA may run one slice's collectives beside the next slice's compute. The slices
-            # are strided like microbatches, so splitting moves no rows between devices.
-            chunks = self.impl.batch_chunks
-            xs = list(split_microbatches(x, chunks)) if chunks > 1 else [x]
-            deltas = [None] * chunks
+            delta = None
             run_block = self._block_runner(nnx.graphdef(self.blocks[0]))
             for block in self.blocks:
-                state = nnx.state(block)
-                for j in range(chunks):
-                    xs[j], deltas[j] = run_block(state, xs[j], deltas[j])
-            if chunks == 1:
-                return xs[0], deltas[0]
-            return _merge_slices(xs), _merge_slices(deltas)
+                x, delta = run_block(nnx.state(block), x, delta)
+            return x, delta
         graphdef, stacked = nnx.split(self.blocks)
         run = functools.partial(self._run_layers, graphdef)
         return pipeline_lib.run_layers(run, stacked, x, self.pipeline, RESIDUAL), None

@@ -67,12 +67,6 @@ def check(cfg: Config, layout: Layout) -> None:
             f"train.microbatches={cfg.train.microbatches} does not divide the per-device batch "
             f"{per_shard} (train.global_batch / {shards} batch shards); pick a divisor of {per_shard}"
         )
-    per_chunk = per_shard // cfg.train.microbatches
-    if per_chunk % cfg.impl.batch_chunks:
-        raise UserError(
-            f"impl.batch_chunks={cfg.impl.batch_chunks} does not divide the {per_chunk} sequences each device "
-            f"runs at a time (train.global_batch / {shards} batch shards / train.microbatches); pick a divisor"
-        )
     tensor = layout.mesh.shape["tensor"]
     for key, value in cfg.model.tensor_divides().items():
         if value % tensor:

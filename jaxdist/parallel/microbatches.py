@@ -1,8 +1,8 @@
 """Splitting a batch into microbatches and back, without moving rows between devices.
 
-Gradient accumulation (train/accumulate.py), the pipeline (parallel/pipeline.py) and the model's
-batch slices (`impl.batch_chunks`) all scan over microbatches of the global batch. Each
-microbatch takes every M-th row, so every device's rows of a microbatch are rows it already holds.
+Gradient accumulation (train/accumulate.py) and the pipeline (parallel/pipeline.py) both scan
+over microbatches of the global batch. Each microbatch takes every M-th row, so every device's
+rows of a microbatch are rows it already holds.
 """
 
 from __future__ import annotations
