@@ -174,6 +174,7 @@ def backward_local(rms, eps, has_bias, total, d_normed, d_total, scale):
 
         def step(block, *blocks_and_sums):
             blocks = blocks_and_sums[:len(streamed) * chunks]
+            carried = blocks_and_sums[-1] if chunks == 1 else ()  # the running sums, in registers
             inputs, keep = _shared_chunks(blocks, chunks, layout), _keep(chunks)
             mean = 0.0 if rms else sum(jnp.sum(inputs(c)[0], axis=1) for c in range(chunks)) / features
 
@@ -208,7 +209,7 @@ def backward_local(rms, eps, has_bias, total, d_normed, d_total, scale):
                 d_sum_ref[rows, pl.ds(c * chunk, chunk)] = d_x.astype(dtype)
                 terms = (values[1] * normalized, values[1])[:sums]
                 if chunks == 1:
-                    running = [held + term for held, term in zip(blocks_and_sums[-1], terms)]
+                    running = [total + term for total, term in zip(carried, terms)]
                 else:
                     for ref, term in zip(held_refs[c * sums:(c + 1) * sums], terms):
                         ref[...] = mosaic.load(ref, layout) + term
