@@ -1,5 +1,6 @@
 """On a GPU host, the train step really runs each GPU kernel: the fused norms' forward and
-backward (on the implementation fused_norm.py prefers, and on Mosaic GPU alone), the loss's softmax
+backward (on the implementation fused_norm.py prefers, and on Mosaic GPU alone, its rows whole and
+in chunks), the loss's softmax
 (Mosaic GPU) and the GELU-gradient epilogue (the cuBLASLt FFI handler), each found by name in the
 compiled program of a small 406M-like step.
 
@@ -29,12 +30,12 @@ def _backend(target: str) -> str:
     return "mosaic_gpu" if "mosaic_gpu" in target else "triton" if "triton" in target else target
 
 
-def _small_step(tmp_path, kernel: str, gelu_kernel: str) -> Trainer:
+def _small_step(tmp_path, kernel: str, gelu_kernel: str, d_model: int = 256) -> Trainer:
     """The small step's trainer, compiled and run once (its loss checked), with the norm and loss
     switches set to `kernel` and the GELU gradient's to `gelu_kernel`."""
     cfg = make_config(
         tmp_path,
-        model={"vocab": 1024, "d_model": 256, "layers": LAYERS, "heads": 4, "seq_len": SEQ, "norm": "layernorm",
+        model={"vocab": 1024, "d_model": d_model, "layers": LAYERS, "heads": 4, "seq_len": SEQ, "norm": "layernorm",
                "activation": "gelu"},
         impl={"scan_layers": False, "loss_chunk": CHUNK, "norm_impl": kernel, "loss_impl": kernel,
               "gelu_grad_impl": gelu_kernel},
@@ -60,9 +61,9 @@ def test_the_small_step_runs_without_kernels(tmp_path):
     assert not [call for call in hlo.custom_calls(trainer.compiled_text()) if _backend(call.target) in kernel_targets]
 
 
-def _kernel_runs(tmp_path) -> collections.Counter:
+def _kernel_runs(tmp_path, d_model: int) -> collections.Counter:
     """(backend or FFI target, kernel name) -> executions per step, for the small step."""
-    trainer = _small_step(tmp_path, "pallas", "cublaslt")
+    trainer = _small_step(tmp_path, "pallas", "cublaslt", d_model)
     runs = collections.Counter()
     for call in hlo.custom_calls(trainer.compiled_text()):
         names = [name for name in KERNELS if name in call.op_name]
@@ -71,12 +72,16 @@ def _kernel_runs(tmp_path) -> collections.Counter:
 
 
 @on_gpu
-@pytest.mark.parametrize("norms", ["preferred", "mosaic_gpu"])
+@pytest.mark.parametrize("norms", ["preferred", "mosaic_gpu", "mosaic_gpu_chunks"])
 def test_train_step_runs_every_kernel(tmp_path, monkeypatch, norms):
-    if norms == "mosaic_gpu":
+    d_model = 256
+    if norms != "preferred":
         monkeypatch.setattr(fused_norm, "IMPLEMENTATIONS", (fused_norm_mosaic,))
-    runs = _kernel_runs(tmp_path)
-    chosen = fused_norm.implementation(256, 8 * SEQ, jnp.bfloat16)
+    if norms == "mosaic_gpu_chunks":  # rows of two chunks, as the 1.4B model's 2048 features are
+        d_model = 512
+        monkeypatch.setattr(fused_norm_mosaic, "CHUNK", 256)
+    runs = _kernel_runs(tmp_path, d_model)
+    chosen = fused_norm.implementation(d_model, 8 * SEQ, jnp.bfloat16)
     norm_calls = 2 * LAYERS + 1  # before attention, before the MLP, and the final norm
     if chosen is fused_norm_triton:  # Triton's calls carry no kernel name: the norms are its only ones
         assert sum(n for (backend, _), n in runs.items() if backend == "triton") == 2 * norm_calls, runs
