@@ -165,17 +165,18 @@ def test_fused_norms_per_shard_train_like_one_device(tmp_path, monkeypatch):
     assert shapes and set(shapes) == {(4, 32, 64)}, shapes
 
 
-def test_mosaic_gpu_is_preferred_at_every_width_it_takes(monkeypatch):
+def test_mosaic_gpu_takes_rows_of_one_chunk_first_and_wider_rows_after_triton(monkeypatch):
     def chosen(features):
         return fused_norm.implementation(features, 64, jnp.bfloat16)
 
-    assert chosen(1024) is fused_norm_mosaic and chosen(2048) is fused_norm_mosaic  # one chunk; two
+    assert chosen(1024) is fused_norm_mosaic and chosen(2048) is fused_norm_triton
+    assert fused_norm_mosaic.unsupported(2048, 64, jnp.bfloat16) is None  # two chunks
     assert fused_norm_mosaic.unsupported(1536, 64, jnp.bfloat16) == "features (1536) above 1024 must be a multiple of 1024"
     assert fused_norm_mosaic.unsupported(8192, 64, jnp.bfloat16) == (
         "features (8192) too many for a block of rows in shared memory")
     assert chosen(8192) is fused_norm_triton
     monkeypatch.setattr(fused_norm_triton, "pallas_triton", None)  # a jax without Triton
-    assert chosen(2048) is fused_norm_mosaic and chosen(8192) is None
+    assert chosen(1024) is fused_norm_mosaic and chosen(2048) is fused_norm_mosaic and chosen(8192) is None
 
 
 def test_unsupported_shapes_fall_back_or_fail_clearly(monkeypatch):

@@ -12,9 +12,10 @@ adds took about 470 us per layer, against about 180 us to move their bytes once.
 The kernels exist twice, with one interface: on Pallas's Mosaic GPU backend (fused_norm_mosaic.py,
 Hopper and later) and on its Triton backend (fused_norm_triton.py, deprecated since jax 0.11 and to
 be removed). `IMPLEMENTATIONS` lists them in order of preference: Mosaic GPU first, the supported
-backend, the faster in the 406M step on H100 and H200 and level with Triton in the 1.4B step
-(benchmarks/README.md); Triton's where Mosaic GPU declines a shape, and XLA's fusions where neither
-takes it.
+backend and the faster in the 406M step on H100 and H200; Triton's where Mosaic GPU declines a
+shape, and XLA's fusions where neither takes it. Rows over 1024 features, which Mosaic GPU takes in
+chunks (the 1.4B model's 2048), take Triton's first while a jax has it: the 1.4B step ran as fast
+with either, and traced and compiled about 12 s sooner with Triton's (benchmarks/README.md).
 Off the GPU both run in their interpreters, so the CPU tests check the same code (Mosaic GPU's
 interpreter hangs on a kernel batched by `vmap`, as a pipeline's stages batch it; on a GPU it
 runs). Under a mesh the kernels run per shard (`shard_map` over the rows' mesh axes); the feature
@@ -137,8 +138,11 @@ def normalize(total, rms: bool, eps: float):
 
 
 def implementation(features: int, rows: int, dtype):
-    """The first of `IMPLEMENTATIONS` that takes `rows` rows (per device) of `features`, or None."""
-    return next((each for each in IMPLEMENTATIONS if each.unsupported(features, rows, dtype) is None), None)
+    """The first of `IMPLEMENTATIONS` that takes `rows` rows (per device) of `features`, or None;
+    rows that Mosaic GPU takes in several chunks go to it last."""
+    several_chunks = features > fused_norm_mosaic.CHUNK
+    order = sorted(IMPLEMENTATIONS, key=lambda each: several_chunks and each is fused_norm_mosaic)
+    return next((each for each in order if each.unsupported(features, rows, dtype) is None), None)
 
 
 def _implementation(x: jax.Array):
