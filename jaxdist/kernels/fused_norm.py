@@ -140,7 +140,7 @@ def normalize(total, rms: bool, eps: float):
 def implementation(features: int, rows: int, dtype):
     """The first of `IMPLEMENTATIONS` that takes `rows` rows (per device) of `features`, or None;
     rows that Mosaic GPU takes in several chunks go to it last."""
-    several_chunks = features > fused_norm_mosaic.CHUNK
+    several_chunks = fused_norm_mosaic.row_chunks(features) > 1
     order = sorted(IMPLEMENTATIONS, key=lambda each: several_chunks and each is fused_norm_mosaic)
     return next((each for each in order if each.unsupported(features, rows, dtype) is None), None)
 

@@ -52,13 +52,14 @@ def unsupported(features: int, rows: int, dtype) -> str | None:
     return None
 
 
-def _chunks(features: int) -> int:
+def row_chunks(features: int) -> int:
+    """How many chunks these kernels take a row of `features` in."""
     return max(1, features // CHUNK)
 
 
 def _shared_bytes(features: int, itemsize: int, streamed: int, stages: int, sums: int) -> int:
     """Shared memory one program uses: its streamed blocks, and its running sums with more than one chunk."""
-    held_sums = sums * mosaic.ROWS * features * 4 if _chunks(features) > 1 else 0
+    held_sums = sums * mosaic.ROWS * features * 4 if row_chunks(features) > 1 else 0
     return streamed * stages * mosaic.ROWS * features * itemsize + held_sums
 
 
@@ -101,7 +102,7 @@ def forward_local(rms, eps, x, delta, scale, bias):
     shape, features = x.shape, x.shape[-1]
     rows, dtype = x.size // features, x.dtype
     has_delta = delta is not None
-    chunks = _chunks(features)
+    chunks = row_chunks(features)
     chunk = features // chunks
     layout = mosaic.block_layout(mosaic.vector(features, dtype.itemsize))
     streamed = [mosaic.runs(a.reshape(rows, features)) for a in (x, delta) if a is not None]
@@ -112,9 +113,10 @@ def forward_local(rms, eps, x, delta, scale, bias):
     def add_norm_forward(*refs):
         streamed_refs, vector_refs, out_refs = refs[:len(streamed)], refs[len(streamed):-len(streamed)], refs[-len(streamed):]
         column_vectors = _vectors(vector_refs, chunks, chunk, layout)
+        keep, size = _keep(chunks), (mosaic.ROWS, chunk)
 
         def step(block, *blocks):
-            inputs, keep, size = _shared_chunks(blocks, chunks, layout), _keep(chunks), (mosaic.ROWS, chunk)
+            inputs = _shared_chunks(blocks, chunks, layout)
 
             @keep
             def total(c):  # the sum rounded to the inputs' dtype, as the unfused `x + delta` is
@@ -152,7 +154,7 @@ def backward_local(rms, eps, has_bias, total, d_normed, d_total, scale):
     shape, features = total.shape, total.shape[-1]
     rows, dtype = total.size // features, total.dtype
     has_residual_grad = d_total is not None
-    chunks = _chunks(features)
+    chunks = row_chunks(features)
     chunk = features // chunks
     layout = mosaic.block_layout(mosaic.vector(features, dtype.itemsize))
     streamed = [mosaic.runs(a.reshape(rows, features)) for a in (total, d_normed, d_total) if a is not None]
@@ -167,7 +169,7 @@ def backward_local(rms, eps, has_bias, total, d_normed, d_total, scale):
         streamed_refs, scale_ref = refs[:len(streamed)], refs[len(streamed)]
         d_sum_ref, sum_refs, held_refs = refs[outputs], refs[outputs + 1:outputs + 1 + sums], refs[outputs + 1 + sums:]
         column_scale = _vectors([scale_ref], chunks, chunk, layout)
-        size = (mosaic.ROWS, chunk)
+        keep, size = _keep(chunks), (mosaic.ROWS, chunk)
         zeros = mosaic.relayout(jnp.zeros(size, jnp.float32), layout)
         for ref in held_refs:
             ref[...] = zeros
@@ -175,7 +177,7 @@ def backward_local(rms, eps, has_bias, total, d_normed, d_total, scale):
         def step(block, *blocks_and_sums):
             blocks = blocks_and_sums[:len(streamed) * chunks]
             carried = blocks_and_sums[-1] if chunks == 1 else ()  # the running sums, in registers
-            inputs, keep = _shared_chunks(blocks, chunks, layout), _keep(chunks)
+            inputs = _shared_chunks(blocks, chunks, layout)
             mean = 0.0 if rms else sum(jnp.sum(inputs(c)[0], axis=1) for c in range(chunks)) / features
 
             @keep
