@@ -5,12 +5,15 @@ import json
 import math
 import struct
 
+import jax
+import numpy as np
 import pytest
 from conftest import make_config
 from tensorboardX.proto import event_pb2
 
 from jaxdist import loop
 from jaxdist.observe.metrics import mfu, peak_flops
+from jaxdist.train.trainer import Trainer
 
 NAMED = ("loss", "learning_rate", "grad_norm", "tokens_per_sec", "step_time_s", "param_norm", "data_wait_s")
 
@@ -44,6 +47,21 @@ def test_logged_steps_carry_data_wait_and_param_norm_and_no_device_numbers_on_cp
         assert record["param_norm"] > 0 and math.isfinite(record["param_norm"])
         assert not {"mfu", "memory_gb", "peak_memory_gb"} & record.keys()  # CPU: no peak, no memory statistics
     assert logged[0]["param_norm"] != logged[-1]["param_norm"]  # measured after each update
+
+
+def test_the_parameter_norm_is_the_sharded_parameters_norm_and_stays_out_of_the_step(tmp_path):
+    """Measured where a step is logged, by a program of its own: inside the step its reduction kept
+    XLA from writing the compute copies in the update's pass (a second read of every parameter)."""
+    cfg = make_config(tmp_path, mesh={"data": 2, "fsdp": 4, "tensor": 1})
+    trainer = Trainer.from_config(cfg, devices=jax.devices()[:8])
+    tokens = np.random.default_rng(0).integers(0, 256, (16, 33))
+    metrics = trainer.step({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+    assert "param_norm" not in metrics
+    leaves = [np.asarray(leaf, np.float64) for leaf in jax.tree.leaves(jax.device_get(trainer.state.params))]
+    expected = math.sqrt(sum(float(np.sum(leaf * leaf)) for leaf in leaves))
+    norm = trainer.param_norm()
+    assert norm.sharding.is_fully_replicated
+    assert float(norm) == pytest.approx(expected, rel=1e-6)
 
 
 def scalars(tb_dir) -> dict[str, dict[int, float]]:

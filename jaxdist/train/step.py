@@ -47,7 +47,7 @@ def make_train_step(
     `copies` are the parameters' compute-dtype copies that the model reads (`make_copies(params)`,
     train/copies.py, sharded as `copy_shardings`), made anew from the updated parameters; None
     without `make_copies`. `copies_gather`: where the model's reads gather them to first.
-    Metrics: `loss`, `grad_norm` (before clipping), `param_norm` (after the update), the effective `learning_rate` (the schedule
+    Metrics: `loss`, `grad_norm` (before clipping), the effective `learning_rate` (the schedule
     at the optimizer's own step count), the loss function's aux values, `nonfinite` (1 when this
     step was bad, else 0), `skipped_steps` (dropped updates so far) and under loss scaling
     `loss_scale`. `nonfinite_guard=False` applies every update, finite or not (to measure the
@@ -80,7 +80,6 @@ def make_train_step(
                 scale = scale.adjust(apply)
                 metrics["loss_scale"] = scale.scale
         metrics["skipped_steps"] = skipped
-        metrics["param_norm"] = optax.tree.norm(params)
         if schedule is not None:  # dropped steps leave the optimizer's own count behind
             metrics["learning_rate"] = schedule(state.step - state.skipped_steps)
         new_state = TrainState(

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist import models
 from jaxdist.config import Config
@@ -107,6 +107,10 @@ class Trainer:
             self.graphdef, loss_fn, optimizer, schedule, mesh, rules, self.state_shardings, microbatches,
             grad_reduction, compute_copies, copy_shardings, copies_gather,
         )
+        # Its own program, run only where a step is logged: inside the step, the norm's reduction
+        # kept XLA from writing the compute copies in the update's pass (a second read of every
+        # parameter per step; benchmarks/HISTORY.md).
+        self._param_norm = jax.jit(optax.tree.norm, out_shardings=NamedSharding(mesh, PartitionSpec()))
         self._compiled = None
         self.trace_time_s: float | None = None
         self.compile_time_s: float | None = None
@@ -187,6 +191,10 @@ class Trainer:
         if self.finish_each_step:
             jax.block_until_ready(metrics)
         return metrics
+
+    def param_norm(self) -> jax.Array:
+        """The global L2 norm of the current parameters (after the last step's update), replicated."""
+        return self._param_norm(self.state.params)
 
     def current_copies(self) -> Any:
         """The compute-dtype copies of `self.state`'s parameters, made anew if the state was replaced
