@@ -99,3 +99,29 @@ def test_unrolled_blocks_are_traced_once_not_once_per_layer(monkeypatch, impl):
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     jax.make_jaxpr(jax.value_and_grad(lambda p: models.lm_loss(nnx.merge(graphdef, p), batch)))(params)
     assert sorted(traces) == [False, True]
+
+
+def test_attention_sums_its_input_gradients_each_new_product_first(monkeypatch):
+    """The q, k and v projections' input gradients are summed with each new product as the first
+    operand, the order in which XLA folds every sum into a matmul on GPU (cuBLAS's beta), with the
+    same values as autodiff's order."""
+    from jaxdist.models import gpt
+
+    cfg = GPTConfig(vocab=64, d_model=32, layers=1, heads=4, seq_len=16)
+    with nnx.use_eager_sharding(False):
+        graphdef, params = nnx.split(gpt.Attention(cfg, ImplConfig(attention="xla"), jnp.float32, nnx.Rngs(0)))
+    x = jax.random.normal(jax.random.key(1), (2, 16, 32))
+    weights = jax.random.normal(jax.random.key(2), (2, 16, 32))
+
+    def input_grad(x):
+        return jax.grad(lambda x: jnp.sum(nnx.merge(graphdef, params)(x) * weights))(x)
+
+    program = list(equations(jax.make_jaxpr(input_grad)(x).jaxpr))
+    producers = {out: eqn.primitive.name for eqn, _ in program for out in eqn.outvars}
+    sums = [eqn for eqn, _ in program if eqn.primitive.name in ("add", "add_any") and eqn.outvars[0].aval.shape == x.shape]
+    assert len(sums) == 2  # three products, two sums
+    assert [producers.get(eqn.invars[0]) for eqn in sums] == ["dot_general", "dot_general"]
+
+    summed = input_grad(x)
+    monkeypatch.setattr(gpt, "_fan_out", lambda x, count: (x,) * count)  # autodiff's own order
+    np.testing.assert_array_equal(summed, input_grad(x))

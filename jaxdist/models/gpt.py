@@ -30,6 +30,7 @@ Names = tuple[str | None, ...]
 # parallelism), so that norms and residual adds are not repeated on every tensor-parallel device
 # (off in the presets: measured slower at tensor=4 on H200, see benchmarks/HISTORY.md).
 RESIDUAL: Names = ("batch", "seq", "embed")
+HEADS: Names = ("batch", "length", "heads", "head_dim")  # q, k, v and attention's output
 
 _normal = nnx.initializers.normal(0.02)
 EPS = 1e-5  # the norms' epsilon
@@ -121,17 +122,38 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         qkv = _cast(self.qkv[...], x.dtype)
-        q, k, v = (
-            constrain(jnp.einsum("btd,dhk->bthk", x, qkv[i]), ("batch", "length", "heads", "head_dim"))
-            for i in range(3)
-        )
+        q, k, v = (constrain(jnp.einsum("btd,dhk->bthk", x_i, qkv[i]), HEADS) for i, x_i in enumerate(_fan_out(x, 3)))
         if self.rope:
             positions = jnp.arange(x.shape[1])
             q, k = rope(q, positions), rope(k, positions)
         y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=_attention_impl(self.implementation, x.dtype))
-        y = constrain(y, ("batch", "length", "heads", "head_dim"))
+        y = constrain(y, HEADS)
         out = jnp.einsum("bthk,hkd->btd", y, _cast(self.out[...], x.dtype))
         return constrain(out, RESIDUAL)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _fan_out(x: jax.Array, count: int) -> tuple[jax.Array, ...]:
+    """`count` uses of `x` whose gradients are summed each new one first (see `_fan_out_bwd`)."""
+    return (x,) * count
+
+
+def _fan_out_fwd(x, count):
+    return (x,) * count, None
+
+
+def _fan_out_bwd(count, _, cotangents):
+    # Autodiff sums a value's gradients running sum first, from the last use back. Summed in that
+    # order but each new gradient first (the same values), XLA folds every sum of matmul outputs
+    # into a matmul (cuBLAS's beta); in autodiff's form it left the last sum as a pass of its own
+    # over batch x length x embed.
+    total = cotangents[-1]
+    for cotangent in reversed(cotangents[:-1]):
+        total = cotangent + total
+    return (total,)
+
+
+_fan_out.defvjp(_fan_out_fwd, _fan_out_bwd)
 
 
 def _attention_impl(attention: str, dtype) -> str | None:
