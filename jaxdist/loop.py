@@ -126,9 +126,9 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
                 eval_due = evaluate is not None and (step % cfg.eval.every == 0 or step == cfg.train.steps)
                 first_of_run = step == start.step + 1  # shows where the loss starts
                 if first_of_run or step % cfg.log.every == 0 or step == cfg.train.steps or eval_due:
-                    logged = {**metrics, "param_norm": trainer.param_norm()}
-                    values = {k: float(v) for k, v in jax.device_get(logged).items()}
+                    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
                     step_time = (time.perf_counter() - last_time) / (step - last_step)
+                    values["param_norm"] = float(trainer.param_norm())  # after the timing: its first call compiles
                     examples_per_sec = cfg.train.global_batch / step_time
                     values.update(step_time_s=step_time, **throughput(examples_per_sec, cfg.model.tokens_per_example),
                                   data_wait_s=data_wait / (step - last_step),
