@@ -122,7 +122,8 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         qkv = _cast(self.qkv[...], x.dtype)
-        q, k, v = (constrain(jnp.einsum("btd,dhk->bthk", x_i, qkv[i]), HEADS) for i, x_i in enumerate(_fan_out(x, 3)))
+        uses = _fan_out(x, 3)  # x itself, three times: their gradients are summed in an order XLA folds
+        q, k, v = (constrain(jnp.einsum("btd,dhk->bthk", uses[i], qkv[i]), HEADS) for i in range(3))
         if self.rope:
             positions = jnp.arange(x.shape[1])
             q, k = rope(q, positions), rope(k, positions)
