@@ -165,9 +165,9 @@ def backward_local(rms, eps, has_bias, total, d_normed, d_total, scale):
     held = [jax.ShapeDtypeStruct((mosaic.ROWS, chunk), jnp.float32)] * (sums * chunks if chunks > 1 else 0)
 
     def add_norm_backward(*refs):
-        outputs = len(streamed) + 1
         streamed_refs, scale_ref = refs[:len(streamed)], refs[len(streamed)]
-        d_sum_ref, sum_refs, held_refs = refs[outputs], refs[outputs + 1:outputs + 1 + sums], refs[outputs + 1 + sums:]
+        d_sum_ref, *sum_refs = refs[len(streamed) + 1:len(streamed) + 2 + sums]
+        held_refs = refs[len(streamed) + 2 + sums:]
         column_scale = _vectors([scale_ref], chunks, chunk, layout)
         keep, size = _keep(chunks), (mosaic.ROWS, chunk)
         zeros = mosaic.relayout(jnp.zeros(size, jnp.float32), layout)
