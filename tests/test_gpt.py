@@ -104,7 +104,7 @@ def test_unrolled_blocks_are_traced_once_not_once_per_layer(monkeypatch, impl):
 def test_attention_sums_its_input_gradients_each_new_product_first(monkeypatch):
     """The q, k and v projections' input gradients are summed with each new product as the first
     operand, the order in which XLA folds every sum into a matmul on GPU (cuBLAS's beta), with the
-    same values as autodiff's order."""
+    same values as autodiff's order, and the same matmuls saved under the `dots` remat policy."""
     from jaxdist.models import gpt
 
     cfg = GPTConfig(vocab=64, d_model=32, layers=1, heads=4, seq_len=16)
@@ -122,6 +122,12 @@ def test_attention_sums_its_input_gradients_each_new_product_first(monkeypatch):
     assert len(sums) == 2  # three products, two sums
     assert [producers.get(eqn.invars[0]) for eqn in sums] == ["dot_general", "dot_general"]
 
-    summed = input_grad(x)
+    def matmuls_under_remat_dots():  # the projections stay outside the custom VJP: the policy still saves them
+        attention = jax.checkpoint(nnx.merge(graphdef, params), policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+        program = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(attention(x) * weights)))(x).jaxpr
+        return sum(eqn.primitive.name == "dot_general" for eqn, _ in equations(program))
+
+    summed, matmuls = input_grad(x), matmuls_under_remat_dots()
     monkeypatch.setattr(gpt, "_fan_out", lambda x, count: (x,) * count)  # autodiff's own order
     np.testing.assert_array_equal(summed, input_grad(x))
+    assert matmuls == matmuls_under_remat_dots()
