@@ -191,7 +191,7 @@ def test_unsupported_shapes_fall_back_or_fail_clearly(monkeypatch):
         "Triton blocks need powers of two: features 48, rows per device 64 (at least 32)")
     with monkeypatch.context() as patch:  # a jax with neither backend
         patch.setattr(fused_norm_triton, "pallas_triton", None)
-        patch.setattr(fused_norm_mosaic.mosaic, "plgpu", None)
+        patch.setattr(fused_norm_mosaic.mosaic, "plgpu", lambda: None)
         assert fused_norm.unsupported((4, 16, 128), jnp.bfloat16, RESIDUAL) == (
             "this jax has no Pallas Mosaic GPU backend; this jax has no Pallas Triton backend")
     cfg = GPTConfig(vocab=64, d_model=48, layers=2, heads=4, seq_len=16)

@@ -24,7 +24,7 @@ import numpy as np
 from absl import flags
 
 def state():
-    return {"xla_flags": os.environ.get("XLA_FLAGS"), "cpu_devices": jax.config.jax_num_cpu_devices,
+    return {"environ": dict(os.environ), "cpu_devices": jax.config.jax_num_cpu_devices,
             "absl_parsed": flags.FLAGS.is_parsed(), "compilation_cache": jax.config.jax_compilation_cache_dir}
 
 report = {"fresh": state()}
@@ -61,9 +61,16 @@ def probe(*args: str) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+def changed_variables(before: dict, after: dict) -> dict:
+    names = before["environ"].keys() | after["environ"].keys()
+    return {name: after["environ"].get(name) for name in names if before["environ"].get(name) != after["environ"].get(name)}
+
+
 def test_importing_and_using_jaxdist_leaves_the_process_alone():
     report = probe()
-    assert report["fresh"]["xla_flags"] == USER_FLAGS
+    assert report["fresh"]["environ"]["XLA_FLAGS"] == USER_FLAGS
+    assert changed_variables(report["fresh"], report["imported"]) == {}
+    assert changed_variables(report["fresh"], report["used"]) == {}
     assert report["imported"] == report["fresh"]
     assert report["used"] == report["fresh"]
     assert report["device_count"] == report["mesh_size"] == 1  # JAXDIST_CPU_DEVICES=3 is not applied
@@ -73,7 +80,7 @@ def test_use_cpu_devices_applies_the_variable():
     report = probe("use")
     assert report["device_count"] == report["mesh_size"] == 3
     assert report["used"]["cpu_devices"] == 3
-    assert report["used"]["xla_flags"] == USER_FLAGS
+    assert report["used"]["environ"]["XLA_FLAGS"] == USER_FLAGS
 
 
 CACHE_PROBE = """

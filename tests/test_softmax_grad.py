@@ -83,6 +83,6 @@ def test_unsupported_shapes_fall_back_and_say_so_once(monkeypatch):
         for _ in range(3):
             assert not softmax_grad.use_kernel("auto", (3, 5, 512), jnp.bfloat16)
     assert len(caught) == 1
-    monkeypatch.setattr(softmax_grad.mosaic, "plgpu", None)
+    monkeypatch.setattr(softmax_grad.mosaic, "plgpu", lambda: None)
     monkeypatch.setattr(softmax_grad.mosaic, "unavailable", lambda: "this jax has no Pallas Mosaic GPU backend")
     assert softmax_grad.unsupported((4, 8, 512), jnp.bfloat16) == "this jax has no Pallas Mosaic GPU backend"

@@ -14,16 +14,26 @@ import functools
 import jax
 from jax.experimental import pallas as pl
 
-try:  # jaxlib builds without it keep the XLA paths
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-except ImportError:
-    plgpu = None
 
-if plgpu is not None:
+@functools.cache
+def plgpu():
+    """Pallas's Mosaic GPU module, or None where this jaxlib lacks it (the XLA paths remain).
+
+    Imported on first use, not with jaxdist: importing it sets `MOSAIC_GPU_CUDA_ROOT` in the
+    process's environment.
+    """
     try:
-        _InterpretParams = plgpu.InterpretGPUParams
-    except AttributeError:  # jax 0.10 has the interpreter but does not export its parameters
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as _InterpretParams
+        from jax.experimental.pallas import mosaic_gpu
+    except ImportError:
+        return None
+    return mosaic_gpu
+
+
+def _interpret_params():
+    params = getattr(plgpu(), "InterpretGPUParams", None)
+    if params is None:  # jax 0.10 has the interpreter but does not export its parameters
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
+    return params()
 
 ROWS = 4  # rows per block: one per warp
 LANES = 32
@@ -32,7 +42,7 @@ LANES = 32
 def unavailable() -> str | None:
     """Why Mosaic GPU kernels can't run here, or None: this jax must have the backend, and a GPU
     must be a Hopper or later (elsewhere, off the GPU, the kernels run in the interpreter)."""
-    if plgpu is None:
+    if plgpu() is None:
         return "this jax has no Pallas Mosaic GPU backend"
     if interpreting():
         return None
@@ -55,15 +65,16 @@ def vector(columns: int, itemsize: int) -> int | None:
 def block_layout(vector: int):
     """The register layout of (4, 32 * `vector` * k) blocks: row i on warp i, each lane `vector`
     neighbouring values per run of 32 * `vector` columns."""
-    return plgpu.Layout.TILED(plgpu.Tiling(((ROWS, LANES * vector), (vector,))), warp_dims=(-3,), lane_dims=(-2,),
-                              vector_dim=-1)
+    mgpu = plgpu()
+    return mgpu.Layout.TILED(mgpu.Tiling(((ROWS, LANES * vector), (vector,))), warp_dims=(-3,), lane_dims=(-2,),
+                             vector_dim=-1)
 
 
 def load(ref, layout):
     """A global-memory block into registers."""
     if interpreting():
         return ref[...]
-    return plgpu.load(ref, layout=layout, optimized=False)  # `optimized` transfers are for shared memory
+    return plgpu().load(ref, layout=layout, optimized=False)  # `optimized` transfers are for shared memory
 
 
 def load_shared(ref, layout):
@@ -71,11 +82,11 @@ def load_shared(ref, layout):
     rows, columns = ref.shape[0], ref.shape[1] * ref.shape[2]
     if interpreting():
         return ref[...].reshape(rows, columns)
-    return plgpu.layout_cast(ref.reshape(rows, columns)[...], layout)
+    return plgpu().layout_cast(ref.reshape(rows, columns)[...], layout)
 
 
 def relayout(x, layout):
-    return x if interpreting() else plgpu.layout_cast(x, layout)
+    return x if interpreting() else plgpu().layout_cast(x, layout)
 
 
 def per_row(values, shape, layout):
@@ -114,19 +125,19 @@ def stream(step, refs, programs: int, stages: int, carry=None, chunks: int = 1):
     first = program() * blocks // programs
     count = (program() + 1) * blocks // programs - first
     runs_per_chunk = refs[0].shape[1] // chunks
-    specs = [plgpu.BlockSpec((ROWS, runs_per_chunk, refs[0].shape[2]), lambda i, c=c: (first + i, c, 0))
+    specs = [plgpu().BlockSpec((ROWS, runs_per_chunk, refs[0].shape[2]), lambda i, c=c: (first + i, c, 0))
              for c in range(chunks)]
 
     def body(index, *args):
         return step(first + index[0], *args)
 
-    return plgpu.emit_pipeline(body, grid=(count,), in_specs=specs * len(refs), max_concurrent_steps=stages,
+    return plgpu().emit_pipeline(body, grid=(count,), in_specs=specs * len(refs), max_concurrent_steps=stages,
                                init_carry=carry)(*[ref for ref in refs for _ in range(chunks)])
 
 
 def end_step():
     """Ends a `stream` step: every warp is done with the step's shared memory before it is refilled."""
-    plgpu.commit_smem()
+    plgpu().commit_smem()
 
 
 @functools.cache
@@ -140,12 +151,13 @@ def programs_per_device(per_multiprocessor: int) -> int:
 def kernel(body, out_type, programs: int, name: str, scratch=()):
     """`body(*input_refs, *output_refs, *scratch_refs)` on `programs` programs; inputs and outputs in
     global memory, each of `scratch` (shapes and dtypes) a shared-memory buffer of the program's own."""
-    return plgpu.kernel(
+    mgpu = plgpu()
+    return mgpu.kernel(
         body, out_type=out_type, grid=(programs,), grid_names=("program",), kernel_name=name,
-        scratch_types=[plgpu.SMEM(shape.shape, shape.dtype) for shape in scratch],
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=True,
+        scratch_types=[mgpu.SMEM(shape.shape, shape.dtype) for shape in scratch],
+        compiler_params=mgpu.CompilerParams(
+            lowering_semantics=mgpu.LoweringSemantics.Lane, approx_math=True,
             # No thread reads what another wrote, and `end_step` is the barrier before a shared
             # block is refilled.
             unsafe_no_auto_barriers=True),
-        interpret=_InterpretParams() if interpreting() else None)
+        interpret=_interpret_params() if interpreting() else None)

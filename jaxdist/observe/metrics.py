@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jax.sharding import Mesh
-from tensorboardX import SummaryWriter
 
 from jaxdist.errors import UserError
 
@@ -33,7 +32,7 @@ class MetricsWriter:
     def __init__(self, run_dir: Path | None, wandb: WandbRun | None = None):
         self._path = None if run_dir is None else run_dir / "metrics.jsonl"
         self._file = open(self._path, "a") if run_dir is not None else None
-        self._tensorboard = SummaryWriter(str(run_dir / "tb")) if run_dir is not None else None
+        self._tensorboard = _tensorboard_writer(run_dir / "tb") if run_dir is not None else None
         self._wandb = wandb
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
@@ -63,6 +62,12 @@ class MetricsWriter:
                     pass
         if self._wandb is not None:
             self._wandb.close()
+
+
+def _tensorboard_writer(directory: Path):
+    # Imported here, not with jaxdist: importing tensorboardX sets CRC32C_SW_MODE in the environment.
+    from tensorboardX import SummaryWriter
+    return SummaryWriter(str(directory))
 
 
 def tensorboard_tag(key: str) -> str:
