@@ -65,6 +65,8 @@ def make_train_step(
                 compute_copies=copies, copies_gather=copies_gather, model_state=state.model_state,
             )
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        # The gradients are float32: the moments of bfloat16 parameters would come back promoted.
+        opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), opt_state, state.opt_state)
         params = optax.apply_updates(state.params, updates)
         grad_norm = optax.tree.norm(grads)
         metrics = {"loss": loss, "grad_norm": grad_norm, **aux}
