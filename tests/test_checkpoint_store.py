@@ -67,6 +67,22 @@ def test_unreadable_latest_falls_back_with_a_warning(tmp_path, mesh, capsys):
     store.close()
     with Checkpoints(tmp_path) as store:
         assert store.restore(2, abstract_state(sharded_tree(mesh, 0))).meta == {"step": 2}
+    for chunk in (tmp_path / "2" / "state" / "d").iterdir():  # and be lost again
+        chunk.unlink()
+    with Checkpoints(tmp_path) as store:
+        assert store.restore_latest(abstract_state(sharded_tree(mesh, 0))).step == 1
+    assert sorted(path.name for path in tmp_path.glob("unreadable-*")) == ["unreadable-2", "unreadable-2-2"]
+
+
+def test_reads_wait_for_the_write_in_progress(tmp_path, mesh):
+    with Checkpoints(tmp_path) as store:
+        store.save(1, sharded_tree(mesh, 1), {"step": 1})
+        restored = store.restore_latest(abstract_state(sharded_tree(mesh, 0)))  # right after the async save
+        assert restored.step == 1 and restored.meta == {"step": 1}
+        assert not list(tmp_path.glob("unreadable-*"))
+        store.save(2, sharded_tree(mesh, 2), {"step": 2})
+        assert store.steps() == [1, 2] and store.meta(2) == {"step": 2}
+        np.testing.assert_array_equal(store.read_parts(2, ("params",))[0]["params"]["b"], np.full(8, 2.0))
 
 
 def test_partial_write_is_never_listed(tmp_path, mesh):

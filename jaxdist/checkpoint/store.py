@@ -1,6 +1,6 @@
 """The Orbax checkpoint store: asynchronous, sharded, resumable onto any mesh and process count.
 
-`run_dir/checkpoints/<step>/` holds two Orbax items:
+`run_dir/checkpoints/<step>/` holds three Orbax items:
 
 - `state`: the whole train-state pytree (step, params, optimizer state, and any field added to it
   later), in OCDBT. With several processes, every process writes only the shards it holds; nobody
@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import itertools
 import math
 import sys
 from collections.abc import Iterator
@@ -232,6 +234,17 @@ def _registry() -> ocp.handlers.CheckpointHandlerRegistry:
     return registry
 
 
+def _after_writes(read):
+    """Makes a read wait for the write in progress: Orbax lists a step before its write is done."""
+
+    @functools.wraps(read)
+    def waiting(self, *args, **kwargs):
+        self.wait()
+        return read(self, *args, **kwargs)
+
+    return waiting
+
+
 class Checkpoints:
     """The checkpoints in one directory: async sharded saves, and restores with fallback.
 
@@ -258,8 +271,10 @@ class Checkpoints:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @_after_writes
     def steps(self) -> list[int]:
-        """Steps of the complete checkpoints, oldest first (partial writes are never listed)."""
+        """Steps of the complete checkpoints, oldest first (partial writes are never listed; a write
+        in progress is waited for)."""
         return list(self._manager.all_steps())
 
     def path(self, step: int) -> Path:
@@ -268,7 +283,8 @@ class Checkpoints:
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
         """Starts writing checkpoint `step`; returns once the arrays are copied off the devices.
 
-        A previous write still in progress is waited for first. Saving a step twice does nothing.
+        A previous write still in progress is waited for first, as by every read. Saving the last
+        saved step again does nothing.
         The digests of the arrays are written with them, in the same step directory.
         """
         if step == self.last_saved:
@@ -321,6 +337,7 @@ class Checkpoints:
                 f"directory) and run again to resume from it"
             ) from err
 
+    @_after_writes
     def saved_shapes(self, step: int) -> dict[str, tuple]:
         """`{dotted.path: (shape, dtype)}` of the state saved at `step`, from its metadata alone."""
         saved = self._manager.item_metadata(step)[STATE]
@@ -328,11 +345,13 @@ class Checkpoints:
             raise DamagedCheckpoint(f"checkpoint {self.path(step)} has no readable metadata of its state")
         return leaf_shapes(saved.tree)
 
+    @_after_writes
     def meta(self, step: int) -> dict[str, Any]:
         """The JSON meta of checkpoint `step` (see `jaxdist.checkpoint.run.run_meta`)."""
         restored = self._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))
         return dict(restored[META])
 
+    @_after_writes
     def read_parts(self, step: int, parts: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
         """The parts of checkpoint `step`'s state named in `parts` that it holds (e.g. params and
         model_state) as numpy arrays on this host (nothing else of the state is read), and its meta."""
@@ -359,6 +378,7 @@ class Checkpoints:
             raise CheckpointMismatch(f"checkpoint {self.path(step)} does not fit this model: {problem}", step)
         return saved
 
+    @_after_writes
     def restore(self, step: int, target: Any, verify: bool = True) -> Restored:
         """Checkpoint `step` read into `target`'s shapes, dtypes and shardings (any mesh).
 
@@ -389,6 +409,7 @@ class Checkpoints:
         restored = self._manager.restore(step, args=args)
         return restored[STATE], dict(restored[META])
 
+    @_after_writes
     def verify(self, step: int, state: Any) -> None:
         """Raises `DamagedCheckpoint` if any array of `state`, read from checkpoint `step`, differs
         from the digest saved with it. A checkpoint written before digests were saved is used as
@@ -423,9 +444,15 @@ class Checkpoints:
         return None
 
     def set_aside(self, step: int, err: Exception) -> Path:
-        """Renames unreadable checkpoint `step` to `unreadable-<step>` (kept for a look, never listed
-        again, and its step can be saved anew), with a warning."""
+        """Renames unreadable checkpoint `step` to `unreadable-<step>` (`unreadable-<step>-2`, ... if
+        that is taken: kept for a look, never listed again, and its step can be saved anew), with a
+        warning."""
         aside = self.directory / f"{UNREADABLE_PREFIX}{step}"
+        # The same step can be saved anew and be found unreadable again: each copy keeps its own name.
+        for copy in itertools.count(2):
+            if not aside.exists():
+                break
+            aside = self.directory / f"{UNREADABLE_PREFIX}{step}-{copy}"
         if jax.process_index() == 0:
             self.path(step).rename(aside)
         if jax.process_count() > 1:
