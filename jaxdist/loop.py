@@ -67,8 +67,6 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
         log(built)
     trainer = Trainer.from_config(cfg, layout=layout)
     is_writer = jax.process_index() == 0
-    if is_writer:
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
     reads = "" if jax.process_count() == 1 else (
         f"; process 0 feeds rows {_ranges(rows.rows)} of each global batch of {rows.global_batch}")
     log(f"mesh {mesh_lib.describe(trainer.mesh)} on {len(trainer.mesh.devices.flat)} devices "
@@ -80,6 +78,8 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
         param_bytes=max(state_bytes_per_device(trainer.params).values()),
     ))
     start = checkpoints.resume(trainer)
+    if is_writer:  # once the checkpoint has taken this config: a refused resume leaves the old file
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
     if start != planned:  # the planned checkpoint failed to read: an older one was restored
         batches = loader.train_iterator(cfg, rows, start_example=start.example, source=train_source)
         first_local = next(batches)
@@ -108,50 +108,53 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
     began = last_time
     progress = console.StepProgress(start.step, cfg.train.steps, show=is_writer)
     guard = NonFiniteGuard(cfg.train, lambda: checkpoints.last_saved)
-    try:
-        # guard.halting() is innermost: a halt must not reach the save after an error.
-        with StopSignals() as stop, checkpoints.saving_on_error(trainer), StepProfiler(
-                cfg.profile, run_dir) as profiler, guard.halting():
-            for step in range(start.step + 1, cfg.train.steps + 1):
-                profiler.before(step)
-                metrics = trainer.step(batch)
-                profiler.after(step, metrics)
-                guard.record(step, metrics)
-                progress.step(step)
-                if step < cfg.train.steps:
-                    asked = time.perf_counter()
-                    local = next(batches)
-                    data_wait += time.perf_counter() - asked
-                    batch = trainer.global_batch(local)
-                eval_due = evaluate is not None and (step % cfg.eval.every == 0 or step == cfg.train.steps)
-                first_of_run = step == start.step + 1  # shows where the loss starts
-                if first_of_run or step % cfg.log.every == 0 or step == cfg.train.steps or eval_due:
-                    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                    step_time = (time.perf_counter() - last_time) / (step - last_step)
-                    values["param_norm"] = float(trainer.param_norm())  # after the timing: its first call compiles
-                    examples_per_sec = cfg.train.global_batch / step_time
-                    values.update(step_time_s=step_time, **throughput(examples_per_sec, cfg.model.tokens_per_example),
-                                  data_wait_s=data_wait / (step - last_step),
-                                  **device_metrics(flops, examples_per_sec, trainer.mesh))
-                    if eval_due:
-                        values.update(evaluate())
-                    if first_of_run:
-                        values.update(compile_times)
-                    writer.write(step, values)
-                    progress.logged(step, values)
-                    last_time, last_step, data_wait = time.perf_counter(), step, 0.0
-                if checkpoints.due(step):
-                    guard.check()
-                checkpoints.after_step(step, trainer.state)
-                if reason := stop.requested(step):
-                    guard.check()
-                    checkpoints.stop(step, trainer.state, reason)
-                    return trainer
-            guard.check()
-    finally:
-        progress.close()
-        writer.close()
-        checkpoints.close()  # finishes the saves of finite steps
+    # The handlers stay through the last checkpoint's write: a signal then is recorded, not fatal.
+    with StopSignals() as stop:
+        try:
+            # guard.halting() is innermost: a halt must not reach the save after an error.
+            with (checkpoints.saving_on_error(trainer), StepProfiler(cfg.profile, run_dir) as profiler,
+                  guard.halting()):
+                for step in range(start.step + 1, cfg.train.steps + 1):
+                    profiler.before(step)
+                    metrics = trainer.step(batch)
+                    profiler.after(step, metrics)
+                    guard.record(step, metrics)
+                    progress.step(step)
+                    if step < cfg.train.steps:
+                        asked = time.perf_counter()
+                        local = next(batches)
+                        data_wait += time.perf_counter() - asked
+                        batch = trainer.global_batch(local)
+                    eval_due = evaluate is not None and (step % cfg.eval.every == 0 or step == cfg.train.steps)
+                    first_of_run = step == start.step + 1  # shows where the loss starts
+                    if first_of_run or step % cfg.log.every == 0 or step == cfg.train.steps or eval_due:
+                        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                        step_time = (time.perf_counter() - last_time) / (step - last_step)
+                        values["param_norm"] = float(trainer.param_norm())  # after the timing: its first call compiles
+                        examples_per_sec = cfg.train.global_batch / step_time
+                        values.update(step_time_s=step_time,
+                                      **throughput(examples_per_sec, cfg.model.tokens_per_example),
+                                      data_wait_s=data_wait / (step - last_step),
+                                      **device_metrics(flops, examples_per_sec, trainer.mesh))
+                        if eval_due:
+                            values.update(evaluate())
+                        if first_of_run:
+                            values.update(compile_times)
+                        writer.write(step, values)
+                        progress.logged(step, values)
+                        last_time, last_step, data_wait = time.perf_counter(), step, 0.0
+                    if checkpoints.due(step):
+                        guard.check()
+                    checkpoints.after_step(step, trainer.state)
+                    if reason := stop.requested(step):
+                        guard.check()
+                        checkpoints.stop(step, trainer.state, reason)
+                        return trainer
+                guard.check()
+        finally:
+            progress.close()
+            writer.close()
+            checkpoints.close()  # finishes the saves of finite steps
     guard.raise_if_halted()
     saved = checkpoints.last_saved
     log(progress.summary(time.perf_counter() - began, "no checkpoint saved" if saved is None else

@@ -122,6 +122,31 @@ def test_sigterm_saves_at_the_step_reached_exits_0_and_resumes(tmp_path, referen
     assert losses_by_step(tmp_path / "run") == reference.losses
 
 
+def test_a_sigterm_while_the_last_checkpoint_is_written_keeps_it(tmp_path, monkeypatch, capsys):
+    handler_before = signal.getsignal(signal.SIGTERM)
+    close = loop.RunCheckpoints.close
+
+    def sigterm_then_close(self):
+        # A real signal as the last save is being finished; never without the loop's handler in place.
+        assert signal.getsignal(signal.SIGTERM) is not handler_before, "no handler while the last save is written"
+        os.kill(os.getpid(), signal.SIGTERM)
+        close(self)
+
+    monkeypatch.setattr(loop.RunCheckpoints, "close", sigterm_then_close)
+    loop.train(make_config(tmp_path, **SAVED_LAYOUT, train={"steps": 3}, checkpoint={"every": 3}))
+    assert saved_steps(tmp_path / "checkpoints") == [3]
+    assert signal.getsignal(signal.SIGTERM) is handler_before
+
+
+def test_a_refused_resume_leaves_the_run_config_as_saved(tmp_path, reference, capsys):
+    shutil.copytree(reference.run_dir, tmp_path / "run")
+    saved_config = (tmp_path / "run" / "config.yaml").read_text()
+    config_file = write_config_file(tmp_path / "run", optim={"name": "sgd"})  # another optimizer state
+    assert cli.main(["train", str(config_file)]) == 2
+    assert "resume with the config it was saved with" in capsys.readouterr().err
+    assert (tmp_path / "run" / "config.yaml").read_text() == saved_config
+
+
 def _save_in_progress(checkpoints: Path, after: int) -> Path | None:
     """Orbax's temporary directory of a checkpoint being written, for a step after `after`."""
     for path in checkpoints.glob("*.orbax-checkpoint-tmp*"):
