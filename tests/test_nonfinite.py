@@ -136,6 +136,23 @@ def test_halt_exits_3_with_one_line_and_keeps_the_last_finite_checkpoint(tmp_pat
     assert all(_all_finite(state) for state in saved.values())
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # 1e39 as float32, on purpose
+def test_an_update_that_overflows_from_finite_gradients_is_never_saved(tmp_path, capsys):
+    # A learning rate past float32's range: step 1's loss and gradients are finite, its update is not.
+    cfg = make_config(tmp_path / "run", train={"steps": 4}, checkpoint={"every": 1},
+                      optim={"lr": 1e39, "clip_norm": None, "warmup_steps": 0, "schedule": "constant"})
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    assert cli.main(["train", str(config_file)]) == 3
+    assert capsys.readouterr().err == (
+        "jaxdist: error: step 1: the parameters are not finite, though no step's loss or gradients were "
+        "(an update overflowed: is optim.lr too large?); stopped without saving it; there is no checkpoint\n")
+    with Checkpoints(tmp_path / "run" / "checkpoints") as store:
+        assert store.steps() == []
+    records = _strict_records(tmp_path / "run")
+    assert [r["step"] for r in records] == [1] and math.isfinite(records[0]["grad_norm"])
+
+
 def test_skip_goes_on_then_halts_after_max_consecutive_skips(tmp_path, capsys):
     code, err, cfg = _train_cli(tmp_path, capsys, checkpoint={"every": 1, "keep": 8},
                                 train={"steps": 8, "on_nonfinite": "skip", "max_consecutive_skips": 2})

@@ -12,7 +12,7 @@ from conftest import make_config
 from tensorboardX.proto import event_pb2
 
 from jaxdist import loop
-from jaxdist.observe.metrics import mfu, peak_flops
+from jaxdist.observe.metrics import MetricsWriter, mfu, peak_flops
 from jaxdist.train.trainer import Trainer
 
 NAMED = ("loss", "learning_rate", "grad_norm", "tokens_per_sec", "step_time_s", "param_norm", "data_wait_s")
@@ -77,6 +77,19 @@ def scalars(tb_dir) -> dict[str, dict[int, float]]:
             for value in event.summary.value:
                 found.setdefault(value.tag, {})[event.step] = value.simple_value
     return found
+
+
+def test_a_non_finite_value_is_null_in_the_jsonl_and_a_gap_in_tensorboard(tmp_path, caplog):
+    writer = MetricsWriter(tmp_path)
+    writer.write(1, {"loss": 2.5, "grad_norm": 1.0})
+    writer.write(2, {"loss": float("nan"), "grad_norm": float("inf")})
+    writer.write(3, {"loss": 2.0, "grad_norm": 0.5})
+    writer.close()
+    assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        {"step": 1, "loss": 2.5, "grad_norm": 1.0}, {"step": 2, "loss": None, "grad_norm": None},
+        {"step": 3, "loss": 2.0, "grad_norm": 0.5}]
+    assert scalars(tmp_path / "tb") == {"train/loss": {1: 2.5, 3: 2.0}, "train/grad_norm": {1: 1.0, 3: 0.5}}
+    assert not caplog.records  # and no warning per value on stderr
 
 
 def test_tensorboard_holds_every_logged_metric(run_dir):

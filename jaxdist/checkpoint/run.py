@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxdist import models
@@ -34,7 +35,7 @@ from jaxdist.checkpoint.store import (
     warn,
 )
 from jaxdist.config import Config
-from jaxdist.errors import UserError
+from jaxdist.errors import NonFiniteError, UserError
 from jaxdist.train.state import abstract_model
 
 _VERSIONED_PACKAGES = ("jaxdist", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain")
@@ -184,6 +185,17 @@ class RunCheckpoints:
         return self.start.advanced(step - self.start.step, self.cfg.train.global_batch)
 
     def save(self, step: int, state: Any) -> None:
+        """Starts writing `step`; raises `NonFiniteError` instead if the parameters are not finite.
+
+        The step's own check reads only the loss and gradient norm: from finite gradients an
+        update can still overflow (a learning rate far too large), and that must never be saved.
+        """
+        if not bool(_all_finite(state.params)):
+            last = self._store.last_saved
+            kept = "there is no checkpoint" if last is None else f"the last checkpoint, step {last}, is intact"
+            raise NonFiniteError(
+                f"step {step}: the parameters are not finite, though no step's loss or gradients were (an "
+                f"update overflowed: is optim.lr too large?); stopped without saving it; {kept}")
         self._store.save(step, state, run_meta(self.cfg, self._mesh, self.position(step)))
 
     def due(self, step: int) -> bool:
@@ -244,6 +256,12 @@ class RunCheckpoints:
         """Waits for pending writes."""
         if self._store is not None:
             self._store.close()
+
+
+@jax.jit
+def _all_finite(params: Any) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(params)
+                              if jnp.issubdtype(leaf.dtype, jnp.inexact)] or [jnp.bool_(True)]))
 
 
 def _position(step: int, meta: dict[str, Any]) -> DataPosition:

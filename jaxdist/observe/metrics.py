@@ -46,8 +46,10 @@ class MetricsWriter:
                 raise UserError(f"could not write {self._path} at step {step} ({err.strerror}); free space in "
                                 f"run_dir or pick another, then run the same command to resume") from None
         if self._tensorboard is not None:
-            for key, value in metrics.items():
-                self._tensorboard.add_scalar(tensorboard_tag(key), float(value), step)
+            for key, value in record.items():
+                # A gap, as in metrics.jsonl; tensorboardX would also log a warning per value.
+                if key != "step" and math.isfinite(value):
+                    self._tensorboard.add_scalar(tensorboard_tag(key), value, step)
         if self._wandb is not None:
             self._wandb.log(step, {k: float(v) for k, v in metrics.items()})
 
