@@ -4,7 +4,7 @@ from itertools import islice
 
 import numpy as np
 import pytest
-from conftest import make_config
+from conftest import make_classifier_config, make_config
 from data_helpers import prepared, random_documents, window_ids
 
 from jaxdist.data import loader, pipeline, prepare, sources
@@ -204,6 +204,36 @@ def test_unequal_arrays_name_the_file(tmp_path):
     np.savez(tmp_path / "bad.npz", x=np.zeros((5, 2)), y=np.zeros(4))
     cfg = make_config(tmp_path, data={"source": "arrays", "path": str(tmp_path / "bad.npz")})
     with pytest.raises(UserError, match=r"data.path=.*bad.npz: need one or more non-empty arrays of equal length"):
+        loader.open_split(cfg, "train")
+
+
+@pytest.mark.parametrize("key, ids, message", [
+    ("targets", [0, 255, 256], "targets holds the id 256, beyond model.vocab=256 (ids 0 to 255); set model.vocab=257 or auto, or fix the data"),
+    ("inputs", [3, -1, 7], "inputs holds the id -1; ids count from 0 (model.vocab=256): fix the data"),
+    ("inputs", [0.0, 1.5, 2.0], "inputs must hold integers (ids of model.vocab), not float64"),
+])
+def test_token_ids_outside_the_vocabulary_are_refused(tmp_path, key, ids, message):
+    arrays = {"inputs": np.zeros((6, 32), np.int64), "targets": np.zeros((6, 32), np.int64)}
+    arrays[key] = np.resize(np.array(ids), (6, 32))
+    np.savez(tmp_path / "tokens.npz", **arrays)
+    cfg = make_config(tmp_path, data={"source": "arrays", "path": str(tmp_path / "tokens.npz")})
+    with pytest.raises(UserError) as caught:
+        loader.open_split(cfg, "train", ("inputs", "targets"))
+    assert str(caught.value) == f"data.path={tmp_path / 'tokens.npz'}: {message}"
+
+
+def test_labels_outside_the_classes_are_refused(tmp_path):
+    np.savez(tmp_path / "digits.npz", images=np.zeros((8, 4, 4, 1), np.float32), labels=np.arange(8) % 5)
+    cfg = make_classifier_config(tmp_path, {"name": "mlp", "classes": 4, "image_shape": [4, 4, 1]},
+                                 data={"source": "arrays", "path": str(tmp_path / "digits.npz")})
+    with pytest.raises(UserError, match=r"labels holds the id 4, beyond model.classes=4 \(ids 0 to 3\)"):
+        loader.open_split(cfg, "train", ("images", "labels"))
+
+
+def test_an_empty_npz_file_is_named(tmp_path):
+    (tmp_path / "empty.npz").write_bytes(b"")
+    cfg = make_config(tmp_path, data={"source": "arrays", "path": str(tmp_path / "empty.npz")})
+    with pytest.raises(UserError, match=r"data.path=.*empty.npz is not a readable .npz file \(EOFError"):
         loader.open_split(cfg, "train")
 
 

@@ -55,7 +55,27 @@ def open_split(cfg: Config, split: str, keys: tuple[str, ...] = ()):
     if missing := [key for key in keys if key not in arrays]:
         raise UserError(f"{name} lacks the array(s) {', '.join(missing)} that model.name={cfg.model.name} reads "
                         f"(it holds {', '.join(arrays)}); {fix}")
+    _check_ids(arrays, cfg, name)
     return sources.ArraySource(arrays, name)
+
+
+def _check_ids(arrays: dict[str, np.ndarray], cfg: Config, name: str) -> None:
+    """Token ids and labels must index the model's vocabulary or classes: one out of range would
+    gather a row that is not there, and train on garbage or NaN."""
+    limits = {"inputs": "vocab", "targets": "vocab", "labels": "classes"}
+    for key, size_key in limits.items():
+        size, ids = getattr(cfg.model, size_key, None), arrays.get(key)
+        if not isinstance(size, int) or ids is None or not ids.size:
+            continue
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise UserError(f"{name}: {key} must hold integers (ids of model.{size_key}), not {ids.dtype}")
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0:
+            raise UserError(f"{name}: {key} holds the id {low}; ids count from 0 (model.{size_key}={size}): "
+                            f"fix the data")
+        if high >= size:
+            raise UserError(f"{name}: {key} holds the id {high}, beyond model.{size_key}={size} (ids 0 to "
+                            f"{size - 1}); set model.{size_key}={high + 1} or auto, or fix the data")
 
 
 def _windows(tokens, cfg: Config, name: str, vocab: int, vocab_of: str) -> pipeline.TokenWindows:
@@ -95,8 +115,9 @@ def _load_arrays(path: Path, names: tuple[str, ...] | None = None) -> dict[str, 
     try:
         with np.load(path, allow_pickle=False) as npz:
             return {name: npz[name] for name in npz.files if names is None or name in names}
-    except (OSError, ValueError) as err:
-        raise UserError(f"data.path={path} is not a readable .npz file ({err}); save it with numpy.savez") from None
+    except (OSError, ValueError, EOFError) as err:  # EOFError: an empty file
+        raise UserError(f"data.path={path} is not a readable .npz file ({type(err).__name__}: {err}); "
+                        f"save it with numpy.savez") from None
 
 
 def _array_split(path: Path, split: str, eval_fraction: float) -> dict[str, np.ndarray]:
