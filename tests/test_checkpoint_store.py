@@ -18,6 +18,7 @@ from jaxdist import cli
 from jaxdist.checkpoint import (
     CheckpointMismatch,
     Checkpoints,
+    DamagedCheckpoint,
     DataPosition,
     RunCheckpoints,
     abstract_state,
@@ -72,6 +73,19 @@ def test_unreadable_latest_falls_back_with_a_warning(tmp_path, mesh, capsys):
     with Checkpoints(tmp_path) as store:
         assert store.restore_latest(abstract_state(sharded_tree(mesh, 0))).step == 1
     assert sorted(path.name for path in tmp_path.glob("unreadable-*")) == ["unreadable-2", "unreadable-2-2"]
+
+
+def test_a_step_directory_of_stray_files_is_set_aside(tmp_path, mesh):
+    with Checkpoints(tmp_path) as store:
+        store.save(1, sharded_tree(mesh, 1), {"step": 1})
+    (tmp_path / "5").mkdir()
+    (tmp_path / "5" / "notes.txt").write_text("not a checkpoint")
+    with Checkpoints(tmp_path) as store:
+        assert store.steps() == [1, 5]
+        with pytest.raises(DamagedCheckpoint, match="has no readable metadata of its state"):
+            store.saved_shapes(5)
+        assert store.restore_latest(abstract_state(sharded_tree(mesh, 0))).step == 1
+    assert (tmp_path / "unreadable-5" / "notes.txt").is_file()
 
 
 def test_reads_wait_for_the_write_in_progress(tmp_path, mesh):

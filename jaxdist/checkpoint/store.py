@@ -340,10 +340,13 @@ class Checkpoints:
     @_after_writes
     def saved_shapes(self, step: int) -> dict[str, tuple]:
         """`{dotted.path: (shape, dtype)}` of the state saved at `step`, from its metadata alone."""
-        saved = self._manager.item_metadata(step)[STATE]
+        return leaf_shapes(self._state_metadata(step).tree)
+
+    def _state_metadata(self, step: int) -> Any:
+        saved = self._manager.item_metadata(step).get(STATE)  # None, or absent from a step's stray files
         if saved is None:
             raise DamagedCheckpoint(f"checkpoint {self.path(step)} has no readable metadata of its state")
-        return leaf_shapes(saved.tree)
+        return saved
 
     @_after_writes
     def meta(self, step: int) -> dict[str, Any]:
@@ -355,7 +358,7 @@ class Checkpoints:
     def read_parts(self, step: int, parts: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
         """The parts of checkpoint `step`'s state named in `parts` that it holds (e.g. params and
         model_state) as numpy arrays on this host (nothing else of the state is read), and its meta."""
-        tree = self._manager.item_metadata(step)[STATE].tree
+        tree = self._state_metadata(step).tree
         saved = {part: tree[part] for part in parts if tree.get(part) is not None}
         as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), saved)
         state = ocp.args.PyTreeRestore(item=saved, restore_args=as_numpy, partial_restore=True)
