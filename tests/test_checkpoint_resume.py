@@ -147,6 +147,16 @@ def test_a_refused_resume_leaves_the_run_config_as_saved(tmp_path, reference, ca
     assert (tmp_path / "run" / "config.yaml").read_text() == saved_config
 
 
+def test_a_file_where_the_checkpoints_go_is_refused_before_compiling(tmp_path, capsys, compiles):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "checkpoints").write_text("")
+    assert cli.main(["train", str(write_config_file(run_dir))]) == 2
+    assert capsys.readouterr().err == (f"jaxdist: error: run_dir={run_dir}: {run_dir / 'checkpoints'} is a file, "
+                                       f"where the checkpoints go; move it away or use another run_dir\n")
+    assert compiles.count == 0
+
+
 def _save_in_progress(checkpoints: Path, after: int) -> Path | None:
     """Orbax's temporary directory of a checkpoint being written, for a step after `after`."""
     for path in checkpoints.glob("*.orbax-checkpoint-tmp*"):

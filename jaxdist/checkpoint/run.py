@@ -115,6 +115,9 @@ class RunCheckpoints:
         """Picks the newest checkpoint whose metadata reads back and checks that its params fit
         this model. Reads metadata and abstract shapes only: creates nothing, compiles nothing.
         Returns its data position (step 0 without checkpoints)."""
+        if self.directory.exists() and not self.directory.is_dir():
+            raise UserError(f"run_dir={self.cfg.run_dir}: {self.directory} is a file, where the checkpoints go; "
+                            f"move it away or use another run_dir")
         if not self.directory.is_dir():
             return self.start
         with Checkpoints(self.directory, create=False) as store:
