@@ -53,11 +53,12 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
     keys = entry.batch_keys
     train_source = loader.open_split(cfg, "train", keys)
     eval_source = loader.open_split(cfg, "eval", keys) if cfg.eval.every else None
-    cfg = loader.resolve_steps(cfg, len(train_source))
     layout = layout_lib.from_config(cfg, devices)
     rows = layout.process_rows(cfg.train.global_batch)
     checkpoints = RunCheckpoints(cfg, log)
     planned = checkpoints.prepare()
+    # data.epochs ends the run where a resumed one counts the examples left from its checkpoint.
+    cfg = checkpoints.cfg = loader.resolve_steps(cfg, len(train_source), planned.step, planned.example)
     run_dir = Path(cfg.run_dir)
     _check_writable(run_dir)
     batches = loader.train_iterator(cfg, rows, start_example=planned.example, source=train_source)

@@ -157,6 +157,21 @@ def test_a_file_where_the_checkpoints_go_is_refused_before_compiling(tmp_path, c
     assert compiles.count == 0
 
 
+def test_data_epochs_end_the_run_at_the_same_example_after_a_batch_change(tmp_path, capsys):
+    tokens = np.random.default_rng(0).integers(0, 256, (64, 33))
+    np.savez(tmp_path / "tokens.npz", inputs=tokens[:, :-1], targets=tokens[:, 1:])
+
+    def run(data: dict, train: dict):
+        loop.train(make_config(tmp_path / "run", mesh={"data": 2, "fsdp": 1, "tensor": 1}, rules={"preset": "dp"},
+                               data={"source": "arrays", "path": str(tmp_path / "tokens.npz"), "eval_fraction": 0.0,
+                                     **data}, train=train, checkpoint={"every": 1}), devices=jax.devices()[:2])
+
+    run({}, {"steps": 2, "global_batch": 16})
+    run({"epochs": 1}, {"global_batch": 32})  # the epoch's other 32 examples: one step at the new batch
+    assert "resuming from step 2" in capsys.readouterr().out
+    assert list(losses_by_step(tmp_path / "run")) == [1, 2, 3]
+
+
 def _save_in_progress(checkpoints: Path, after: int) -> Path | None:
     """Orbax's temporary directory of a checkpoint being written, for a step after `after`."""
     for path in checkpoints.glob("*.orbax-checkpoint-tmp*"):

@@ -184,6 +184,10 @@ def test_epochs_decide_the_number_of_steps(tmp_path, dataset):
     cfg = data_config(tmp_path, dataset[0], data={"epochs": 3})
     n = len(loader.open_split(cfg, "train"))
     assert loader.resolve_steps(cfg, n).train.steps == 3 * n // GLOBAL_BATCH
+    # Resumed after 10 steps at half this batch: the run still ends after 3 passes of examples.
+    resumed = loader.resolve_steps(cfg, n, start_step=10, start_example=10 * GLOBAL_BATCH // 2)
+    assert resumed.train.steps == 10 + (3 * n - 10 * GLOBAL_BATCH // 2) // GLOBAL_BATCH
+    assert loader.resolve_steps(cfg, n, start_step=50, start_example=3 * n + 5).train.steps == 50
 
 
 def test_worker_processes_yield_the_same_batches(dataset, tmp_path):

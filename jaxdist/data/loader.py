@@ -234,16 +234,19 @@ def resolve_model(cfg: Config) -> Config:
     return cfg.model_copy(update={"model": model.model_copy(update=update)})
 
 
-def resolve_steps(cfg: Config, train_examples: int) -> Config:
-    """`cfg` with `train.steps` set to `data.epochs` passes over `train_examples` (when set)."""
+def resolve_steps(cfg: Config, train_examples: int, start_step: int = 0, start_example: int = 0) -> Config:
+    """`cfg` with `train.steps` set (when `data.epochs` is) to end the run after `data.epochs` passes
+    over `train_examples`. A resumed run (`start_step` steps done, `start_example` examples read)
+    counts the examples left, so the end stays where it was under another `train.global_batch`."""
     if cfg.data.epochs is None:
         return cfg
-    steps = cfg.data.epochs * train_examples // cfg.train.global_batch
-    if steps < 1:
+    total = cfg.data.epochs * train_examples
+    if total < cfg.train.global_batch:
         raise UserError(
             f"data.epochs={cfg.data.epochs} over {train_examples} train examples is less than one "
             f"train.global_batch={cfg.train.global_batch}; use more epochs or a smaller batch"
         )
+    steps = start_step + max(0, total - start_example) // cfg.train.global_batch
     return cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": steps})})
 
 
