@@ -20,6 +20,10 @@ group, so the child's own children go too) when:
 - a process exited 0 and others still run `PEER_EXIT_GRACE_S` later (they wait in a collective
   for a peer that is gone): exit code 124.
 
+Once every process has exited, what they started and left running in their process groups (a
+data loader's workers) is stopped too. Output still held open by a process outside those groups
+is relayed for at most `RELAY_DRAIN_S` more seconds.
+
 SIGINT or SIGTERM to the launcher is forwarded to every process as SIGTERM (a training run saves a
 checkpoint and stops); the launcher exits 0 if every process then exits 0, else 128 + the signal.
 Each process dies with the launcher, even if the launcher is killed outright (`die_with_launcher`).
@@ -49,6 +53,9 @@ SIGNAL_GRACE_S = 120.0
 # Processes of one run finish together (the end of a run is collective); a process still running
 # this long after another exited 0 is waiting for a peer that will never come.
 PEER_EXIT_GRACE_S = 60.0
+# Seconds to wait, after every process has exited, for the last of their output: a process that
+# left its process group (setsid) is out of the launcher's reach and may hold a pipe for good.
+RELAY_DRAIN_S = 2.0
 # The launcher's exit code when it stopped a run that made no progress (the code `timeout` uses).
 STUCK_EXIT = 124
 # A process's exit code for a mistake in the user's input (jaxdist.errors.UserError): never restarted.
@@ -171,7 +178,7 @@ class _Group:
         self.timeout_s = timeout_s
         self.peer_exit_grace_s = peer_exit_grace_s
         self.children: list[subprocess.Popen] = []
-        self.relays: list[threading.Thread] = []
+        self.relays: list[tuple[int, threading.Thread]] = []  # (process id, relay), two per process
         self.lock = threading.Lock()
         self.stop_signal: int | None = None
         self.last_output = time.monotonic()
@@ -186,7 +193,7 @@ class _Group:
         for pipe, out in ((child.stdout, self.stdout), (child.stderr, self.stderr)):
             relay = threading.Thread(target=self._relay, args=(pipe, out, f"[{process_id}] "), daemon=True)
             relay.start()
-            self.relays.append(relay)
+            self.relays.append((process_id, relay))
 
     def _relay(self, pipe: BinaryIO, out: TextIO, prefix: str) -> None:
         for line in iter(pipe.readline, b""):
@@ -200,8 +207,13 @@ class _Group:
         """Relays output until every child exited or the run must stop (see the module docstring);
         returns the launcher's exit code."""
         code = self._watch()
-        for relay in self.relays:
-            relay.join()
+        deadline = time.monotonic() + RELAY_DRAIN_S
+        for _, relay in self.relays:
+            relay.join(timeout=max(0.0, deadline - time.monotonic()))
+        held = sorted({process_id for process_id, relay in self.relays if relay.is_alive()})
+        if held:
+            self.say(f"the output of {_processes(held)} is still held open by a process outside its process "
+                     f"group; not waiting for it")
         return code
 
     def _watch(self) -> int:
@@ -209,6 +221,9 @@ class _Group:
             codes = [child.poll() for child in self.children]  # poll each one: it updates returncode
             self._note_failure(codes)
             if None not in codes:
+                if self.failure is not None:
+                    self.say(self.failure)
+                self._stop_all(FAILURE_GRACE_S)  # what the processes started may still run
                 return next((_exit_code(code) for code in codes if code != 0), 0)
             if self.stop_signal is not None:
                 return self._forward_signal()
@@ -261,7 +276,8 @@ class _Group:
         return 128 + self.stop_signal
 
     def _stop_all(self, grace_s: float) -> None:
-        """SIGTERM to every child's process group, then SIGKILL to what is left after `grace_s`."""
+        """SIGTERM to every child's process group, then SIGKILL to what is left after `grace_s`, or
+        `FAILURE_GRACE_S` after the last child exited if that comes first."""
         for child in self.children:
             _signal_group(child, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
@@ -270,6 +286,10 @@ class _Group:
                 child.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
+        # A child's own children (data loader workers) may outlive it, holding its output pipes.
+        deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+        while time.monotonic() < deadline and any(_group_running(child.pid) for child in self.children):
+            time.sleep(_POLL_S)
         for child in self.children:
             _signal_group(child, signal.SIGKILL)
             child.wait()
@@ -284,6 +304,27 @@ def _signal_group(child: subprocess.Popen, sig: int) -> None:
         os.killpg(child.pid, sig)  # the child leads its group: this reaches its own children too
     except ProcessLookupError:
         pass
+
+
+def _group_running(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs. Zombies do not count: an orphan's zombie stays
+    until init reaps it, which some inits (a container's first process) never do."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    if not os.path.isdir("/proc"):
+        return True  # no way to tell zombies apart: wait for the grace to run out
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(os.path.join(entry.path, "stat"), "rb") as stat:
+                    state, _, group = stat.read().rpartition(b")")[2].split()[:3]
+            except OSError:
+                continue  # it ended meanwhile
+            if int(group) == pgid and state != b"Z":
+                return True
+    return False
 
 
 @contextlib.contextmanager

@@ -1,6 +1,8 @@
 """The launcher's stop policy, on plain Python children: a stuck group, a peer gone, a forwarded
-signal, a conflicting JAXDIST_CPU_DEVICES, and children that die with the launcher."""
+signal, processes the children leave behind, a conflicting JAXDIST_CPU_DEVICES, and children that
+die with the launcher."""
 
+import contextlib
 import io
 import os
 import signal
@@ -98,6 +100,54 @@ def test_a_signal_is_forwarded_and_clean_exits_give_0(codes, expected):
     lines = err.getvalue().splitlines()
     assert lines[0] == "jaxdist launch: received SIGTERM; sending SIGTERM to every process (120 s to save and stop)"
     assert ("jaxdist launch: every process exited 0 after SIGTERM" in lines) == (expected == 0)
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` runs. os.kill(pid, 0) would not do: it finds a zombie too, and an orphan's
+    zombie stays until init reaps it, which some inits (a container's first process) never do."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_what_a_child_leaves_running_in_its_group_is_stopped(tmp_path):
+    """A child exits while a process it started (as a data loader starts workers) still holds its
+    output pipes: the launcher stops that process too, and returns at once."""
+    pid_file = tmp_path / "pid"
+    started = time.monotonic()
+    group, _, err = start_group([["sh", "-c", f"sleep 20 & echo $! > {pid_file}; exit 1"]])
+    code = group.wait()
+    elapsed = time.monotonic() - started
+
+    assert code == 1
+    assert err.getvalue().splitlines() == ["jaxdist launch: process 0 exited with code 1"]
+    assert elapsed < launch.FAILURE_GRACE_S + 3, elapsed
+    assert not running(int(pid_file.read_text()))
+
+
+def test_output_held_outside_the_children_s_groups_is_not_waited_for(tmp_path):
+    """A process that left its parent's process group cannot be stopped with it; the launcher stops
+    relaying its output instead of waiting for it to end."""
+    pid_file = tmp_path / "pid"
+    leaves = python(f"import subprocess; leaver = subprocess.Popen(['sleep', '20'], start_new_session=True); "
+                    f"open({str(pid_file)!r}, 'w').write(str(leaver.pid))")
+    started = time.monotonic()
+    group, _, err = start_group([python("pass"), leaves])
+    try:
+        code = group.wait()
+        elapsed = time.monotonic() - started
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+    assert code == 0
+    assert err.getvalue().splitlines() == [
+        "jaxdist launch: the output of process 1 is still held open by a process outside its process group; "
+        "not waiting for it"
+    ]
+    assert elapsed < launch.RELAY_DRAIN_S + 3, elapsed
 
 
 def test_a_conflicting_cpu_device_count_is_refused(monkeypatch, capsys):
