@@ -11,8 +11,9 @@ The launcher never waits forever; it stops every process (each child leads its o
 group, so the child's own children go too) when:
 
 - a process fails: the exit code is that process's, unless `--max-restarts N` allows starting
-  the whole group again (at most N times; not after a user error, exit code 2, nor after a
-  forwarded signal): a `train` run resumes from its newest complete checkpoint;
+  the whole group again (at most N times; not after a user error, exit code 2, nor a stop at a
+  non-finite step, exit code 3, which the resumed run would repeat, nor after a forwarded
+  signal): a `train` run resumes from its newest complete checkpoint;
 - no process printed a line for `--timeout` seconds: exit code 124. Progress is any output line,
   from any process: only process 0 reports steps, and since every step is collective, one stuck
   process silences all of them. So the timeout must exceed the longest quiet stretch: start-up,
@@ -60,6 +61,9 @@ RELAY_DRAIN_S = 2.0
 STUCK_EXIT = 124
 # A process's exit code for a mistake in the user's input (jaxdist.errors.UserError): never restarted.
 USER_ERROR_EXIT = 2
+# A process's exit code for a stop at a non-finite step (jaxdist.errors.NonFiniteError): never
+# restarted, since the run resumes bit-exactly and so reaches the same non-finite step again.
+NON_FINITE_EXIT = 3
 # Where a child finds the launcher's pid (see die_with_launcher).
 LAUNCHER_PID = "JAXDIST_LAUNCHER_PID"
 _POLL_S = 0.1
@@ -118,7 +122,10 @@ def launch(num_processes: int, devices_per_process: int, program: Sequence[str],
     while True:
         group = _Group(stdout or sys.stdout, stderr or sys.stderr, timeout_s)
         code = _run_group(group, num_processes, devices_per_process, program)
-        if not group.restartable or restarts == max_restarts:
+        if group.failure is None or group.stop_signal is not None or restarts == max_restarts:
+            return code
+        if not group.restartable:
+            group.say(f"{group.failure}; not restarting")
             return code
         restarts += 1
         group.say(f"{group.failure}; restarting the group ({restarts} of {max_restarts})")
@@ -243,13 +250,15 @@ class _Group:
             failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
             if failed:
                 process_id, self.failed_with = failed[0]
-                self.failure = f"process {process_id} exited with {_describe_exit(self.failed_with)}"
+                self.failure = f"process {process_id} {_describe_exit(self.failed_with)}"
 
     @property
     def restartable(self) -> bool:
         """Whether starting the group again may help: a process failed or was killed, but not with a
-        user error (exit 2: it would fail the same way) nor while the launcher forwarded a stop signal."""
-        return self.failure is not None and self.failed_with != USER_ERROR_EXIT and self.stop_signal is None
+        user error (exit 2) nor at a non-finite step (exit 3), which would recur, nor while the
+        launcher forwarded a stop signal."""
+        return (self.failure is not None and self.failed_with not in (USER_ERROR_EXIT, NON_FINITE_EXIT)
+                and self.stop_signal is None)
 
     def _problem(self, codes: list[int | None]) -> tuple[str, int] | None:
         """Why the running children must be stopped, and the exit code; None while all is well."""
@@ -353,6 +362,11 @@ def _exit_code(returncode: int) -> int:
 
 
 def _describe_exit(returncode: int) -> str:
+    """How a process ended, after 'process 1 ': 'exited with code 1', 'stopped on a user error (exit 2)'."""
     if returncode < 0:
-        return f"signal {signal.Signals(-returncode).name}"
-    return f"code {returncode}"
+        return f"exited with signal {signal.Signals(-returncode).name}"
+    if returncode == USER_ERROR_EXIT:
+        return f"stopped on a user error (exit {returncode})"
+    if returncode == NON_FINITE_EXIT:
+        return f"stopped at a non-finite step (exit {returncode})"
+    return f"exited with code {returncode}"

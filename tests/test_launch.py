@@ -185,13 +185,33 @@ def test_children_die_with_the_launcher():
     assert orphan.communicate(timeout=60)[0] == ""  # it never printed 'ready'
 
 
-@pytest.mark.parametrize("code, restartable", [(3, True), (-signal.SIGKILL, True), (2, False)],
-                         ids=["crash", "killed", "user_error"])
-def test_a_failed_group_may_restart_but_not_after_a_user_error(code, restartable):
-    """A crash or kill is worth a restart (`launch --max-restarts`); a user error (exit 2) would fail the same way."""
+@pytest.mark.parametrize("code, restartable, failure", [
+    (1, True, "exited with code 1"),
+    (-signal.SIGKILL, True, "exited with signal SIGKILL"),
+    (2, False, "stopped on a user error (exit 2)"),
+    (3, False, "stopped at a non-finite step (exit 3)"),
+], ids=["crash", "killed", "user_error", "non_finite"])
+def test_a_failed_group_may_restart_but_not_after_a_user_error_or_a_non_finite_stop(code, restartable, failure):
+    """A crash or kill is worth a restart (`launch --max-restarts`); a user error (exit 2) would fail
+    the same way, and so would a non-finite stop (exit 3): the resumed run repeats the same steps."""
     fail = f"import os, signal; os.kill(os.getpid(), {-code})" if code < 0 else f"import sys; sys.exit({code})"
     group, _, err = start_group([python(HANG), python(fail)])
     assert group.wait() == launch._exit_code(code)
     assert group.restartable == restartable
-    assert err.getvalue().startswith(f"jaxdist launch: process 1 exited with {launch._describe_exit(code)}; "
-                                     f"stopping process 0")
+    assert err.getvalue().startswith(f"jaxdist launch: process 1 {failure}; stopping process 0")
+
+
+@pytest.mark.parametrize("code, lines", [
+    (1, ["process 0 exited with code 1", "process 0 exited with code 1; restarting the group (1 of 2)",
+         "process 0 exited with code 1", "process 0 exited with code 1; restarting the group (2 of 2)",
+         "process 0 exited with code 1"]),
+    (3, ["process 0 stopped at a non-finite step (exit 3)",
+         "process 0 stopped at a non-finite step (exit 3); not restarting"]),
+], ids=["crash", "non_finite"])
+def test_launch_restarts_a_crashed_group_but_not_a_non_finite_stop(monkeypatch, code, lines):
+    monkeypatch.delenv("JAXDIST_CPU_DEVICES", raising=False)
+    monkeypatch.setattr(launch, "child_command", lambda program: python(f"import sys; sys.exit({code})"))
+    err = io.StringIO()
+    assert launch.launch(1, 1, ["--", "train", "any.yaml"], stdout=io.StringIO(), stderr=err, max_restarts=2) == code
+    said = [line.removeprefix("jaxdist launch: ") for line in err.getvalue().splitlines()]
+    assert [line for line in said if not line.startswith("started 1 process(es)")] == lines
