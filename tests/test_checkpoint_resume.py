@@ -100,6 +100,18 @@ def test_error_after_step_6_saves_it_and_resume_is_bitwise(tmp_path, reference, 
     assert losses_by_step(tmp_path) == reference.losses
 
 
+def test_an_error_right_after_a_save_says_that_step_is_saved(tmp_path, monkeypatch, capsys):
+    def fail_after_step_4(self, step):
+        if step == 4:
+            raise OSError("lost the network")
+
+    monkeypatch.setattr(loop.StopSignals, "requested", fail_after_step_4)
+    with pytest.raises(OSError, match="lost the network"):
+        loop.train(make_config(tmp_path, train={"steps": 6}, checkpoint={"every": 4}))
+    assert f"error after step 4, whose checkpoint is saved in {tmp_path / 'checkpoints' / '4'}" in capsys.readouterr().out
+    assert saved_steps(tmp_path / "checkpoints") == [4]
+
+
 def test_sigterm_saves_at_the_step_reached_exits_0_and_resumes(tmp_path, reference, at_log_of_step, monkeypatch, capsys):
     handler_before = signal.getsignal(signal.SIGTERM)
 

@@ -247,6 +247,9 @@ class RunCheckpoints:
             self.log(f"the train state was lost in the failed step; last checkpoint: step {self._store.last_saved}")
             return
         step = int(jax.device_get(state.step))
+        if step == self._store.last_saved:
+            self.log(f"error after step {step}, whose checkpoint is saved in {self._store.path(step)}")
+            return
         try:
             self.save(step, state)
             self._store.wait()
