@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist import models
 from jaxdist.checkpoint.integrity import is_damage
@@ -193,7 +193,7 @@ class RunCheckpoints:
         The step's own check reads only the loss and gradient norm: from finite gradients an
         update can still overflow (a learning rate far too large), and that must never be saved.
         """
-        if not bool(_all_finite(state.params)):
+        if not bool(_all_finite(state.params, NamedSharding(self._mesh, PartitionSpec()))):
             last = self._store.last_saved
             kept = "there is no checkpoint" if last is None else f"the last checkpoint, step {last}, is intact"
             raise NonFiniteError(
@@ -264,10 +264,11 @@ class RunCheckpoints:
             self._store.close()
 
 
-@jax.jit
-def _all_finite(params: Any) -> jax.Array:
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(params)
-                              if jnp.issubdtype(leaf.dtype, jnp.inexact)] or [jnp.bool_(True)]))
+@functools.partial(jax.jit, static_argnums=1)
+def _all_finite(params: Any, replicated: NamedSharding) -> jax.Array:
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(params)
+                                if jnp.issubdtype(leaf.dtype, jnp.inexact)] or [jnp.bool_(True)]))
+    return jax.lax.with_sharding_constraint(finite, replicated)  # every process reads the answer
 
 
 def _position(step: int, meta: dict[str, Any]) -> DataPosition:
