@@ -50,6 +50,7 @@ class DataPosition:
     example: int = 0
 
     def advanced(self, steps: int, global_batch: int) -> DataPosition:
+        """The position `steps` more steps of `global_batch` examples on."""
         return dataclasses.replace(self, step=self.step + steps, example=self.example + steps * global_batch)
 
 

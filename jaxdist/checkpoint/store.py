@@ -278,6 +278,7 @@ class Checkpoints:
         return list(self._manager.all_steps())
 
     def path(self, step: int) -> Path:
+        """The directory of checkpoint `step` (it may not exist)."""
         return self.directory / str(step)
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:

@@ -115,6 +115,7 @@ MODELS: dict[str, ModelEntry] = {
 
 
 def get(name: str) -> ModelEntry:
+    """The registered model called `name` (`model.name`); a `UserError` naming the choices otherwise."""
     if name not in MODELS:
         raise UserError(f"model.name={name!r} is not a registered model; choose one of {', '.join(MODELS)}")
     return MODELS[name]

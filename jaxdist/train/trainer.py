@@ -222,6 +222,7 @@ class Trainer:
 
     @property
     def params(self) -> Any:
+        """The current parameters (a pytree of sharded arrays, in `precision.params`)."""
         return self.state.params
 
 
