@@ -22,6 +22,8 @@ from jaxdist.checkpoint import Checkpoints, abstract_state
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 12
 SAVED_LAYOUT = {"mesh": {"data": 2, "fsdp": 2, "tensor": 2}, "rules": {"preset": "fsdp_tp"}}
+# Where the layout is not the point.
+ONE_DEVICE = {"mesh": {"data": 1, "fsdp": 1, "tensor": 1}, "rules": {"preset": "dp"}}
 
 
 def saved_steps(checkpoints: Path) -> list[int]:
@@ -107,8 +109,10 @@ def test_an_error_right_after_a_save_says_that_step_is_saved(tmp_path, monkeypat
 
     monkeypatch.setattr(loop.StopSignals, "requested", fail_after_step_4)
     with pytest.raises(OSError, match="lost the network"):
-        loop.train(make_config(tmp_path, train={"steps": 6}, checkpoint={"every": 4}))
-    assert f"error after step 4, whose checkpoint is saved in {tmp_path / 'checkpoints' / '4'}" in capsys.readouterr().out
+        loop.train(make_config(tmp_path, **ONE_DEVICE, train={"steps": 6}, checkpoint={"every": 4}),
+                   devices=jax.devices()[:1])
+    saved_in = tmp_path / "checkpoints" / "4"
+    assert f"error after step 4, whose checkpoint is saved in {saved_in}" in capsys.readouterr().out
     assert saved_steps(tmp_path / "checkpoints") == [4]
 
 
@@ -145,7 +149,8 @@ def test_a_sigterm_while_the_last_checkpoint_is_written_keeps_it(tmp_path, monke
         close(self)
 
     monkeypatch.setattr(loop.RunCheckpoints, "close", sigterm_then_close)
-    loop.train(make_config(tmp_path, **SAVED_LAYOUT, train={"steps": 3}, checkpoint={"every": 3}))
+    loop.train(make_config(tmp_path, **ONE_DEVICE, train={"steps": 3}, checkpoint={"every": 3}),
+               devices=jax.devices()[:1])
     assert saved_steps(tmp_path / "checkpoints") == [3]
     assert signal.getsignal(signal.SIGTERM) is handler_before
 
@@ -174,9 +179,9 @@ def test_data_epochs_end_the_run_at_the_same_example_after_a_batch_change(tmp_pa
     np.savez(tmp_path / "tokens.npz", inputs=tokens[:, :-1], targets=tokens[:, 1:])
 
     def run(data: dict, train: dict):
-        loop.train(make_config(tmp_path / "run", mesh={"data": 2, "fsdp": 1, "tensor": 1}, rules={"preset": "dp"},
+        loop.train(make_config(tmp_path / "run", **ONE_DEVICE,
                                data={"source": "arrays", "path": str(tmp_path / "tokens.npz"), "eval_fraction": 0.0,
-                                     **data}, train=train, checkpoint={"every": 1}), devices=jax.devices()[:2])
+                                     **data}, train=train, checkpoint={"every": 1}), devices=jax.devices()[:1])
 
     run({}, {"steps": 2, "global_batch": 16})
     run({"epochs": 1}, {"global_batch": 32})  # the epoch's other 32 examples: one step at the new batch
