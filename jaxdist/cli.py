@@ -118,9 +118,11 @@ def _parser() -> argparse.ArgumentParser:
     data = commands.add_parser("data", help="prepare datasets").add_subparsers(dest="data_command", required=True)
     _data_prepare_arguments(data.add_parser("prepare", help="tokenize text, JSONL or Parquet files, or resize an "
                                             "image folder (a subfolder per class), into ArrayRecord shards"))
-    plot = commands.add_parser("plot", help="draw runs' train and eval loss and tokens/s against step into a PNG")
+    plot = commands.add_parser("plot", help="draw runs' train and eval loss and tokens/s against step into an image "
+                               "(PNG by default)")
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories with metrics.jsonl")
-    plot.add_argument("--out", help="PNG file (default: RUN_DIR/plot.png for one run, ./plot.png for several)")
+    plot.add_argument("--out", help="image file, .png, .pdf, .svg or another format matplotlib writes "
+                                    "(default: RUN_DIR/plot.png for one run, ./plot.png for several)")
     export = commands.add_parser("export", help="write a run's checkpointed params (and BatchNorm statistics) as one "
                                  ".safetensors or .npz file")
     export.add_argument("run_dir", help="run directory with checkpoints/")

@@ -1,5 +1,5 @@
-"""The exceptions the CLI turns into one line on stderr and an exit code, and the command line's
-checked numbers.
+"""The exceptions the CLI turns into one line on stderr and an exit code, the command line's
+checked numbers, and the check that an output path can be written.
 
 `UserError` (exit code 2, before any compile): a mistake in the input; messages name the config
 key, the value and the fix. `NonFiniteError` (exit code 3): training stopped at a non-finite step,
@@ -9,6 +9,8 @@ with nothing of that step saved.
 import argparse
 import importlib
 import math
+import tempfile
+from pathlib import Path
 from types import ModuleType
 
 
@@ -47,3 +49,25 @@ def cli_number(kind: type[int] | type[float], allow_zero: bool = False):
         return value
 
     return parse
+
+
+def check_writable(path: str | Path, what: str, directory: bool = False) -> None:
+    """Raises a `UserError` unless `path` can be written: a file, or with `directory` a directory.
+
+    Creates the missing folders (with `directory`, `path` too) and writes a scratch file in the one
+    that will hold the output, so a path that cannot be written fails before any expensive work.
+    `what` names the path in the message, as the user gave it (e.g. `export: OUT=model.npz`).
+    """
+    path = Path(path)
+    folder = path if directory else path.parent
+    if path.is_dir() and not directory:
+        raise UserError(f"{what} is a directory; name the file to write")
+    existing = next(parent for parent in (folder, *folder.parents) if parent.exists())
+    if not existing.is_dir():
+        raise UserError(f"{what} cannot be written: {existing} is a file, not a directory")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise UserError(f"{what} cannot be written ({err.strerror}: {err.filename}); pick a writable path") from None

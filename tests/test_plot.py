@@ -3,6 +3,7 @@ exit 2."""
 
 import json
 
+import pytest
 from matplotlib.image import imread
 
 from jaxdist import cli
@@ -45,6 +46,55 @@ def test_run_dir_without_metrics_is_one_line_and_exit_2(tmp_path, capfd):
     err = capfd.readouterr().err.strip().splitlines()
     assert err == [f"jaxdist: error: plot: {tmp_path / 'empty'} has no metrics.jsonl; pass a run_dir written by `jaxdist train`"]
     assert not (tmp_path / "a" / "plot.png").exists() and not (tmp_path / "plot.png").exists()
+
+
+def one_line_error(capfd) -> str:
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("jaxdist: error: plot: "), err
+    return err
+
+
+@pytest.mark.parametrize("case", ["under_a_file", "unknown_format", "no_suffix", "a_directory"])
+def test_an_out_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, capfd, case):
+    write_run(tmp_path / "a", 5, 1.0)
+    (tmp_path / "a_file").write_text("")
+    out, message = {
+        "under_a_file": (tmp_path / "a_file" / "x.png", f"cannot be written: {tmp_path / 'a_file'} is a file, not a directory"),
+        "unknown_format": (tmp_path / "x.txt", "must end in a format matplotlib writes: "),
+        "no_suffix": (tmp_path / "x", "must end in a format matplotlib writes: "),
+        "a_directory": (tmp_path / "a", "is a directory; name the file to write"),
+    }[case]
+    assert cli.main(["plot", str(tmp_path / "a"), "--out", str(out)]) == 2
+    err = one_line_error(capfd)
+    assert f"--out={out} " in err and message in err, err
+    if "format" in message:
+        assert ".png, " in err and ".pdf, " in err and ".svg" in err
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a", "a_file"]
+    assert sorted(path.name for path in (tmp_path / "a").iterdir()) == ["metrics.jsonl"]
+
+
+def test_another_format_is_written_by_its_suffix(tmp_path, capfd):
+    write_run(tmp_path / "a", 5, 1.0)
+    assert cli.main(["plot", str(tmp_path / "a"), "--out", str(tmp_path / "a.pdf")]) == 0
+    assert capfd.readouterr().out.strip() == f"wrote {tmp_path / 'a.pdf'}"
+    assert (tmp_path / "a.pdf").read_bytes().startswith(b"%PDF")
+
+
+def test_metrics_without_values_or_not_json_are_one_line_and_exit_2(tmp_path, capfd):
+    (tmp_path / "nulls").mkdir()
+    (tmp_path / "nulls" / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": step, "loss": None, "tokens_per_sec": None}) + "\n" for step in (1, 2)))
+    assert cli.main(["plot", str(tmp_path / "nulls")]) == 2
+    assert "logged no value of loss, eval_loss, tokens_per_sec" in one_line_error(capfd)
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "metrics.jsonl").write_text("\nstep 1 loss 2.0\n[1, 2]\n")
+    assert cli.main(["plot", str(tmp_path / "text")]) == 2
+    assert f"{tmp_path / 'text' / 'metrics.jsonl'} is not valid metrics JSON (line 2 " in one_line_error(capfd)
+    (tmp_path / "cut").mkdir()  # killed while writing its first line: no steps yet, nothing invalid
+    (tmp_path / "cut" / "metrics.jsonl").write_text('{"step": 1, "lo')
+    assert cli.main(["plot", str(tmp_path / "cut")]) == 2
+    assert "has no logged steps yet" in one_line_error(capfd)
+    assert not list(tmp_path.rglob("*.png"))
 
 
 def test_legend_names_runs_briefly_and_tokens_per_sec_starts_at_zero(tmp_path):

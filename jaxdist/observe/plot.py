@@ -1,10 +1,10 @@
 """`jaxdist plot RUN_DIR...`: train and eval loss, throughput (tokens/s or examples/s) and, for
-classifiers, accuracy against step, one PNG for one or several runs, read from each run's
-`metrics.jsonl`.
+classifiers, accuracy against step, one image (PNG, or any format matplotlib writes) for one or
+several runs, read from each run's `metrics.jsonl`.
 
 Keys a line lacks, or holds as null, leave a gap in that line's curve; nothing else is required
-of a run beyond some logged steps. Needs matplotlib (the `plot` extra); drawing uses its Agg
-canvas through `Figure`, so no pyplot state or backend setting is touched.
+of a run beyond some logged steps with values. Needs matplotlib (the `plot` extra); drawing uses
+its Agg canvas through `Figure`, so no pyplot state or backend setting is touched.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 import math
 from pathlib import Path
 
-from jaxdist.errors import UserError
+from jaxdist.errors import UserError, check_writable
 
 METRICS = "metrics.jsonl"
 # (panel title, [(metrics key, line style)]) top to bottom; a panel no run has values for is left out.
@@ -32,14 +32,22 @@ def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / METRICS
     if not path.is_file():
         raise UserError(f"plot: {run_dir} has no {METRICS}; pass a run_dir written by `jaxdist train`")
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    text = path.read_text(encoding="utf-8", errors="replace")  # bytes that are not UTF-8 fail as JSON
+    lines = text.splitlines()
+    records, first_bad = [], None
+    for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
-            continue  # a run stopped while writing leaves a partial last line
+            record = None
         if isinstance(record, dict):
             records.append(record)
+        # A run stopped while writing leaves a partial last line, without its newline: not a bad file.
+        elif line.strip() and first_bad is None and (number < len(lines) or text.endswith("\n")):
+            first_bad = number
+    if not records and first_bad is not None:
+        raise UserError(f"plot: {path} is not valid metrics JSON (line {first_bad} is not a JSON object); "
+                        f"pass a run_dir written by `jaxdist train`")
     if not any(_number(record.get("step")) is not None for record in records):
         raise UserError(f"plot: {path} has no logged steps yet; plot it once the run has logged some")
     return records
@@ -85,6 +93,10 @@ def figure(runs: dict[str, list[dict]]):
     from matplotlib.figure import Figure
 
     shown = panels(runs)
+    if not shown:
+        keys = ", ".join(key for _, lines in PANELS for key, _ in lines)
+        raise UserError(f"plot: {', '.join(runs)} logged no value of {keys} (each is null or missing); "
+                        f"plot once a run has logged some")
     drawn = Figure(figsize=(8, 3 * len(shown)), layout="constrained")
     axes = drawn.subplots(len(shown), 1, sharex=True, squeeze=False)[:, 0]
     names = labels(list(runs))
@@ -106,11 +118,19 @@ def figure(runs: dict[str, list[dict]]):
 
 
 def plot(run_dirs: list[str], out: str | None = None) -> Path:
-    """Draws the runs' `figure` into a PNG at `out` (default: `default_out`); returns its path."""
+    """Draws the runs' `figure` into an image at `out` (default: `default_out`), in the format its
+    suffix names (any matplotlib writes); returns its path."""
     runs = {run_dir: read_metrics(Path(run_dir)) for run_dir in run_dirs}  # every run checked before drawing
     if importlib.util.find_spec("matplotlib") is None:
         raise UserError("plot needs matplotlib; pip install 'jaxdist[plot]'")
+    from matplotlib.backend_bases import FigureCanvasBase
+
     path = Path(out) if out else default_out(run_dirs)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    # Without a known suffix matplotlib would fail, or write PNG to another name than `out`.
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if path.suffix.lower().lstrip(".") not in formats and not path.is_dir():
+        raise UserError(f"plot: --out={path} must end in a format matplotlib writes: "
+                        f"{', '.join('.' + name for name in sorted(formats))}")
+    check_writable(path, f"plot: --out={path}")
     figure(runs).savefig(path, dpi=100)
     return path
