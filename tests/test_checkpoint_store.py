@@ -176,19 +176,26 @@ def test_typed_key_of_another_shape_is_a_mismatch(tmp_path, mesh):
     store.close()
 
 
-@pytest.fixture
-def tiny_checkpoint(tmp_path):
-    """A run_dir whose checkpoints hold the tiny GPT's initial state, as steps 3 and 5."""
-    run_dir = tmp_path / "run"
-    cfg = make_config(run_dir, mesh={"data": 2, "fsdp": 2, "tensor": 2})
+def saved_run(run_dir, **sections):
+    """`run_dir` with checkpoints holding the tiny GPT's initial state (`sections` changed), as steps
+    3 and 5; returns its params by dotted name."""
+    cfg = make_config(run_dir, mesh={"data": 2, "fsdp": 2, "tensor": 2}, **sections)
     trainer = Trainer.from_config(cfg)
     store = Checkpoints(run_dir / "checkpoints")
     for step in (3, 5):
         store.save(step, trainer.state, run_meta(cfg, trainer.mesh, DataPosition(step, step * 16)))
     store.close()
+    return {k: np.asarray(v) for k, v in _flat(trainer.params).items()}
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path):
+    """A run_dir whose checkpoints hold the tiny GPT's initial state, as steps 3 and 5."""
+    run_dir = tmp_path / "run"
+    params = saved_run(run_dir)
     raw = {**TINY_GPT, "run_dir": str(run_dir), "mesh": {"data": 2, "fsdp": 2, "tensor": 2}}
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(raw))
-    return run_dir, {k: np.asarray(v) for k, v in _flat(trainer.params).items()}
+    return run_dir, params
 
 
 def _flat(tree) -> dict:
@@ -220,6 +227,55 @@ def test_export_writes_the_params(tiny_checkpoint, tmp_path, capsys, suffix):
     assert f"params at step 3) to {out}" in capsys.readouterr().out
     exported = load_file(out) if suffix == "safetensors" else dict(np.load(out))
     assert sorted(exported) == sorted(params) and len(params) > 10
+    for name, value in params.items():
+        np.testing.assert_array_equal(exported[name], value)
+
+
+def one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("jaxdist: error: export: "), err
+    return err
+
+
+def test_export_to_a_folder_nobody_can_write_fails_before_reading(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    run_dir, _ = tiny_checkpoint
+    monkeypatch.setattr(Checkpoints, "read_parts", None)  # reading would fail the test
+    assert cli.main(["export", str(run_dir), "/proc/params.npz"]) == 2
+    assert "OUT=/proc/params.npz cannot be written (No such file or directory" in one_line_error(capsys)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # see the first test's note
+@pytest.mark.parametrize("damage", ["bytes_flipped", "meta_missing"])
+def test_export_of_a_damaged_checkpoint_names_the_older_ones(tiny_checkpoint, tmp_path, capsys, damage):
+    run_dir, _ = tiny_checkpoint
+    newest = run_dir / "checkpoints" / "5"
+    if damage == "bytes_flipped":
+        largest = max((path for path in (newest / "state").rglob("*") if path.is_file()), key=lambda p: p.stat().st_size)
+        data = bytearray(largest.read_bytes())
+        for i in range(len(data) // 2, len(data) // 2 + 8):
+            data[i] ^= 0xFF
+        largest.write_bytes(bytes(data))
+    else:
+        (newest / "meta" / "metadata").unlink()
+    out = tmp_path / "params.safetensors"
+    assert cli.main(["export", str(run_dir), str(out)]) == 2
+    err = one_line_error(capsys)
+    assert f"checkpoint {newest} is damaged (" in err and err.endswith("; pass --step with an older one: 3\n"), err
+    assert not out.exists()
+    assert cli.main(["export", str(run_dir), str(out), "--step", "3"]) == 0
+
+
+def test_bfloat16_params_export_to_safetensors_not_npz(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    params = saved_run(run_dir, precision={"params": "bfloat16"})
+    assert cli.main(["export", str(run_dir), str(tmp_path / "p.npz")]) == 2
+    err = one_line_error(capsys)
+    assert ".npz cannot hold bfloat16 arrays (" in err and "export to .safetensors" in err
+    assert not (tmp_path / "p.npz").exists()
+    assert cli.main(["export", str(run_dir), str(tmp_path / "p.safetensors")]) == 0
+    exported = load_file(tmp_path / "p.safetensors")
+    assert {name: value.dtype.name for name, value in exported.items()} == {
+        name: "bfloat16" for name in params}
     for name, value in params.items():
         np.testing.assert_array_equal(exported[name], value)
 

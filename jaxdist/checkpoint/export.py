@@ -6,10 +6,16 @@ import json
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jaxdist.checkpoint.store import Checkpoints, dotted_name
-from jaxdist.errors import UserError
+from jaxdist.checkpoint.integrity import is_damage
+from jaxdist.checkpoint.store import Checkpoints, dotted_name, first_line
+from jaxdist.errors import UserError, check_writable
+
+
+# What export reads of a checkpoint's state.
+PARTS = ("params", "model_state")
 
 
 def export_params(run_dir: str | Path, out: str | Path, step: int | None = None) -> tuple[int, int]:
@@ -17,22 +23,16 @@ def export_params(run_dir: str | Path, out: str | Path, step: int | None = None)
     with the model state (BatchNorm's running averages) where the model has one.
 
     Keys are the dotted variable paths (`blocks.attn.qkv`, `stem.norm.mean`); a safetensors file's
-    metadata holds the step and the resolved config. Returns (step, number of arrays). Only the
-    params and model state are read, but all of them, into this host's memory: this is for use
-    elsewhere, not for training.
+    metadata holds the step and the resolved config. Arrays keep their dtypes: an npz file cannot
+    hold those numpy lacks (bfloat16, float8), so those go to safetensors. Returns (step, number
+    of arrays). Only the params and model state are read, but all of them, into this host's
+    memory: this is for use elsewhere, not for training. A damaged checkpoint is a `UserError`
+    naming the older steps to pass instead.
     """
     out = Path(out)
     if out.suffix not in (".safetensors", ".npz"):
         raise UserError(f"export: OUT={out} must end in .safetensors or .npz")
-    if out.is_dir():
-        raise UserError(f"export: OUT={out} is a directory; name the file to write")
-    existing = next(parent for parent in out.absolute().parents if parent.exists())
-    if not existing.is_dir():
-        raise UserError(f"export: OUT={out} cannot be written: {existing} is a file, not a directory")
-    try:  # before reading the params: an unwritable OUT fails fast
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UserError(f"export: OUT={out} cannot be written ({err.strerror}: {err.filename})") from None
+    check_writable(out, f"export: OUT={out}")  # before reading the params: an unwritable OUT fails fast
     directory = Path(run_dir) / "checkpoints"
     if not directory.is_dir():
         raise UserError(f"export: RUN_DIR={run_dir} holds no checkpoints (no directory {directory})")
@@ -44,7 +44,16 @@ def export_params(run_dir: str | Path, out: str | Path, step: int | None = None)
             step = steps[-1]
         elif step not in steps:
             raise UserError(f"export: --step {step} is not in {directory}; available: {', '.join(map(str, steps))}")
-        parts, meta = store.read_parts(step, ("params", "model_state"))
+        try:
+            if out.suffix == ".npz":
+                _check_npz_dtypes(out, store.saved_shapes(step))  # from the metadata, before reading
+            parts, meta = store.read_parts(step, PARTS)
+        except Exception as err:
+            if not is_damage(err):
+                raise
+            older = [str(other) for other in steps if other < step]
+            instead = f"pass --step with an older one: {', '.join(older)}" if older else "there is no older one"
+            raise UserError(f"export: checkpoint {store.path(step)} is damaged ({first_line(err)}); {instead}") from None
     arrays = {dotted_name(path): np.ascontiguousarray(leaf)
               for part in parts.values() for path, leaf in jax.tree_util.tree_flatten_with_path(part)[0]}
     if out.suffix == ".npz":
@@ -54,3 +63,15 @@ def export_params(run_dir: str | Path, out: str | Path, step: int | None = None)
 
         save_file(arrays, str(out), metadata={"step": str(step), "config": json.dumps(meta.get("config", {}))})
     return step, len(arrays)
+
+
+def _check_npz_dtypes(out: Path, saved: dict[str, tuple]) -> None:
+    """Refuses an npz export of arrays whose dtype numpy lacks: np.savez would write them as raw
+    bytes (`|V2` for bfloat16) that read back as no number at all."""
+    foreign = [(name.partition(".")[2], dtype) for name, (_, dtype) in saved.items()
+               if name.partition(".")[0] in PARTS and jnp.dtype(dtype).kind == "V"]
+    if foreign:
+        name, dtype = foreign[0]
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        raise UserError(f"export: OUT={out}: .npz cannot hold {dtype} arrays ({name}{more}), numpy has no such "
+                        f"type; export to .safetensors, which keeps them")
