@@ -137,7 +137,9 @@ def run_cli(args, capfd) -> tuple[int, list[str]]:
         ("unknown tokenizer", "--tokenizer='wordpiece' is not a known tokenizer; choose one of byte, sentencepiece"),
         ("corrupt jsonl", "{tmp}/bad.jsonl:2 is not valid JSON"),
         ("corrupt jsonl, sentencepiece", "{tmp}/bad.jsonl:2 is not valid JSON"),
-        ("vocabulary too large", "--vocab-size=5000: sentencepiece could not train on these files"),
+        ("vocabulary too large", "--vocab-size=5000 is too large: these files hold enough text for at most "),
+        ("vocabulary too small", "--vocab-size=5 is too small: these files need 265 pieces for their characters, "
+                                 "bytes and special ids; use --vocab-size=265 or more"),
     ],
 )
 def test_bad_prepare_input_is_one_line_and_exit_2(tmp_path, capfd, case, expected):
@@ -151,16 +153,38 @@ def test_bad_prepare_input_is_one_line_and_exit_2(tmp_path, capfd, case, expecte
         "corrupt jsonl": ("bad.jsonl", "byte"),
         "corrupt jsonl, sentencepiece": ("bad.jsonl", "sentencepiece"),
         "vocabulary too large": ("good.txt", "sentencepiece"),
+        "vocabulary too small": ("good.txt", "sentencepiece"),
     }[case]
     code, err = run_cli(
         ["data", "prepare", str(tmp_path / inputs), "--out", str(tmp_path / "out"), "--tokenizer", tokenizer,
-         "--vocab-size", "5000"],
+         "--vocab-size", "5" if case == "vocabulary too small" else "5000"],
         capfd,
     )
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith("jaxdist: error: data prepare: "), err
     assert expected.format(tmp=tmp_path) in err[0]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", ["under_a_file", "a_file", "dot", "empty", "not_empty", "in_proc"])
+def test_an_out_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, capfd, monkeypatch, case):
+    (tmp_path / "good.txt").write_text("some text")
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    monkeypatch.chdir(tmp_path / "full")
+    out, expected = {
+        "under_a_file": (tmp_path / "a_file" / "sub", f"cannot be written: {tmp_path / 'a_file'} is a file, not a directory"),
+        "a_file": (tmp_path / "a_file", "is a file; pass a new or empty directory"),
+        "dot": (".", "--out='.' names no new directory; pass one, e.g. --out data/prepared"),
+        "empty": ("", "--out='' names no new directory"),
+        "not_empty": (tmp_path / "full", "is not empty; pass a new or empty directory"),
+        "in_proc": ("/proc/jaxdist-data", "cannot be written (No such file or directory"),
+    }[case]
+    code, err = run_cli(["data", "prepare", str(tmp_path / "good.txt"), "--out", str(out)], capfd)
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("jaxdist: error: data prepare: --out=") and expected in err[0], err
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a_file", "full", "good.txt"]
 
 
 def truncate(file):

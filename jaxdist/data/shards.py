@@ -18,7 +18,7 @@ import grain
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 
-from jaxdist.errors import UserError
+from jaxdist.errors import UserError, check_writable
 
 # One record per chunk (group_size:1) keeps random access to a record cheap; zstd:1 decodes fast.
 WRITER_OPTIONS = "group_size:1,zstd:1"
@@ -33,11 +33,16 @@ def new_directory(out: str) -> Iterator[Path]:
     """A scratch directory that becomes `out` when the block completes; on any error it is removed
     and `out` is left as it was. `out` must be new or empty."""
     directory = Path(out)
-    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+    # "", ".", "/" and "a/.." name no folder of their own, to be built beside it as `NAME.partial`.
+    if directory.name in ("", ".."):
+        raise UserError(f"data prepare: --out={out!r} names no new directory; pass one, e.g. --out data/prepared")
+    if directory.exists() and not directory.is_dir():
+        raise UserError(f"data prepare: --out={out} is a file; pass a new or empty directory")
+    if directory.is_dir() and any(directory.iterdir()):
         raise UserError(f"data prepare: --out={out} is not empty; pass a new or empty directory")
     scratch = directory.with_name(directory.name + ".partial")
     shutil.rmtree(scratch, ignore_errors=True)
-    scratch.mkdir(parents=True)
+    check_writable(scratch, f"data prepare: --out={out}", directory=True)  # creates it
     try:
         yield scratch
     except BaseException:

@@ -10,6 +10,7 @@ id, written after each document when documents are packed.
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
@@ -168,13 +169,23 @@ def train(name: str, documents: Iterable[str], vocab_size: int) -> Tokenizer:
     except RuntimeError as err:
         if input_errors:
             raise input_errors[0] from None
-        raise UserError(
-            f"data prepare: --vocab-size={vocab_size}: sentencepiece could not train on these files "
-            f"({str(err).strip().splitlines()[-1]}); use a smaller vocabulary or more text"
-        ) from None
+        raise UserError(_vocab_size_error(vocab_size, str(err).strip().splitlines()[-1])) from None
     if input_errors:
         raise input_errors[0]
     return SentencePieceTokenizer(model.getvalue())
+
+
+def _vocab_size_error(vocab_size: int, reason: str) -> str:
+    """What to change when sentencepiece could not train a `vocab_size` vocabulary, for `reason`
+    (its message): the sizes it names are the bounds to give."""
+    prefix = f"data prepare: --vocab-size={vocab_size}"
+    if match := re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", reason):
+        return (f"{prefix} is too small: these files need {match[1]} pieces for their characters, bytes and "
+                f"special ids; use --vocab-size={match[1]} or more")
+    if match := re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", reason):
+        return (f"{prefix} is too large: these files hold enough text for at most {match[1]} pieces; use "
+                f"--vocab-size={match[1]} or less, or more text")
+    return f"{prefix}: sentencepiece could not train on these files ({reason}); change --vocab-size or add text"
 
 
 def save(tokenizer: Tokenizer, directory: Path) -> dict:
