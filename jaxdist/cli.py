@@ -21,7 +21,7 @@ import threading
 from jaxdist import runtime
 from jaxdist.data import images, prepare
 from jaxdist.data import tokenizer as tokenizer_lib
-from jaxdist.errors import NonFiniteError, UserError, cli_number
+from jaxdist.errors import NonFiniteError, UserError, check_writable, cli_number
 from jaxdist.launch import die_with_launcher
 
 
@@ -199,6 +199,18 @@ def _rules(args) -> None:
     loop.log(table)  # process 0 only
 
 
+def _first_devices(args) -> list | None:
+    """The first `--devices` devices (None: all); a `UserError` where there are fewer."""
+    import jax
+
+    if not args.devices:
+        return None
+    if jax.device_count() < args.devices:
+        raise UserError(f"{args.command} --devices {args.devices}: only {jax.device_count()} devices here; pass at "
+                        f"most {jax.device_count()} (on a CPU-only machine JAXDIST_CPU_DEVICES sets how many)")
+    return jax.devices()[: args.devices]
+
+
 def _plan(args) -> None:
     from jaxdist.observe import plan
 
@@ -207,10 +219,7 @@ def _plan(args) -> None:
     from jaxdist import kernels
 
     limit = plan.parse_bytes(args.device_memory) if args.device_memory else None
-    devices = jax.devices()[: args.devices] if args.devices else None
-    if devices is not None and len(devices) < args.devices:
-        raise UserError(f"plan --devices {args.devices}: only {len(devices)} devices here; on a CPU-only machine "
-                        f"JAXDIST_CPU_DEVICES must not be set below it")
+    devices = _first_devices(args)
     cfg = _config_with_data_sizes(args)
     built = kernels.build_for(cfg.model, cfg.impl)  # the kernels the step will load, as train builds them
     text = plan.report(cfg, devices, limit)
@@ -223,9 +232,12 @@ def _plan(args) -> None:
 def _bench(args) -> None:
     from jaxdist.observe import bench
 
-    import jax
-
-    devices = jax.devices()[: args.devices] if args.devices else None
+    devices = _first_devices(args)
+    # Before compiling and timing, which these paths would otherwise fail only after.
+    if args.out:
+        check_writable(args.out, f"bench: --out={args.out}")
+    if args.profile:
+        check_writable(args.profile, f"bench: --profile={args.profile}", directory=True)
     cfg = _config_with_data_sizes(args)
     result = bench.run(cfg, args.steps, args.warmup, devices, args.profile, args.bubble)
     bench.write(result, args.out)

@@ -83,3 +83,15 @@ def test_bench_bubble_needs_a_pipeline(capsys, compiles):
     err = capsys.readouterr().err
     assert "bench --bubble measures a pipeline's bubble: set mesh.stage > 1" in err
     assert compiles.count == 0
+
+
+@pytest.mark.parametrize("flag", ["--out", "--profile"])
+def test_bench_paths_that_cannot_be_written_fail_before_compiling(tmp_path, capsys, compiles, flag):
+    (tmp_path / "a_file").write_text("")
+    path = tmp_path / "a_file" / "bench.json" if flag == "--out" else tmp_path / "a_file"
+    overrides = ["model.d_model=32", "model.layers=1", "model.seq_len=16", "train.global_batch=8"]
+    assert cli.main(["bench", "tiny", *overrides, "--steps", "1", "--warmup", "0", flag, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"jaxdist: error: bench: {flag}={path} cannot be written: {tmp_path / 'a_file'} is a file, "
+                   f"not a directory\n")
+    assert compiles.count == 0

@@ -170,6 +170,13 @@ def test_bad_numbers_on_the_command_line(argv, message, capsys):
     assert message in one_line_error(capsys)
 
 
+@pytest.mark.parametrize("command", ["bench", "plan"])
+def test_more_devices_than_there_are(config_file, capsys, compiles, command):
+    assert cli.main([command, str(config_file), "--devices", "16"]) == 2
+    assert f"{command} --devices 16: only 8 devices here; pass at most 8" in one_line_error(capsys)
+    assert compiles.count == 0
+
+
 def test_npz_without_the_model_arrays(config_file, tmp_path, capsys, compiles):
     np.savez(tmp_path / "rows.npz", tokens=np.zeros((64, 32), np.int32))
     code = cli.main(["train", str(config_file), "data.source=arrays", f"data.path={tmp_path / 'rows.npz'}"])
