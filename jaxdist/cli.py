@@ -84,7 +84,9 @@ def _parser() -> argparse.ArgumentParser:
                                  help="plan for N devices (on a CPU-only machine: N simulated devices)")
             command.add_argument("--device-memory", help="memory per device, e.g. 80GB: say whether it fits, "
                                  "and suggest a change that does")
-    show = commands.add_parser("config", help="print configs").add_subparsers(dest="config_command", required=True)
+    # The metavar names the choices where argparse would name the dest ("required: config_command").
+    show = commands.add_parser("config", help="print configs").add_subparsers(dest="config_command", required=True,
+                                                                               metavar="{show}")
     show = show.add_parser("show", help="print every config key with its value, type and meaning")
     show.add_argument("config", nargs="?", help="YAML config file or recipe name (default: the defaults)")
     show.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
@@ -115,7 +117,8 @@ def _parser() -> argparse.ArgumentParser:
     scale.add_argument("--network-gbs", type=_AMOUNT, default=50.0, help="GB/s per GPU between hosts")
     scale.add_argument("--nvlink-gbs", type=_AMOUNT, default=450.0, help="GB/s per GPU inside a host")
     scale.add_argument("--storage-gbs", type=_AMOUNT, default=2.0, help="checkpoint write GB/s per host")
-    data = commands.add_parser("data", help="prepare datasets").add_subparsers(dest="data_command", required=True)
+    data = commands.add_parser("data", help="prepare datasets").add_subparsers(dest="data_command", required=True,
+                                                                                metavar="{prepare}")
     _data_prepare_arguments(data.add_parser("prepare", help="tokenize text, JSONL or Parquet files, or resize an "
                                             "image folder (a subfolder per class), into ArrayRecord shards"))
     plot = commands.add_parser("plot", help="draw runs' train and eval loss and tokens/s against step into an image "
@@ -158,6 +161,19 @@ _TEXT_OPTIONS = {"--tokenizer": "tokenizer", "--vocab-size": "vocab_size", "--ch
                  "--text-key": "text_key"}
 _IMAGE_OPTIONS = {"--image-size": "image_size", "--grayscale": "grayscale"}
 _SHARED_OPTIONS = ("eval_fraction", "records_per_shard")
+
+
+def _check_config_path(path: str) -> None:
+    """Refuses a directory as the config, which `config.load` would report as missing."""
+    from pathlib import Path
+
+    from jaxdist import config
+
+    given = Path(path)
+    names_a_recipe = len(given.parts) == 1 and not given.suffix and given.name in config.recipes()
+    if given.is_dir() and not names_a_recipe:
+        raise UserError(f"config {path} is a directory; pass the path of a YAML file in it, or a recipe: "
+                        f"{', '.join(config.recipes())}")
 
 
 def _data_prepare(args) -> None:
@@ -317,8 +333,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [arg for arg in extra if "=" not in arg or arg.startswith("-")]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    args.overrides = [*getattr(args, "overrides", []), *extra]
+    if hasattr(args, "overrides"):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)} ({args.command} takes no key=value overrides)")
     try:
+        if getattr(args, "config", None):
+            _check_config_path(args.config)
         if args.command == "plan" and args.devices and not os.environ.get("JAXDIST_CPU_DEVICES"):
             runtime.use_cpu_devices(args.devices)  # simulated where there is no accelerator
         runtime.use_cpu_devices()

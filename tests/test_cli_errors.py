@@ -72,6 +72,30 @@ def test_bad_command_line(argv, must_mention, capsys):
     assert exit_info.value.code == 2 and must_mention in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("argv", [["export", "run", "out.npz", "a=1"], ["build-kernels", "a=1"],
+                                  ["plot", "run", "--out", "x.png", "a=1"], ["data", "prepare", "x.txt", "--out", "d", "a=1"]],
+                         ids=lambda argv: argv[0])
+def test_overrides_for_a_command_that_takes_none(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert f"unrecognized arguments: a=1 ({argv[0]} takes no key=value overrides)" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize("command, choices", [("config", "{show}"), ("data", "{prepare}")])
+def test_a_missing_subcommand_is_named_by_its_choices(command, choices, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command])
+    assert exit_info.value.code == 2
+    assert f"the following arguments are required: {choices} (see jaxdist --help)" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize("command", [["config", "show"], ["train"], ["doctor", "--config"]], ids=lambda c: c[0])
+def test_a_directory_as_the_config(tmp_path, capsys, command):
+    assert cli.main([*command, str(tmp_path)]) == 2
+    assert f"config {tmp_path} is a directory; pass the path of a YAML file in it, or a recipe: " in one_line_error(capsys)
+
+
 def test_bad_yaml(tmp_path, capsys):
     path = tmp_path / "bad.yaml"
     path.write_text("train: {steps: [1, 2\n")
