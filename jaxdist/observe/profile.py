@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,15 +17,19 @@ class StepProfiler:
     Each process writes its own trace into `run_dir/profile/process_<i>`: a TensorBoard profile
     (`plugins/profile/`) and a `perfetto_trace.json.gz` that ui.perfetto.dev opens. A window the
     run resumes into is traced from the first step it runs; leaving the block ends a trace early.
+    A window the run ended before (its last step below `start_step`) is a warning as the block
+    is left, since no trace will be there to look for.
     """
 
     def __init__(self, cfg: ProfileConfig, run_dir: Path):
         self._first, self._last = cfg.start_step, cfg.start_step + cfg.steps - 1
         self.directory = run_dir / "profile" / f"process_{jax.process_index()}"
         self._tracing = False
+        self._latest: int | None = None  # the last step run
 
     def before(self, step: int) -> None:
         """Starts the trace when `step` is the window's first step to run."""
+        self._latest = step
         if not self._tracing and self._first <= step <= self._last:
             jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
             self._tracing = True
@@ -42,6 +47,10 @@ class StepProfiler:
     def __enter__(self) -> StepProfiler:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, exc_type, *exc_info) -> None:
         if self._tracing:
             self._stop()
+        elif (exc_type is None and self._first <= self._last and self._latest is not None
+              and self._latest < self._first and jax.process_index() == 0):
+            print(f"jaxdist: warning: nothing was profiled: profile.start_step={self._first} is past step "
+                  f"{self._latest}, the last this run took", file=sys.stderr, flush=True)
