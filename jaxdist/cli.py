@@ -18,11 +18,10 @@ import os
 import sys
 import threading
 
+# Only what `import jaxdist` has loaded, and the standard library: the rest is imported inside
+# main(), where a Ctrl-C that lands during an import is the one-line exit 130.
 from jaxdist import runtime
-from jaxdist.data import images, prepare
-from jaxdist.data import tokenizer as tokenizer_lib
 from jaxdist.errors import NonFiniteError, UserError, check_writable, cli_number
-from jaxdist.launch import die_with_launcher
 
 
 class _OneLineErrors(argparse.ArgumentParser):
@@ -135,6 +134,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _data_prepare_arguments(parser: argparse.ArgumentParser) -> None:
+    from jaxdist.data import tokenizer as tokenizer_lib
+
     parser.add_argument("inputs", nargs="+",
                         help="text, .jsonl or .parquet files, or directories of them; or one folder with a "
                              "subfolder of PNG/JPEG images per class")
@@ -177,6 +178,8 @@ def _check_config_path(path: str) -> None:
 
 
 def _data_prepare(args) -> None:
+    from jaxdist.data import images, prepare
+
     folder = images.image_folder(args.inputs)
     if folder is not None:
         own, other, form = _IMAGE_OPTIONS, _TEXT_OPTIONS, "an image folder"
@@ -326,35 +329,9 @@ _OFFLINE = {"launch", "scale", "data", "export", "build-kernels", "plot", "confi
 
 
 def main(argv: list[str] | None = None) -> int:
-    die_with_launcher()  # a no-op unless `jaxdist launch` started this process
-    parser = _parser()
-    args, extra = parser.parse_known_args(argv)
-    # Overrides may also follow options (`bench CONFIG --steps 5 train.steps=1`).
-    unknown = [arg for arg in extra if "=" not in arg or arg.startswith("-")]
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    if hasattr(args, "overrides"):
-        args.overrides = [*args.overrides, *extra]
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)} ({args.command} takes no key=value overrides)")
+    """Runs the command `argv` (default: sys.argv[1:]) names; returns its exit code."""
     try:
-        if getattr(args, "config", None):
-            _check_config_path(args.config)
-        if args.command == "plan" and args.devices and not os.environ.get("JAXDIST_CPU_DEVICES"):
-            runtime.use_cpu_devices(args.devices)  # simulated where there is no accelerator
-        runtime.use_cpu_devices()
-        runtime.gpu_defaults()
-        runtime.compilation_cache()
-        if args.command not in _OFFLINE:
-            from jaxdist.parallel import distributed
-
-            distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.init_timeout)
-        commands = {
-            "train": _train, "rules": _rules, "bench": _bench, "plan": _plan, "build-kernels": _build_kernels,
-            "launch": _launch, "doctor": _doctor, "scale": _scale, "data": _data_prepare, "export": _export,
-            "plot": _plot, "config": _config_show,
-        }
-        return commands[args.command](args) or 0
+        return _run(argv)
     except UserError as err:
         print(f"jaxdist: error: {err}", file=sys.stderr)
         return 2
@@ -370,6 +347,39 @@ def main(argv: list[str] | None = None) -> int:
         logging.disable(logging.CRITICAL)
         print("jaxdist: interrupted", file=sys.stderr)
         return 130
+
+
+def _run(argv: list[str] | None) -> int:
+    from jaxdist.launch import die_with_launcher
+
+    die_with_launcher()  # a no-op unless `jaxdist launch` started this process
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may also follow options (`bench CONFIG --steps 5 train.steps=1`).
+    unknown = [arg for arg in extra if "=" not in arg or arg.startswith("-")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if hasattr(args, "overrides"):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)} ({args.command} takes no key=value overrides)")
+    if getattr(args, "config", None):
+        _check_config_path(args.config)
+    if args.command == "plan" and args.devices and not os.environ.get("JAXDIST_CPU_DEVICES"):
+        runtime.use_cpu_devices(args.devices)  # simulated where there is no accelerator
+    runtime.use_cpu_devices()
+    runtime.gpu_defaults()
+    runtime.compilation_cache()
+    if args.command not in _OFFLINE:
+        from jaxdist.parallel import distributed
+
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.init_timeout)
+    commands = {
+        "train": _train, "rules": _rules, "bench": _bench, "plan": _plan, "build-kernels": _build_kernels,
+        "launch": _launch, "doctor": _doctor, "scale": _scale, "data": _data_prepare, "export": _export,
+        "plot": _plot, "config": _config_show,
+    }
+    return commands[args.command](args) or 0
 
 
 if __name__ == "__main__":

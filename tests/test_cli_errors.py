@@ -282,3 +282,28 @@ def test_ctrl_c_leaves_one_line_when_a_half_built_object_fails_at_exit(config_fi
     run = subprocess.run([sys.executable, "-c", program, str(config_file)], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(REPO), "JAXDIST_CPU_DEVICES": "8"}, cwd=REPO, timeout=120)
     assert (run.returncode, run.stderr) == (130, "jaxdist: interrupted\n")
+
+
+_CTRL_C_WHILE_IMPORTING = """
+import sys
+
+class CtrlC:  # a Ctrl-C that lands while grain, which `data prepare` needs, is being imported
+    def find_spec(self, name, path=None, target=None):
+        if name == "grain":
+            raise KeyboardInterrupt
+
+sys.meta_path.insert(0, CtrlC())
+from jaxdist import cli
+sys.exit(cli.main(["data", "prepare", sys.argv[1], "--out", sys.argv[2]]))
+"""
+
+
+def test_ctrl_c_while_the_command_line_imports_exits_130(tmp_path):
+    """Beyond what `import jaxdist` loads, the command imports what it needs inside main(), so an
+    interrupt during those imports is the same one line as one before training."""
+    (tmp_path / "a.txt").write_text("some text")
+    run = subprocess.run([sys.executable, "-c", _CTRL_C_WHILE_IMPORTING, str(tmp_path / "a.txt"), str(tmp_path / "out")],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO,
+                         timeout=120)
+    assert (run.returncode, run.stderr) == (130, "jaxdist: interrupted\n")
+    assert not (tmp_path / "out").exists()
