@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ from jaxdist import kernels, models
 from jaxdist.checkpoint import RunCheckpoints
 from jaxdist.config import Config, TrainConfig
 from jaxdist.data import loader
-from jaxdist.errors import NonFiniteError, UserError
+from jaxdist.errors import NonFiniteError, check_writable
 from jaxdist.observe import console, wandb_log
 from jaxdist.observe.metrics import MetricsWriter, device_metrics, drop_after, throughput
 from jaxdist.observe.profile import StepProfiler
@@ -60,7 +59,8 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
     # data.epochs ends the run where a resumed one counts the examples left from its checkpoint.
     cfg = checkpoints.cfg = loader.resolve_steps(cfg, len(train_source), planned.step, planned.example)
     run_dir = Path(cfg.run_dir)
-    _check_writable(run_dir)
+    # Every process checks: each writes its checkpoint shards there.
+    check_writable(run_dir, f"run_dir={run_dir}", directory=True)
     batches = loader.train_iterator(cfg, rows, start_example=planned.example, source=train_source)
     first_local = next(batches)
     feed.check_replicas_agree(first_local, layout.batch_sharding, rows)
@@ -235,20 +235,6 @@ def _what_is_not_finite(metrics: dict[str, Any]) -> str:
         return f"the loss is {values['loss']}"
     at_scale = f" at loss scale {values['loss_scale']:g}" if "loss_scale" in values else ""
     return f"the gradient norm is {values['grad_norm']}{at_scale} (loss {values['loss']:.4g})"
-
-
-def _check_writable(run_dir: Path) -> None:
-    """Creates `run_dir` and writes a scratch file in it, so a path that cannot hold the run fails
-    before anything compiles (every process checks: each writes its checkpoint shards there)."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UserError(f"run_dir={run_dir} is a file, not a directory; pick another run_dir")
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=run_dir):
-            pass
-    except OSError as err:
-        raise UserError(f"run_dir={run_dir} cannot be written ({err.strerror}: {err.filename}); "
-                        f"pick a writable directory") from None
 
 
 def _ranges(rows: tuple[int, ...]) -> str:

@@ -153,7 +153,7 @@ def _unwritable_run_dirs(tmp_path):
     read_only.mkdir(mode=0o555)
     return {
         "is_a_file": (a_file, "is a file, not a directory"),
-        "under_a_file": (a_file / "run", "cannot be written (Not a directory"),
+        "under_a_file": (a_file / "run", f"cannot be written: {a_file} is a file, not a directory"),
         "in_proc": (Path("/proc/jaxdist-run"), "cannot be written (No such file or directory"),
         "read_only": (read_only / "run", "cannot be written (Permission denied"),
     }
