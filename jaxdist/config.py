@@ -410,7 +410,8 @@ class ProfileConfig(Section):
 class Config(Section):
     """A whole run: its sections, seed and run directory."""
 
-    seed: int = Field(0, description="seed of parameter init, data order and sampling")
+    # Unsigned 32 bits: what grain's shuffles and numpy's SeedSequence take.
+    seed: int = Field(0, ge=0, lt=2**32, description="seed of parameter init, data order and sampling")
     run_dir: str = Field("runs/default", description="directory of config.yaml, metrics.jsonl and checkpoints/")
     mesh: MeshConfig = Field(MeshConfig(), description="device mesh axis sizes")
     rules: RulesConfig = Field(RulesConfig(), description="logical-axis rules")

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from conftest import TINY_GPT
 
-from jaxdist import cli
+from jaxdist import cli, config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,6 +48,20 @@ def test_bad_config_exits_2_with_one_line(config_file, capsys, compiles, overrid
         assert text in err, (text, err)
     assert compiles.count == 0
     assert not (config_file.parent / "run").exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("seed=-1", "config: seed=-1: input should be greater than or equal to 0"),
+    ("seed=4294967296", "config: seed=4294967296: input should be less than 4294967296"),
+])
+def test_out_of_range_value_is_one_exact_line(config_file, capsys, compiles, override, message):
+    assert cli.main(["train", str(config_file), override]) == 2
+    assert one_line_error(capsys) == f"jaxdist: error: {message}\n"
+    assert compiles.count == 0
+
+
+def test_seed_takes_the_whole_unsigned_32_bit_range(tmp_path):
+    assert config.load(None, ["seed=0"]).seed == 0 and config.load(None, ["seed=4294967295"]).seed == 2**32 - 1
 
 
 def test_heads_not_divisible_by_tensor(config_file, capsys, compiles):
