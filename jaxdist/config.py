@@ -25,7 +25,8 @@ RECIPES = Path(__file__).parent / "recipes"
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # No float key means anything at inf or nan: an infinite learning rate trains NaN parameters.
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
 class MeshConfig(Section):
@@ -119,6 +120,10 @@ class GPTConfig(ModelSection):
             raise ValueError(f"model.d_model={self.d_model} is not divisible by model.heads={self.heads}")
         if self.positions == "rope" and (self.d_model // self.heads) % 2:
             raise ValueError("model.positions=rope needs an even head dimension (d_model / heads)")
+        if self.mlp_dim < 1:
+            raise ValueError(f"model.mlp_ratio={self.mlp_ratio} makes the MLP's hidden width int(model.d_model x "
+                             f"model.mlp_ratio) = {self.mlp_dim}; it needs at least 1: model.mlp_ratio >= "
+                             f"1/{self.d_model}")
         return self
 
     @property

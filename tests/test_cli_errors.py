@@ -53,6 +53,13 @@ def test_bad_config_exits_2_with_one_line(config_file, capsys, compiles, overrid
 @pytest.mark.parametrize("override, message", [
     ("seed=-1", "config: seed=-1: input should be greater than or equal to 0"),
     ("seed=4294967296", "config: seed=4294967296: input should be less than 4294967296"),
+    ("optim.lr=inf", "config: optim.lr='inf': input should be a finite number"),
+    ("optim.lr=.nan", "config: optim.lr=nan: input should be a finite number"),
+    ("optim.clip_norm=.inf", "config: optim.clip_norm=inf: input should be a finite number"),
+    ("sample.temperature=Infinity", "config: sample.temperature='Infinity': input should be a finite number"),
+    ("model.mlp_ratio=inf", "config: model.mlp_ratio='inf': input should be a finite number"),
+    ("model.mlp_ratio=0.001", "config: model.mlp_ratio=0.001 makes the MLP's hidden width int(model.d_model x "
+                              "model.mlp_ratio) = 0; it needs at least 1: model.mlp_ratio >= 1/64"),
 ])
 def test_out_of_range_value_is_one_exact_line(config_file, capsys, compiles, override, message):
     assert cli.main(["train", str(config_file), override]) == 2
