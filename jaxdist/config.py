@@ -14,8 +14,9 @@ from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
+from pydantic_core import PydanticCustomError
 
 from jaxdist.errors import UserError
 
@@ -27,6 +28,45 @@ RECIPES = Path(__file__).parent / "recipes"
 class Section(BaseModel):
     # No float key means anything at inf or nan: an infinite learning rate trains NaN parameters.
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic takes true as 1 for an int or a float, and YAML reads yes/no and on/off as
+        # booleans too: `mesh.tensor=yes` would be a size.
+        annotation = cls.model_fields[info.field_name].annotation
+        if isinstance(value, bool) and (kind := _number_kind(annotation)):
+            raise PydanticCustomError("bool_not_number", f"Input should be a valid {kind}, {_NOT_A_BOOLEAN}")
+        if isinstance(value, list) and any(isinstance(item, bool) for item in value) and (
+                kind := _number_kind(_list_item(annotation))):
+            raise PydanticCustomError("bool_not_number", f"Each item should be a valid {kind}, {_NOT_A_BOOLEAN}")
+        return value
+
+
+_NOT_A_BOOLEAN = "not a boolean (YAML reads true/false, yes/no and on/off as booleans)"
+
+
+def _scalar_types(annotation: Any) -> set[Any]:
+    """The types a field's annotation admits, unwrapped from `Annotated` and unions."""
+    if get_origin(annotation) is Annotated:
+        return _scalar_types(get_args(annotation)[0])
+    if get_origin(annotation) in (Union, UnionType):
+        return set().union(*(_scalar_types(arg) for arg in get_args(annotation)))
+    return {annotation}
+
+
+def _number_kind(annotation: Any) -> str | None:
+    """"integer" or "number" where the annotation takes ints or floats and no bool; else None."""
+    types = _scalar_types(annotation)
+    if bool in types:
+        return None
+    return "number" if float in types else "integer" if int in types else None
+
+
+def _list_item(annotation: Any) -> Any:
+    """The item type of the list the annotation admits (None: it admits no list)."""
+    lists = [kind for kind in _scalar_types(annotation) if get_origin(kind) is list]
+    return get_args(lists[0])[0] if lists else None
 
 
 class MeshConfig(Section):
@@ -620,8 +660,17 @@ def _describe(err: ValidationError) -> str:
         return f"config: unknown key '{key}'; known keys here: {known}"
     if kind == "value_error":
         return f"config: {first['msg'].removeprefix('Value error, ')}"
-    got = first.get("input")
-    return f"config: {key}={got!r}: {first['msg'].lower()}"
+    message = first["msg"]  # a sentence: "Input should be ..."
+    return f"config: {key}={_shown(first.get('input'))}: {message[:1].lower()}{message[1:]}"
+
+
+def _shown(value: Any) -> str:
+    """A value as the error line shows it: booleans as YAML writes them (true, not True)."""
+    if isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return f"[{', '.join(_shown(item) for item in value)}]"
+    return repr(value)
 
 
 def _section_of(loc: tuple) -> type[BaseModel] | None:

@@ -67,6 +67,33 @@ def test_out_of_range_value_is_one_exact_line(config_file, capsys, compiles, ove
     assert compiles.count == 0
 
 
+# YAML reads true/false, yes/no and on/off as booleans, which pydantic alone would take as 1 and 0.
+_NOT_A_BOOLEAN = "not a boolean (YAML reads true/false, yes/no and on/off as booleans)"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.steps=true"], f"config: train.steps=true: input should be a valid integer, {_NOT_A_BOOLEAN}"),
+    (["mesh.tensor=yes"], f"config: mesh.tensor=true: input should be a valid integer, {_NOT_A_BOOLEAN}"),
+    (["checkpoint.every=off"], f"config: checkpoint.every=false: input should be a valid integer, {_NOT_A_BOOLEAN}"),
+    (["data.epochs=on"], f"config: data.epochs=true: input should be a valid integer, {_NOT_A_BOOLEAN}"),
+    (["optim.lr=true"], f"config: optim.lr=true: input should be a valid number, {_NOT_A_BOOLEAN}"),
+    (["optim.clip_norm=no"], f"config: optim.clip_norm=false: input should be a valid number, {_NOT_A_BOOLEAN}"),
+    (["model.name=mlp", "model.hidden=[64, true]"],
+     f"config: model.hidden=[64, true]: each item should be a valid integer, {_NOT_A_BOOLEAN}"),
+])
+def test_a_boolean_is_not_a_number(config_file, capsys, compiles, overrides, message):
+    assert cli.main(["train", str(config_file), *overrides]) == 2
+    assert one_line_error(capsys) == f"jaxdist: error: {message}\n"
+    assert compiles.count == 0
+
+
+def test_booleans_and_numbers_still_load():
+    cfg = config.load(None, ["impl.scan_layers=no", "optim.nesterov=yes", "data.augment.flip=on", "train.steps=3",
+                             "optim.lr=1e-3", "optim.clip_norm=2", "model.mlp_ratio=3"])
+    assert (cfg.impl.scan_layers, cfg.optim.nesterov, cfg.data.augment.flip) == (False, True, True)
+    assert (cfg.train.steps, cfg.optim.lr, cfg.optim.clip_norm, cfg.model.mlp_ratio) == (3, 1e-3, 2.0, 3.0)
+
+
 def test_seed_takes_the_whole_unsigned_32_bit_range(tmp_path):
     assert config.load(None, ["seed=0"]).seed == 0 and config.load(None, ["seed=4294967295"]).seed == 2**32 - 1
 

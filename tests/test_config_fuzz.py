@@ -53,9 +53,9 @@ def wrong_values(annotation) -> list[str]:
     if any(isinstance(kind, tuple) for kind in kinds):
         return ["no_such_choice", "[1]"]
     if kinds <= {int}:
-        return ["abc", "1.5", "[1]", "{a: 1}"]
+        return ["abc", "1.5", "[1]", "{a: 1}", "true", "off"]
     if kinds <= {float}:
-        return ["abc", "[1]", "{a: 1}", ".inf", "-.inf", ".nan"]
+        return ["abc", "[1]", "{a: 1}", ".inf", "-.inf", ".nan", "yes"]
     if kinds <= {bool}:
         return ["maybe", "[1]", "2"]
     return ["[1, 2]", "{a: 1}"]  # str
@@ -136,7 +136,7 @@ def test_the_fields_are_found():
     keys = dict(FIELDS)
     assert {"train.global_batch", "optim.lr", "mesh.fsdp", "run_dir", "impl.loss_chunk"} <= set(keys)
     assert ("train.global_batch", "0") in BOUNDED and ("optim.lr", "-1") in BOUNDED
-    assert ("optim.clip_norm", ".nan") in WRONG_TYPES
+    assert ("optim.clip_norm", ".nan") in WRONG_TYPES and ("train.steps", "true") in WRONG_TYPES
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
