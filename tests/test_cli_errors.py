@@ -37,6 +37,9 @@ def config_file(tmp_path):
         ("optim.lr=-1", ["optim.lr", "greater than 0"]),
         ("rules.preset=zero3", ["rules.preset", "dp, fsdp, tp, fsdp_tp"]),
         ("model.d_model=66", ["model.d_model=66", "model.heads=4"]),
+        ("rules.params.embd=tensor", ["rules.params.embd=tensor", "'embd' is not a logical name", "embed, mlp"]),
+        ("rules.activations.sequence=tensor", ["rules.activations.sequence=tensor", "batch, seq, length"]),
+        ("rules.params.=fsdp", ["rules.params.=fsdp", "'' is not a logical name of a parameter"]),
     ],
 )
 def test_bad_config_exits_2_with_one_line(config_file, capsys, compiles, override, must_mention):

@@ -56,6 +56,38 @@ def test_rule_naming_a_missing_mesh_axis(tmp_path):
         param_layouts(cfg)
 
 
+_PARAM_NAMES = "layers, vocab, embed, mlp, heads, head_dim, length, qkv, classes, kernel_h, kernel_w, conv_in, conv_out"
+_ACTIVATION_NAMES = "batch, seq, length, embed, mlp, heads, head_dim, vocab, stage, classes, height, width, channels"
+
+
+@pytest.mark.parametrize("table, message", [
+    ({"params": {"embd": "tensor"}},
+     f"rules: rules.params.embd=tensor: 'embd' is not a logical name of a parameter; the names are {_PARAM_NAMES}"),
+    ({"params": {"": ["data", "fsdp"]}},
+     f"rules: rules.params.=[data, fsdp]: '' is not a logical name of a parameter; the names are {_PARAM_NAMES}"),
+    ({"params": {"seq": None}},
+     f"rules: rules.params.seq=null: 'seq' is not a logical name of a parameter; the names are {_PARAM_NAMES}"),
+    ({"activations": {"sequence": "tensor"}},
+     f"rules: rules.activations.sequence=tensor: 'sequence' is not a logical name of an activation; the names "
+     f"are {_ACTIVATION_NAMES}"),
+])
+def test_a_rule_for_a_name_no_model_uses_is_refused(tmp_path, table, message):
+    cfg = make_config(tmp_path, rules={"preset": "fsdp_tp", **table})
+    with pytest.raises(UserError) as error:
+        rules.from_config(cfg.rules)
+    assert str(error.value) == message
+
+
+def test_every_logical_name_of_the_models_can_be_configured(tmp_path):
+    """The names the config accepts are those of the presets: every name jaxdist's models use has a
+    rule there (placing a model fails on a name without one)."""
+    for name in rules.PRESETS:
+        preset = rules.preset(name)
+        cfg = make_config(tmp_path, rules={"preset": name, "params": {n: None for n in preset.params},
+                                           "activations": {n: None for n in preset.activations}})
+        assert rules.from_config(cfg.rules).params["embed"] == ()
+
+
 def test_constrain_is_a_noop_outside_a_step():
     x = jax.numpy.ones((4, 4))
     assert rules.constrain(x, ("batch", "embed")) is x

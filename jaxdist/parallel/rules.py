@@ -221,8 +221,31 @@ def preset(name: str) -> Rules:
 
 
 def from_config(rules_cfg) -> Rules:
-    """Rules from the `rules:` config section (a preset plus YAML overrides)."""
+    """Rules from the `rules:` config section (a preset plus YAML overrides); a `UserError` for an
+    override of a logical name that no preset has."""
+    _check_names("params", "a parameter", rules_cfg.params)
+    _check_names("activations", "an activation", rules_cfg.activations)
     return preset(rules_cfg.preset).override(rules_cfg.params, rules_cfg.activations)
+
+
+def _check_names(kind: str, what: str, overrides: Mapping[str, RuleValue]) -> None:
+    # Checked against the presets' names, not the configured model's: activation names show only
+    # when the step is traced (too late to fail before compiling), and every name jaxdist's models
+    # use has a rule in every preset, since placing a model fails on a name without one. So a name
+    # outside the presets is a typo, which as an override would do nothing; a model with a new
+    # name adds its rule to the presets (Rules.override still takes any name, from Python).
+    names = list(dict.fromkeys(name for rules in PRESETS.values() for name in getattr(rules, kind)))
+    for name, value in overrides.items():
+        if name not in names:
+            raise UserError(f"rules: rules.{kind}.{name}={_rule_text(value)}: '{name}' is not a logical name of "
+                            f"{what}; the names are {', '.join(names)}")
+
+
+def _rule_text(value: RuleValue) -> str:
+    """A rule's mesh axes as the config writes them: tensor, [data, fsdp], null."""
+    if value is None:
+        return "null"
+    return value if isinstance(value, str) else f"[{', '.join(value)}]"
 
 
 # -- activation constraints ------------------------------------------------------------------------
