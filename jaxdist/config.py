@@ -596,7 +596,7 @@ def load(path: str | Path | None, overrides: list[str] = ()) -> Config:
             raise UserError(f"config file {path} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
                             f"{err.start}); save it as UTF-8") from None
         except yaml.YAMLError as err:
-            raise UserError(f"config file {path} is not valid YAML: {_first_line(err)}") from None
+            raise UserError(f"config file {path} is not valid YAML: {_yaml_problem(err)}") from None
         if not isinstance(raw, dict):
             raise UserError(f"config file {path} must hold a mapping of sections, not {type(raw).__name__}")
     for override in overrides:
@@ -694,6 +694,15 @@ def _section_of(loc: tuple) -> type[BaseModel] | None:
 
 def _first_line(err: Exception) -> str:
     return str(err).strip().splitlines()[0]
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """PyYAML's error as one line: what it was reading and the problem, each with its line and column."""
+    if not isinstance(err, yaml.MarkedYAMLError) or not (err.context or err.problem):
+        return _first_line(err)
+    parts = [f"{text} (line {mark.line + 1}, column {mark.column + 1})" if mark else text
+             for text, mark in ((err.context, err.context_mark), (err.problem, err.problem_mark)) if text]
+    return " ".join(": ".join(parts).split())
 
 
 def resolve_mesh_shape(mesh: MeshConfig, device_count: int) -> dict[str, int]:

@@ -154,6 +154,20 @@ def test_bad_yaml(tmp_path, capsys):
     assert "not valid YAML" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text, where", [
+    ("train:\n\tsteps: 2\n",
+     "while scanning for the next token: found character '\\t' that cannot start any token (line 2, column 1)"),
+    ("train: {steps: [1, 2\n",
+     "while parsing a flow sequence (line 1, column 16): expected ',' or ']', but got '<stream end>' (line 2, column 1)"),
+    ("train:\n  steps: 2: 3\n", "mapping values are not allowed here (line 2, column 11)"),
+])
+def test_bad_yaml_names_the_problem_and_where(tmp_path, capsys, text, where):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    assert cli.main(["train", str(path)]) == 2
+    assert one_line_error(capsys) == f"jaxdist: error: config file {path} is not valid YAML: {where}\n"
+
+
 def test_version_names_jaxdist_and_its_libraries(capsys):
     from jaxdist import cli
 
