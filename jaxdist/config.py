@@ -102,6 +102,23 @@ class RulesConfig(Section):
     activations: dict[str, AxisRule] = Field(
         default_factory=dict, description="activation rules overrides: logical name -> mesh axis, axes or null")
 
+    @field_validator("params", "activations", mode="before")
+    @classmethod
+    def _overrides(cls, table: Any, info: ValidationInfo) -> Any:
+        # Checked here, where the logical name is known: pydantic's errors would name the member of
+        # the AxisRule union that failed last (rules.params.embed.str) instead of the key.
+        if not isinstance(table, dict):
+            return table  # pydantic's own error names rules.params
+        key = f"rules.{info.field_name}"
+        for name, axes in table.items():
+            if not isinstance(name, str):
+                raise ValueError(f"key {_shown(name)} in {key} is not a logical name (names are text, e.g. embed)")
+            if not (axes is None or isinstance(axes, str)
+                    or (isinstance(axes, list) and all(isinstance(axis, str) for axis in axes))):
+                raise ValueError(f"{key}.{name}={_shown(axes)}: use a mesh axis ({', '.join(MESH_AXES)}), a list of "
+                                 f"them, or null (replicated)")
+        return table
+
 
 class ModelSection(Section):
     """What every model's section answers for the layers that are not the model (layout, pipeline,
@@ -645,6 +662,13 @@ def _describe(err: ValidationError) -> str:
         loc = ("model", *loc[2:])  # the union's tag: the model is named by model.name
     key = ".".join(str(part) for part in loc)
     kind = first["type"]
+    if kind == "model_type" or (kind == "union_tag_not_found" and first["input"] is None):
+        return _not_a_section(key, first["input"], _section_of(first["loc"]))
+    if kind == "invalid_key":
+        where = f"in {'.'.join(str(part) for part in loc[:-1])}" if loc[:-1] else "at the top level"
+        section = _section_of(first["loc"][:-1])
+        known = ", ".join(section.model_fields) if section else ""
+        return f"config: key {_shown(first['input'])} {where} is not a name (keys are text); known keys here: {known}"
     if kind in ("union_tag_invalid", "union_tag_not_found"):
         given = first["input"].get("name") if isinstance(first["input"], dict) else first["input"]
         what = "model.name" if isinstance(first["input"], dict) else "model"
@@ -662,6 +686,19 @@ def _describe(err: ValidationError) -> str:
         return f"config: {first['msg'].removeprefix('Value error, ')}"
     message = first["msg"]  # a sentence: "Input should be ..."
     return f"config: {key}={_shown(first.get('input'))}: {message[:1].lower()}{message[1:]}"
+
+
+def _not_a_section(key: str, given: Any, section: type[BaseModel]) -> str:
+    """The error line for a section given as something other than a mapping of its keys (an empty
+    `train:` in YAML is None)."""
+    if section is ModelSection:  # its keys are those of the model that model.name picks
+        *names, last = MODEL_CONFIGS
+        keys = f"model.name: {', '.join(names)} or {last}, and that model's"
+    else:
+        keys = ", ".join(section.model_fields)
+    if given is None:
+        return f"config: {key} is empty; give its keys ({keys}) or leave the section out for its defaults"
+    return f"config: {key}={_shown(given)}: {key} is a section: give it a mapping of its keys ({keys})"
 
 
 def _shown(value: Any) -> str:

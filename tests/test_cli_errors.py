@@ -168,6 +168,35 @@ def test_bad_yaml_names_the_problem_and_where(tmp_path, capsys, text, where):
     assert one_line_error(capsys) == f"jaxdist: error: config file {path} is not valid YAML: {where}\n"
 
 
+_TRAIN_KEYS = "steps, global_batch, microbatches, grad_reduction, fsdp_gather, on_nonfinite, max_consecutive_skips"
+_AXIS_RULE = "use a mesh axis (data, stage, fsdp, tensor), a list of them, or null (replicated)"
+
+
+@pytest.mark.parametrize("text, overrides, message", [
+    ("{}", ["rules.params.embed=5"], f"config: rules.params.embed=5: {_AXIS_RULE}"),
+    ("{}", ["rules.activations.batch=[data, 1]"], f"config: rules.activations.batch=['data', 1]: {_AXIS_RULE}"),
+    ("rules: {params: {1: fsdp}}", [], "config: key 1 in rules.params is not a logical name (names are text, e.g. embed)"),
+    ("train:\n", [], f"config: train is empty; give its keys ({_TRAIN_KEYS}) or leave the section out for its defaults"),
+    ("data: {augment: }", [], "config: data.augment is empty; give its keys (crop_padding, flip) or leave the section "
+                              "out for its defaults"),
+    ("train: 5", [], f"config: train=5: train is a section: give it a mapping of its keys ({_TRAIN_KEYS})"),
+    ("model:\n", [], "config: model is empty; give its keys (model.name: gpt, mlp or resnet, and that model's) or "
+                     "leave the section out for its defaults"),
+    ("1: 2", [], "config: key 1 at the top level is not a name (keys are text); known keys here: seed, run_dir, mesh, "
+                 "rules, model, impl, data, train, optim, precision, log, eval, checkpoint, pipeline, sample, profile"),
+    ("train: {1: 2}", [], f"config: key 1 in train is not a name (keys are text); known keys here: {_TRAIN_KEYS}"),
+    ("train: {on: 2}", [], f"config: key true in train is not a name (keys are text); known keys here: {_TRAIN_KEYS}"),
+    ("model: {name: mlp, 2.5: 1}", [], "config: key 2.5 in model is not a name (keys are text); known keys here: "
+                                       "name, classes, image_shape, hidden"),
+])
+def test_a_key_is_named_as_the_user_wrote_it(tmp_path, capsys, compiles, text, overrides, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    assert cli.main(["train", str(path), *overrides]) == 2
+    assert one_line_error(capsys) == f"jaxdist: error: {message}\n"
+    assert compiles.count == 0
+
+
 def test_version_names_jaxdist_and_its_libraries(capsys):
     from jaxdist import cli
 
