@@ -11,7 +11,7 @@ import math
 from collections.abc import Hashable, Iterator
 from pathlib import Path
 from types import UnionType
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, NamedTuple, Union, get_args, get_origin
 
 import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError, ValidationInfo,
@@ -120,6 +120,15 @@ class RulesConfig(Section):
         return table
 
 
+class DerivedSize(NamedTuple):
+    """A parameter dimension's size that a config key decides without giving it, e.g. the MLP's width."""
+
+    key: str  # the dotted key that decides it
+    value: Any  # that key's value
+    what: str  # the dimension and how its size follows from the keys
+    size: int
+
+
 class ModelSection(Section):
     """What every model's section answers for the layers that are not the model (layout, pipeline,
     throughput); each model's own keys live in its subclass."""
@@ -136,6 +145,11 @@ class ModelSection(Section):
 
     def tensor_divides(self) -> dict[str, int]:
         """Config keys (dotted) whose values mesh.tensor must divide."""
+        return {}
+
+    def derived_sizes(self) -> dict[str, DerivedSize]:
+        """Logical name -> size of the parameter dimensions whose size no key gives directly, so that
+        a size the rules cannot split is reported by the key that decides it."""
         return {}
 
     def summary(self) -> dict[str, Any]:
@@ -197,6 +211,10 @@ class GPTConfig(ModelSection):
 
     def tensor_divides(self) -> dict[str, int]:
         return {"model.heads": self.heads}
+
+    def derived_sizes(self) -> dict[str, DerivedSize]:
+        return {"mlp": DerivedSize("model.mlp_ratio", self.mlp_ratio,
+                                   "the MLP's hidden width int(model.d_model x model.mlp_ratio)", self.mlp_dim)}
 
     def summary(self) -> dict[str, Any]:
         return {"d": self.d_model, "layers": self.layers, "seq": self.seq_len}

@@ -108,6 +108,23 @@ def test_heads_not_divisible_by_tensor(config_file, capsys, compiles):
     assert compiles.count == 0
 
 
+def test_mlp_width_not_divisible_by_tensor_names_mlp_ratio(config_file, capsys, compiles):
+    code = cli.main(["train", str(config_file), "model.mlp_ratio=1.03"])
+    assert code == 2 and one_line_error(capsys) == (
+        "jaxdist: error: model.mlp_ratio=1.03 makes the MLP's hidden width int(model.d_model x model.mlp_ratio) = 65, "
+        "which is not divisible by mesh.tensor=2 (rules.params.mlp splits it); pick a model.mlp_ratio that makes it a "
+        "multiple of 2\n")
+    assert compiles.count == 0
+
+
+def test_mlp_width_the_rules_do_not_split_need_not_divide(tmp_path):
+    from jaxdist.parallel import layout
+
+    cfg = config.load(None, ["model.mlp_ratio=1.03", "mesh.fsdp=4", "mesh.tensor=2", "rules.params.mlp=null",
+                             f"run_dir={tmp_path}"])
+    layout.from_config(cfg)
+
+
 @pytest.mark.parametrize(
     "argv, must_mention",
     [

@@ -53,7 +53,8 @@ def from_config(cfg: Config, devices: list | None = None) -> Layout:
 
 
 def check(cfg: Config, layout: Layout) -> None:
-    """The checks that need the mesh: batch sizes against the batch shards, heads against tensor."""
+    """The checks that need the mesh: batch sizes against the batch shards, heads against tensor, the
+    sizes the model's keys decide against the axes their rules split them over."""
     shards = layout.batch_shards
     axes = " x ".join(f"mesh.{axis}" for axis in rules_lib.batch_axes(layout.rules)) or "nothing (replicated)"
     if cfg.train.global_batch % shards:
@@ -71,4 +72,13 @@ def check(cfg: Config, layout: Layout) -> None:
     for key, value in cfg.model.tensor_divides().items():
         if value % tensor:
             raise UserError(f"{key}={value} is not divisible by mesh.tensor={tensor}; use a tensor size that divides {value}")
+    # Before the parameters are placed, whose check would name a parameter (blocks/mlp/down), not the key.
+    for name, derived in cfg.model.derived_sizes().items():
+        axes = layout.rules.params.get(name, ())
+        if derived.size % (parts := rules_lib.axes_size(layout.mesh, axes)):
+            split = " x ".join(f"mesh.{axis}={layout.mesh.shape[axis]}" for axis in axes)
+            raise UserError(
+                f"{derived.key}={derived.value} makes {derived.what} = {derived.size}, which is not divisible by "
+                f"{split} (rules.params.{name} splits it); pick a {derived.key} that makes it a multiple of {parts}"
+            )
     pipeline.check_config(cfg, layout.mesh, layout.rules)
