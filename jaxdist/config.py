@@ -543,6 +543,7 @@ class Config(Section):
         return self
 
     def to_yaml(self) -> str:
+        """The whole config as YAML, every key with its value (what run_dir/config.yaml holds)."""
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
@@ -648,6 +649,7 @@ def with_overrides(cfg: Config, overrides: list[str]) -> Config:
 
 
 def from_dict(raw: dict[str, Any]) -> Config:
+    """A checked `Config` from nested dicts (a YAML file's content); a one-line `UserError` otherwise."""
     try:
         return Config.model_validate(raw)
     except ValidationError as err:

@@ -50,6 +50,7 @@ class Rules:
 
     @classmethod
     def create(cls, params: Mapping[str, RuleValue], activations: Mapping[str, RuleValue]) -> Rules:
+        """Rules from two tables, logical name -> mesh axis, list of axes, or None (replicated)."""
         return cls(
             params={name: _axes(v) for name, v in params.items()},
             activations={name: _axes(v) for name, v in activations.items()},
@@ -88,9 +89,12 @@ class Rules:
         return cls.create(table(params), table(params if activations is None else activations))
 
     def param_spec(self, names: Sequence[str | None], where: str = "a parameter") -> PartitionSpec:
+        """The PartitionSpec of a parameter whose dimensions carry logical `names` (None: not split);
+        a `UserError` naming `where` for a name without a rule or a mesh axis used twice."""
         return _spec(self.params, names, where, "rules.params")
 
     def activation_spec(self, names: Sequence[str | None], where: str = "an activation") -> PartitionSpec:
+        """As `param_spec`, by the activation rules."""
         return _spec(self.activations, names, where, "rules.activations")
 
 
@@ -342,6 +346,7 @@ class Placement:
 
     @property
     def shardings(self) -> Any:
+        """The model's parameters' NamedShardings, a pytree shaped like its state."""
         return layout_shardings(self.layouts, self.mesh)
 
     def table(self) -> str:
