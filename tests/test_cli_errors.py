@@ -122,7 +122,8 @@ def test_mlp_width_the_rules_do_not_split_need_not_divide(tmp_path):
 
     cfg = config.load(None, ["model.mlp_ratio=1.03", "mesh.fsdp=4", "mesh.tensor=2", "rules.params.mlp=null",
                              f"run_dir={tmp_path}"])
-    layout.from_config(cfg)
+    placed = layout.from_config(cfg)  # the 263-wide MLP is whole on every device
+    assert cfg.model.mlp_dim == 263 and placed.rules.params["mlp"] == () and placed.mesh.shape["tensor"] == 2
 
 
 @pytest.mark.parametrize(
