@@ -180,15 +180,16 @@ def test_float16_gpt_on_cpu_is_refused_before_compiling(tmp_path, compiles):
     assert compiles.count == 0
 
 
-@pytest.mark.parametrize("optimizer, lr", [("adamw", 1e-2), ("sgd", 0.5), ("lamb", 1e-2), ("lars", 10.0), ("adafactor", 1e-2)])
+@pytest.mark.parametrize("optimizer, lr", [("adamw", 1e-2), ("sgd", 0.5), ("lamb", 3e-2), ("lars", 10.0), ("adafactor", 3e-2)])
 def test_bfloat16_parameters_train_with_the_state_in_its_own_dtypes(tmp_path, optimizer, lr):
     # The gradients are float32; the optimizer's moments of bfloat16 parameters must stay bfloat16,
     # or the compiled step rejects the state it returned one step earlier.
-    cfg = make_config(tmp_path, precision={"params": "bfloat16"}, mesh={"data": 2, "fsdp": 1, "tensor": 1},
-                      rules={"preset": "dp"}, optim={"name": optimizer, "lr": lr})
-    trainer = Trainer.from_config(cfg, devices=jax.devices()[:2])
+    cfg = make_config(tmp_path, precision={"params": "bfloat16"}, mesh={"data": 1, "fsdp": 1, "tensor": 1},
+                      rules={"preset": "dp"}, optim={"name": optimizer, "lr": lr},
+                      model={"d_model": 32, "layers": 1, "heads": 2, "seq_len": 16})
+    trainer = Trainer.from_config(cfg, devices=jax.devices()[:1])
     dtypes_before = jax.tree.map(lambda leaf: leaf.dtype, trainer.state)
-    tokens = np.random.default_rng(0).integers(0, 256, (16, 33))
+    tokens = np.random.default_rng(0).integers(0, 256, (16, 17))
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     losses = [float(trainer.step(batch)["loss"]) for _ in range(4)]
     assert jax.tree.map(lambda leaf: leaf.dtype, trainer.state) == dtypes_before
