@@ -105,7 +105,14 @@ SLOW_MODULES = {
 }
 
 
+# The modules of the longest tests, run first: xdist hands out tests in collection order, and a
+# worker that draws one of these last keeps the run going for minutes after the other is done.
+LONGEST_FIRST = ("test_main_job", "test_layouts_multiprocess", "test_multihost")
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if item.module.__name__ in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: LONGEST_FIRST.index(item.module.__name__)
+               if item.module.__name__ in LONGEST_FIRST else len(LONGEST_FIRST))
