@@ -2,8 +2,8 @@
 plot`: the command line.
 
 Exit codes: 0 done, 1 crash, 2 user error, 3 `train` stopped at a non-finite loss or gradients
-(nothing of that step saved; the last checkpoint is intact), 130 interrupted (Ctrl-C) before training
-started; `launch` also 124 when it stopped a stuck run;
+(nothing of that step saved; the last checkpoint is intact), 130 interrupted (Ctrl-C) outside the
+training steps (before them, or in the sample after them); `launch` also 124 when it stopped a stuck run;
 `build-kernels` 1 where a kernel is unavailable on a GPU. Before anything else every command
 applies jaxdist's process-wide settings (`JAXDIST_CPU_DEVICES`, the XLA GPU flags:
 `jaxdist.runtime`); every command that runs JAX then joins the other processes of the run
