@@ -164,19 +164,6 @@ _IMAGE_OPTIONS = {"--image-size": "image_size", "--grayscale": "grayscale"}
 _SHARED_OPTIONS = ("eval_fraction", "records_per_shard")
 
 
-def _check_config_path(path: str) -> None:
-    """Refuses a directory as the config, which `config.load` would report as missing."""
-    from pathlib import Path
-
-    from jaxdist import config
-
-    given = Path(path)
-    names_a_recipe = len(given.parts) == 1 and not given.suffix and given.name in config.recipes()
-    if given.is_dir() and not names_a_recipe:
-        raise UserError(f"config {path} is a directory; pass the path of a YAML file in it, or a recipe: "
-                        f"{', '.join(config.recipes())}")
-
-
 def _data_prepare(args) -> None:
     from jaxdist.data import images, prepare
 
@@ -363,8 +350,6 @@ def _run(argv: list[str] | None) -> int:
         args.overrides = [*args.overrides, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)} ({args.command} takes no key=value overrides)")
-    if getattr(args, "config", None):
-        _check_config_path(args.config)
     if args.command == "plan" and args.devices and not os.environ.get("JAXDIST_CPU_DEVICES"):
         runtime.use_cpu_devices(args.devices)  # simulated where there is no accelerator
     runtime.use_cpu_devices()

@@ -607,14 +607,19 @@ def recipes() -> list[str]:
 
 
 def _locate(path: str | Path) -> Path:
-    """`path` itself, or the recipe it names when it is a bare name (no suffix, no folder) and no file."""
+    """`path` itself, or the recipe it names when it is a bare name (no suffix, no folder) and no
+    file; a `UserError` for a directory that names no recipe."""
     path = Path(path)
-    if path.is_file() or path.suffix or len(path.parts) != 1:
-        return path
-    recipe = RECIPES / f"{path}.yaml"
-    if not recipe.is_file():
-        raise UserError(f"config {path} is neither a file nor a recipe; recipes: {', '.join(recipes())}")
-    return recipe
+    if not (path.is_file() or path.suffix or len(path.parts) != 1):
+        recipe = RECIPES / f"{path}.yaml"
+        if recipe.is_file():
+            return recipe
+        if not path.is_dir():
+            raise UserError(f"config {path} is neither a file nor a recipe; recipes: {', '.join(recipes())}")
+    if path.is_dir():
+        raise UserError(f"config {path} is a directory; pass the path of a YAML file in it, or a recipe: "
+                        f"{', '.join(recipes())}")
+    return path
 
 
 def load(path: str | Path | None, overrides: list[str] = ()) -> Config:
