@@ -1,5 +1,5 @@
-"""The exceptions the CLI turns into one line on stderr and an exit code, the command line's
-checked numbers, and the check that an output path can be written.
+"""The exceptions the CLI turns into one line on stderr and an exit code, the one-line warning, the
+command line's checked numbers, and the check that an output path can be written.
 
 `UserError` (exit code 2, before any compile): a mistake in the input; messages name the config
 key, the value and the fix. `NonFiniteError` (exit code 3): training stopped at a non-finite step,
@@ -9,9 +9,12 @@ with nothing of that step saved.
 import argparse
 import importlib
 import math
+import sys
 import tempfile
 from pathlib import Path
 from types import ModuleType
+
+import jax
 
 
 class UserError(Exception):
@@ -21,6 +24,12 @@ class UserError(Exception):
 class NonFiniteError(Exception):
     """A step's loss or gradients were not finite and `train.on_nonfinite` says to stop; the message
     names the step and the last checkpoint, which holds only finite steps."""
+
+
+def warn(message: str) -> None:
+    """Prints `jaxdist: warning: <message>` on stderr, from process 0 only."""
+    if jax.process_index() == 0:
+        print(f"jaxdist: warning: {message}", file=sys.stderr, flush=True)
 
 
 def optional_import(module: str, extra: str, purpose: str) -> ModuleType:

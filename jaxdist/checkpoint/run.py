@@ -32,10 +32,9 @@ from jaxdist.checkpoint.store import (
     abstract_state,
     first_line,
     is_intact,
-    warn,
 )
 from jaxdist.config import Config
-from jaxdist.errors import NonFiniteError, UserError
+from jaxdist.errors import NonFiniteError, UserError, warn
 from jaxdist.train.state import abstract_model
 
 _VERSIONED_PACKAGES = ("jaxdist", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain")

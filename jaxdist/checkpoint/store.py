@@ -26,7 +26,6 @@ import dataclasses
 import functools
 import itertools
 import math
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxdist.checkpoint.integrity import DamagedCheckpoint, agree, array_digests, differences, is_damage
-from jaxdist.errors import UserError
+from jaxdist.errors import UserError, warn
 
 STATE, META, DIGESTS = "state", "meta", "digests"
 UNREADABLE_PREFIX = "unreadable-"
@@ -124,12 +123,6 @@ def first_mismatch(saved: dict[str, tuple], wanted: dict[str, tuple]) -> str | N
         if name not in wanted:
             return f"{name} {shape} is in the checkpoint but not in this model"
     return None
-
-
-def warn(message: str) -> None:
-    """Prints a warning on process 0 only."""
-    if jax.process_index() == 0:
-        print(f"jaxdist: warning: {message}", file=sys.stderr, flush=True)
 
 
 def _type_handlers() -> ocp.type_handlers.TypeHandlerRegistry:

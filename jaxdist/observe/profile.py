@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import jax
 
 from jaxdist.config import ProfileConfig
+from jaxdist.errors import warn
 
 
 class StepProfiler:
@@ -51,6 +51,6 @@ class StepProfiler:
         if self._tracing:
             self._stop()
         elif (exc_type is None and self._first <= self._last and self._latest is not None
-              and self._latest < self._first and jax.process_index() == 0):
-            print(f"jaxdist: warning: nothing was profiled: profile.start_step={self._first} is past step "
-                  f"{self._latest}, the last this run took", file=sys.stderr, flush=True)
+              and self._latest < self._first):
+            warn(f"nothing was profiled: profile.start_step={self._first} is past step {self._latest}, the last "
+                 f"this run took")
