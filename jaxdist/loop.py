@@ -108,7 +108,8 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
     batch, last_time, last_step, data_wait = first, time.perf_counter(), start.step, 0.0
     began = last_time
     progress = console.StepProgress(start.step, cfg.train.steps, show=is_writer)
-    guard = NonFiniteGuard(cfg.train, lambda: checkpoints.last_saved)
+    guard = NonFiniteGuard(cfg.train, lambda: checkpoints.last_saved, checkpoints.resumed_bad_steps_in_a_row)
+    checkpoints.bad_steps_in_a_row = lambda: guard.in_a_row
     # The handlers stay through the last checkpoint's write: a signal then is recorded, not fatal.
     with StopSignals() as stop:
         try:
@@ -176,12 +177,17 @@ class NonFiniteGuard:
     not saved either: its step count would claim training the data did not.
     """
 
-    def __init__(self, cfg: TrainConfig, last_saved: Callable[[], int | None]):
+    def __init__(self, cfg: TrainConfig, last_saved: Callable[[], int | None], in_a_row: int = 0):
         self._cfg = cfg
         self._last_saved = last_saved
         self._pending: tuple[int, dict[str, Any]] | None = None
-        self._in_a_row = 0
+        self._in_a_row = in_a_row  # a resumed run's count goes on from its checkpoint's
         self.halted: NonFiniteError | None = None
+
+    @property
+    def in_a_row(self) -> int:
+        """Bad steps in a row up to the newest checked step (what a checkpoint of it saves)."""
+        return self._in_a_row
 
     def record(self, step: int, metrics: dict[str, Any]) -> None:
         """Checks the step before this one, then holds on to this one's metrics."""

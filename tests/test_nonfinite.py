@@ -172,6 +172,24 @@ def test_skip_goes_on_then_halts_after_max_consecutive_skips(tmp_path, capsys):
         assert int(saved[step].skipped_steps) == step - 2
 
 
+def test_a_resumed_run_counts_the_bad_steps_in_a_row_from_its_checkpoint(tmp_path, capsys):
+    # Steps 3 and 4 are bad and skipped; the run ends at step 4, saved with its count of 2.
+    code, err, cfg = _train_cli(tmp_path, capsys, checkpoint={"every": 1, "keep": 8},
+                                train={"steps": 4, "on_nonfinite": "skip", "max_consecutive_skips": 2})
+    assert (code, err) == (0, "")
+    with Checkpoints(tmp_path / "run" / "checkpoints", create=False) as store:
+        assert [store.meta(step)["bad_steps_in_a_row"] for step in store.steps()] == [0, 0, 1, 2]
+    # Resumed, step 5 is the third bad step in a row, not the first.
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump(cfg.model_copy(update={
+        "train": cfg.train.model_copy(update={"steps": 8})}).model_dump(mode="json")))
+    assert cli.main(["train", str(config_file)]) == 3
+    assert re.fullmatch(
+        r"jaxdist: error: step 5: the loss is (nan|inf) \(3 bad steps in a row, more than "
+        r"train.max_consecutive_skips=2\); stopped without saving it; the last checkpoint, step 4, is intact\n",
+        capsys.readouterr().err)
+
+
 def test_guard_adds_no_copy_of_the_state_and_keeps_donation(tmp_path):
     """The keep-old-state select is fused into the update: the compiled step's argument and output
     bytes are the same, the donated state is still aliased, and temporaries grow by far less than

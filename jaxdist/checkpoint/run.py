@@ -77,11 +77,15 @@ def library_versions() -> dict[str, str]:
     return versions
 
 
-def run_meta(cfg: Config, mesh: Mesh, position: DataPosition) -> dict[str, Any]:
-    """What a checkpoint says about itself besides the arrays (JSON-serializable)."""
+def run_meta(cfg: Config, mesh: Mesh, position: DataPosition, bad_steps_in_a_row: int = 0) -> dict[str, Any]:
+    """What a checkpoint says about itself besides the arrays (JSON-serializable).
+
+    `bad_steps_in_a_row`: the non-finite steps that end at this one, skipped under
+    `train.on_nonfinite=skip`; a resumed run goes on counting from it."""
     return {
         "step": position.step,
         "data": {"example": position.example, "seed": cfg.seed},
+        "bad_steps_in_a_row": bad_steps_in_a_row,
         "config": cfg.model_dump(mode="json"),
         "mesh": dict(mesh.shape),
         "process_count": jax.process_count(),
@@ -107,6 +111,9 @@ class RunCheckpoints:
         self.enabled = cfg.checkpoint.every > 0
         self.directory = Path(cfg.run_dir) / "checkpoints"
         self.start = DataPosition()
+        # The guard's count of bad steps in a row: read at each save, restored by `resume`.
+        self.bad_steps_in_a_row: Callable[[], int] = lambda: 0
+        self.resumed_bad_steps_in_a_row = 0
         self._planned: int | None = None
         self._store: Checkpoints | None = None
         self._mesh: Mesh | None = None
@@ -160,6 +167,8 @@ class RunCheckpoints:
             )
         trainer.state = restored.state
         self.start = _position(restored.step, restored.meta)
+        # Checkpoints written before the count was saved hold none: their runs start from 0.
+        self.resumed_bad_steps_in_a_row = int(restored.meta.get("bad_steps_in_a_row", 0))
         self.log(self._resume_line(restored))
         return self.start
 
@@ -199,7 +208,8 @@ class RunCheckpoints:
             raise NonFiniteError(
                 f"step {step}: the parameters are not finite, though no step's loss or gradients were (an "
                 f"update overflowed: is optim.lr too large?); stopped without saving it; {kept}")
-        self._store.save(step, state, run_meta(self.cfg, self._mesh, self.position(step)))
+        meta = run_meta(self.cfg, self._mesh, self.position(step), self.bad_steps_in_a_row())
+        self._store.save(step, state, meta)
 
     def due(self, step: int) -> bool:
         """Whether `after_step` saves `step` (every `checkpoint.every` steps, and the last)."""
