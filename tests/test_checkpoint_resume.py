@@ -116,6 +116,13 @@ def test_an_error_right_after_a_save_says_that_step_is_saved(tmp_path, monkeypat
     assert saved_steps(tmp_path / "checkpoints") == [4]
 
 
+def test_a_run_with_saving_off_makes_no_checkpoint_directory(tmp_path, capsys):
+    loop.train(make_config(tmp_path, **ONE_DEVICE, train={"steps": 2}, checkpoint={"every": 0}),
+               devices=jax.devices()[:1])
+    assert "no checkpoint saved" in capsys.readouterr().out
+    assert not (tmp_path / "checkpoints").exists()
+
+
 def test_sigterm_saves_at_the_step_reached_exits_0_and_resumes(tmp_path, reference, at_log_of_step, monkeypatch, capsys):
     handler_before = signal.getsignal(signal.SIGTERM)
 

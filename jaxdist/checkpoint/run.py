@@ -149,6 +149,8 @@ class RunCheckpoints:
         it that reads) into `trainer.state`, in the trainer's shardings. Returns the position to
         continue from (step 0 when there is no checkpoint)."""
         self._mesh = trainer.mesh
+        if self._planned is None and not self.enabled:
+            return self.start  # nothing to read and nothing to write: no checkpoints/ is made
         self._store = Checkpoints(self.directory, self.cfg.checkpoint.keep)
         if self._planned is None:
             return self.start
