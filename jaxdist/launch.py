@@ -120,15 +120,12 @@ def launch(num_processes: int, devices_per_process: int, program: Sequence[str],
     _check_cpu_devices(os.environ.get("JAXDIST_CPU_DEVICES"), devices_per_process)
     restarts = 0
     while True:
-        group = _Group(stdout or sys.stdout, stderr or sys.stderr, timeout_s)
+        group = _Group(stdout or sys.stdout, stderr or sys.stderr, timeout_s, restarts=restarts,
+                       max_restarts=max_restarts)
         code = _run_group(group, num_processes, devices_per_process, program)
-        if group.failure is None or group.stop_signal is not None or restarts == max_restarts:
-            return code
-        if not group.restartable:
-            group.say(f"{group.failure}; not restarting")
+        if not group.restarting:
             return code
         restarts += 1
-        group.say(f"{group.failure}; restarting the group ({restarts} of {max_restarts})")
 
 
 def _run_group(group: _Group, num_processes: int, devices_per_process: int, program: list[str]) -> int:
@@ -176,14 +173,17 @@ class _Group:
     """The child processes, their output relays, and the stop-everything policy.
 
     `timeout_s`: the longest time without an output line from any child (None: no limit);
-    `peer_exit_grace_s`: how long the others may run after a child exited 0.
+    `peer_exit_grace_s`: how long the others may run after a child exited 0;
+    `restarts`: how many times the launcher started the group again before this attempt, of at most
+    `max_restarts` (see `restarting`).
     """
 
     def __init__(self, stdout: TextIO, stderr: TextIO, timeout_s: float | None = None,
-                 peer_exit_grace_s: float = PEER_EXIT_GRACE_S):
+                 peer_exit_grace_s: float = PEER_EXIT_GRACE_S, restarts: int = 0, max_restarts: int = 0):
         self.stdout, self.stderr = stdout, stderr
         self.timeout_s = timeout_s
         self.peer_exit_grace_s = peer_exit_grace_s
+        self.restarts, self.max_restarts = restarts, max_restarts
         self.children: list[subprocess.Popen] = []
         self.relays: list[tuple[int, threading.Thread]] = []  # (process id, relay), two per process
         self.lock = threading.Lock()
@@ -229,7 +229,7 @@ class _Group:
             self._note_failure(codes)
             if None not in codes:
                 if self.failure is not None:
-                    self.say(self.failure)
+                    self.say(self.failure + self._what_next())
                 self._stop_all(FAILURE_GRACE_S)  # what the processes started may still run
                 return next((_exit_code(code) for code in codes if code != 0), 0)
             if self.stop_signal is not None:
@@ -240,7 +240,7 @@ class _Group:
             if problem is not None:
                 message, exit_code = problem
                 running = [i for i, code in enumerate(codes) if code is None]
-                self.say(f"{message}; stopping {_processes(running)}")
+                self.say(f"{message}; stopping {_processes(running)}{self._what_next()}")
                 self._stop_all(FAILURE_GRACE_S)
                 return exit_code
             time.sleep(_POLL_S)
@@ -259,6 +259,20 @@ class _Group:
         launcher forwarded a stop signal."""
         return (self.failure is not None and self.failed_with not in (USER_ERROR_EXIT, NON_FINITE_EXIT)
                 and self.stop_signal is None)
+
+    @property
+    def restarting(self) -> bool:
+        """Whether the launcher starts the group again: it is restartable and restarts are left."""
+        return self.restartable and self.restarts < self.max_restarts
+
+    def _what_next(self) -> str:
+        """The end of the failure's line: whether the launcher restarts the group, said once with the
+        failure; nothing when restarts were not asked for (--max-restarts 0) or nothing failed."""
+        if self.failure is None or self.max_restarts == 0:
+            return ""
+        if self.restarting:
+            return f"; restarting the group ({self.restarts + 1} of {self.max_restarts})"
+        return "; not restarting"
 
     def _problem(self, codes: list[int | None]) -> tuple[str, int] | None:
         """Why the running children must be stopped, and the exit code; None while all is well."""

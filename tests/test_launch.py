@@ -202,11 +202,10 @@ def test_a_failed_group_may_restart_but_not_after_a_user_error_or_a_non_finite_s
 
 
 @pytest.mark.parametrize("code, lines", [
-    (1, ["process 0 exited with code 1", "process 0 exited with code 1; restarting the group (1 of 2)",
-         "process 0 exited with code 1", "process 0 exited with code 1; restarting the group (2 of 2)",
-         "process 0 exited with code 1"]),
-    (3, ["process 0 stopped at a non-finite step (exit 3)",
-         "process 0 stopped at a non-finite step (exit 3); not restarting"]),
+    (1, ["process 0 exited with code 1; restarting the group (1 of 2)",
+         "process 0 exited with code 1; restarting the group (2 of 2)",
+         "process 0 exited with code 1; not restarting"]),
+    (3, ["process 0 stopped at a non-finite step (exit 3); not restarting"]),
 ], ids=["crash", "non_finite"])
 def test_launch_restarts_a_crashed_group_but_not_a_non_finite_stop(monkeypatch, code, lines):
     monkeypatch.delenv("JAXDIST_CPU_DEVICES", raising=False)
@@ -215,3 +214,23 @@ def test_launch_restarts_a_crashed_group_but_not_a_non_finite_stop(monkeypatch, 
     assert launch.launch(1, 1, ["--", "train", "any.yaml"], stdout=io.StringIO(), stderr=err, max_restarts=2) == code
     said = [line.removeprefix("jaxdist launch: ") for line in err.getvalue().splitlines()]
     assert [line for line in said if not line.startswith("started 1 process(es)")] == lines
+
+
+
+@pytest.mark.parametrize("code, max_restarts, then", [
+    (1, 0, [""]),
+    (1, 1, ["; restarting the group (1 of 1)", "; not restarting"]),
+    (2, 1, ["; not restarting"]),
+], ids=["no_restarts", "one_restart", "user_error"])
+def test_each_failure_is_said_once_with_what_happens_next(monkeypatch, code, max_restarts, then):
+    """Process 1 fails while process 0 still runs: one line per failure says what stops and what the
+    launcher does next, rather than the failure again in a line of its own."""
+    monkeypatch.delenv("JAXDIST_CPU_DEVICES", raising=False)
+    fails_second = f"import os, sys, time; sys.exit({code}) if os.environ['JAX_PROCESS_ID'] == '1' else time.sleep(60)"
+    monkeypatch.setattr(launch, "child_command", lambda program: python(fails_second))
+    err = io.StringIO()
+    code_seen = launch.launch(2, 1, ["train", "any.yaml"], stdout=io.StringIO(), stderr=err, max_restarts=max_restarts)
+    assert code_seen == code
+    said = [line.removeprefix("jaxdist launch: ") for line in err.getvalue().splitlines()]
+    failure = f"process 1 {launch._describe_exit(code)}; stopping process 0"
+    assert [line for line in said if not line.startswith("started 2 process(es)")] == [failure + t for t in then]

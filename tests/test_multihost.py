@@ -211,7 +211,8 @@ def test_a_killed_process_restarts_the_group_which_resumes(tmp_path, one_process
         rest = launcher.stdout.read()
         code = launcher.wait(timeout=LAUNCH_TIMEOUT_S)
     assert code == 0, "".join(stderr_lines)[-3000:]
-    assert "jaxdist launch: process 1 exited with signal SIGKILL; restarting the group (1 of 2)\n" in stderr_lines
+    assert ("jaxdist launch: process 1 exited with signal SIGKILL; stopping process 0; restarting the group (1 of 2)\n"
+            in stderr_lines), stderr_lines[-5:]
     assert sum("started 2 process(es)" in line for line in stderr_lines) == 2
     assert re.search(r"^\[0\] resuming from step [24]\b", rest, re.M), rest[-3000:]
 
