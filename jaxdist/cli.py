@@ -18,9 +18,8 @@ import os
 import sys
 import threading
 
-# Only what `import jaxdist` has loaded, and the standard library: the rest is imported inside
-# main(), where a Ctrl-C that lands during an import is the one-line exit 130.
-from jaxdist import runtime
+# Only the standard library and jaxdist.errors (which imports nothing more): anything that imports
+# JAX is imported inside main(), where a Ctrl-C that lands during an import is the one-line exit 130.
 from jaxdist.errors import NonFiniteError, UserError, check_writable, cli_number
 
 
@@ -350,6 +349,8 @@ def _run(argv: list[str] | None) -> int:
         args.overrides = [*args.overrides, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)} ({args.command} takes no key=value overrides)")
+    from jaxdist import runtime  # imports JAX, so only after parsing: --help and usage errors need none
+
     if args.command == "plan" and args.devices and not os.environ.get("JAXDIST_CPU_DEVICES"):
         runtime.use_cpu_devices(args.devices)  # simulated where there is no accelerator
     runtime.use_cpu_devices()

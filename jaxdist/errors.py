@@ -14,8 +14,6 @@ import tempfile
 from pathlib import Path
 from types import ModuleType
 
-import jax
-
 
 class UserError(Exception):
     """A mistake in the user's input (config, data, command line); not a bug in jaxdist."""
@@ -28,6 +26,8 @@ class NonFiniteError(Exception):
 
 def warn(message: str) -> None:
     """Prints `jaxdist: warning: <message>` on stderr, from process 0 only."""
+    import jax  # here, not at the top: the command line imports this module before it may import JAX
+
     if jax.process_index() == 0:
         print(f"jaxdist: warning: {message}", file=sys.stderr, flush=True)
 

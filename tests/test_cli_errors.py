@@ -419,3 +419,33 @@ def test_ctrl_c_while_the_command_line_imports_exits_130(tmp_path):
                          timeout=120)
     assert (run.returncode, run.stderr) == (130, "jaxdist: interrupted\n")
     assert not (tmp_path / "out").exists()
+
+
+# A sitecustomize module: before the program runs, it turns the first import of JAX into a Ctrl-C.
+_CTRL_C_AT_JAX = """
+import sys
+
+class CtrlC:
+    def find_spec(self, name, path=None, target=None):
+        if name == "jax":
+            raise KeyboardInterrupt
+
+sys.meta_path.insert(0, CtrlC())
+"""
+
+# What the `jaxdist` console script runs.
+_CONSOLE_SCRIPT = """
+import sys
+from jaxdist.cli import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("start", [["-c", _CONSOLE_SCRIPT], ["-m", "jaxdist.cli"]], ids=["console_script", "module"])
+def test_ctrl_c_while_the_command_starts_exits_130(tmp_path, start):
+    """`import jaxdist` and the command line's module import no JAX, so a Ctrl-C however early in a
+    command's start lands inside main(): the one line, no traceback."""
+    (tmp_path / "sitecustomize.py").write_text(_CTRL_C_AT_JAX)
+    run = subprocess.run([sys.executable, *start, "rules", "tiny"], capture_output=True, text=True, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}, timeout=120)
+    assert (run.returncode, run.stderr) == (130, "jaxdist: interrupted\n")

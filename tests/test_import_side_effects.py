@@ -1,4 +1,5 @@
-"""Importing jaxdist changes nothing outside it; the CLI applies jaxdist's process-wide settings itself."""
+"""Importing jaxdist changes nothing outside it and imports no JAX; the CLI applies jaxdist's process-wide
+settings itself."""
 
 import json
 import os
@@ -74,6 +75,36 @@ def test_importing_and_using_jaxdist_leaves_the_process_alone():
     assert report["imported"] == report["fresh"]
     assert report["used"] == report["fresh"]
     assert report["device_count"] == report["mesh_size"] == 1  # JAXDIST_CPU_DEVICES=3 is not applied
+
+
+# Run in a fresh interpreter where any import of JAX fails: `import jaxdist` and the command line up to
+# its parsed arguments must not need it.
+NO_JAX = """
+import sys
+
+class NoJax:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "jax":
+            raise ImportError(f"{name} was imported")
+
+sys.meta_path.insert(0, NoJax())
+import jaxdist
+assert set(jaxdist.__all__) <= set(dir(jaxdist))
+from jaxdist.cli import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("args, code", [(["--help"], 0), (["trian", "tiny"], 2), (["bench", "tiny", "--steps", "0"], 2)],
+                         ids=["help", "unknown_command", "bad_number"])
+def test_importing_jaxdist_and_parsing_the_command_line_import_no_jax(args, code):
+    run = subprocess.run([sys.executable, "-c", NO_JAX, *args], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == code, run.stderr[-3000:]
+    if code == 0:
+        assert run.stdout.startswith("usage: jaxdist") and run.stderr == ""
+    else:
+        assert run.stderr.count("\n") == 1 and run.stderr.startswith("jaxdist: error: "), run.stderr
 
 
 def test_use_cpu_devices_applies_the_variable():

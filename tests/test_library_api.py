@@ -1,12 +1,16 @@
 """The README's library example runs as written, as a user's own script, and trains a user's own
 model with shardings from jaxdist's rules."""
 
+import ast
+import importlib
 import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import jaxdist
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -102,3 +106,19 @@ def test_rules_round_trip_through_flax_pairs():
         assert nn.logical_to_mesh_axes(names, params) == my_rules.param_spec(names)
     # Where flax lists a name twice, the first pair wins, as in flax.
     assert rules.Rules.from_flax([("batch", "data"), ("batch", None)]).params["batch"] == ("data",)
+
+
+def test_the_public_names_are_the_ones_editors_see():
+    """jaxdist imports its public names on first use; the imports written out for editors and type
+    checkers name the same objects, and `from jaxdist import *` and dir() give every one."""
+    tree = ast.parse((ROOT / "jaxdist" / "__init__.py").read_text())
+    static = {alias.asname or alias.name: (node.module, alias.name)
+              for block in tree.body if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+              for node in block.body for alias in node.names}
+    assert sorted(static) == sorted(jaxdist.__all__)
+    for name, (module, attribute) in static.items():
+        assert getattr(jaxdist, name) is getattr(importlib.import_module(module), attribute), name
+    namespace = {}
+    exec("from jaxdist import *", namespace)
+    assert {name: namespace[name] for name in jaxdist.__all__} == {name: getattr(jaxdist, name) for name in static}
+    assert set(jaxdist.__all__) <= set(dir(jaxdist))
