@@ -26,10 +26,6 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__
     from jaxdist.runtime import gpu_defaults, use_cpu_devices
     from jaxdist.train.trainer import Trainer
 
-__all__ = [
-    "Config", "Trainer", "UserError", "distributed", "gpu_defaults", "load_config", "make_mesh", "use_cpu_devices",
-]
-
 # Each public name: (module, attribute); attribute None: the name is the module itself.
 _PUBLIC = {
     "Config": ("jaxdist.config", "Config"),
@@ -41,6 +37,7 @@ _PUBLIC = {
     "make_mesh": ("jaxdist.parallel.mesh", "make_mesh"),
     "use_cpu_devices": ("jaxdist.runtime", "use_cpu_devices"),
 }
+__all__ = sorted(_PUBLIC)
 
 
 def __getattr__(name: str):
