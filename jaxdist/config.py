@@ -120,13 +120,15 @@ class RulesConfig(Section):
         return table
 
 
-class DerivedSize(NamedTuple):
-    """A parameter dimension's size that a config key decides without giving it, e.g. the MLP's width."""
+class ParamSize(NamedTuple):
+    """A size the model's parameters have along the dimensions of one logical name, and the config key
+    that decides it."""
 
-    key: str  # the dotted key that decides it
+    name: str  # the dimensions' logical name (embed, mlp, ...)
+    key: str  # the dotted key that decides the size
     value: Any  # that key's value
-    what: str  # the dimension and how its size follows from the keys
     size: int
+    what: str  # the dimensions in words; for a size other than the key's value, how it follows from the keys
 
 
 class ModelSection(Section):
@@ -143,14 +145,12 @@ class ModelSection(Section):
         """Tokens in one example (a sequence), for tokens/s; None where examples are not token sequences."""
         return None
 
-    def tensor_divides(self) -> dict[str, int]:
-        """Config keys (dotted) whose values mesh.tensor must divide."""
-        return {}
-
-    def derived_sizes(self) -> dict[str, DerivedSize]:
-        """Logical name -> size of the parameter dimensions whose size no key gives directly, so that
-        a size the rules cannot split is reported by the key that decides it."""
-        return {}
+    def param_sizes(self) -> list[ParamSize]:
+        """The sizes the model's keys give its parameters' named dimensions, so that a size the rules
+        cannot split is reported by the key that decides it, before the model is built. Every size of
+        a listed name is a multiple of one listed for it; names left out (sizes no key decides, such
+        as q, k and v's 3) are checked as the parameters are placed."""
+        return []
 
     def summary(self) -> dict[str, Any]:
         """The sizes that tell models apart in a benchmark record (`jaxdist bench`)."""
@@ -209,12 +209,24 @@ class GPTConfig(ModelSection):
     def tokens_per_example(self) -> int:
         return self.seq_len
 
-    def tensor_divides(self) -> dict[str, int]:
-        return {"model.heads": self.heads}
-
-    def derived_sizes(self) -> dict[str, DerivedSize]:
-        return {"mlp": DerivedSize("model.mlp_ratio", self.mlp_ratio,
-                                   "the MLP's hidden width int(model.d_model x model.mlp_ratio)", self.mlp_dim)}
+    def param_sizes(self) -> list[ParamSize]:
+        # Not the stacked `layers`: that dim exists only with impl.scan_layers, and pipeline.check_config
+        # checks model.layers against mesh.stage.
+        sizes = [
+            ParamSize("embed", "model.d_model", self.d_model, self.d_model, "the embedding dimension of every weight"),
+            ParamSize("heads", "model.heads", self.heads, self.heads, "the attention heads of every attention weight"),
+            ParamSize("mlp", "model.mlp_ratio", self.mlp_ratio, self.mlp_dim,
+                      "the MLP's hidden width int(model.d_model x model.mlp_ratio)"),
+            ParamSize("head_dim", "model.d_model", self.d_model, self.d_model // self.heads,
+                      "the head dimension model.d_model / model.heads"),
+        ]
+        if self.vocab != "auto":
+            sizes.append(ParamSize("vocab", "model.vocab", self.vocab, self.vocab,
+                                   "the vocabulary of the token embedding and the output head"))
+        if self.positions == "learned":
+            sizes.append(ParamSize("length", "model.seq_len", self.seq_len, self.seq_len,
+                                   "the positions of the learned position embedding"))
+        return sizes
 
     def summary(self) -> dict[str, Any]:
         return {"d": self.d_model, "layers": self.layers, "seq": self.seq_len}
@@ -252,6 +264,19 @@ class MLPConfig(ClassifierSection):
     hidden: list[Annotated[int, Field(gt=0)]] = Field(
         [256, 256], description="width of each hidden layer, first to last (its length is the depth)")
 
+    def param_sizes(self) -> list[ParamSize]:
+        sizes = []
+        if self.image_shape != "auto":
+            sizes.append(ParamSize("embed", "model.image_shape", self.image_shape, math.prod(self.image_shape),
+                                   "the first layer's inputs height x width x channels"))
+        for i, width in enumerate(self.hidden):
+            # A hidden layer's outputs (mlp) are the next layer's inputs (embed).
+            what = f"the width of hidden layer {i + 1} (model.hidden[{i}])"
+            sizes += [ParamSize(name, "model.hidden", self.hidden, width, what) for name in ("mlp", "embed")]
+        if self.classes != "auto":
+            sizes.append(ParamSize("classes", "model.classes", self.classes, self.classes, "the head's outputs"))
+        return sizes
+
     def summary(self) -> dict[str, Any]:
         return {"hidden": list(self.hidden)}
 
@@ -268,6 +293,19 @@ class ResNetConfig(ClassifierSection):
     stem: Literal["imagenet", "small"] = Field(
         "imagenet", description="imagenet: 7x7 stride-2 conv + 3x3 max-pool; small: one 3x3 stride-1 conv (small images)")
     bn_momentum: float = Field(0.9, gt=0, lt=1, description="decay of BatchNorm's running averages per update")
+
+    def param_sizes(self) -> list[ParamSize]:
+        # Stage 3 has width x 8 channels, x 4 out of ResNet-50's bottleneck blocks: the head's inputs.
+        last = self.width * 8 * (4 if self.depth == 50 else 1)
+        sizes = [
+            ParamSize("conv_out", "model.width", self.width, self.width,
+                      "the output channels of every convolution (each a multiple of model.width)"),
+            ParamSize("embed", "model.width", self.width, last,
+                      f"the head's inputs, the last stage's channels model.width x {last // self.width}"),
+        ]
+        if self.classes != "auto":
+            sizes.append(ParamSize("classes", "model.classes", self.classes, self.classes, "the head's outputs"))
+        return sizes
 
     def summary(self) -> dict[str, Any]:
         return {"depth": self.depth, "width": self.width, "stem": self.stem}

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import TINY_GPT
+from conftest import SMALL_RESNET, TINY_GPT, make_classifier_config
 
 from jaxdist import cli, config
 
@@ -101,29 +101,78 @@ def test_seed_takes_the_whole_unsigned_32_bit_range(tmp_path):
     assert config.load(None, ["seed=0"]).seed == 0 and config.load(None, ["seed=4294967295"]).seed == 2**32 - 1
 
 
-def test_heads_not_divisible_by_tensor(config_file, capsys, compiles):
-    code = cli.main(["train", str(config_file), "mesh.fsdp=1", "mesh.tensor=8"])
-    err = capsys.readouterr().err
-    assert code == 2 and "model.heads=4 is not divisible by mesh.tensor=8" in err, err
+# The parameters' sizes that the model's keys decide, against the mesh axes the rules split them
+# over: reported by the key, before the placement would report a parameter (blocks/attn/out).
+@pytest.mark.parametrize("overrides, message", [
+    (["mesh.fsdp=8", "mesh.tensor=1", "model.d_model=100"],
+     "model.d_model=100 is not divisible by mesh.fsdp=8, over which rules.preset=fsdp_tp splits embed, the embedding "
+     "dimension of every weight; use a multiple of 8"),
+    (["mesh.fsdp=8", "mesh.tensor=1", "rules.preset=fsdp", "model.d_model=100"],
+     "model.d_model=100 is not divisible by mesh.fsdp=8, over which rules.preset=fsdp splits embed, the embedding "
+     "dimension of every weight; use a multiple of 8"),
+    (["model.vocab=257"],
+     "model.vocab=257 is not divisible by mesh.tensor=2, over which rules.preset=fsdp_tp splits vocab, the "
+     "vocabulary of the token embedding and the output head; use a multiple of 2"),
+    (["mesh.fsdp=1", "mesh.tensor=8", "rules.preset=tp", "model.heads=8", "model.vocab=260"],
+     "model.vocab=260 is not divisible by mesh.tensor=8, over which rules.preset=tp splits vocab, the vocabulary of "
+     "the token embedding and the output head; use a multiple of 8"),
+    (["mesh.fsdp=1", "mesh.tensor=8"],
+     "model.heads=4 is not divisible by mesh.tensor=8, over which rules.preset=fsdp_tp splits heads, the attention "
+     "heads of every attention weight; use a multiple of 8"),
+    (["model.mlp_ratio=1.03"],
+     "model.mlp_ratio=1.03 makes the MLP's hidden width int(model.d_model x model.mlp_ratio) = 65, which is not "
+     "divisible by mesh.tensor=2, over which rules.preset=fsdp_tp splits mlp; pick a model.mlp_ratio that makes it a "
+     "multiple of 2"),
+    (["rules.params.embed=null", "rules.params.head_dim=fsdp", "model.d_model=120"],
+     "model.d_model=120 makes the head dimension model.d_model / model.heads = 30, which is not divisible by "
+     "mesh.fsdp=4, over which rules.params.head_dim=fsdp splits head_dim; pick a model.d_model that makes it a "
+     "multiple of 4"),
+    (["rules.params.length=tensor", "model.seq_len=33"],
+     "model.seq_len=33 is not divisible by mesh.tensor=2, over which rules.params.length=tensor splits length, the "
+     "positions of the learned position embedding; use a multiple of 2"),
+], ids=["d_model_fsdp_tp", "d_model_fsdp", "vocab_fsdp_tp", "vocab_tp", "heads", "mlp_ratio", "head_dim_override",
+        "seq_len_override"])
+def test_a_model_size_the_rules_cannot_split_is_named_by_its_key(config_file, capsys, compiles, overrides, message):
+    assert cli.main(["train", str(config_file), *overrides]) == 2
+    assert one_line_error(capsys) == f"jaxdist: error: {message}\n"
+    assert compiles.count == 0
+    assert not (config_file.parent / "run").exists()
+
+
+@pytest.mark.parametrize("model, overrides, message", [
+    ({"name": "mlp", "hidden": [100]}, ["mesh.fsdp=8", "rules.preset=fsdp"],
+     "model.hidden=[100] makes the width of hidden layer 1 (model.hidden[0]) = 100, which is not divisible by "
+     "mesh.fsdp=8, over which rules.preset=fsdp splits embed; pick a model.hidden that makes it a multiple of 8"),
+    ({"name": "mlp", "hidden": [256, 100]}, ["mesh.fsdp=1", "mesh.tensor=8", "rules.preset=tp"],
+     "model.hidden=[256, 100] makes the width of hidden layer 2 (model.hidden[1]) = 100, which is not divisible by "
+     "mesh.tensor=8, over which rules.preset=tp splits mlp; pick a model.hidden that makes it a multiple of 8"),
+    ({**SMALL_RESNET, "width": 6}, ["mesh.data=2", "mesh.fsdp=4", "rules.preset=fsdp"],
+     "model.width=6 is not divisible by mesh.fsdp=4, over which rules.preset=fsdp splits conv_out, the output channels "
+     "of every convolution (each a multiple of model.width); use a multiple of 4"),
+    ({**SMALL_RESNET, "width": 4}, ["mesh.fsdp=4", "mesh.tensor=2"],
+     "model.width=4 is not divisible by mesh.tensor=2 x mesh.fsdp=4 = 8, over which rules.preset=fsdp_tp splits "
+     "conv_out, the output channels of every convolution (each a multiple of model.width); use a multiple of 8"),
+], ids=["mlp_hidden_fsdp", "mlp_hidden_tp", "resnet_width_fsdp", "resnet_width_fsdp_tp"])
+def test_a_classifier_size_the_rules_cannot_split_is_named_by_its_key(tmp_path, capsys, compiles, model, overrides,
+                                                                       message):
+    path = tmp_path / "c.yaml"
+    path.write_text(make_classifier_config(tmp_path / "run", model).to_yaml())
+    assert cli.main(["train", str(path), *overrides]) == 2
+    assert one_line_error(capsys) == f"jaxdist: error: {message}\n"
     assert compiles.count == 0
 
 
-def test_mlp_width_not_divisible_by_tensor_names_mlp_ratio(config_file, capsys, compiles):
-    code = cli.main(["train", str(config_file), "model.mlp_ratio=1.03"])
-    assert code == 2 and one_line_error(capsys) == (
-        "jaxdist: error: model.mlp_ratio=1.03 makes the MLP's hidden width int(model.d_model x model.mlp_ratio) = 65, "
-        "which is not divisible by mesh.tensor=2 (rules.params.mlp splits it); pick a model.mlp_ratio that makes it a "
-        "multiple of 2\n")
-    assert compiles.count == 0
-
-
-def test_mlp_width_the_rules_do_not_split_need_not_divide(tmp_path):
+def test_sizes_the_rules_do_not_split_need_not_divide(tmp_path):
     from jaxdist.parallel import layout
 
     cfg = config.load(None, ["model.mlp_ratio=1.03", "mesh.fsdp=4", "mesh.tensor=2", "rules.params.mlp=null",
                              f"run_dir={tmp_path}"])
     placed = layout.from_config(cfg)  # the 263-wide MLP is whole on every device
     assert cfg.model.mlp_dim == 263 and placed.rules.params["mlp"] == () and placed.mesh.shape["tensor"] == 2
+    # The fsdp preset splits no weight over tensor: 4 heads on mesh.tensor=8 are whole on every device.
+    cfg = config.load(None, ["rules.preset=fsdp", "mesh.fsdp=1", "mesh.tensor=8", "model.heads=4", f"run_dir={tmp_path}"])
+    placed = layout.from_config(cfg)
+    assert placed.rules.params["heads"] == () and placed.mesh.shape["tensor"] == 8
 
 
 @pytest.mark.parametrize(

@@ -5,10 +5,11 @@ import re
 import jax
 import pytest
 import yaml
-from conftest import TINY_GPT, make_config
+from conftest import SMALL_RESNET, TINY_GPT, make_classifier_config, make_config
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxdist import UserError, cli, make_mesh
+from jaxdist import UserError, cli, make_mesh, models
 from jaxdist.parallel import rules
 from jaxdist.train.trainer import Trainer, param_layouts
 
@@ -45,9 +46,43 @@ def test_mesh_axis_used_twice_names_the_parameter():
 
 
 def test_indivisible_dimension_names_the_parameter(tmp_path, devices):
-    cfg = make_config(tmp_path, model={"d_model": 60, "heads": 4}, mesh={"data": 1, "fsdp": 8})
+    """Where no config key decides the size (a model placed from Python, a size no key gives), the
+    placement names the parameter."""
+    cfg = make_config(tmp_path, model={"d_model": 60, "heads": 4})
     with pytest.raises(UserError, match=r"parameter blocks/attn/out dim 3 \(size 60\) is not divisible by fsdp=8"):
+        rules.place(models.get("gpt").create(cfg), rules.preset("fsdp"), make_mesh(fsdp=8))
+    cfg = make_config(tmp_path, mesh={"data": 1, "fsdp": 8}, rules={"params": {"qkv": "fsdp", "embed": None}})
+    with pytest.raises(UserError, match=r"parameter blocks/attn/qkv dim 1 \(size 3\) is not divisible by fsdp=8"):
         param_layouts(cfg)
+
+
+@pytest.mark.parametrize("model", [
+    {"mlp_ratio": 3},
+    {"heads": 2, "positions": "rope", "activation": "swiglu", "tied_embeddings": True},
+    {"name": "mlp", "hidden": [32, 48]},
+    {"name": "mlp", "hidden": []},
+    SMALL_RESNET,
+    {**SMALL_RESNET, "depth": 50, "width": 4},
+], ids=["gpt", "gpt_rope_swiglu_tied", "mlp", "mlp_no_hidden", "resnet18", "resnet50"])
+def test_the_sizes_checked_by_key_are_the_models(tmp_path, model):
+    """`param_sizes`, which layout.check reports by key, against the model's own parameters: every size
+    listed is one they have, every size of a listed name is a multiple of one listed, and every name
+    a preset splits is listed."""
+    if model.get("name") in ("mlp", "resnet"):
+        cfg = make_classifier_config(tmp_path, {**model, "classes": 10, "image_shape": [8, 8, 1]})
+    else:
+        cfg = make_config(tmp_path, model={**TINY_GPT["model"], **model})
+    with nnx.use_eager_sharding(False):
+        built = nnx.eval_shape(lambda: models.get(cfg.model.name).create(cfg)(nnx.Rngs(0)))
+    variables = jax.tree.leaves(nnx.state(built), is_leaf=lambda x: isinstance(x, nnx.Variable))
+    actual = {(name, size) for v in variables for name, size in zip(rules.logical_names(v), v.shape) if name}
+    listed: dict[str, set[int]] = {}
+    for size in cfg.model.param_sizes():
+        listed.setdefault(size.name, set()).add(size.size)
+    assert {(name, size) for name, sizes in listed.items() for size in sizes} <= actual
+    assert all(any(size % unit == 0 for unit in listed[name]) for name, size in actual if name in listed)
+    split = {name for preset in rules.PRESETS.values() for name, axes in preset.params.items() if axes}
+    assert {name for name, _ in actual} & split <= set(listed)
 
 
 def test_rule_naming_a_missing_mesh_axis(tmp_path):

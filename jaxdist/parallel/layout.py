@@ -12,7 +12,7 @@ import dataclasses
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from jaxdist.config import Config, resolve_mesh_shape
+from jaxdist.config import Config, ParamSize, resolve_mesh_shape
 from jaxdist.errors import UserError
 from jaxdist.parallel import feed, pipeline
 from jaxdist.parallel import mesh as mesh_lib
@@ -53,8 +53,8 @@ def from_config(cfg: Config, devices: list | None = None) -> Layout:
 
 
 def check(cfg: Config, layout: Layout) -> None:
-    """The checks that need the mesh: batch sizes against the batch shards, heads against tensor, the
-    sizes the model's keys decide against the axes their rules split them over."""
+    """The checks that need the mesh: batch sizes against the batch shards, the sizes the model's keys
+    give its parameters against the mesh axes their rules split them over."""
     shards = layout.batch_shards
     axes = " x ".join(f"mesh.{axis}" for axis in rules_lib.batch_axes(layout.rules)) or "nothing (replicated)"
     if cfg.train.global_batch % shards:
@@ -68,17 +68,24 @@ def check(cfg: Config, layout: Layout) -> None:
             f"train.microbatches={cfg.train.microbatches} does not divide the per-device batch "
             f"{per_shard} (train.global_batch / {shards} batch shards); pick a divisor of {per_shard}"
         )
-    tensor = layout.mesh.shape["tensor"]
-    for key, value in cfg.model.tensor_divides().items():
-        if value % tensor:
-            raise UserError(f"{key}={value} is not divisible by mesh.tensor={tensor}; use a tensor size that divides {value}")
-    # Before the parameters are placed, whose check would name a parameter (blocks/mlp/down), not the key.
-    for name, derived in cfg.model.derived_sizes().items():
-        axes = layout.rules.params.get(name, ())
-        if derived.size % (parts := rules_lib.axes_size(layout.mesh, axes)):
-            split = " x ".join(f"mesh.{axis}={layout.mesh.shape[axis]}" for axis in axes)
-            raise UserError(
-                f"{derived.key}={derived.value} makes {derived.what} = {derived.size}, which is not divisible by "
-                f"{split} (rules.params.{name} splits it); pick a {derived.key} that makes it a multiple of {parts}"
-            )
+    # Before the parameters are placed, whose check would name a parameter (blocks/attn/out), not the key.
+    for size in cfg.model.param_sizes():
+        axes = layout.rules.params.get(size.name, ())
+        if size.size % rules_lib.axes_size(layout.mesh, axes):
+            raise UserError(_not_divisible(cfg, layout, size, axes))
     pipeline.check_config(cfg, layout.mesh, layout.rules)
+
+
+def _not_divisible(cfg: Config, layout: Layout, size: ParamSize, axes: tuple[str, ...]) -> str:
+    """The error for a model size that `axes` cannot split: the key, the axes and the rule that splits it."""
+    parts = rules_lib.axes_size(layout.mesh, axes)
+    split = " x ".join(f"mesh.{axis}={layout.mesh.shape[axis]}" for axis in axes)
+    if len(axes) > 1:
+        split += f" = {parts}"
+    rule = (f"rules.params.{size.name}={rules_lib.rule_text(cfg.rules.params[size.name])}"
+            if size.name in cfg.rules.params else f"rules.preset={cfg.rules.preset}")
+    over = f"{split}, over which {rule} splits {size.name}"
+    if size.size == size.value:
+        return f"{size.key}={size.value} is not divisible by {over}, {size.what}; use a multiple of {parts}"
+    return (f"{size.key}={size.value} makes {size.what} = {size.size}, which is not divisible by {over}; pick a "
+            f"{size.key} that makes it a multiple of {parts}")

@@ -241,11 +241,11 @@ def _check_names(kind: str, what: str, overrides: Mapping[str, RuleValue]) -> No
     names = list(dict.fromkeys(name for rules in PRESETS.values() for name in getattr(rules, kind)))
     for name, value in overrides.items():
         if name not in names:
-            raise UserError(f"rules: rules.{kind}.{name}={_rule_text(value)}: '{name}' is not a logical name of "
+            raise UserError(f"rules: rules.{kind}.{name}={rule_text(value)}: '{name}' is not a logical name of "
                             f"{what}; the names are {', '.join(names)}")
 
 
-def _rule_text(value: RuleValue) -> str:
+def rule_text(value: RuleValue) -> str:
     """A rule's mesh axes as the config writes them: tensor, [data, fsdp], null."""
     if value is None:
         return "null"
