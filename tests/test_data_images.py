@@ -135,6 +135,39 @@ def test_grayscale_and_resizing_to_a_smaller_square(tmp_path):
         assert split[index]["labels"] == (name == "light")
 
 
+@pytest.mark.parametrize("grayscale", [False, True])
+def test_16_bit_pngs_are_scaled_to_8_bits(tmp_path, grayscale):
+    """Pillow opens a 16-bit grayscale PNG as mode I;16, which its `convert` to L or RGB clips at 255:
+    a dark and a bright class would both be white."""
+    for name, value in (("bright", 50000), ("dark", 10000)):
+        (tmp_path / "in" / name).mkdir(parents=True)
+        for index in range(2):
+            Image.fromarray(np.full((6, 10), value, np.uint16)).save(tmp_path / "in" / name / f"{index}.png")
+    assert Image.open(tmp_path / "in" / "dark" / "0.png").mode == "I;16"
+    manifest = images.prepare(tmp_path / "in", str(tmp_path / "out"), image_size=4, grayscale=grayscale,
+                              eval_fraction=0)
+    split = sources.ArrayRecordImages(tmp_path / "out", manifest, "train")
+    channels = 1 if grayscale else 3
+    for index, value in enumerate([195, 195, 39, 39]):  # round(50000 / 257), round(10000 / 257)
+        np.testing.assert_array_equal(np.rint(split[index]["images"] * 255), np.full((4, 4, channels), value))
+
+
+def test_32_bit_and_float_pixels_are_scaled_or_refused(tmp_path):
+    # Older Pillow opens 16-bit PNGs as mode I (32-bit integers), as this Pillow opens a 16-bit PGM.
+    Image.fromarray(np.arange(0, 65536, 4096, np.uint16).reshape(4, 4)).save(tmp_path / "gray.pgm")
+    assert Image.open(tmp_path / "gray.pgm").mode == "I"
+    pixels = images.load_image(tmp_path / "gray.pgm", 4, grayscale=True)
+    np.testing.assert_array_equal(pixels[..., 0], np.rint(np.arange(0, 65536, 4096).reshape(4, 4) / 257))
+    Image.fromarray(np.full((4, 4), 70000, np.int32)).save(tmp_path / "wide.tiff")
+    with pytest.raises(UserError, match=r"wide.tiff holds pixel values outside 0 to 65535 \(16 bits\); save it as "
+                                        r"an 8- or 16-bit PNG"):
+        images.load_image(tmp_path / "wide.tiff", 4, grayscale=True)
+    Image.fromarray(np.full((4, 4), 0.5, np.float32)).save(tmp_path / "float.tiff")
+    with pytest.raises(UserError, match=r"float.tiff holds floating-point pixels, which have no fixed range; save it "
+                                        r"as an 8- or 16-bit PNG"):
+        images.load_image(tmp_path / "float.tiff", 4, grayscale=False)
+
+
 def test_data_images_gives_the_classes_and_the_image_shape(folder, tmp_path):
     spec = loader.data_images(images_config(tmp_path, folder[1]))
     assert spec == loader.ImageData(3, (16, 16, 3), ("green", "red", "stripes"))

@@ -2,10 +2,10 @@
 
 `FOLDER/CLASS/.../IMAGE.png`: each subfolder of FOLDER is a class, its label the position of its
 name in sorted order; PNG and JPEG files below it are its images. Each image is decoded with
-Pillow (EXIF rotation applied), converted to RGB (or grayscale), its shorter side resized to
-`image_size` and its center cropped to a square, so all images share one shape. A record is the
-label (int32, little-endian) followed by the uint8 pixels in H, W, C order (`sources.ArrayRecordImages`
-reads it back).
+Pillow (EXIF rotation applied, 16-bit pixels scaled to 8 bits), converted to RGB (or grayscale),
+its shorter side resized to `image_size` and its center cropped to a square, so all images share
+one shape. A record is the label (int32, little-endian) followed by the uint8 pixels in H, W, C
+order (`sources.ArrayRecordImages` reads it back).
 
 The eval split is stratified: of each class's n files, round(n x `eval_fraction`) (at least one
 when the fraction is above 0, never all) are held out, those whose path inside the class folder
@@ -107,7 +107,7 @@ def load_image(path: Path, size: int, grayscale: bool) -> np.ndarray:
     ImageOps = optional_import("PIL.ImageOps", "images", "data prepare: an image folder")
     try:
         with Image.open(path) as image:
-            upright = ImageOps.exif_transpose(image).convert("L" if grayscale else "RGB")
+            upright = _eight_bit(ImageOps.exif_transpose(image), path).convert("L" if grayscale else "RGB")
             pixels = np.asarray(ImageOps.fit(upright, (size, size), Image.Resampling.BICUBIC), np.uint8)
     except Image.UnidentifiedImageError:
         raise UserError(f"data prepare: {path} is not a readable image (no format Pillow knows); replace or "
@@ -117,6 +117,23 @@ def load_image(path: Path, size: int, grayscale: bool) -> np.ndarray:
         raise UserError(f"data prepare: {path} is not a readable image ({shards.first_line(err)}); replace or "
                         f"remove it") from None
     return pixels.reshape(size, size, -1)
+
+
+def _eight_bit(image, path: Path):
+    """`image` with 16-bit gray pixels (Pillow's modes I;16..., and I, which older Pillow gives 16-bit
+    PNGs) scaled to 8 bits: `convert` would clip them at 255 instead, turning nearly all of them white."""
+    from PIL import Image  # load_image imported it, or said which extra installs it
+
+    if image.mode == "F":
+        raise UserError(f"data prepare: {path} holds floating-point pixels, which have no fixed range; save it as "
+                        f"an 8- or 16-bit PNG")
+    if not image.mode.startswith("I"):
+        return image
+    pixels = np.asarray(image)
+    if pixels.min() < 0 or pixels.max() > 65535:
+        raise UserError(f"data prepare: {path} holds pixel values outside 0 to 65535 (16 bits); save it as an 8- or "
+                        f"16-bit PNG")
+    return Image.fromarray(np.rint(pixels / 257).astype(np.uint8))  # 65535 / 257 = 255
 
 
 def _in_order(load: Callable[[Path], np.ndarray], paths: list[Path]) -> Iterator[np.ndarray]:
