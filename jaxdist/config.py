@@ -488,7 +488,8 @@ class EvalConfig(Section):
     """Evaluation on the held-out split."""
 
     every: int = Field(0, ge=0, description="evaluate every N steps and at the end (0: never)")
-    batches: int | None = Field(None, gt=0, description="eval batches per evaluation (null: the whole eval split)")
+    batches: int | None = Field(None, gt=0, description="eval batches per evaluation, in a fixed shuffled order of the "
+                                "eval split, the same in every run (null: the whole eval split)")
 
 
 class CheckpointConfig(Section):

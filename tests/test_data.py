@@ -160,10 +160,27 @@ def test_eval_pass_covers_the_split_once_with_padding_weighted_zero(tmp_path, da
     assert batches == -(-n // GLOBAL_BATCH) * process_count
 
 
-def test_eval_batches_limits_the_pass(tmp_path, dataset):
-    cfg = data_config(tmp_path, dataset[0], eval={"every": 5, "batches": 2})
-    batches = list(loader.eval_iterator(cfg, shares(1)[0]))
-    assert len(batches) == 2 and all(b["weights"].sum() == GLOBAL_BATCH for b in batches)
+def test_eval_batches_limits_the_pass_to_a_fixed_sample(tmp_path, dataset):
+    """The split is stored document by document: a limited pass reads a fixed shuffled order, the same
+    on every process and under any seed, so its batches sample the whole split."""
+    source = loader.open_split(data_config(tmp_path, dataset[0]), "eval")
+    index = window_index(source)
+
+    def sample(process_count: int, seed: int) -> list[int]:
+        cfg = data_config(tmp_path, dataset[0], eval={"every": 5, "batches": 2}, seed=seed)
+        windows = [-1] * (2 * GLOBAL_BATCH)
+        for rows in shares(process_count):
+            batches = list(loader.eval_iterator(cfg, rows, source))
+            assert len(batches) == 2 and all(b["weights"].sum() == len(rows.rows) for b in batches)
+            for b, ids in enumerate(window_ids([batch], index) for batch in batches):
+                for row, window in zip(rows.rows, ids, strict=True):
+                    windows[b * GLOBAL_BATCH + row] = window
+        return windows
+
+    windows = sample(1, seed=0)
+    assert len(source) > 4 * GLOBAL_BATCH and len(set(windows)) == 2 * GLOBAL_BATCH
+    assert max(windows) >= len(source) // 2  # not the first documents only
+    assert sample(2, seed=0) == windows == sample(1, seed=7)
 
 
 def test_in_memory_arrays_split_rows_between_train_and_eval(tmp_path):

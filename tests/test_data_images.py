@@ -209,6 +209,22 @@ def test_the_images_source_feeds_augmented_train_and_plain_eval_batches(folder, 
         np.testing.assert_array_equal(batch["weights"], np.ones(8, np.float32))
 
 
+def test_a_limited_eval_pass_samples_every_class(folder, tmp_path):
+    """Records are stored class by class: eval.batches=1 reads a fixed shuffled order, not the first
+    class only; the whole pass still reads every eval image once, in stored order."""
+    _, out, _, _ = folder
+    rows = BatchRows(8, tuple(range(8)))
+    held_out = loader.open_split(images_config(tmp_path, out), "eval")
+    stored = [int(held_out[i]["labels"]) for i in range(len(held_out))]
+    assert stored == sorted(stored) and set(stored) == {0, 1, 2}
+    limited = make_config(tmp_path, data={"source": "images", "path": str(out)}, train={"global_batch": 8},
+                          eval={"every": 1, "batches": 1})
+    (batch,) = loader.eval_iterator(limited, rows)
+    assert len(set(batch["labels"].tolist())) > 1 and batch["weights"].sum() == 8
+    whole = list(loader.eval_iterator(images_config(tmp_path, out), rows))
+    assert [int(label) for b in whole for label in b["labels"]] == stored
+
+
 def test_a_source_and_a_directory_of_another_kind_are_one_line(folder, tmp_path):
     out = folder[1]
     with pytest.raises(UserError, match=r"yields images and labels, but model.name=gpt reads inputs, targets"):

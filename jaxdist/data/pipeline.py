@@ -21,6 +21,10 @@ from jaxdist.parallel.feed import BatchRows
 from jaxdist.errors import UserError
 
 
+# Orders the eval examples of a pass limited to its first batches (`eval_batches`).
+EVAL_SAMPLE_SEED = 0
+
+
 class TokenWindows:
     """Random-access source of packed windows: inputs = tokens[i*T : i*T+T], targets shifted by one."""
 
@@ -107,11 +111,15 @@ def eval_batches(
 
     Global batch b holds examples [b * G, (b + 1) * G) (G = `rows.global_batch`); the process
     reads the rows it feeds. The last batch is filled up with `weights` 0 rows, so a metric
-    weighted by `weights` is exact. `max_batches` stops after that many global batches.
+    weighted by `weights` is exact. `max_batches`, when fewer than the pass, reads that many global
+    batches of the examples in a fixed shuffled order instead (`EVAL_SAMPLE_SEED`, never the train
+    seed: every run, resume and process samples the same examples).
     """
     count = -(-len(source) // rows.global_batch)
-    if max_batches is not None:
-        count = min(count, max_batches)
+    if max_batches is not None and max_batches < count:
+        # Prepared data is stored class by class or document by document: a prefix in that order
+        # would evaluate the first classes or documents only.
+        source, count = grain.MapDataset.source(source).shuffle(seed=EVAL_SAMPLE_SEED), max_batches
     padded = grain.MapDataset.range(count * rows.global_batch).map(_WeightedRow(source))
     return _iterate(_rows_of(padded, rows, batches=count), read_threads, prefetch, workers=0)
 
