@@ -7,6 +7,7 @@ import shutil
 import sys
 import zlib
 from itertools import islice
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -310,6 +311,26 @@ def test_bad_image_folder_is_one_line_and_exit_2(tmp_path, capfd, case, options,
     assert err[0].startswith("jaxdist: error: data prepare: "), err
     assert expected.format(root=tmp_path / "in") in err[0], err
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_a_text_corpus_with_an_image_is_text(tmp_path, capfd):
+    """Inputs are an image folder when most of their files are images: a logo among a repository's
+    docs leaves it text, and the text path names the logo as it names any file that is not text."""
+    repo = tmp_path / "repo"
+    for folder, name, text in (("docs", "page{}.md", "documentation {}"), ("src", "m{}.py", "def f{0}(): return {0}")):
+        (repo / folder).mkdir(parents=True)
+        for index in range(3):
+            (repo / folder / name.format(index)).write_text(text.format(index))
+    (repo / "docs" / "img").mkdir()
+    Image.new("RGB", (4, 4)).save(repo / "docs" / "img" / "logo.png")
+    assert images.image_folder([str(repo)]) is None
+    assert images.image_folder([str(repo / "docs"), str(repo / "src")]) is None
+    code = cli.main(["data", "prepare", str(repo), "--out", str(tmp_path / "out")])
+    err = capfd.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [f"jaxdist: error: data prepare: {repo}/docs/img/logo.png is not UTF-8 text (byte 0); "
+                                 f"convert it or leave it out"]
+    root = Path(_bad_folder(tmp_path, "text in a class folder")[0])  # 6 images and a stray notes.txt
+    assert images.image_folder([str(root)]) == root
 
 
 def test_an_image_option_for_text_is_one_line_and_exit_2(tmp_path, capfd):

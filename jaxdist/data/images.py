@@ -49,18 +49,21 @@ def _is_image(path: Path) -> bool:
 
 
 def image_folder(inputs: list[str]) -> Path | None:
-    """The folder of class folders when `inputs` hold images; None when they hold none (text).
+    """The folder of class folders when most files of `inputs` are images; None when they are text.
 
-    Images in any other form (beside text inputs, loose in the folder, next to the class folders)
-    are a `UserError` that says where they should go.
+    The majority decides because a text corpus may hold a few images (a logo among its docs, which
+    the text path refuses by name like any file that is not text) and an image folder a stray file
+    (which the checks here and in `class_files` name). Images in any other form (beside text inputs,
+    loose in the folder, next to the class folders) are a `UserError` that says where they go.
     """
-    image = next((path for name in inputs for path in _visible_files(Path(name)) if _is_image(path)), None)
-    if image is None:
+    files = [path for name in inputs for path in _visible_files(Path(name))]
+    found = [path for path in files if _is_image(path)]
+    if len(found) <= len(files) - len(found):
         return None
     folder = Path(inputs[0])
     if len(inputs) != 1 or not folder.is_dir():
         raise UserError(
-            f"data prepare: {image} is an image among other inputs; prepare an image folder on its own: one "
+            f"data prepare: {found[0]} is an image among other inputs; prepare an image folder on its own: one "
             f"folder with a subfolder of images per class"
         )
     entries = sorted(entry for entry in folder.iterdir() if not entry.name.startswith("."))
