@@ -40,6 +40,27 @@ def test_prepare_reads_text_jsonl_and_parquet(tmp_path):
     assert not (tmp_path / "out.partial").exists()
 
 
+def test_json_lines_suffixes_are_read_as_json_lines_whatever_their_case(tmp_path):
+    lines = "".join(json.dumps({"text": doc, "meta": {"id": i}}) + "\n" for i, doc in enumerate(JSONL_DOCS))
+    names = ["a.JSONL", "b.json", "c.ndjson", "d.NDJSON", "e.Json"]
+    for name in names:
+        (tmp_path / name).write_text(lines)
+    pq.write_table(pa.table({"text": PARQUET_DOCS}), tmp_path / "f.PARQUET")
+    paths = [str(tmp_path / name) for name in [*names, "f.PARQUET"]]
+    manifest = prepare.prepare(paths, str(tmp_path / "out"), eval_fraction=0.0)
+    expected = b"".join(doc.encode() + b"\0" for doc in JSONL_DOCS * len(names) + ["row one", "row three"])
+    tokens = sources.ArrayRecordTokens(tmp_path / "out", manifest, "train")
+    assert bytes(tokens[0 : len(tokens)]) == expected
+
+
+@pytest.mark.parametrize("content", ['[{"text": "a"},\n {"text": "b"}]\n', '[{"text": "a"}, {"text": "b"}]\n'])
+def test_a_json_array_file_is_refused_as_not_json_lines(tmp_path, content):
+    (tmp_path / "docs.json").write_text(content)
+    with pytest.raises(UserError, match=r"docs.json:1 is not (valid JSON \(.*\)|a JSON object); a \.json input must "
+                                        r"hold one JSON object per line: fix that line, or convert a JSON array file"):
+        prepare.prepare([str(tmp_path / "docs.json")], str(tmp_path / "out"))
+
+
 def test_sentencepiece_is_trained_locally_and_round_trips(tmp_path):
     words = np.array("the data pipeline reads shards while every process trains its share of".split())
     rng = np.random.default_rng(2)

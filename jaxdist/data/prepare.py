@@ -8,9 +8,9 @@ split's last record may be shorter) and written to ArrayRecord shards. A stable 
 two or more documents with `eval_fraction` > 0 holds out at least one. The `manifest.json` beside
 the shards records the tokenizer, the dtype and every count.
 
-Input formats, by file name: `.jsonl` (one JSON object per line, text under `text_key`),
-`.parquet` (the `text_key` column), anything else is UTF-8 text, one document per file.
-Directories are searched recursively.
+Input formats, by file name (any case): `.jsonl`, `.ndjson` or `.json` (one JSON object per line,
+text under `text_key`), `.parquet` (the `text_key` column), anything else is UTF-8 text, one
+document per file. Directories are searched recursively.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from jaxdist.data import tokenizer as tokenizer_lib
 from jaxdist.errors import UserError, optional_import
 
 SPLITS = ("train", "eval")
+# Most .json corpora are JSON lines; a JSON array file is refused with a line saying so.
+JSON_LINES = (".jsonl", ".ndjson", ".json")
 
 
 def input_files(paths: list[str]) -> list[tuple[Path, str]]:
@@ -60,7 +62,8 @@ def documents(path: Path, text_key: str) -> Iterator[str]:
     """The documents of one input file; a `UserError` names the file (and line) of any bad input."""
     if path.stat().st_size == 0:
         raise UserError(f"data prepare: {path} is empty; remove it from the inputs or give it some text")
-    reader = {".parquet": _parquet_documents, ".jsonl": _jsonl_documents}.get(path.suffix, _text_document)
+    suffix = path.suffix.lower()
+    reader = _parquet_documents if suffix == ".parquet" else _jsonl_documents if suffix in JSON_LINES else _text_document
     count = 0
     for text in reader(path, text_key):
         count += 1
@@ -78,21 +81,25 @@ def _text_document(path: Path, text_key: str) -> Iterator[str]:
 
 def _jsonl_documents(path: Path, text_key: str) -> Iterator[str]:
     number = 0
+    advice = ("a .json input must hold one JSON object per line: fix that line, or convert a JSON array file to "
+              "JSON lines" if path.suffix.lower() == ".json" else "fix or drop that line")
     try:
         with open(path, encoding="utf-8") as lines:
             for number, line in enumerate(lines, 1):
                 if line.strip():
-                    yield _jsonl_text(line, f"{path}:{number}", text_key)
+                    yield _jsonl_text(line, f"{path}:{number}", text_key, advice)
     except UnicodeDecodeError:
         raise UserError(f"data prepare: {path}:{number + 1} is not UTF-8 text; convert the file or leave it out") from None
 
 
-def _jsonl_text(line: str, where: str, text_key: str) -> str:
+def _jsonl_text(line: str, where: str, text_key: str, advice: str) -> str:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
-        raise UserError(f"data prepare: {where} is not valid JSON ({err.msg}); fix or drop that line") from None
-    text = record.get(text_key) if isinstance(record, dict) else None
+        raise UserError(f"data prepare: {where} is not valid JSON ({err.msg}); {advice}") from None
+    if not isinstance(record, dict):
+        raise UserError(f"data prepare: {where} is not a JSON object; {advice}")
+    text = record.get(text_key)
     if not isinstance(text, str):
         raise UserError(f"data prepare: {where} has no string field {text_key!r}; pass --text-key with the field that holds the text")
     return text
