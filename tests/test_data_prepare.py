@@ -10,9 +10,11 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import make_config
 from data_helpers import huggingface_tokenizer, prepared, random_documents
+from tokenizers import Tokenizer
 
 from jaxdist import cli
 from jaxdist.data import loader, prepare, sources
+from jaxdist.data import tokenizer as tokenizer_lib
 from jaxdist.errors import UserError
 from jaxdist.observe import bench
 
@@ -119,6 +121,19 @@ def test_vocab_auto_takes_the_vocabulary_of_the_data(tmp_path):
         loader.resolve_model(make_config(tmp_path, data={"source": "arrays", "path": str(tmp_path / "images.npz")}, model=auto))
     with pytest.raises(UserError, match=r"model.vocab = auto takes its value from the data, and bench runs on random"):
         bench.run(make_config(tmp_path, model=auto))
+
+
+def test_a_special_token_written_in_a_document_is_text_not_a_document_boundary(tmp_path):
+    docs = ["GPT-2 data ends documents with <|endoftext|> and [SEP] marks.", "second document"]
+    tokenizer_file = huggingface_tokenizer(tmp_path / "tokenizer.json", docs, special=("<|endoftext|>", "[SEP]"))
+    path, manifest = prepared(tmp_path, docs, tokenizer=str(tokenizer_file), eval_fraction=0.0)
+    tokenizer = tokenizer_lib.load(manifest["tokenizer"], path)
+    tokens = sources.ArrayRecordTokens(path, manifest, "train")
+    stream = np.asarray(tokens[0 : len(tokens)])
+    special = [Tokenizer.from_file(str(tokenizer_file)).token_to_id(token) for token in ("<|endoftext|>", "[SEP]")]
+    assert np.isin(stream, special).sum() == 2 and stream[-1] == tokenizer.separator
+    pieces = np.split(stream, np.flatnonzero(stream == tokenizer.separator) + 1)[:-1]
+    assert [tokenizer.decode(piece[:-1]) for piece in pieces] == docs
 
 
 def test_huggingface_tokenizer_without_end_of_text_is_one_line_and_exit_2(tmp_path, capfd):

@@ -73,7 +73,8 @@ class HuggingFaceTokenizer:
     """A Hugging Face `tokenizers` file; its end-of-text special token separates documents.
 
     `source` names the file in errors. Encoding adds no special tokens (the separator is written
-    between documents instead); decoding keeps them.
+    between documents instead) and reads a special token written in the text, such as a literal
+    `<|endoftext|>`, as plain text; decoding keeps them.
     """
 
     name = "huggingface"
@@ -90,6 +91,8 @@ class HuggingFaceTokenizer:
             self._tokenizer = tokenizers.Tokenizer.from_str(config_json)
         except Exception as err:  # the Rust library raises plain Exceptions
             raise UserError(f"{source} is not a Hugging Face tokenizer file ({str(err).strip()}); pass a tokenizer.json") from None
+        # Otherwise a document quoting `<|endoftext|>` would encode it as the separator: a false document boundary.
+        self._tokenizer.encode_special_tokens = True
         self.config_json = config_json
         # Added tokens may sit above the base vocabulary, with gaps: the largest id decides the size.
         self.vocab_size = max(self._tokenizer.get_vocab(with_added_tokens=True).values()) + 1
