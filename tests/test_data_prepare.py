@@ -63,6 +63,25 @@ def test_a_json_array_file_is_refused_as_not_json_lines(tmp_path, content):
         prepare.prepare([str(tmp_path / "docs.json")], str(tmp_path / "out"))
 
 
+def test_parquet_text_may_be_any_string_or_binary_column_of_utf8(tmp_path):
+    # Impala and Hive write text as binary without the UTF-8 annotation: it reads as text all the same.
+    columns = [pa.array(PARQUET_DOCS), pa.array(PARQUET_DOCS, pa.large_string()), pa.array(PARQUET_DOCS).dictionary_encode(),
+               pa.array([None if doc is None else doc.encode() for doc in PARQUET_DOCS], pa.binary())]
+    for index, column in enumerate(columns):
+        pq.write_table(pa.table({"text": column}), tmp_path / f"{index}.parquet")
+    manifest = prepare.prepare([str(tmp_path)], str(tmp_path / "out"), eval_fraction=0.0)
+    tokens = sources.ArrayRecordTokens(tmp_path / "out", manifest, "train")
+    assert bytes(tokens[0 : len(tokens)]) == b"row one\0row three\0" * len(columns)
+
+
+def test_a_parquet_string_that_is_not_utf8_names_its_row(tmp_path):
+    data, offsets = b"fineok\xff", np.array([0, 4, 7], np.int32)  # Arrow trusts the writer: no check on write
+    column = pa.Array.from_buffers(pa.string(), 2, [None, pa.py_buffer(offsets.tobytes()), pa.py_buffer(data)])
+    pq.write_table(pa.table({"text": column}), tmp_path / "bad.parquet")
+    with pytest.raises(UserError, match=r"bad.parquet row index 1 of column 'text' is not UTF-8 text \(byte 2\)"):
+        prepare.prepare([str(tmp_path / "bad.parquet")], str(tmp_path / "out"))
+
+
 def test_sentencepiece_is_trained_locally_and_round_trips(tmp_path):
     words = np.array("the data pipeline reads shards while every process trains its share of".split())
     rng = np.random.default_rng(2)
@@ -173,6 +192,9 @@ def run_cli(args, capfd) -> tuple[int, list[str]]:
         ("unknown tokenizer", "--tokenizer='wordpiece' is not a known tokenizer; choose one of byte, sentencepiece"),
         ("corrupt jsonl", "{tmp}/bad.jsonl:2 is not valid JSON"),
         ("corrupt jsonl, sentencepiece", "{tmp}/bad.jsonl:2 is not valid JSON"),
+        ("lone surrogate", "{tmp}/surrogate.jsonl:2 is not UTF-8 text: field 'text' holds the lone surrogate \\ud83d"),
+        ("integer column", "{tmp}/ints.parquet column 'text' holds int64, not text; pass --text-key"),
+        ("binary column, not UTF-8", "{tmp}/bytes.parquet row index 1 of column 'text' is not UTF-8 text (byte 2)"),
         ("vocabulary too large", "--vocab-size=5000 is too large: these files hold enough text for at most "),
         ("vocabulary too small", "--vocab-size=5 is too small: these files need 265 pieces for their characters, "
                                  "bytes and special ids; use --vocab-size=265 or more"),
@@ -181,6 +203,9 @@ def run_cli(args, capfd) -> tuple[int, list[str]]:
 def test_bad_prepare_input_is_one_line_and_exit_2(tmp_path, capfd, case, expected):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
+    (tmp_path / "surrogate.jsonl").write_text('{"text": "fine"}\n{"text": "scraped \\ud83d text"}\n')  # valid JSON
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
+    pq.write_table(pa.table({"text": [b"fine", b"ok\xff"]}), tmp_path / "bytes.parquet")
     (tmp_path / "good.txt").write_text("some text")
     inputs, tokenizer = {
         "missing input": ("nope.txt", "byte"),
@@ -188,6 +213,9 @@ def test_bad_prepare_input_is_one_line_and_exit_2(tmp_path, capfd, case, expecte
         "unknown tokenizer": ("good.txt", "wordpiece"),
         "corrupt jsonl": ("bad.jsonl", "byte"),
         "corrupt jsonl, sentencepiece": ("bad.jsonl", "sentencepiece"),
+        "lone surrogate": ("surrogate.jsonl", "byte"),
+        "integer column": ("ints.parquet", "byte"),
+        "binary column, not UTF-8": ("bytes.parquet", "byte"),
         "vocabulary too large": ("good.txt", "sentencepiece"),
         "vocabulary too small": ("good.txt", "sentencepiece"),
     }[case]

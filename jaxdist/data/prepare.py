@@ -9,8 +9,8 @@ two or more documents with `eval_fraction` > 0 holds out at least one. The `mani
 the shards records the tokenizer, the dtype and every count.
 
 Input formats, by file name (any case): `.jsonl`, `.ndjson` or `.json` (one JSON object per line,
-text under `text_key`), `.parquet` (the `text_key` column), anything else is UTF-8 text, one
-document per file. Directories are searched recursively.
+text under `text_key`), `.parquet` (the `text_key` column, of strings or UTF-8 binary), anything
+else is UTF-8 text, one document per file. Directories are searched recursively.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ from jaxdist.data import tokenizer as tokenizer_lib
 from jaxdist.errors import UserError, optional_import
 
 SPLITS = ("train", "eval")
+# Parquet column types read as UTF-8 text (binary too: Impala and Hive write text without the UTF-8
+# annotation). Type names, as pyarrow's type tests for the views are recent.
+PARQUET_TEXT = ("string", "large_string", "string_view", "binary", "large_binary", "binary_view")
 # Most .json corpora are JSON lines; a JSON array file is refused with a line saying so.
 JSON_LINES = (".jsonl", ".ndjson", ".json")
 
@@ -102,6 +105,11 @@ def _jsonl_text(line: str, where: str, text_key: str, advice: str) -> str:
     text = record.get(text_key)
     if not isinstance(text, str):
         raise UserError(f"data prepare: {where} has no string field {text_key!r}; pass --text-key with the field that holds the text")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:  # a JSON escape of half a character, such as "\ud83d"
+        raise UserError(f"data prepare: {where} is not UTF-8 text: field {text_key!r} holds the lone surrogate "
+                        f"\\u{ord(text[err.start]):04x}; fix or drop that line") from None
     return text
 
 
@@ -118,10 +126,22 @@ def _parquet_documents(path: Path, text_key: str) -> Iterator[str]:
             f"data prepare: {path} has no column {text_key!r} (columns: {', '.join(table.schema_arrow.names)}); "
             f"pass --text-key"
         )
+    kind = table.schema_arrow.field(text_key).type
+    if str(kind.value_type if pa.types.is_dictionary(kind) else kind) not in PARQUET_TEXT:
+        raise UserError(f"data prepare: {path} column {text_key!r} holds {kind}, not text; pass --text-key with a "
+                        f"string column, or convert that column to strings")
+    row = 0
     for batch in table.iter_batches(columns=[text_key]):
-        for text in batch.column(0).to_pylist():
-            if text is not None:
+        # As bytes, decoded here: a string that is not UTF-8 (Arrow does not check on write) names its row.
+        for data in batch.column(0).cast(pa.large_binary()).to_pylist():
+            if data is not None:
+                try:
+                    text = data.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise UserError(f"data prepare: {path} row index {row} of column {text_key!r} is not UTF-8 text "
+                                    f"(byte {err.start}); fix or drop that row") from None
                 yield text
+            row += 1
 
 
 def _document_hash(name: str, index: int) -> int:
