@@ -121,6 +121,29 @@ def test_a_small_corpus_holds_out_its_smallest_hash_document(tmp_path):
     assert one["splits"]["eval"]["documents"] == 0
 
 
+def test_files_that_share_a_name_get_distinct_split_names(tmp_path, monkeypatch):
+    for folder in ["corpus/en", "corpus/de", "extra"]:
+        (tmp_path / folder).mkdir(parents=True)
+    for path in ["corpus/en/train.txt", "corpus/de/train.txt", "corpus/de/other.txt", "extra/other.txt"]:
+        (tmp_path / path).write_text(f"the text of {path}")
+    monkeypatch.chdir(tmp_path / "corpus")
+    inputs = ["en/train.txt", "de/train.txt", "de/other.txt", str(tmp_path / "extra")]
+    names = ["en/train.txt", "de/train.txt", "de/other.txt", "extra/other.txt"]
+    assert [name for _, name in prepare.input_files(inputs)] == names
+    assert [name for _, name in prepare.input_files(["en/train.txt", str(tmp_path / "extra")])] == ["train.txt", "other.txt"]
+    monkeypatch.chdir(tmp_path)  # the same files named from elsewhere keep their names, so their split
+    assert [name for _, name in prepare.input_files([f"corpus/{path}" for path in inputs[:3]] + ["extra"])] == names
+    manifest = prepare.prepare(["corpus/en/train.txt", "corpus/de/train.txt"], str(tmp_path / "out"))
+    assert (manifest["splits"]["train"]["documents"], manifest["splits"]["eval"]["documents"]) == (1, 1)
+
+
+def test_a_file_given_twice_is_refused(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("some text")
+    with pytest.raises(UserError, match=r"docs/\.\./docs/a.txt is given twice \(also as .*/docs/a.txt\); pass each file once"):
+        prepare.input_files([str(tmp_path / "docs"), str(tmp_path / "docs" / ".." / "docs" / "a.txt")])
+
+
 def test_vocab_auto_takes_the_vocabulary_of_the_data(tmp_path):
     docs = random_documents(10, seed=7)
     tokenizer_file = huggingface_tokenizer(tmp_path / "tokenizer.json", docs, vocab_size=290)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import zlib
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,8 +39,9 @@ def input_files(paths: list[str]) -> list[tuple[Path, str]]:
     """(file, stable name) for every input file, directories expanded recursively.
 
     Directories are listed sorted, skipping hidden and empty files (an empty file named on its
-    own is an error). The name (relative to the directory named) decides a document's split, so
-    moving the data keeps the split.
+    own is an error). The name (relative to the directory named; a file named on its own by its
+    base name) decides a document's split, so moving the data keeps the split. Files that would
+    share a name are told apart by their folders (`_distinct_names`); a file given twice is an error.
     """
     files: list[tuple[Path, str]] = []
     for name in paths:
@@ -58,7 +60,34 @@ def input_files(paths: list[str]) -> list[tuple[Path, str]]:
             files.extend((path / relative, relative.as_posix()) for relative in found)
         else:
             files.append((path, path.name))
-    return files
+    return _distinct_names(files)
+
+
+def _distinct_names(files: list[tuple[Path, str]]) -> list[tuple[Path, str]]:
+    """`files` with every name that several files share lengthened by their parent folders, one at
+    a time, until no two files share one: en/train.txt and de/train.txt rather than two train.txt,
+    which would share every document's split.
+
+    Only names that collide change, so the splits of other inputs stay as they were; and folder
+    names, not whole paths, so rerunning the command from anywhere, or on the data moved, keeps
+    the splits.
+    """
+    real = [path.resolve() for path, _ in files]
+    first: dict[Path, Path] = {}
+    for (path, _), resolved in zip(files, real):
+        if resolved in first:
+            raise UserError(f"data prepare: {path} is given twice (also as {first[resolved]}); pass each file once")
+        first[resolved] = path
+    names = [name for _, name in files]
+    while True:
+        counts = Counter(names)
+        clashing = [index for index, name in enumerate(names) if counts[name] > 1]
+        if not clashing:
+            return [(path, name) for (path, _), name in zip(files, names)]
+        for index in clashing:
+            # The files' real paths differ, so at worst the whole path tells them apart.
+            parts = real[index].parts
+            names[index] = Path(*parts[-min(len(Path(names[index]).parts) + 1, len(parts)):]).as_posix()
 
 
 def documents(path: Path, text_key: str) -> Iterator[str]:
