@@ -63,6 +63,15 @@ def test_a_json_array_file_is_refused_as_not_json_lines(tmp_path, content):
         prepare.prepare([str(tmp_path / "docs.json")], str(tmp_path / "out"))
 
 
+def test_a_byte_order_mark_is_not_text(tmp_path):
+    bom = "\ufeff".encode()
+    (tmp_path / "a.jsonl").write_bytes(bom + b'{"text": "one"}\n' + bom + b'{"text": "two"}\n')  # two files concatenated
+    (tmp_path / "b.txt").write_bytes(bom + "three \ufeff".encode())
+    manifest = prepare.prepare([str(tmp_path)], str(tmp_path / "out"), eval_fraction=0.0)
+    tokens = sources.ArrayRecordTokens(tmp_path / "out", manifest, "train")
+    assert bytes(tokens[0 : len(tokens)]) == "one\0two\0three \ufeff\0".encode()
+
+
 def test_parquet_text_may_be_any_string_or_binary_column_of_utf8(tmp_path):
     # Impala and Hive write text as binary without the UTF-8 annotation: it reads as text all the same.
     columns = [pa.array(PARQUET_DOCS), pa.array(PARQUET_DOCS, pa.large_string()), pa.array(PARQUET_DOCS).dictionary_encode(),
@@ -215,6 +224,7 @@ def run_cli(args, capfd) -> tuple[int, list[str]]:
         ("unknown tokenizer", "--tokenizer='wordpiece' is not a known tokenizer; choose one of byte, sentencepiece"),
         ("corrupt jsonl", "{tmp}/bad.jsonl:2 is not valid JSON"),
         ("corrupt jsonl, sentencepiece", "{tmp}/bad.jsonl:2 is not valid JSON"),
+        ("non-UTF-8 jsonl", "{tmp}/latin1.jsonl:900 is not UTF-8 text (byte 15 of the line)"),
         ("lone surrogate", "{tmp}/surrogate.jsonl:2 is not UTF-8 text: field 'text' holds the lone surrogate \\ud83d"),
         ("integer column", "{tmp}/ints.parquet column 'text' holds int64, not text; pass --text-key"),
         ("binary column, not UTF-8", "{tmp}/bytes.parquet row index 1 of column 'text' is not UTF-8 text (byte 2)"),
@@ -226,6 +236,9 @@ def run_cli(args, capfd) -> tuple[int, list[str]]:
 def test_bad_prepare_input_is_one_line_and_exit_2(tmp_path, capfd, case, expected):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
+    lines = [json.dumps({"text": f"document {index}, with some words"}).encode() for index in range(1000)]
+    lines[899] = lines[899].replace(b"document", b"docum\xe9nt")  # far past the first read's buffer
+    (tmp_path / "latin1.jsonl").write_bytes(b"\n".join(lines))
     (tmp_path / "surrogate.jsonl").write_text('{"text": "fine"}\n{"text": "scraped \\ud83d text"}\n')  # valid JSON
     pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
     pq.write_table(pa.table({"text": [b"fine", b"ok\xff"]}), tmp_path / "bytes.parquet")
@@ -236,6 +249,7 @@ def test_bad_prepare_input_is_one_line_and_exit_2(tmp_path, capfd, case, expecte
         "unknown tokenizer": ("good.txt", "wordpiece"),
         "corrupt jsonl": ("bad.jsonl", "byte"),
         "corrupt jsonl, sentencepiece": ("bad.jsonl", "sentencepiece"),
+        "non-UTF-8 jsonl": ("latin1.jsonl", "byte"),
         "lone surrogate": ("surrogate.jsonl", "byte"),
         "integer column": ("ints.parquet", "byte"),
         "binary column, not UTF-8": ("bytes.parquet", "byte"),

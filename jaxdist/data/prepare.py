@@ -31,6 +31,8 @@ SPLITS = ("train", "eval")
 # Parquet column types read as UTF-8 text (binary too: Impala and Hive write text without the UTF-8
 # annotation). Type names, as pyarrow's type tests for the views are recent.
 PARQUET_TEXT = ("string", "large_string", "string_view", "binary", "large_binary", "binary_view")
+# Some editors start a UTF-8 file with it; it is no part of the text.
+BYTE_ORDER_MARK = "\ufeff"
 # Most .json corpora are JSON lines; a JSON array file is refused with a line saying so.
 JSON_LINES = (".jsonl", ".ndjson", ".json")
 
@@ -106,22 +108,27 @@ def documents(path: Path, text_key: str) -> Iterator[str]:
 
 def _text_document(path: Path, text_key: str) -> Iterator[str]:
     try:
-        yield path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise UserError(f"data prepare: {path} is not UTF-8 text (byte {err.start}); convert it or leave it out") from None
+    yield text.removeprefix(BYTE_ORDER_MARK)
 
 
 def _jsonl_documents(path: Path, text_key: str) -> Iterator[str]:
-    number = 0
     advice = ("a .json input must hold one JSON object per line: fix that line, or convert a JSON array file to "
               "JSON lines" if path.suffix.lower() == ".json" else "fix or drop that line")
-    try:
-        with open(path, encoding="utf-8") as lines:
-            for number, line in enumerate(lines, 1):
-                if line.strip():
-                    yield _jsonl_text(line, f"{path}:{number}", text_key, advice)
-    except UnicodeDecodeError:
-        raise UserError(f"data prepare: {path}:{number + 1} is not UTF-8 text; convert the file or leave it out") from None
+    # Bytes, decoded line by line: a text-mode file decodes ahead of the line it returns, so its
+    # error would name a line before the bad byte.
+    with open(path, "rb") as lines:
+        for number, data in enumerate(lines, 1):
+            try:
+                # Every line's mark goes: files that each began with one may have been concatenated.
+                line = data.decode("utf-8").removeprefix(BYTE_ORDER_MARK)
+            except UnicodeDecodeError as err:
+                raise UserError(f"data prepare: {path}:{number} is not UTF-8 text (byte {err.start} of the line); "
+                                f"convert the file or leave it out") from None
+            if line.strip():
+                yield _jsonl_text(line, f"{path}:{number}", text_key, advice)
 
 
 def _jsonl_text(line: str, where: str, text_key: str, advice: str) -> str:
