@@ -228,6 +228,8 @@ def run_cli(args, capfd) -> tuple[int, list[str]]:
         ("lone surrogate", "{tmp}/surrogate.jsonl:2 is not UTF-8 text: field 'text' holds the lone surrogate \\ud83d"),
         ("integer column", "{tmp}/ints.parquet column 'text' holds int64, not text; pass --text-key"),
         ("binary column, not UTF-8", "{tmp}/bytes.parquet row index 1 of column 'text' is not UTF-8 text (byte 2)"),
+        ("empty texts, sentencepiece", "--tokenizer=sentencepiece: the train split's documents hold no text it can "
+                                       "learn from (each is empty or longer than 16777216 bytes)"),
         ("vocabulary too large", "--vocab-size=5000 is too large: these files hold enough text for at most "),
         ("vocabulary too small", "--vocab-size=5 is too small: these files need 265 pieces for their characters, "
                                  "bytes and special ids; use --vocab-size=265 or more"),
@@ -243,6 +245,7 @@ def test_bad_prepare_input_is_one_line_and_exit_2(tmp_path, capfd, case, expecte
     pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
     pq.write_table(pa.table({"text": [b"fine", b"ok\xff"]}), tmp_path / "bytes.parquet")
     (tmp_path / "good.txt").write_text("some text")
+    (tmp_path / "empty_texts.jsonl").write_text('{"text": ""}\n{"text": ""}\n{"text": ""}\n')
     inputs, tokenizer = {
         "missing input": ("nope.txt", "byte"),
         "empty file": ("empty.txt", "byte"),
@@ -253,6 +256,7 @@ def test_bad_prepare_input_is_one_line_and_exit_2(tmp_path, capfd, case, expecte
         "lone surrogate": ("surrogate.jsonl", "byte"),
         "integer column": ("ints.parquet", "byte"),
         "binary column, not UTF-8": ("bytes.parquet", "byte"),
+        "empty texts, sentencepiece": ("empty_texts.jsonl", "sentencepiece"),
         "vocabulary too large": ("good.txt", "sentencepiece"),
         "vocabulary too small": ("good.txt", "sentencepiece"),
     }[case]
@@ -264,6 +268,20 @@ def test_bad_prepare_input_is_one_line_and_exit_2(tmp_path, capfd, case, expecte
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith("jaxdist: error: data prepare: "), err
     assert expected.format(tmp=tmp_path) in err[0]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("tokenizer", ["byte", "sentencepiece"])
+def test_no_document_left_to_train_on_is_said_before_training(tmp_path, capfd, tokenizer):
+    paths = [tmp_path / f"d{index}.txt" for index in range(3)]
+    for path in paths:
+        path.write_text(f"{path.name} with enough text to make a few windows of tokens for training")
+    assert all(prepare.split_of(path.name, 0, 0.999) == "eval" for path in paths)
+    code, err = run_cli(["data", "prepare", *map(str, paths), "--out", str(tmp_path / "out"), "--tokenizer", tokenizer,
+                         "--vocab-size", "300", "--eval-fraction", "0.999"], capfd)
+    assert code == 2 and len(err) == 1, err
+    assert err[0] == ("jaxdist: error: data prepare: every document fell into the eval split, leaving none to train on; "
+                      "lower --eval-fraction=0.999 or add documents")
     assert not (tmp_path / "out").exists()
 
 

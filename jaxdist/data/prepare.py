@@ -15,6 +15,7 @@ else is UTF-8 text, one document per file. Directories are searched recursively.
 
 from __future__ import annotations
 
+import itertools
 import json
 import zlib
 from collections import Counter
@@ -281,17 +282,19 @@ def prepare(
                 for index, text in enumerate(documents(path, text_key)):
                     yield "eval" if (name, index) == forced else split_of(name, index, eval_fraction), text
 
-        tok = tokenizer_lib.train(tokenizer, (text for split, text in all_documents() if split == "train"), vocab_size)
+        train_texts = (text for split, text in all_documents() if split == "train")
+        first = next(train_texts, None)
+        if first is None:  # said now: sentencepiece would fail on it with an error of its own
+            raise UserError(
+                f"data prepare: every document fell into the eval split, leaving none to train on; lower "
+                f"--eval-fraction={eval_fraction} or add documents"
+            )
+        tok = tokenizer_lib.train(tokenizer, itertools.chain([first], train_texts), vocab_size)
         dtype = token_dtype(tok.vocab_size)
         writers = {split: ShardWriter(scratch, split, chunk_tokens, records_per_shard, dtype) for split in SPLITS}
         for split, text in all_documents():
             writers[split].add(tok.encode(text), tok.separator)
         splits = {split: writer.close() for split, writer in writers.items()}
-        if not splits["train"]["tokens"]:
-            raise UserError(
-                f"data prepare: every document fell into the eval split; lower --eval-fraction={eval_fraction} "
-                f"or add documents"
-            )
         manifest = {
             "format": sources.MANIFEST_FORMAT,
             "tokenizer": tokenizer_lib.save(tok, scratch),

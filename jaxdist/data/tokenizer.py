@@ -24,6 +24,8 @@ SENTENCEPIECE_FILE = "tokenizer.model"
 HUGGINGFACE_FILE = "tokenizer.json"
 # End-of-text special tokens, in the order they are looked for in a Hugging Face tokenizer.
 SEPARATOR_TOKENS = ("<|endoftext|>", "</s>", "[SEP]", "<eos>")
+# SentencePiece skips longer documents when training.
+MAX_SENTENCE_BYTES = 1 << 24
 
 
 class Tokenizer(Protocol):
@@ -166,21 +168,24 @@ def train(name: str, documents: Iterable[str], vocab_size: int) -> Tokenizer:
             model_type="bpe", byte_fallback=True,  # any text encodes, even characters never seen
             # Identity normalization keeps whitespace and newlines, so decode(encode(text)) == text.
             normalization_rule_name="identity", remove_extra_whitespaces=False,
-            allow_whitespace_only_pieces=True, max_sentence_length=1 << 24,
+            allow_whitespace_only_pieces=True, max_sentence_length=MAX_SENTENCE_BYTES,
             unk_id=0, eos_id=1, bos_id=-1, pad_id=-1, num_threads=2, minloglevel=2,
         )
     except RuntimeError as err:
         if input_errors:
             raise input_errors[0] from None
-        raise UserError(_vocab_size_error(vocab_size, str(err).strip().splitlines()[-1])) from None
+        raise UserError(_training_error(vocab_size, str(err).strip().splitlines()[-1])) from None
     if input_errors:
         raise input_errors[0]
     return SentencePieceTokenizer(model.getvalue())
 
 
-def _vocab_size_error(vocab_size: int, reason: str) -> str:
+def _training_error(vocab_size: int, reason: str) -> str:
     """What to change when sentencepiece could not train a `vocab_size` vocabulary, for `reason`
-    (its message): the sizes it names are the bounds to give."""
+    (its message): the sizes it names are the bounds to give; no text at all is not a size problem."""
+    if "sentences_.empty()" in reason:
+        return (f"data prepare: --tokenizer=sentencepiece: the train split's documents hold no text it can learn "
+                f"from (each is empty or longer than {MAX_SENTENCE_BYTES} bytes); add text, or split long documents")
     prefix = f"data prepare: --vocab-size={vocab_size}"
     if match := re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", reason):
         return (f"{prefix} is too small: these files need {match[1]} pieces for their characters, bytes and "
