@@ -37,7 +37,9 @@ _PUBLIC = {
     "make_mesh": ("jaxdist.parallel.mesh", "make_mesh"),
     "use_cpu_devices": ("jaxdist.runtime", "use_cpu_devices"),
 }
-__all__ = sorted(_PUBLIC)
+__all__ = [
+    "Config", "Trainer", "UserError", "distributed", "gpu_defaults", "load_config", "make_mesh", "use_cpu_devices",
+]
 
 
 def __getattr__(name: str):
