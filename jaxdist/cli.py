@@ -136,8 +136,8 @@ def _data_prepare_arguments(parser: argparse.ArgumentParser) -> None:
     from jaxdist.data import tokenizer as tokenizer_lib
 
     parser.add_argument("inputs", nargs="+",
-                        help="text, .jsonl or .parquet files, or directories of them; or one folder with a "
-                             "subfolder of PNG/JPEG images per class")
+                        help="text, JSON lines (.jsonl, .ndjson, .json) or .parquet files, or directories of "
+                             "them; or one folder with a subfolder of PNG/JPEG images per class")
     parser.add_argument("--out", required=True, help="new directory for the shards and manifest.json")
     parser.add_argument("--eval-fraction", type=float,
                         help="share of documents (default 0.01) or of each class's images (default 0.1) held out for eval")
@@ -148,7 +148,7 @@ def _data_prepare_arguments(parser: argparse.ArgumentParser) -> None:
                            f"Face tokenizer.json")
     text.add_argument("--vocab-size", type=_COUNT, help="sentencepiece vocabulary size (default 4096)")
     text.add_argument("--chunk-tokens", type=_COUNT, help="tokens per ArrayRecord record (default 4096)")
-    text.add_argument("--text-key", help="JSONL field / Parquet column holding the text (default text)")
+    text.add_argument("--text-key", help="JSON lines field / Parquet column holding the text (default text)")
     image = parser.add_argument_group("image folder")
     image.add_argument("--image-size", type=_COUNT,
                        help="side of the square every image is resized and center-cropped to (default 32)")
