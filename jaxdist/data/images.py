@@ -44,7 +44,8 @@ def _visible_files(path: Path) -> Iterator[Path]:
         )
 
 
-def _is_image(path: Path) -> bool:
+def is_image(path: Path) -> bool:
+    """Whether `path` is named as a PNG or JPEG image."""
     return path.suffix.lower() in SUFFIXES
 
 
@@ -57,7 +58,7 @@ def image_folder(inputs: list[str]) -> Path | None:
     loose in the folder, next to the class folders) are a `UserError` that says where they go.
     """
     files = [path for name in inputs for path in _visible_files(Path(name))]
-    found = [path for path in files if _is_image(path)]
+    found = [path for path in files if is_image(path)]
     if len(found) <= len(files) - len(found):
         return None
     folder = Path(inputs[0])
@@ -81,7 +82,7 @@ def class_files(folder: Path) -> dict[str, list[str]]:
     classes = {}
     for directory in sorted(entry for entry in folder.iterdir() if entry.is_dir() and not entry.name.startswith(".")):
         files = list(_visible_files(directory))
-        if other := [path for path in files if not _is_image(path)]:
+        if other := [path for path in files if not is_image(path)]:
             raise UserError(f"data prepare: {other[0]} is not a PNG or JPEG file; an image folder's class folders "
                             f"hold only images: remove it")
         if not files:

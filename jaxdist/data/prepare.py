@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxdist.data import shards, sources
+from jaxdist.data import images, shards, sources
 from jaxdist.data import tokenizer as tokenizer_lib
-from jaxdist.errors import UserError, optional_import
+from jaxdist.errors import UserError, optional_import, warn
 
 SPLITS = ("train", "eval")
 # Parquet column types read as UTF-8 text (binary too: Impala and Hive write text without the UTF-8
@@ -42,7 +42,7 @@ def input_files(paths: list[str]) -> list[tuple[Path, str]]:
     """(file, stable name) for every input file, directories expanded recursively.
 
     Directories are listed sorted, skipping hidden and empty files (an empty file named on its
-    own is an error). The name (relative to the directory named; a file named on its own by its
+    own is an error) and images (a text corpus's logos and figures; a warning counts them). The name (relative to the directory named; a file named on its own by its
     base name) decides a document's split, so moving the data keeps the split. Files that would
     share a name are told apart by their folders (`_distinct_names`); a file given twice is an error.
     """
@@ -60,7 +60,11 @@ def input_files(paths: list[str]) -> list[tuple[Path, str]]:
             if not found:
                 raise UserError(f"data prepare: directory {name} holds no non-empty files; pass one with text files, "
                                 f"or with a subfolder of images per class")
-            files.extend((path / relative, relative.as_posix()) for relative in found)
+            skipped = [relative for relative in found if images.is_image(relative)]
+            if skipped:
+                warn(f"data prepare: skipped {len(skipped)} image file(s) in {name} (the first: {skipped[0]}); "
+                     f"the text files beside them are prepared")
+            files.extend((path / relative, relative.as_posix()) for relative in found if not images.is_image(relative))
         else:
             files.append((path, path.name))
     return _distinct_names(files)
