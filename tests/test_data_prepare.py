@@ -187,6 +187,14 @@ def test_a_special_token_written_in_a_document_is_text_not_a_document_boundary(t
     assert [tokenizer.decode(piece[:-1]) for piece in pieces] == docs
 
 
+def test_a_nul_in_a_document_is_no_byte_separator(tmp_path):
+    docs = ["a NUL \0 inside the first document", "second document"]
+    path, manifest = prepared(tmp_path, docs, eval_fraction=0.0)
+    tokens = sources.ArrayRecordTokens(path, manifest, "train")
+    stream = np.asarray(tokens[0 : len(tokens)])
+    assert np.flatnonzero(stream == 0).tolist() == [len(docs[0]) - 1, len(stream) - 1]
+
+
 def test_huggingface_tokenizer_without_end_of_text_is_one_line_and_exit_2(tmp_path, capfd):
     docs = random_documents(5, seed=8)
     (tmp_path / "good.txt").write_text(docs[0])

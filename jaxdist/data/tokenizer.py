@@ -46,7 +46,8 @@ class ByteTokenizer:
     separator = corpus.SEPARATOR
 
     def encode(self, text: str) -> np.ndarray:
-        return corpus.encode(text)
+        # A NUL in the text would read as the separator, a false document boundary: it is dropped.
+        return corpus.encode(text.replace("\0", ""))
 
     def decode(self, ids: np.ndarray) -> str:
         return corpus.decode(ids)
