@@ -55,6 +55,10 @@ def _cast(x: jax.Array, dtype) -> jax.Array:
     return x.astype(dtype) if x.dtype != dtype else x
 
 
+def _at_least_float32(x: jax.Array) -> jax.Array:
+    return _cast(x, jnp.promote_types(x.dtype, jnp.float32))
+
+
 class Norm(nnx.Module):
     """LayerNorm (scale and bias) or RMSNorm (scale), computed in float32.
 
@@ -294,9 +298,11 @@ class GPT(nnx.Module):
         # gathers any weight before use): left split, the lookup's output would have to be split
         # along `embed` and the batch at once, which XLA can only do by replicating it when the
         # batch is split over more axes than the table's (the stage axis, outside a pipeline).
-        x = jnp.take(constrain(self.embed[...], ("vocab", "embed")), tokens, axis=0)
+        # Looked up in float32 at least: the lookup's gradient adds every occurrence of a token into
+        # its row, which in bfloat16 parameters would lose most of a frequent token's sum.
+        x = jnp.take(constrain(_at_least_float32(self.embed[...]), ("vocab", "embed")), tokens, axis=0)
         if self.cfg.positions == "learned":
-            x = x + self.positions[: tokens.shape[1]]
+            x = x + _at_least_float32(self.positions[: tokens.shape[1]])
         x = constrain(_cast(x, self.compute_dtype), RESIDUAL)
         x, delta = self._run_blocks(x)
         return self.final_norm.add(x, delta)[1], self.head_weights()
