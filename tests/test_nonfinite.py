@@ -184,10 +184,14 @@ def test_a_resumed_run_counts_the_bad_steps_in_a_row_from_its_checkpoint(tmp_pat
     config_file.write_text(yaml.safe_dump(cfg.model_copy(update={
         "train": cfg.train.model_copy(update={"steps": 8})}).model_dump(mode="json")))
     assert cli.main(["train", str(config_file)]) == 3
+    captured = capsys.readouterr()
     assert re.fullmatch(
         r"jaxdist: error: step 5: the loss is (nan|inf) \(3 bad steps in a row, more than "
         r"train.max_consecutive_skips=2\); stopped without saving it; the last checkpoint, step 4, is intact\n",
-        capsys.readouterr().err)
+        captured.err)
+    # The schedule is a function of train.steps: the resume line says that it changed.
+    assert ("config changed: train.steps=4->8; optim.schedule=linear now decays over train.steps=8, not 4, so "
+            "the learning rate changes where the run resumes") in captured.out
 
 
 def test_guard_adds_no_copy_of_the_state_and_keeps_donation(tmp_path):

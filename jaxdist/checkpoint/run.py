@@ -192,7 +192,13 @@ class RunCheckpoints:
         line = (f"resuming from step {restored.step} (checkpoint {restored.path}, saved on mesh {saved_on} "
                 f"by {meta['process_count']} process(es))")
         changes = changed_keys(meta["config"], self.cfg.model_dump(mode="json"))
-        return line + (f"; config changed: {', '.join(changes)}" if changes else "")
+        line += f"; config changed: {', '.join(changes)}" if changes else ""
+        saved_steps = meta["config"]["train"]["steps"]
+        if saved_steps != self.cfg.train.steps and self.cfg.optim.schedule != "constant":
+            # The schedule is a function of train.steps: resumed, it is the new length's at this step.
+            line += (f"; optim.schedule={self.cfg.optim.schedule} now decays over train.steps="
+                     f"{self.cfg.train.steps}, not {saved_steps}, so the learning rate changes where the run resumes")
+        return line
 
     def position(self, step: int) -> DataPosition:
         """The data position after `step` steps (global examples consumed so far)."""
