@@ -281,3 +281,17 @@ def test_a_read_error_surfaces_as_itself_from_read_threads_and_workers(tmp_path,
         for _ in range(len(source) // GLOBAL_BATCH + 1):  # one epoch reads every example
             next(batches)
     assert str(caught.value) == "example 5 is unreadable"  # grain only adds notes, which the CLI leaves out
+
+
+@pytest.mark.parametrize("shape, message", [
+    ((6, 64), "inputs holds rows of 64 tokens, not model.seq_len=32; set model.seq_len=64"),
+    ((6, 16), "inputs holds rows of 16 tokens, not model.seq_len=32; set model.seq_len=16"),
+    ((6, 4, 8), "inputs has shape [6, 4, 8]; a language model reads rows of token ids, [N, model.seq_len=32]"),
+])
+def test_token_rows_of_another_length_than_seq_len_are_refused(tmp_path, shape, message):
+    tokens = np.zeros(shape, np.int32)
+    np.savez(tmp_path / "tokens.npz", inputs=tokens, targets=tokens)
+    cfg = make_config(tmp_path, data={"source": "arrays", "path": str(tmp_path / "tokens.npz")})
+    with pytest.raises(UserError) as caught:
+        loader.open_split(cfg, "train", ("inputs", "targets"))
+    assert str(caught.value) == f"data.path={tmp_path / 'tokens.npz'}: {message}"

@@ -55,8 +55,24 @@ def open_split(cfg: Config, split: str, keys: tuple[str, ...] = ()):
     if missing := [key for key in keys if key not in arrays]:
         raise UserError(f"{name} lacks the array(s) {', '.join(missing)} that model.name={cfg.model.name} reads "
                         f"(it holds {', '.join(arrays)}); {fix}")
+    _check_token_rows(arrays, cfg, name)
     _check_ids(arrays, cfg, name)
     return sources.ArraySource(arrays, name)
+
+
+def _check_token_rows(arrays: dict[str, np.ndarray], cfg: Config, name: str) -> None:
+    """Token rows must be model.seq_len long: shorter or longer ones fail inside the step, or train
+    at another length than the model's positions and the reported tokens/s assume."""
+    seq_len = cfg.model.tokens_per_example
+    for key in ("inputs", "targets"):
+        rows = arrays.get(key)
+        if seq_len is None or rows is None or rows.shape[1:] == (seq_len,):
+            continue
+        if rows.ndim == 2:
+            raise UserError(f"{name}: {key} holds rows of {rows.shape[1]} tokens, not model.seq_len={seq_len}; "
+                            f"set model.seq_len={rows.shape[1]}")
+        raise UserError(f"{name}: {key} has shape {list(rows.shape)}; a language model reads rows of token ids, "
+                        f"[N, model.seq_len={seq_len}]")
 
 
 def _check_ids(arrays: dict[str, np.ndarray], cfg: Config, name: str) -> None:
