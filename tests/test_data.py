@@ -286,7 +286,7 @@ def test_a_read_error_surfaces_as_itself_from_read_threads_and_workers(tmp_path,
 @pytest.mark.parametrize("shape, message", [
     ((6, 64), "inputs holds rows of 64 tokens, not model.seq_len=32; set model.seq_len=64"),
     ((6, 16), "inputs holds rows of 16 tokens, not model.seq_len=32; set model.seq_len=16"),
-    ((6, 4, 8), "inputs has shape [6, 4, 8]; a language model reads rows of token ids, [N, model.seq_len=32]"),
+    ((6, 4, 8), "inputs has shape [N, 4, 8]; a language model reads rows of token ids, [N, model.seq_len=32]"),
 ])
 def test_token_rows_of_another_length_than_seq_len_are_refused(tmp_path, shape, message):
     tokens = np.zeros(shape, np.int32)
@@ -295,3 +295,60 @@ def test_token_rows_of_another_length_than_seq_len_are_refused(tmp_path, shape, 
     with pytest.raises(UserError) as caught:
         loader.open_split(cfg, "train", ("inputs", "targets"))
     assert str(caught.value) == f"data.path={tmp_path / 'tokens.npz'}: {message}"
+
+
+def classifier_arrays(tmp_path, images, labels, image_shape=(4, 4, 1)):
+    np.savez(tmp_path / "images.npz", images=images, labels=labels)
+    return make_classifier_config(tmp_path, {"name": "mlp", "classes": 3, "image_shape": list(image_shape)},
+                                  data={"source": "arrays", "path": str(tmp_path / "images.npz"), "eval_fraction": 0})
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int64])
+def test_integer_images_are_pixels_read_as_float32_over_255(tmp_path, dtype):
+    pixels = np.arange(6 * 16).reshape(6, 4, 4, 1) % 256
+    source = loader.open_split(classifier_arrays(tmp_path, pixels.astype(dtype), np.arange(6) % 3), "train")
+    for i in range(6):
+        assert source[i]["images"].dtype == np.float32
+        np.testing.assert_array_equal(source[i]["images"], pixels[i].astype(np.float32) / np.float32(255))
+
+
+def test_integer_images_beyond_8_bits_are_refused(tmp_path):
+    cfg = classifier_arrays(tmp_path, np.full((6, 4, 4, 1), 4095, np.uint16), np.arange(6) % 3)
+    with pytest.raises(UserError) as caught:
+        loader.open_split(cfg, "train")
+    assert str(caught.value) == (
+        f"data.path={tmp_path / 'images.npz'}: images holds integers from 4095 to 4095; integer images are read as "
+        f"8-bit pixels (0 to 255, divided by 255): save them as uint8, or as float32 in [0, 1]")
+
+
+@pytest.mark.parametrize("images, labels, message", [
+    (np.zeros((6, 4, 4, 1)), np.zeros((6, 1), np.int64),
+     "labels has shape [N, 1]; a classifier reads one class id per example, [N]: save labels.reshape(-1)"),
+    (np.zeros((6, 4, 4, 1)), np.zeros((6, 3), np.int64),
+     "labels has shape [N, 3]; a classifier reads one class id per example, [N]"),
+    (np.zeros((6, 1, 4, 4)), np.zeros(6, np.int64),
+     "images has shape [N, 1, 4, 4], not [N, *model.image_shape] = [N, 4, 4, 1]; they look channels-first "
+     "(N, C, H, W): save images.transpose(0, 2, 3, 1)"),
+    (np.zeros((6, 8, 8, 1)), np.zeros(6, np.int64),
+     "images has shape [N, 8, 8, 1], not [N, *model.image_shape] = [N, 4, 4, 1]; set model.image_shape=[8, 8, 1] "
+     "or auto"),
+    (np.zeros((6, 16)), np.zeros(6, np.int64),
+     "images has shape [N, 16], not [N, *model.image_shape] = [N, 4, 4, 1]; save them as [N, height, width, "
+     "channels]"),
+], ids=["column_labels", "one_hot_labels", "channels_first", "other_size", "flat"])
+def test_classifier_arrays_of_other_shapes_are_refused(tmp_path, images, labels, message):
+    with pytest.raises(UserError) as caught:
+        loader.open_split(classifier_arrays(tmp_path, images, labels), "train", ("images", "labels"))
+    assert str(caught.value) == f"data.path={tmp_path / 'images.npz'}: {message}"
+
+
+def test_channels_first_images_are_named_when_the_image_shape_is_taken_from_them(tmp_path, capsys):
+    np.savez(tmp_path / "chw.npz", images=np.zeros((6, 3, 16, 16), np.float32), labels=np.arange(6) % 3)
+    cfg = make_classifier_config(tmp_path, {"name": "mlp"}, data={"source": "arrays", "path": str(tmp_path / "chw.npz")})
+    assert loader.data_images(cfg).image_shape == (3, 16, 16)
+    assert capsys.readouterr().err == (
+        f"jaxdist: warning: data.path={tmp_path / 'chw.npz'}: images [N, 3, 16, 16] are read as [N, height, width, "
+        f"channels], 16 channels; if they are channels-first (N, C, H, W), save images.transpose(0, 2, 3, 1)\n")
+    np.savez(tmp_path / "hwc.npz", images=np.zeros((6, 3, 16, 4), np.float32), labels=np.arange(6) % 3)
+    loader.data_images(make_classifier_config(tmp_path, {"name": "mlp"}, data={"source": "arrays", "path": str(tmp_path / "hwc.npz")}))
+    assert capsys.readouterr().err == ""

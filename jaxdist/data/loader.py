@@ -20,7 +20,7 @@ from jaxdist.config import ClassifierSection, Config
 from jaxdist.data import corpus, digits, pipeline, sources
 from jaxdist.data.augment import Augment
 from jaxdist.data import tokenizer as tokenizer_lib
-from jaxdist.errors import UserError
+from jaxdist.errors import UserError, warn
 from jaxdist.parallel.feed import BatchRows
 
 Batch = dict[str, np.ndarray]
@@ -55,24 +55,63 @@ def open_split(cfg: Config, split: str, keys: tuple[str, ...] = ()):
     if missing := [key for key in keys if key not in arrays]:
         raise UserError(f"{name} lacks the array(s) {', '.join(missing)} that model.name={cfg.model.name} reads "
                         f"(it holds {', '.join(arrays)}); {fix}")
-    _check_token_rows(arrays, cfg, name)
+    _check_shapes(arrays, cfg, name)
     _check_ids(arrays, cfg, name)
-    return sources.ArraySource(arrays, name)
+    return sources.ArraySource(arrays, name, pixels=_integer_pixels(arrays, name))
 
 
-def _check_token_rows(arrays: dict[str, np.ndarray], cfg: Config, name: str) -> None:
-    """Token rows must be model.seq_len long: shorter or longer ones fail inside the step, or train
-    at another length than the model's positions and the reported tokens/s assume."""
-    seq_len = cfg.model.tokens_per_example
-    for key in ("inputs", "targets"):
-        rows = arrays.get(key)
-        if seq_len is None or rows is None or rows.shape[1:] == (seq_len,):
-            continue
-        if rows.ndim == 2:
-            raise UserError(f"{name}: {key} holds rows of {rows.shape[1]} tokens, not model.seq_len={seq_len}; "
-                            f"set model.seq_len={rows.shape[1]}")
-        raise UserError(f"{name}: {key} has shape {list(rows.shape)}; a language model reads rows of token ids, "
-                        f"[N, model.seq_len={seq_len}]")
+def _check_shapes(arrays: dict[str, np.ndarray], cfg: Config, name: str) -> None:
+    """Each example must have the shape the model is built for. Token rows of another length than
+    model.seq_len fail inside the step, or train at a length the model's positions and the reported
+    tokens/s do not assume; labels [N, 1] fail inside the loss; other images fail in the first layer."""
+    model = cfg.model
+    if model.tokens_per_example is not None:
+        seq_len = model.tokens_per_example
+        for key in ("inputs", "targets"):
+            rows = arrays.get(key)
+            if rows is None or rows.shape[1:] == (seq_len,):
+                continue
+            if rows.ndim == 2:
+                raise UserError(f"{name}: {key} holds rows of {rows.shape[1]} tokens, not model.seq_len={seq_len}; "
+                                f"set model.seq_len={rows.shape[1]}")
+            raise UserError(f"{name}: {key} has shape {_shape(rows)}; a language model reads rows of token ids, "
+                            f"[N, model.seq_len={seq_len}]")
+        return
+    labels, images = arrays.get("labels"), arrays.get("images")
+    if labels is not None and labels.ndim != 1:
+        fix = ": save labels.reshape(-1)" if labels.shape[1:] == (1,) else ""
+        raise UserError(f"{name}: labels has shape {_shape(labels)}; a classifier reads one class id per "
+                        f"example, [N]{fix}")
+    expected = model.image_shape
+    if images is None or expected == "auto" or images.shape[1:] == tuple(expected):
+        return
+    if images.ndim != 4:
+        fix = "save them as [N, height, width, channels]"
+    elif (*images.shape[2:], images.shape[1]) == tuple(expected):
+        fix = "they look channels-first (N, C, H, W): save images.transpose(0, 2, 3, 1)"
+    else:
+        fix = f"set model.image_shape={list(images.shape[1:])} or auto"
+    raise UserError(f"{name}: images has shape {_shape(images)}, not [N, *model.image_shape] = "
+                    f"[N, {', '.join(map(str, expected))}]; {fix}")
+
+
+def _shape(array: np.ndarray) -> str:
+    """An array's shape with its rows as N (a split holds some of the file's rows)."""
+    return f"[{', '.join(['N', *map(str, array.shape[1:])])}]"
+
+
+def _integer_pixels(arrays: dict[str, np.ndarray], name: str) -> tuple[str, ...]:
+    """("images",) where the images are integers: 8-bit pixels (as CIFAR and MNIST ship), read as
+    float32 / 255 like the `images` source's records, so every classifier sees [0, 1]."""
+    images = arrays.get("images")
+    if images is None or not np.issubdtype(images.dtype, np.integer):
+        return ()
+    if images.dtype != np.uint8 and images.size:
+        low, high = int(images.min()), int(images.max())
+        if low < 0 or high > 255:
+            raise UserError(f"{name}: images holds integers from {low} to {high}; integer images are read as "
+                            f"8-bit pixels (0 to 255, divided by 255): save them as uint8, or as float32 in [0, 1]")
+    return ("images",)
 
 
 def _check_ids(arrays: dict[str, np.ndarray], cfg: Config, name: str) -> None:
@@ -211,6 +250,11 @@ def data_images(cfg: Config) -> ImageData:
             f"data.path={data.path} needs an images array [N, H, W, C] and an integer labels array [N] to take "
             f"the classes and image shape from; save them with numpy.savez(path, images=..., labels=...)"
         )
+    height, width, channels = image_shape
+    if channels not in (1, 3, 4) and height in (1, 3):
+        warn(f"data.path={data.path}: images [N, {height}, {width}, {channels}] are read as [N, height, width, "
+             f"channels], {channels} channels; if they are channels-first (N, C, H, W), save "
+             f"images.transpose(0, 2, 3, 1)")
     classes = int(labels.max()) + 1
     return ImageData(classes, image_shape, tuple(str(i) for i in range(classes)))
 

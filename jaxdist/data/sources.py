@@ -125,11 +125,14 @@ class ArraySource:
     """Rows of equally long in-memory arrays as examples: `source[i] == {name: array[i], ...}`.
 
     For classifiers and tests: e.g. `ArraySource({"image": x, "label": y})`, or
-    `{"inputs": ..., "targets": ...}` token rows for a language model.
+    `{"inputs": ..., "targets": ...}` token rows for a language model. The arrays named in `pixels`
+    hold 8-bit pixel values, read as float32 / 255 (as `ArrayRecordImages` reads its records):
+    converted one example at a time, so memory holds them at a quarter of float32's size.
     """
 
-    def __init__(self, arrays: Mapping[str, np.ndarray], name: str = "in-memory arrays"):
+    def __init__(self, arrays: Mapping[str, np.ndarray], name: str = "in-memory arrays", pixels: tuple[str, ...] = ()):
         self.arrays = {key: np.asarray(array) for key, array in arrays.items()}
+        self.pixels = pixels
         lengths = {key: array.shape[0] if array.ndim else 0 for key, array in self.arrays.items()}
         if not lengths or len(set(lengths.values())) != 1 or not min(lengths.values()):
             raise UserError(f"{name}: need one or more non-empty arrays of equal length, got lengths {lengths}")
@@ -139,4 +142,7 @@ class ArraySource:
         return self._length
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        return {name: array[index] for name, array in self.arrays.items()}
+        example = {name: array[index] for name, array in self.arrays.items()}
+        for name in self.pixels:
+            example[name] = example[name].astype(np.float32) / np.float32(255)
+        return example
