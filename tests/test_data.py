@@ -352,3 +352,17 @@ def test_channels_first_images_are_named_when_the_image_shape_is_taken_from_them
     np.savez(tmp_path / "hwc.npz", images=np.zeros((6, 3, 16, 4), np.float32), labels=np.arange(6) % 3)
     loader.data_images(make_classifier_config(tmp_path, {"name": "mlp"}, data={"source": "arrays", "path": str(tmp_path / "hwc.npz")}))
     assert capsys.readouterr().err == ""
+
+
+def test_arrays_the_model_does_not_read_are_left_out_and_named(tmp_path, capsys):
+    rows = 6
+    np.savez(tmp_path / "extra.npz", images=np.zeros((rows, 4, 4, 1), np.float32), labels=np.arange(rows) % 3,
+             names=np.array([f"img{i}.png" for i in range(rows)]), weights=np.zeros(rows, np.float32),
+             notes=np.array([{"any": "object"}] * rows, dtype=object))  # readable only with pickle
+    cfg = make_classifier_config(tmp_path, {"name": "mlp", "classes": 3, "image_shape": [4, 4, 1]},
+                                 data={"source": "arrays", "path": str(tmp_path / "extra.npz"), "eval_fraction": 0.5})
+    train, held_out = (loader.open_split(cfg, split, ("images", "labels")) for split in ("train", "eval"))
+    assert set(train[0]) == set(held_out[0]) == {"images", "labels"}
+    assert capsys.readouterr().err == (  # once, for the train split
+        f"jaxdist: warning: data.path={tmp_path / 'extra.npz'}: the array(s) names, weights, notes are not fed to "
+        f"the model (model.name=mlp reads images, labels)\n")

@@ -10,6 +10,7 @@ when a split is opened, before the loop compiles anything.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,8 @@ IMAGE_KEYS = ("images", "labels")
 
 def open_split(cfg: Config, split: str, keys: tuple[str, ...] = ()):
     """The random-access source of `split` ('train' or 'eval') that `cfg.data` describes; an `arrays`
-    file must hold the arrays named in `keys` (the model's batch keys)."""
+    file must hold the arrays named in `keys` (the model's batch keys), and only those are fed
+    (without `keys`, all of its arrays)."""
     data = cfg.data
     if data.source in ("stdlib", "arrayrecord") and cfg.model.tokens_per_example is None:
         raise UserError(f"data.source={data.source} holds token sequences, but model.name={cfg.model.name} reads "
@@ -49,12 +51,20 @@ def open_split(cfg: Config, split: str, keys: tuple[str, ...] = ()):
         return _images(cfg, split, keys)
     if data.source == "digits":
         arrays, name, fix = digits.split(split), "data.source=digits", "use a classifier (model.name=mlp or resnet)"
+        held = tuple(arrays)
     else:
-        arrays, name = _array_split(Path(data.path), split, data.eval_fraction), f"data.path={data.path}"
-        fix = f"save them with numpy.savez(path, {'=..., '.join(keys)}=...)"
-    if missing := [key for key in keys if key not in arrays]:
+        path, name = Path(data.path), f"data.path={data.path}"
+        held, fix = _array_names(path), f"save them with numpy.savez(path, {'=..., '.join(keys)}=...)"
+    if missing := [key for key in keys if key not in held]:
         raise UserError(f"{name} lacks the array(s) {', '.join(missing)} that model.name={cfg.model.name} reads "
-                        f"(it holds {', '.join(arrays)}); {fix}")
+                        f"(it holds {', '.join(held)}); {fix}")
+    if data.source == "arrays":
+        # Only the model's arrays: another would reach the step and crash it (strings) or change it
+        # (`weights` would weight the loss). Said once, for the train split.
+        if keys and split == "train" and (ignored := [key for key in held if key not in keys]):
+            warn(f"{name}: the array(s) {', '.join(ignored)} are not fed to the model (model.name={cfg.model.name} "
+                 f"reads {', '.join(keys)})")
+        arrays = _array_split(path, split, data.eval_fraction, keys or None)
     _check_shapes(arrays, cfg, name)
     _check_ids(arrays, cfg, name)
     return sources.ArraySource(arrays, name, pixels=_integer_pixels(arrays, name))
@@ -163,21 +173,36 @@ def _images(cfg: Config, split: str, keys: tuple[str, ...]) -> sources.ArrayReco
     return images
 
 
-def _load_arrays(path: Path, names: tuple[str, ...] | None = None) -> dict[str, np.ndarray]:
-    """The arrays of the .npz at `path` (only those of `names` it holds, when given)."""
+@contextlib.contextmanager
+def _npz(path: Path) -> Iterator[np.lib.npyio.NpzFile]:
+    """The .npz at `path`, open; a missing or unreadable file (or array in it) is one line."""
     if not path.is_file():
         raise UserError(f"data.path={path} does not exist; pass a .npz file of equally long arrays")
     try:
         with np.load(path, allow_pickle=False) as npz:
-            return {name: npz[name] for name in npz.files if names is None or name in names}
+            yield npz
     except (OSError, ValueError, EOFError) as err:  # EOFError: an empty file
         raise UserError(f"data.path={path} is not a readable .npz file ({type(err).__name__}: {err}); "
                         f"save it with numpy.savez") from None
 
 
-def _array_split(path: Path, split: str, eval_fraction: float) -> dict[str, np.ndarray]:
-    """The rows of `split`: a fixed permutation (seed 0) holds out `eval_fraction` of them for eval."""
-    arrays = _load_arrays(path)
+def _array_names(path: Path) -> tuple[str, ...]:
+    """The names of the arrays in the .npz at `path` (none of them read)."""
+    with _npz(path) as npz:
+        return tuple(npz.files)
+
+
+def _load_arrays(path: Path, names: tuple[str, ...] | None = None) -> dict[str, np.ndarray]:
+    """The arrays of the .npz at `path` (only those of `names` it holds, when given)."""
+    with _npz(path) as npz:
+        return {name: npz[name] for name in npz.files if names is None or name in names}
+
+
+def _array_split(path: Path, split: str, eval_fraction: float, names: tuple[str, ...] | None = None
+                 ) -> dict[str, np.ndarray]:
+    """The rows of `split` of the arrays `names` (default: all): a fixed permutation (seed 0) holds
+    out `eval_fraction` of them for eval."""
+    arrays = _load_arrays(path, names)
     rows = len(sources.ArraySource(arrays, f"data.path={path}"))
     held_out = round(rows * eval_fraction)
     order = np.random.default_rng(0).permutation(rows)
