@@ -240,6 +240,24 @@ def test_a_source_and_a_directory_of_another_kind_are_one_line(folder, tmp_path)
         loader.train_iterator(cfg, BatchRows(8, tuple(range(8))))
 
 
+@pytest.mark.parametrize("model, message", [
+    ({"classes": 2, "image_shape": [16, 16, 3]},
+     "holds 3 classes (green, red, stripes), more than model.classes=2; set model.classes=3 or auto"),
+    ({"classes": 3, "image_shape": [32, 32, 3]},
+     "holds images of shape [16, 16, 3], not model.image_shape=[32, 32, 3]; set model.image_shape=[16, 16, 3] or "
+     "auto, or prepare the folder again"),
+], ids=["classes", "image_shape"])
+def test_model_sizes_the_prepared_images_do_not_fit_are_one_line(folder, tmp_path, model, message):
+    out = folder[1]
+    cfg = make_config(tmp_path, {}, model={"name": "mlp", **model}, data={"source": "images", "path": str(out)})
+    with pytest.raises(UserError) as caught:
+        loader.open_split(cfg, "train", ("images", "labels"))
+    assert str(caught.value) == f"data.path={out} {message}"
+    more = make_config(tmp_path, {}, model={"name": "mlp", "classes": 5, "image_shape": [16, 16, 3]},
+                       data={"source": "images", "path": str(out)})
+    assert len(loader.open_split(more, "train", ("images", "labels"))) == 192  # unused classes are allowed
+
+
 def test_an_empty_eval_split_is_one_line(tmp_path):
     for name in ("a", "b"):
         (tmp_path / "in" / name).mkdir(parents=True)

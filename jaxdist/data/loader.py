@@ -159,7 +159,8 @@ def _windows(tokens, cfg: Config, name: str, vocab: int, vocab_of: str) -> pipel
 
 def _images(cfg: Config, split: str, keys: tuple[str, ...]) -> sources.ArrayRecordImages:
     directory = Path(cfg.data.path)
-    images = sources.ArrayRecordImages(directory, sources.read_manifest(directory, sources.IMAGES_MANIFEST_FORMAT), split)
+    manifest = sources.read_manifest(directory, sources.IMAGES_MANIFEST_FORMAT)
+    images = sources.ArrayRecordImages(directory, manifest, split)
     if missing := [key for key in keys if key not in IMAGE_KEYS]:
         raise UserError(
             f"data.source=images yields {' and '.join(IMAGE_KEYS)}, but model.name={cfg.model.name} reads "
@@ -170,7 +171,25 @@ def _images(cfg: Config, split: str, keys: tuple[str, ...]) -> sources.ArrayReco
             f"the {split} split of data.path={directory} is empty; prepare it with `data prepare --eval-fraction` "
             f"above 0 or set eval.every=0"
         )
+    _check_image_model(cfg, manifest, directory)
     return images
+
+
+def _check_image_model(cfg: Config, manifest: dict, directory: Path) -> None:
+    """A classifier's classes and image shape must fit the prepared images: a label beyond the
+    classes makes the loss NaN (read as a numerical problem), another shape fails in the first layer."""
+    model = cfg.model
+    if not isinstance(model, ClassifierSection):
+        return
+    names = sorted(manifest["classes"], key=manifest["classes"].get)
+    if model.classes != "auto" and model.classes < len(names):
+        shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+        raise UserError(f"data.path={directory} holds {len(names)} classes ({shown}), more than "
+                        f"model.classes={model.classes}; set model.classes={len(names)} or auto")
+    shape = list(manifest["image_shape"])
+    if model.image_shape != "auto" and list(model.image_shape) != shape:
+        raise UserError(f"data.path={directory} holds images of shape {shape}, not model.image_shape="
+                        f"{list(model.image_shape)}; set model.image_shape={shape} or auto, or prepare the folder again")
 
 
 @contextlib.contextmanager
