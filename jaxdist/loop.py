@@ -20,6 +20,7 @@ from jaxdist import kernels, models
 from jaxdist.checkpoint import RunCheckpoints
 from jaxdist.config import Config, TrainConfig
 from jaxdist.data import loader
+from jaxdist.data.tokenizer import Tokenizer
 from jaxdist.errors import NonFiniteError, check_writable
 from jaxdist.observe import console, wandb_log
 from jaxdist.observe.metrics import MetricsWriter, device_metrics, drop_after, throughput
@@ -52,6 +53,8 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
     keys = entry.batch_keys
     train_source = loader.open_split(cfg, "train", keys)
     eval_source = loader.open_split(cfg, "eval", keys) if cfg.eval.every else None
+    # Read now, so a missing or corrupt tokenizer file stops the run before it trains, not after.
+    tokenizer = loader.tokenizer(cfg) if cfg.sample.tokens and entry.samples_text else None
     layout = layout_lib.from_config(cfg, devices)
     rows = layout.process_rows(cfg.train.global_batch)
     checkpoints = RunCheckpoints(cfg, log)
@@ -162,8 +165,8 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
     log(progress.summary(time.perf_counter() - began, "no checkpoint saved" if saved is None else
                          f"last checkpoint: step {saved} in {checkpoints.directory}"))
 
-    if cfg.sample.tokens and entry.samples_text:
-        write_sample(cfg, trainer, layout.batch_shards)
+    if tokenizer is not None:
+        write_sample(cfg, trainer, layout.batch_shards, tokenizer)
     return trainer
 
 
@@ -253,9 +256,9 @@ def _ranges(rows: tuple[int, ...]) -> str:
     return ", ".join(parts)
 
 
-def write_sample(cfg: Config, trainer: Trainer, rows: int) -> None:
-    """Prints a continuation of `sample.prompt`; `rows` continuations are drawn, one per batch shard."""
-    tokenizer = loader.tokenizer(cfg)
+def write_sample(cfg: Config, trainer: Trainer, rows: int, tokenizer: Tokenizer) -> None:
+    """Prints a continuation of `sample.prompt` in `tokenizer`'s tokens; `rows` continuations are
+    drawn, one per batch shard."""
     tokens = sample(
         trainer.graphdef, trainer.params, tokenizer.encode(cfg.sample.prompt), cfg.sample.tokens,
         cfg.model.seq_len, cfg.sample.temperature, cfg.seed, trainer.mesh, trainer.rules, rows=rows,

@@ -1,5 +1,6 @@
 """Grain pipelines: each process reads the rows it holds, epochs reshuffle, a position restores exactly."""
 
+import json
 from itertools import islice
 
 import numpy as np
@@ -366,3 +367,31 @@ def test_arrays_the_model_does_not_read_are_left_out_and_named(tmp_path, capsys)
     assert capsys.readouterr().err == (  # once, for the train split
         f"jaxdist: warning: data.path={tmp_path / 'extra.npz'}: the array(s) names, weights, notes are not fed to "
         f"the model (model.name=mlp reads images, labels)\n")
+
+
+def sentencepiece_manifest(tmp_path, model_bytes: bytes | None):
+    """Prepared shards whose manifest names a SentencePiece tokenizer file holding `model_bytes`
+    (None: no file)."""
+    path, manifest = prepared(tmp_path, random_documents(4), eval_fraction=0.0)
+    manifest["tokenizer"] = {"name": "sentencepiece", "vocab_size": 256, "separator": 0, "file": "tokenizer.model"}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    if model_bytes is not None:
+        (path / "tokenizer.model").write_bytes(model_bytes)
+    return path
+
+
+def test_a_corrupt_tokenizer_file_is_one_line(tmp_path):
+    path = sentencepiece_manifest(tmp_path, b"garbage\n")
+    with pytest.raises(UserError) as caught:
+        loader.tokenizer(data_config(tmp_path, path))
+    assert str(caught.value) == (f"data.path={path}: tokenizer file tokenizer.model is corrupt (it does not load as a "
+                                 f"sentencepiece tokenizer); prepare the data again")
+
+
+def test_the_sample_tokenizer_is_read_before_compiling(tmp_path, compiles):
+    from jaxdist import loop
+
+    cfg = data_config(tmp_path / "run", sentencepiece_manifest(tmp_path, None), sample={"tokens": 8}, eval={"every": 0})
+    with pytest.raises(UserError, match=r"tokenizer file tokenizer.model is missing; prepare the data again"):
+        loop.train(cfg)
+    assert compiles.count == 0 and not (tmp_path / "run" / "checkpoints").exists()
