@@ -12,7 +12,7 @@ from jaxdist.data.augment import Augment
 from jaxdist.parallel.feed import BatchRows
 
 IMAGE = (np.arange(8 * 8 * 3, dtype=np.float32).reshape(8, 8, 3) + 1) / 200  # distinct, non-zero pixels
-ROWS = 90  # of which 9 are held out for eval
+ROWS = 90  # of which data.eval_fraction=0.1 holds out 10 for eval
 BATCH = 8
 
 
@@ -75,7 +75,7 @@ def test_off_the_train_images_are_the_stored_ones(arrays_config):
 
 
 def test_epochs_reshuffle_and_augment_the_same_image_anew(arrays_config):
-    n = ROWS - 9
+    n = ROWS - 10
     cfg = arrays_config(global_batch=n, crop_padding=2, flip=True)  # one global batch = one epoch
     source = loader.open_split(cfg, "train")
     assert len(source) == n
@@ -113,11 +113,11 @@ def test_eval_batches_are_never_augmented(arrays_config):
     cfg = arrays_config(crop_padding=3, flip=True)
     source = loader.open_split(cfg, "eval")
     batches = list(loader.eval_iterator(cfg, BatchRows(BATCH, tuple(range(BATCH)))))
-    assert len(source) == 9 and len(batches) == 2
+    assert len(source) == 10 and len(batches) == 2
     images = np.concatenate([batch["images"] for batch in batches])
     weights = np.concatenate([batch["weights"] for batch in batches])
-    np.testing.assert_array_equal(images[:9], source.arrays["images"])
-    np.testing.assert_array_equal(weights, [1] * 9 + [0] * 7)
+    np.testing.assert_array_equal(images[:10], source.arrays["images"])
+    np.testing.assert_array_equal(weights, [1] * 10 + [0] * 6)
 
 
 @pytest.mark.parametrize("pad", [3, 8, 11])  # up to a padding wider than the 8 x 8 image

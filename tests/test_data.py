@@ -395,3 +395,17 @@ def test_the_sample_tokenizer_is_read_before_compiling(tmp_path, compiles):
     with pytest.raises(UserError, match=r"tokenizer file tokenizer.model is missing; prepare the data again"):
         loop.train(cfg)
     assert compiles.count == 0 and not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("eval_fraction", [0.01, 0.05, 0.3])
+def test_appending_rows_moves_no_row_between_the_arrays_splits(tmp_path, eval_fraction):
+    rows = np.arange(2200, dtype=np.int32)[:, None]
+    splits = []
+    for count in (1000, 1100, 2200):  # the same rows, then 10% appended, then doubled
+        np.savez(tmp_path / f"{count}.npz", x=rows[:count])
+        splits.append({split: set(loader._array_split(tmp_path / f"{count}.npz", split, eval_fraction)["x"][:, 0])
+                       for split in ("train", "eval")})
+        assert abs(len(splits[-1]["eval"]) - count * eval_fraction) <= 3  # the share held out is accurate
+        assert splits[-1]["train"] | splits[-1]["eval"] == set(range(count))
+    for before, after in zip(splits, splits[1:]):
+        assert before["eval"] <= after["eval"] and before["train"] <= after["train"]

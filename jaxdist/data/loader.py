@@ -217,15 +217,20 @@ def _load_arrays(path: Path, names: tuple[str, ...] | None = None) -> dict[str, 
         return {name: npz[name] for name in npz.files if names is None or name in names}
 
 
+# 2^64 / the golden ratio (Fibonacci hashing): frac(i / golden ratio), as 64 bits, of row i.
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
 def _array_split(path: Path, split: str, eval_fraction: float, names: tuple[str, ...] | None = None
                  ) -> dict[str, np.ndarray]:
-    """The rows of `split` of the arrays `names` (default: all): a fixed permutation (seed 0) holds
-    out `eval_fraction` of them for eval."""
+    """The rows of `split` of the arrays `names` (default: all). Row i is held out for eval where
+    frac(i / golden ratio) < `eval_fraction`: a function of i alone, so rows appended to the file
+    never move a row between the splits, and a low-discrepancy sequence, so any run of rows holds
+    out `eval_fraction` of them to within a few rows."""
     arrays = _load_arrays(path, names)
     rows = len(sources.ArraySource(arrays, f"data.path={path}"))
-    held_out = round(rows * eval_fraction)
-    order = np.random.default_rng(0).permutation(rows)
-    chosen = np.sort(order[:held_out] if split == "eval" else order[held_out:])
+    held_out = np.arange(rows, dtype=np.uint64) * _GOLDEN < np.uint64(int(eval_fraction * 2**64))  # wraps mod 2^64
+    chosen = np.flatnonzero(held_out if split == "eval" else ~held_out)
     if not len(chosen):
         raise UserError(
             f"the {split} split of data.path={path} ({rows} rows, data.eval_fraction={eval_fraction}) "
