@@ -57,6 +57,10 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
     tokenizer = loader.tokenizer(cfg) if cfg.sample.tokens and entry.samples_text else None
     layout = layout_lib.from_config(cfg, devices)
     rows = layout.process_rows(cfg.train.global_batch)
+    # Every process indexes one global stream, so all must hold the same data: the replica check
+    # below compares only rows that several processes hold, and most layouts have none.
+    splits = {"the train split": train_source, "the eval split": eval_source}
+    feed.check_sources_agree({name: loader.fingerprint(source) for name, source in splits.items() if source is not None})
     checkpoints = RunCheckpoints(cfg, log)
     planned = checkpoints.prepare()
     # data.epochs ends the run where a resumed one counts the examples left from its checkpoint.

@@ -11,6 +11,7 @@ from data_helpers import prepared, random_documents, window_ids
 from jaxdist.data import loader, pipeline, prepare, sources
 from jaxdist.data.tokenizer import ByteTokenizer
 from jaxdist.errors import UserError
+from jaxdist.parallel import feed
 from jaxdist.parallel.feed import BatchRows
 
 SEQ_LEN = 16
@@ -409,3 +410,24 @@ def test_appending_rows_moves_no_row_between_the_arrays_splits(tmp_path, eval_fr
         assert splits[-1]["train"] | splits[-1]["eval"] == set(range(count))
     for before, after in zip(splits, splits[1:]):
         assert before["eval"] <= after["eval"] and before["train"] <= after["train"]
+
+
+def test_processes_whose_data_differ_are_told_apart(tmp_path):
+    """Each process's (examples, checksum of a few of them) per split, compared across processes:
+    another length or other contents name the split and the processes."""
+    rows = np.arange(1100 * 4, dtype=np.int32).reshape(1100, 4)
+    fingerprints = {}
+    for name, data in {"old": rows[:1000], "new": rows, "same": rows.copy(), "edited": rows + (rows == 4399)}.items():
+        fingerprints[name] = loader.fingerprint(sources.ArraySource({"x": data}))
+    assert fingerprints["new"] == fingerprints["same"] and fingerprints["old"][0] == 1000
+    assert fingerprints["edited"][0] == 1100 and fingerprints["edited"][1] != fingerprints["new"][1]  # the last row
+    table = lambda *names: np.array([[*fingerprints[n], 7, 9] for n in names])  # noqa: E731 (eval split: alike)
+    names = ["the train split", "the eval split"]
+    assert feed.disagreeing_sources(table("new", "same", "new"), names) is None
+    assert feed.disagreeing_sources(table("old", "new", "new"), names) == (
+        "the train split holds 1000 examples on processes 0, 1100 examples on processes 1,2")
+    assert feed.disagreeing_sources(table("new", "edited", "new"), names) == (
+        "the train split holds 1100 examples on every process, but they differ between processes 0,2 vs processes 1")
+    eval_differs = np.array([[*fingerprints["new"], 7, 9], [*fingerprints["new"], 7, 8]])
+    assert feed.disagreeing_sources(eval_differs, names) == (
+        "the eval split holds 7 examples on every process, but they differ between processes 0 vs processes 1")

@@ -64,3 +64,32 @@ def test_two_processes_read_each_example_once_per_epoch(tmp_path):
             weights = [w for result in results for batch in result[split]["weights"] for w in batch]
             rows = [i for process in local for batch in process for i in batch]
             assert sorted(i for i, w in zip(rows, weights) if w == 1) == list(range(n))
+
+
+def test_processes_whose_data_differ_stop_before_compiling(tmp_path):
+    """Two hosts' copies of data.path differ (one has 10% more rows), under a layout where no batch
+    row is held by both processes, so the first batch's replica check has nothing to compare: the
+    start-up check of every split stops both processes, exit 2."""
+    tokens = np.random.default_rng(0).integers(0, 64, (220, 17))
+    for host, rows in (("a", 200), ("b", 220)):
+        (tmp_path / host).mkdir()
+        np.savez(tmp_path / host / "data.npz", inputs=tokens[:rows, :-1], targets=tokens[:rows, 1:])
+    cfg = make_config(tmp_path / "run", data={"source": "arrays", "path": "data.npz"}, model={"seq_len": 16, "vocab": 64},
+                      mesh={"data": 1, "fsdp": -1}, train={"steps": 1, "global_batch": 8})
+    (tmp_path / "config.yaml").write_text(cfg.to_yaml())
+    port = free_port()
+    env = {**os.environ, "JAXDIST_CPU_DEVICES": "2", "PYTHONPATH": os.pathsep.join(sys.path)}
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "jaxdist.cli", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+             "--process-id", str(i), "train", str(tmp_path / "config.yaml")],
+            cwd=tmp_path / host, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i, host in enumerate("ab")
+    ]
+    for worker in workers:
+        _, stderr = worker.communicate(timeout=120)
+        assert worker.returncode == 2, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == (
+        "jaxdist: error: the data differs across processes: the train split holds 198 examples on processes 0, "
+        "218 examples on processes 1; every process must read the same data (same data.path contents on every host)")

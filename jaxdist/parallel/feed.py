@@ -119,18 +119,64 @@ def shard_digests(local: Mapping[str, np.ndarray], sharding: NamedSharding, rows
     return digests
 
 
+def _groups(values: Mapping[int, int]) -> dict[int, list[int]]:
+    """Process -> value, as value -> the processes that have it (in order of first appearance)."""
+    groups: dict[int, list[int]] = {}
+    for process, value in values.items():
+        groups.setdefault(value, []).append(process)
+    return groups
+
+
+def _processes(group: list[int]) -> str:
+    return "processes " + ",".join(map(str, group))
+
+
 def disagreeing_replicas(digests: np.ndarray, shards: list[range]) -> str | None:
     """Given every process's `shard_digests` (one row per process), the first shard whose replicas
     on different processes differ, as words; None if all agree."""
     for column, shard in enumerate(shards):
         held = {process: int(value) for process, value in enumerate(digests[:, column]) if value != -1}
         if len(set(held.values())) > 1:
-            groups: dict[int, list[int]] = {}
-            for process, value in held.items():
-                groups.setdefault(value, []).append(process)
-            sides = " vs ".join("processes " + ",".join(map(str, group)) for group in groups.values())
+            sides = " vs ".join(_processes(group) for group in _groups(held).values())
             return f"rows {shard.start}..{shard.stop - 1} differ between {sides}"
     return None
+
+
+def disagreeing_sources(fingerprints: np.ndarray, names: list[str]) -> str | None:
+    """Given every process's (examples, checksum) of each of the sources `names` (one row per
+    process: examples and checksum of the first source, then of the second, ...), the first source
+    that differs between processes, as words; None if all agree."""
+    for i, name in enumerate(names):
+        examples, checksums = (dict(enumerate(int(v) for v in fingerprints[:, 2 * i + j])) for j in (0, 1))
+        if len(set(examples.values())) > 1:
+            sides = ", ".join(f"{count} examples on {_processes(group)}" for count, group in _groups(examples).items())
+            return f"{name} holds {sides}"
+        if len(set(checksums.values())) > 1:
+            sides = " vs ".join(_processes(group) for group in _groups(checksums).values())
+            return f"{name} holds {examples[0]} examples on every process, but they differ between {sides}"
+    return None
+
+
+def check_sources_agree(fingerprints: Mapping[str, tuple[int, int]]) -> None:
+    """Raises a `UserError` unless every process has the same (examples, checksum) for each named
+    data source (`jaxdist.data.loader.fingerprint`). Processes index one global stream of
+    examples, so each must hold the same data: `check_replicas_agree` only compares the rows that
+    several processes hold, and a layout may have none.
+
+    Collective: every process must call it with the same names.
+    """
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    local = np.array([value for pair in fingerprints.values() for value in pair], np.int64)
+    gathered = np.asarray(multihost_utils.process_allgather(local)).reshape(jax.process_count(), -1)
+    problem = disagreeing_sources(gathered, list(fingerprints))
+    if problem:
+        raise UserError(
+            f"the data differs across processes: {problem}; every process must read the same data "
+            f"(same data.path contents on every host)"
+        )
 
 
 def check_replicas_agree(local: Mapping[str, np.ndarray], sharding: NamedSharding, rows: BatchRows) -> None:
