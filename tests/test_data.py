@@ -1,6 +1,7 @@
 """Grain pipelines: each process reads the rows it holds, epochs reshuffle, a position restores exactly."""
 
 import json
+import shutil
 from itertools import islice
 
 import numpy as np
@@ -253,13 +254,6 @@ def test_labels_outside_the_classes_are_refused(tmp_path):
         loader.open_split(cfg, "train", ("images", "labels"))
 
 
-def test_an_empty_npz_file_is_named(tmp_path):
-    (tmp_path / "empty.npz").write_bytes(b"")
-    cfg = make_config(tmp_path, data={"source": "arrays", "path": str(tmp_path / "empty.npz")})
-    with pytest.raises(UserError, match=r"data.path=.*empty.npz is not a readable .npz file \(EOFError"):
-        loader.open_split(cfg, "train")
-
-
 class Unreadable:
     """`source` with example `bad` failing to read, as a corrupt record of a shard does."""
 
@@ -431,3 +425,47 @@ def test_processes_whose_data_differ_are_told_apart(tmp_path):
     eval_differs = np.array([[*fingerprints["new"], 7, 9], [*fingerprints["new"], 7, 8]])
     assert feed.disagreeing_sources(eval_differs, names) == (
         "the eval split holds 7 examples on every process, but they differ between processes 0 vs processes 1")
+
+
+@pytest.fixture(scope="module")
+def no_eval_split(tmp_path_factory):
+    """Byte-token shards of 6 short documents, none held out."""
+    return prepared(tmp_path_factory.mktemp("no_eval"), random_documents(6), eval_fraction=0.0)[0]
+
+
+@pytest.mark.parametrize("case", ["manifest_key", "arrays_on_prepared", "images_on_npz", "arrays_on_text",
+                                  "arrays_on_empty_file", "arrayrecord_on_text", "empty_prepared_eval"])
+def test_misdirected_or_incomplete_data_says_what_to_do(tmp_path, no_eval_split, case):
+    source, path, split = {
+        "manifest_key": ("arrayrecord", tmp_path / "edited", "train"),
+        "arrays_on_prepared": ("arrays", no_eval_split, "train"),
+        "images_on_npz": ("images", tmp_path / "x.npz", "train"),
+        "arrays_on_text": ("arrays", tmp_path / "d.txt", "train"),
+        "arrays_on_empty_file": ("arrays", tmp_path / "empty.npz", "train"),
+        "arrayrecord_on_text": ("arrayrecord", tmp_path / "d.txt", "train"),
+        "empty_prepared_eval": ("arrayrecord", no_eval_split, "eval"),
+    }[case]
+    if case == "manifest_key":
+        shutil.copytree(no_eval_split, path)
+        manifest = json.loads((path / "manifest.json").read_text())
+        del manifest["chunk_tokens"]
+        (path / "manifest.json").write_text(json.dumps(manifest))
+    np.savez(tmp_path / "x.npz", images=np.zeros((4, 8, 8, 1), np.float32), labels=np.arange(4) % 2)
+    (tmp_path / "d.txt").write_text("some text\n")
+    (tmp_path / "empty.npz").write_bytes(b"")
+    expected = {
+        "manifest_key": f"data.path={path}: manifest.json lacks the key chunk_tokens; prepare the data again",
+        "arrays_on_prepared": f"data.path={path} is a directory written by `jaxdist data prepare`, which "
+                              f"data.source=arrayrecord reads; set data.source=arrayrecord",
+        "images_on_npz": f"data.path={path} is an .npz file, which data.source=arrays reads; set data.source=arrays",
+        "arrays_on_text": f"data.path={path} is not an .npz file; data.source=arrays reads arrays saved by numpy.savez "
+                          f"(for text, run `jaxdist data prepare` and set data.source=arrayrecord)",
+        "arrayrecord_on_text": f"data.path={path} is a file, not a prepared directory; run `jaxdist data prepare "
+                               f"{path} --out DIR` and set data.path=DIR",
+        "empty_prepared_eval": f"the eval split of data.path={path} is empty; prepare the data again with "
+                               f"`jaxdist data prepare --eval-fraction` above 0, or set eval.every=0",
+    }
+    expected["arrays_on_empty_file"] = expected["arrays_on_text"].replace(str(tmp_path / "d.txt"), str(path))
+    with pytest.raises(UserError) as caught:
+        loader.open_split(make_config(tmp_path, data={"source": source, "path": str(path)}, model={"seq_len": 16}), split)
+    assert str(caught.value) == expected[case]

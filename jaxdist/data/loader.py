@@ -11,6 +11,7 @@ when a split is opened, before the loop compiles anything.
 from __future__ import annotations
 
 import contextlib
+import zipfile
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,13 +42,16 @@ def open_split(cfg: Config, split: str, keys: tuple[str, ...] = ()):
     if data.source == "stdlib":
         name = f"the {split} split of the stdlib corpus (data.eval_fraction={data.eval_fraction})"
         tokens = corpus.stdlib_tokens(split, data.eval_fraction)
-        return _windows(tokens, cfg, name, tokenizer_lib.ByteTokenizer.vocab_size, "the stdlib corpus")
+        empty = "change data.eval_fraction or set eval.every=0" if split == "eval" else "lower data.eval_fraction"
+        return _windows(tokens, cfg, name, tokenizer_lib.ByteTokenizer.vocab_size, "the stdlib corpus", empty)
     if data.source == "arrayrecord":
         directory = Path(data.path)
         manifest = sources.read_manifest(directory)
         tokens = sources.ArrayRecordTokens(directory, manifest, split)
         name = f"the {split} split of data.path={data.path}"
-        return _windows(tokens, cfg, name, manifest["tokenizer"]["vocab_size"], f"data.path={data.path}")
+        empty = ("prepare the data again with `jaxdist data prepare --eval-fraction` above 0, or set eval.every=0"
+                 if split == "eval" else "prepare the data again with more documents")
+        return _windows(tokens, cfg, name, manifest["tokenizer"]["vocab_size"], f"data.path={data.path}", empty)
     if data.source == "images":
         return _images(cfg, split, keys)
     if data.source == "digits":
@@ -144,17 +148,15 @@ def _check_ids(arrays: dict[str, np.ndarray], cfg: Config, name: str) -> None:
                             f"{size - 1}); set model.{size_key}={high + 1} or auto, or fix the data")
 
 
-def _windows(tokens, cfg: Config, name: str, vocab: int, vocab_of: str) -> pipeline.TokenWindows:
+def _windows(tokens, cfg: Config, name: str, vocab: int, vocab_of: str, empty: str) -> pipeline.TokenWindows:
+    """`tokens` as windows of model.seq_len; `empty` says what to do where there are none."""
     if cfg.model.vocab < vocab:
         raise UserError(
             f"model.vocab={cfg.model.vocab} is smaller than the vocabulary of {vocab_of} ({vocab} ids); "
             f"set model.vocab={vocab}"
         )
     if not len(tokens):
-        raise UserError(
-            f"{name} is empty; give it data (data.eval_fraction, or `data prepare --eval-fraction`) "
-            f"or set eval.every=0"
-        )
+        raise UserError(f"{name} is empty; {empty}")
     return pipeline.TokenWindows(tokens, cfg.model.seq_len, name)
 
 
@@ -196,12 +198,20 @@ def _check_image_model(cfg: Config, manifest: dict, directory: Path) -> None:
 @contextlib.contextmanager
 def _npz(path: Path) -> Iterator[np.lib.npyio.NpzFile]:
     """The .npz at `path`, open; a missing or unreadable file (or array in it) is one line."""
+    if path.is_dir() and (source := sources.prepared_source(path)):
+        raise UserError(f"data.path={path} is a directory written by `jaxdist data prepare`, which "
+                        f"data.source={source} reads; set data.source={source}")
+    if path.is_dir():
+        raise UserError(f"data.path={path} is a directory; pass a .npz file of equally long arrays")
     if not path.is_file():
         raise UserError(f"data.path={path} does not exist; pass a .npz file of equally long arrays")
+    if not zipfile.is_zipfile(path):  # else numpy tries to unpickle it, and says so
+        raise UserError(f"data.path={path} is not an .npz file; data.source=arrays reads arrays saved by "
+                        f"numpy.savez (for text, run `jaxdist data prepare` and set data.source=arrayrecord)")
     try:
         with np.load(path, allow_pickle=False) as npz:
             yield npz
-    except (OSError, ValueError, EOFError) as err:  # EOFError: an empty file
+    except (OSError, ValueError) as err:
         raise UserError(f"data.path={path} is not a readable .npz file ({type(err).__name__}: {err}); "
                         f"save it with numpy.savez") from None
 

@@ -24,11 +24,24 @@ IMAGES_MANIFEST_FORMAT = "jaxdist-labeled-images/1"
 SOURCE_OF_FORMAT = {MANIFEST_FORMAT: "arrayrecord", IMAGES_MANIFEST_FORMAT: "images"}
 # An image record: the label, then the pixels.
 LABEL_DTYPE = np.dtype("<i4")
+# What the loader reads of each format's manifest (dotted: nested keys): an edited or cut-short
+# manifest without one is one line naming it, not a KeyError.
+_SPLIT_KEYS = {MANIFEST_FORMAT: ("files", "records", "tokens"), IMAGES_MANIFEST_FORMAT: ("files", "records", "examples")}
+_READ_KEYS = {
+    fmt: (*top, *(f"splits.{split}.{key}" for split in ("train", "eval") for key in _SPLIT_KEYS[fmt]))
+    for fmt, top in ((MANIFEST_FORMAT, ("tokenizer.name", "tokenizer.vocab_size", "dtype", "chunk_tokens")),
+                     (IMAGES_MANIFEST_FORMAT, ("classes", "image_shape")))
+}
 
 
 def read_manifest(directory: Path, expected: str = MANIFEST_FORMAT) -> dict:
     """The manifest `jaxdist data prepare` wrote into `directory` (the config's `data.path`), which
     must be of the `expected` format."""
+    if directory.is_file() and directory.suffix == ".npz":
+        raise UserError(f"data.path={directory} is an .npz file, which data.source=arrays reads; set data.source=arrays")
+    if directory.is_file():
+        raise UserError(f"data.path={directory} is a file, not a prepared directory; run `jaxdist data prepare "
+                        f"{directory} --out DIR` and set data.path=DIR")
     if not directory.is_dir():
         raise UserError(
             f"data.path={directory} is not a directory; run `jaxdist data prepare INPUTS --out {directory}` first"
@@ -52,7 +65,22 @@ def read_manifest(directory: Path, expected: str = MANIFEST_FORMAT) -> dict:
         raise UserError(
             f"data.path={directory}: {MANIFEST} is not a {expected} manifest; prepare the data again"
         )
+    for dotted in _READ_KEYS[expected]:
+        value = manifest
+        for key in dotted.split("."):
+            if not isinstance(value, dict) or key not in value:
+                raise UserError(f"data.path={directory}: {MANIFEST} lacks the key {dotted}; prepare the data again")
+            value = value[key]
     return manifest
+
+
+def prepared_source(directory: Path) -> str | None:
+    """The data.source that reads `directory`, where `jaxdist data prepare` wrote it; else None."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except (OSError, ValueError):  # none, or not JSON (ValueError: JSONDecodeError, UnicodeDecodeError)
+        return None
+    return SOURCE_OF_FORMAT.get(manifest.get("format")) if isinstance(manifest, dict) else None
 
 
 class ArrayRecordTokens:
