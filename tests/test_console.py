@@ -33,3 +33,16 @@ def test_live_progress_on_a_terminal(tmp_path, capsys, monkeypatch):
     shown = screen.getvalue()
     assert "step 4/4" in shown and "loss" in shown and "tokens/s" in shown
     assert not re.search(r"^step +\d+ +loss", capsys.readouterr().out, re.MULTILINE)  # the bar replaces the lines
+
+
+def test_the_banner_of_a_source_tree_that_is_not_installed(monkeypatch):
+    # PYTHONPATH=. on a checkout: no package metadata, and the run still starts.
+    import importlib.metadata
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    line = console.banner(processes=1, devices=8, platform="cpu", params=10, global_batch=8, device_batch=1,
+                          param_bytes=40).splitlines()[0]
+    assert re.fullmatch(r"jaxdist \(not installed, from .+\), jax \S+; 1 process\(es\), 8 cpu devices", line), line

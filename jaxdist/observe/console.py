@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import math
 import sys
+from pathlib import Path
 
 import jax
 from rich.console import Console
@@ -32,10 +33,18 @@ def terminal() -> Console | None:
     return Console() if sys.stdout.isatty() else None
 
 
+def _version() -> str:
+    """The installed jaxdist's version; a source tree on the path (PYTHONPATH=.) has none."""
+    try:
+        return importlib.metadata.version("jaxdist")
+    except importlib.metadata.PackageNotFoundError:
+        return f"(not installed, from {Path(__file__).parents[2]})"
+
+
 def banner(*, processes: int, devices: int, platform: str, params: int, global_batch: int, device_batch: int,
            param_bytes: int) -> str:
     """The lines that open a run beside the mesh's: versions, where it runs and what it trains."""
-    return (f"jaxdist {importlib.metadata.version('jaxdist')}, jax {jax.__version__}; {processes} process(es), "
+    return (f"jaxdist {_version()}, jax {jax.__version__}; {processes} process(es), "
             f"{devices} {platform} devices\n"
             f"{params:,} parameters, {param_bytes / 1e6:,.1f} MB of them per device; global batch {global_batch}, "
             f"{device_batch} per device")
