@@ -169,10 +169,40 @@ def test_sizes_the_rules_do_not_split_need_not_divide(tmp_path):
                              f"run_dir={tmp_path}"])
     placed = layout.from_config(cfg)  # the 263-wide MLP is whole on every device
     assert cfg.model.mlp_dim == 263 and placed.rules.params["mlp"] == () and placed.mesh.shape["tensor"] == 2
-    # The fsdp preset splits no weight over tensor: 4 heads on mesh.tensor=8 are whole on every device.
-    cfg = config.load(None, ["rules.preset=fsdp", "mesh.fsdp=1", "mesh.tensor=8", "model.heads=4", f"run_dir={tmp_path}"])
+    # The fsdp preset splits no attention weight over tensor (here only the MLP's): 4 heads on mesh.tensor=8
+    # are whole on every device.
+    cfg = config.load(None, ["rules.preset=fsdp", "rules.params.mlp=tensor", "mesh.fsdp=1", "mesh.tensor=8",
+                             "model.heads=4", f"run_dir={tmp_path}"])
     placed = layout.from_config(cfg)
     assert placed.rules.params["heads"] == () and placed.mesh.shape["tensor"] == 8
+
+
+# An axis that no rule names splits nothing: its devices would each repeat the others' work. Refused by every
+# command that lays the config out, before anything compiles or is written.
+_TENSOR_UNUSED = ("uses mesh axis 'tensor', so its 2 devices would each repeat the same work; set mesh.tensor=1, or "
+                  "use rules.preset=tp / fsdp_tp, which split weights over tensor")
+
+
+@pytest.mark.parametrize("command, overrides, message", [
+    ("train", ["mesh.data=4", "mesh.fsdp=1", "rules.preset=dp"],
+     f"mesh.tensor=2, but no parameter or activation rule of rules.preset=dp {_TENSOR_UNUSED}"),
+    ("rules", ["mesh.data=4", "mesh.fsdp=1", "rules.preset=dp"],
+     f"mesh.tensor=2, but no parameter or activation rule of rules.preset=dp {_TENSOR_UNUSED}"),
+    ("plan", ["rules.preset=fsdp"],
+     f"mesh.tensor=2, but no parameter or activation rule of rules.preset=fsdp {_TENSOR_UNUSED}"),
+    ("train", ["rules.preset=fsdp", "rules.params.mlp=null", "rules.activations.seq=null"],
+     "mesh.tensor=2, but no parameter or activation rule of rules.preset=fsdp, rules.params.mlp=null, "
+     f"rules.activations.seq=null {_TENSOR_UNUSED}"),
+    ("train", ["mesh.data=2", "mesh.fsdp=2", "rules.preset=tp", "rules.activations.batch=data"],
+     "mesh.fsdp=2, but no parameter or activation rule of rules.preset=tp, rules.activations.batch=data uses mesh "
+     "axis 'fsdp', so its 2 devices would each repeat the same work; set mesh.fsdp=1, or use rules.preset=fsdp / "
+     "fsdp_tp, which split weights over fsdp"),
+], ids=["dp_train", "dp_rules", "fsdp_plan", "overrides_named", "fsdp_out_of_the_batch"])
+def test_a_mesh_axis_no_rule_uses_is_refused(config_file, capsys, compiles, command, overrides, message):
+    assert cli.main([command, str(config_file), *overrides]) == 2
+    assert one_line_error(capsys) == f"jaxdist: error: {message}\n"
+    assert compiles.count == 0
+    assert not (config_file.parent / "run").exists()
 
 
 @pytest.mark.parametrize(

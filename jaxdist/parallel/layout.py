@@ -53,8 +53,10 @@ def from_config(cfg: Config, devices: list | None = None) -> Layout:
 
 
 def check(cfg: Config, layout: Layout) -> None:
-    """The checks that need the mesh: batch sizes against the batch shards, the sizes the model's keys
-    give its parameters against the mesh axes their rules split them over."""
+    """The checks that need the mesh: every mesh axis of more than one device used by a rule, batch sizes
+    against the batch shards, the sizes the model's keys give its parameters against the mesh axes their
+    rules split them over."""
+    _check_axes_used(cfg, layout)
     shards = layout.batch_shards
     axes = " x ".join(f"mesh.{axis}" for axis in rules_lib.batch_axes(layout.rules)) or "nothing (replicated)"
     if cfg.train.global_batch % shards:
@@ -74,6 +76,32 @@ def check(cfg: Config, layout: Layout) -> None:
         if size.size % rules_lib.axes_size(layout.mesh, axes):
             raise UserError(_not_divisible(cfg, layout, size, axes))
     pipeline.check_config(cfg, layout.mesh, layout.rules)
+
+
+# What makes each mesh axis do its part, for the error about an axis no rule uses.
+_USE_AXIS = {
+    "data": "split the batch over it (rules.activations.batch with data)",
+    "stage": "pipeline over it (rules.activations.stage: stage)",
+    "fsdp": "use rules.preset=fsdp / fsdp_tp, which split weights over fsdp",
+    "tensor": "use rules.preset=tp / fsdp_tp, which split weights over tensor",
+}
+
+
+def _check_axes_used(cfg: Config, layout: Layout) -> None:
+    """A mesh axis of more than one device that no rule names splits nothing: its devices would each
+    repeat the same work on the same data."""
+    named = {axis for table in (layout.rules.params, layout.rules.activations) for axes in table.values()
+             for axis in axes}
+    for axis, size in layout.mesh.shape.items():
+        if size > 1 and axis not in named:
+            rules = ", ".join([f"rules.preset={cfg.rules.preset}",
+                               *(f"rules.{kind}.{name}={rules_lib.rule_text(value)}"
+                                 for kind in ("params", "activations")
+                                 for name, value in getattr(cfg.rules, kind).items())])
+            raise UserError(
+                f"mesh.{axis}={size}, but no parameter or activation rule of {rules} uses mesh axis '{axis}', so "
+                f"its {size} devices would each repeat the same work; set mesh.{axis}=1, or {_USE_AXIS[axis]}"
+            )
 
 
 def _not_divisible(cfg: Config, layout: Layout, size: ParamSize, axes: tuple[str, ...]) -> str:
