@@ -205,6 +205,27 @@ def test_a_mesh_axis_no_rule_uses_is_refused(config_file, capsys, compiles, comm
     assert not (config_file.parent / "run").exists()
 
 
+# Activation specs are made only as the step is traced, after the run directory is written: their rules
+# are checked before, by `train` and `rules` alike.
+_SEQ_ON_FSDP = ("rules: an activation (batch, seq, embed) maps both 'batch' and 'seq' to mesh axis 'fsdp'; a mesh "
+                "axis can split only one dimension: change rules.activations.seq or rules.activations.batch")
+
+
+@pytest.mark.parametrize("command, overrides, message", [
+    ("train", ["rules.activations.seq=fsdp"], _SEQ_ON_FSDP),
+    ("rules", ["rules.activations.seq=fsdp"], _SEQ_ON_FSDP),
+    ("train", ["rules.activations.heads=data", "mesh.data=2", "mesh.fsdp=2"],
+     "rules: an activation (batch, length, heads, head_dim) maps both 'batch' and 'heads' to mesh axis 'data'; a "
+     "mesh axis can split only one dimension: change rules.activations.heads or rules.activations.batch"),
+], ids=["seq_train", "seq_rules", "heads"])
+def test_activation_rules_that_clash_are_refused_before_the_run(config_file, capsys, compiles, command, overrides,
+                                                                message):
+    assert cli.main([command, str(config_file), *overrides]) == 2
+    assert one_line_error(capsys) == f"jaxdist: error: {message}\n"
+    assert compiles.count == 0
+    assert not (config_file.parent / "run").exists()
+
+
 @pytest.mark.parametrize(
     "argv, must_mention",
     [

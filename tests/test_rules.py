@@ -3,6 +3,7 @@
 import re
 
 import jax
+import numpy as np
 import pytest
 import yaml
 from conftest import SMALL_RESNET, TINY_GPT, make_classifier_config, make_config
@@ -10,7 +11,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxdist import UserError, cli, make_mesh, models
-from jaxdist.parallel import rules
+from jaxdist.parallel import layout, rules
 from jaxdist.train.trainer import Trainer, param_layouts
 
 
@@ -172,3 +173,27 @@ def test_rules_command_matches_shardings_used(tmp_path, capsys):
         assert spec == _spec_text(array.sharding.spec, array.ndim), (name, spec, array.sharding.spec)
     assert table["blocks/mlp/up"][1] == "(-, fsdp, tensor)"
     assert table["embed"][1] == "(tensor, fsdp)"
+
+
+@pytest.mark.parametrize("model, impl", [
+    ({}, {}), ({}, {"loss_chunk": 8}),
+    ({"name": "mlp", "hidden": [16], "classes": 10, "image_shape": [8, 8, 1]}, {}),
+    ({**SMALL_RESNET, "classes": 10, "image_shape": [8, 8, 1]}, {}),
+], ids=["gpt", "gpt_loss_chunk", "mlp", "resnet"])
+def test_every_activation_a_model_constrains_is_one_the_layout_check_checks(tmp_path, monkeypatch, model, impl):
+    # The layout check checks the activation specs a model declares (models.ModelEntry.activations), since
+    # the traced ones appear only as the step compiles.
+    traced = set()
+    spec = rules.Rules.activation_spec
+    monkeypatch.setattr(rules.Rules, "activation_spec",
+                        lambda self, names, where="an activation": traced.add(tuple(names)) or spec(self, names, where))
+    cfg = make_classifier_config(tmp_path, model, impl=impl) if model else make_config(tmp_path, impl=impl)
+    entry, placed = models.get(cfg.model.name), layout.from_config(cfg)
+    with nnx.use_eager_sharding(False):
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: entry.create(cfg)(nnx.Rngs(0))))
+    batch = entry.random_batch(cfg, np.random.default_rng(0), cfg.train.global_batch)
+    traced.clear()
+    with rules.activation_rules(placed.mesh, placed.rules):
+        jax.eval_shape(lambda state, batch: entry.loss(nnx.merge(graphdef, state), batch), state, batch)
+    named = {tuple(name for name in names if name is not None) for names in traced}
+    assert named and named <= {*entry.activations, ("batch",), ("stage", "batch")}, named - set(entry.activations)

@@ -15,6 +15,7 @@ from flax import nnx
 
 from jaxdist.config import Config
 from jaxdist.errors import UserError
+from jaxdist.kernels import gelu_matmul, softmax_grad
 from jaxdist.models import classifier, gpt, mlp, resnet
 from jaxdist.models import dtypes as dtypes_lib
 from jaxdist.models.cross_entropy import fused_linear_cross_entropy
@@ -71,6 +72,9 @@ class ModelEntry:
     read_in_compute_dtype: Callable[[tuple], bool] | None = None
     # A language model: `sample:` continues a prompt after training.
     samples_text: bool = False
+    # The logical names of every activation the model's loss constrains, checked against the activation
+    # rules before compiling (an activation's spec is made only as the step is traced).
+    activations: tuple[tuple[str | None, ...], ...] = ()
 
 
 def _gpt(cfg: Config) -> Callable[[nnx.Rngs], nnx.Module]:
@@ -94,10 +98,11 @@ def _classifier(model_class: type[nnx.Module]) -> Callable[[Config], Callable[[n
     return create
 
 
-def _classifier_entry(model_class: type[nnx.Module], flops_per_example: Callable[[Config], float]) -> ModelEntry:
+def _classifier_entry(model_class: type[nnx.Module], flops_per_example: Callable[[Config], float],
+                      activations: tuple[tuple[str | None, ...], ...]) -> ModelEntry:
     return ModelEntry(
         create=_classifier(model_class), loss=classifier.loss, eval_sums=classifier.eval_sums,
-        flops_per_example=flops_per_example, batch_keys=classifier.BATCH_KEYS,
+        flops_per_example=flops_per_example, batch_keys=classifier.BATCH_KEYS, activations=activations,
         random_batch=lambda cfg, rng, rows: classifier.random_batch(cfg.model, rng, rows),
     )
 
@@ -108,9 +113,12 @@ MODELS: dict[str, ModelEntry] = {
         flops_per_example=lambda cfg: gpt.flops_per_token(cfg) * cfg.model.seq_len,
         random_batch=gpt.random_tokens, batch_keys=("inputs", "targets"),
         read_in_compute_dtype=gpt.read_in_compute_dtype, samples_text=True,
+        activations=(gpt.RESIDUAL, gpt.HEADS, gelu_matmul.PRE_NAMES, gelu_matmul.OUT_NAMES, softmax_grad.LOGITS,
+                     ("vocab", "embed"), ("embed", "vocab"), ("batch", "embed", "vocab")),
     ),
-    "mlp": _classifier_entry(MLP, mlp.flops_per_example),
-    "resnet": _classifier_entry(ResNet, resnet.flops_per_example),
+    "mlp": _classifier_entry(MLP, mlp.flops_per_example, (("batch", "embed"), ("batch", "mlp"), ("batch", "classes"))),
+    "resnet": _classifier_entry(ResNet, resnet.flops_per_example,
+                                (resnet.FEATURE_MAP, ("batch", "embed"), ("batch", "classes"))),
 }
 
 

@@ -12,6 +12,7 @@ import dataclasses
 import jax
 from jax.sharding import Mesh, NamedSharding
 
+from jaxdist import models
 from jaxdist.config import Config, ParamSize, resolve_mesh_shape
 from jaxdist.errors import UserError
 from jaxdist.parallel import feed, pipeline
@@ -76,6 +77,7 @@ def check(cfg: Config, layout: Layout) -> None:
         if size.size % rules_lib.axes_size(layout.mesh, axes):
             raise UserError(_not_divisible(cfg, layout, size, axes))
     pipeline.check_config(cfg, layout.mesh, layout.rules)
+    _check_activations(cfg, layout.rules)
 
 
 # What makes each mesh axis do its part, for the error about an axis no rule uses.
@@ -102,6 +104,15 @@ def _check_axes_used(cfg: Config, layout: Layout) -> None:
                 f"mesh.{axis}={size}, but no parameter or activation rule of {rules} uses mesh axis '{axis}', so "
                 f"its {size} devices would each repeat the same work; set mesh.{axis}=1, or {_USE_AXIS[axis]}"
             )
+
+
+def _check_activations(cfg: Config, rules: rules_lib.Rules) -> None:
+    """The errors the activations' specs would raise only as the step is traced, after the run has begun:
+    the batch's, the model's activations' and the pipeline's buffers' under these rules."""
+    for names in [(pipeline.BATCH,), *models.get(cfg.model.name).activations]:
+        rules.activation_spec(names, f"an activation ({', '.join(map(str, names))})")
+    if cfg.impl.scan_layers and cfg.model.layer_stack is not None:
+        pipeline.check_rules(rules)
 
 
 def _not_divisible(cfg: Config, layout: Layout, size: ParamSize, axes: tuple[str, ...]) -> str:

@@ -184,7 +184,7 @@ def run_layers(
     if settings is None or active is None:
         return apply_layers(x, layers, unroll=False)
     mesh, rules = active
-    _within_stages(rules, names[0]).activation_spec((STAGE, names[0]), "a pipeline buffer")  # rules missing or clashing
+    check_rules(rules, names[0])
     stages = rules_lib.axes_size(mesh, rules.activations[STAGE])
     shards = rules_lib.axes_size(mesh, data_parallel_axes(rules, names[0]))
     if stages == 1 or x.shape[0] % (settings.microbatches * shards):
@@ -291,6 +291,12 @@ def _run_iterations(apply_layers, weights, x, schedule, names, stage_axes, remat
     # devices): one of its terms is not zero, so it is exact.
     outputs = jax.lax.reduce(finished, jnp.zeros((), x.dtype), jax.lax.add, (1,))
     return merge_microbatches(outputs)
+
+
+def check_rules(rules: rules_lib.Rules, batch: str = BATCH) -> None:
+    """The `UserError` a pipeline buffer's spec (stage, batch) raises under `rules`, if any: a rule missing,
+    or both dims on one mesh axis."""
+    _within_stages(rules, batch).activation_spec((STAGE, batch), "a pipeline buffer")
 
 
 def _within_stages(rules: rules_lib.Rules, batch: str) -> rules_lib.Rules:
