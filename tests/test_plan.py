@@ -81,6 +81,19 @@ def test_a_wider_fsdp_keeps_the_device_count(tmp_path):
     assert plan.savings(fixed)[-1] == ["mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp_tp"]
 
 
+def test_a_wider_fsdp_is_tried_on_the_resolved_mesh(devices):
+    # mesh.data=-1 (the digits recipes) fills the 8 devices with replicas, which fsdp=8 splits instead.
+    filled = config.load("digits_mlp", ["model.hidden=[2048,2048]"])
+    assert plan.savings(filled)[-1] == ["mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp"]
+    # Under tp the weights stay split over tensor and are split over fsdp too.
+    tensor = config.load("jaxdist/recipes/tiny.yaml", ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4",
+                                                       "rules.preset=tp"])
+    assert plan.savings(tensor)[-1] == ["mesh.data=1", "mesh.fsdp=2", "rules.preset=fsdp_tp"]
+    # One replica: nothing to widen fsdp with.
+    assert all("mesh.data=1" not in each for each in plan.savings(config.with_overrides(tensor, ["mesh.data=1",
+                                                                                                  "mesh.fsdp=2"])))
+
+
 @pytest.mark.parametrize("recipe", ["digits_mlp", "digits_resnet_lars"])
 def test_plan_for_a_classifier_counts_its_state_batch_and_flops(capsys, recipe):
     """Every registered model plans: under fsdp=8 the ResNet's kernels, BatchNorm parameters and

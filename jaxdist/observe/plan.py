@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from jaxdist import models
-from jaxdist.config import Config, with_overrides
+from jaxdist.config import Config, resolve_mesh_shape, with_overrides
 from jaxdist.errors import UserError
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.train.trainer import Trainer
@@ -116,24 +116,30 @@ def make_plan(cfg: Config, devices: list | None = None) -> Plan:
     )
 
 
-def savings(cfg: Config) -> list[list[str]]:
+# The preset that also splits the weights over fsdp, keeping what the preset splits over tensor.
+_WITH_FSDP = {"dp": "fsdp", "tp": "fsdp_tp"}
+
+
+def savings(cfg: Config, devices: list | None = None) -> list[list[str]]:
     """Overrides that need less memory per device, in the order they are tried (cheapest first)."""
     candidates = []
     if cfg.impl.remat != "full":
         candidates.append(["impl.remat=full"])
     for factor in (2, 4, 8):
         candidates.append([f"train.microbatches={cfg.train.microbatches * factor}"])
-    if cfg.mesh.data > 1:
-        preset = "fsdp" if cfg.rules.preset == "dp" else cfg.rules.preset
+    # The mesh as resolved on these devices: mesh.data=-1 (fill) replicates too.
+    shape = resolve_mesh_shape(cfg.mesh, len(jax.devices() if devices is None else devices))
+    if shape["data"] > 1:
+        preset = _WITH_FSDP.get(cfg.rules.preset, cfg.rules.preset)
         # fsdp=-1 fills the devices, so it takes data's share as it is.
-        fsdp = -1 if cfg.mesh.fsdp == -1 else cfg.mesh.data * cfg.mesh.fsdp
+        fsdp = -1 if cfg.mesh.fsdp == -1 else shape["data"] * shape["fsdp"]
         candidates.append(["mesh.data=1", f"mesh.fsdp={fsdp}", f"rules.preset={preset}"])
     return candidates
 
 
 def suggest(cfg: Config, limit: int, devices: list | None = None) -> tuple[list[str], Plan] | None:
     """The first of `savings(cfg)` whose compiled step fits in `limit` bytes per device, with its plan."""
-    for overrides in savings(cfg):
+    for overrides in savings(cfg, devices):
         try:
             candidate = with_overrides(cfg, overrides)
             plan = make_plan(candidate, devices)
