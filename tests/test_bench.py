@@ -78,6 +78,20 @@ def test_bench_bubble_times_one_device_on_its_share_of_the_batch(capsys):
     assert abs(printed["pipeline_bubble_measured"] - expected) <= 1e-4 + 1e-2 / printed["step_ms"]
 
 
+def test_bench_bubble_with_accumulation_accumulates_the_one_device_share_as_far_as_it_divides(capsys):
+    """Accumulating 4 microbatches of the whole batch of 8 (held whole by the stage and tensor
+    devices), the pipeline splits it; one device's share is 2 rows, run as 2 microbatches of 1."""
+    overrides = ["model.d_model=32", "model.layers=2", "model.heads=4", "model.seq_len=16", "model.vocab=128",
+                 "impl.loss_chunk=0", "mesh.stage=2", "mesh.fsdp=1", "mesh.tensor=2", "impl.scan_layers=true",
+                 "pipeline.microbatches=2", "train.global_batch=8", "train.microbatches=4"]
+    assert cli.main(["bench", "tiny", *overrides, "--devices", "4", "--steps", "1", "--warmup", "0", "--bubble"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["one_device_global_batch"] == 2 and printed["one_device_microbatches"] == 2
+    assert printed["one_device_step_ms"] > 0
+    expected = 1 - printed["one_device_step_ms"] / printed["step_ms"]
+    assert abs(printed["pipeline_bubble_measured"] - expected) <= 1e-4 + 1e-2 / printed["step_ms"]
+
+
 def test_bench_bubble_needs_a_pipeline(capsys, compiles):
     assert cli.main(["bench", "tiny", "mesh.fsdp=1", "mesh.tensor=1", "--devices", "1", "--bubble"]) == 2
     err = capsys.readouterr().err

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import statistics
 import sys
@@ -120,14 +121,20 @@ def measured_bubble(cfg: Config, pipelined: dict, steps: int, warmup: int, devic
     device's share of the work: its idle iterations, transfers and whatever else it costs.
 
     The one-device run is the same config with `impl.scan_layers=false` (per-layer parameters, the
-    fastest form without a pipeline) on the first device, so the model must fit on one device.
+    fastest form without a pipeline) on the first device, so the model must fit on one device. It
+    accumulates over the greatest common divisor of `train.microbatches` and its share of the batch:
+    the pipeline accumulates over each batch shard, which the stage and tensor devices hold whole,
+    so its count need not divide the smaller per-device share.
     """
     share = cfg.train.global_batch // pipelined["devices"]
+    microbatches = math.gcd(share, cfg.train.microbatches)
     one_device = with_overrides(cfg, ["mesh.data=1", "mesh.stage=1", "mesh.fsdp=1", "mesh.tensor=1",
-                                       f"train.global_batch={share}", "impl.scan_layers=false"])
+                                       f"train.global_batch={share}", f"train.microbatches={microbatches}",
+                                       "impl.scan_layers=false"])
     baseline = _measure(one_device, steps, warmup, (devices or jax.devices())[:1])
     return {
         "one_device_global_batch": share,
+        "one_device_microbatches": microbatches,
         "one_device_step_ms": baseline["step_ms"],
         "pipeline_bubble_measured": round(1 - baseline["step_ms"] / pipelined["step_ms"], 4),
     }
