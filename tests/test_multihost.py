@@ -529,3 +529,35 @@ def test_kubernetes_job_gives_each_pod_its_process_id():
         values = {name: item.get("value", str(index)) for name, item in env.items()}
         group = resolve(values)
         assert (group.num_processes, group.process_id, group.coordinator) == (count, index, f"{host}:{port}")
+
+
+def test_scale_keeps_one_microbatch_of_activations_and_the_optimizers_own_state(capsys):
+    from jaxdist import cli, config
+    from jaxdist.observe import scaling
+
+    recipe = REPO / "jaxdist" / "recipes" / "gpt_1b4.yaml"
+    hw = scaling.Hardware()
+    data8 = {"data": 8, "stage": 1, "fsdp": 1, "tensor": 1}
+    whole = scaling.model_size(config.load(recipe))
+    accumulated = scaling.model_size(config.load(recipe, ["train.microbatches=8"]))
+    one, eight = (scaling.layout_cost(model, hw, 1, data8, 512) for model in (whole, accumulated))
+    assert eight.activation_bytes == pytest.approx(one.activation_bytes / 8) and eight.state_bytes == one.state_bytes
+    assert not one.fits and eight.fits
+    # Optimizer state per parameter (float32): AdamW and LAMB two moments, SGD with momentum and LARS
+    # one, SGD without momentum and Adafactor (factored) none; fp32 gradients 4 B besides.
+    for overrides, moments in ((["optim.name=lamb"], 2), (["optim.name=sgd"], 1), (["optim.name=lars"], 1),
+                               (["optim.name=sgd", "optim.momentum=0"], 0), (["optim.name=adafactor"], 0)):
+        model = scaling.model_size(config.load(recipe, overrides))
+        cost = scaling.layout_cost(model, hw, 1, data8, 512)
+        assert cost.state_bytes == pytest.approx(whole.params * (4 + 4 * moments + 4) + 2 * whole.copied_params)
+        assert scaling.checkpoint_cost(model, hw, 1, cost).total_bytes == whole.params * 4 * (1 + moments)
+
+    # 64 sequences per GPU fit no layout at once; accumulating 2 microbatches fits fsdp=8.
+    assert cli.main(["scale", str(recipe), "--hosts", "1", "--batch-per-gpu", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "no candidate layout fits" in out
+    assert "or accumulate: train.microbatches=2 fits fsdp=8 (58.06 GB of activations per microbatch)" in out
+    assert cli.main(["scale", str(recipe), "train.microbatches=8", "--hosts", "1", "--batch-per-gpu", "64"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^data=8 +25\.08 +14\.51 .*<- chosen$", out, re.M)
+    assert "checkpoint: 17.00 GB (params + adamw state, float32)" in out

@@ -67,6 +67,8 @@ class ModelSize:
     copied_params: int = 0  # parameters also kept as compute-dtype copies (precision.compute_copies)
     matmul_params: int = 0  # parameters the model reads in the compute dtype (their gradients come out in it)
     fsdp_gathers: int = 2  # all-gathers of each weight per step over fsdp (train.fsdp_gather)
+    moments: int = 2  # optimizer state per parameter, in parameters' worth (`optimizer_moments`)
+    microbatches: int = 1  # train.microbatches: activations are kept for one microbatch at a time
 
     @property
     def gradient_bytes(self) -> int:
@@ -100,7 +102,19 @@ def model_size(cfg: Config) -> ModelSize:
         remat=cfg.impl.remat, flops_per_token=flops_per_token(cfg), loss_chunk=cfg.impl.loss_chunk, copied_params=copied,
         matmul_params=matmul,
         fsdp_gathers=1 if cfg.train.fsdp_gather == "per_step" else 2,
+        moments=optimizer_moments(cfg.optim.name, cfg.optim.momentum), microbatches=cfg.train.microbatches,
     )
+
+
+def optimizer_moments(name: str, momentum: float) -> int:
+    """Full-size arrays of optimizer state per parameter (jaxdist/train/optim.py): AdamW and LAMB keep
+    two moments; LARS a momentum trace; SGD one only with momentum; Adafactor factored second-moment
+    statistics (a row and a column per matrix), which this arithmetic counts as none."""
+    if name in ("adamw", "lamb"):
+        return 2
+    if name == "lars" or (name == "sgd" and momentum):
+        return 1
+    return 0
 
 
 def _dtype_bytes(name: str) -> int:
@@ -120,8 +134,8 @@ class LayoutCost:
     shape: dict[str, int]
     across: dict[str, int]
     batch_per_shard: float  # sequences per (data x fsdp) shard
-    state_bytes: float  # params + fp32 grads + Adam moments + compute-dtype copies, per GPU
-    activation_bytes: float  # per GPU, estimated
+    state_bytes: float  # params + fp32 grads + optimizer moments + compute-dtype copies, per GPU
+    activation_bytes: float  # per GPU, of one microbatch, estimated
     traffic: dict[str, AxisTraffic]
     network_s: float
     nvlink_s: float
@@ -152,10 +166,11 @@ def layout_cost(model: ModelSize, hw: Hardware, hosts: int, shape: dict[str, int
     gpus = math.prod(shape.values())
     batch_per_shard = global_batch / (data * fsdp)
     shard_params = model.params / (fsdp * tensor)
-    # fp32 gradients (summed and clipped in fp32), Adam's two moments in the parameter dtype, and
+    # fp32 gradients (summed and clipped in fp32), the optimizer's moments in the parameter dtype, and
     # the compute-dtype copies, split as their parameters (train.fsdp_gather=per_layer).
-    state = shard_params * (3 * model.param_bytes + 4) + model.copied_params / (fsdp * tensor) * model.compute_bytes
-    activation = activation_bytes_per_sequence(model, tensor) * batch_per_shard
+    state = (shard_params * ((1 + model.moments) * model.param_bytes + 4)
+             + model.copied_params / (fsdp * tensor) * model.compute_bytes)
+    activation = activation_bytes_per_sequence(model, tensor) * batch_per_shard / model.microbatches
     grad_bytes = model.gradient_bytes / tensor
     traffic = {
         "data": hierarchical_bytes(2, grad_bytes / fsdp, across["data"], within["data"]),
@@ -175,6 +190,8 @@ def layout_cost(model: ModelSize, hw: Hardware, hosts: int, shape: dict[str, int
     problem = ""
     if global_batch % (data * fsdp):
         problem = f"global batch {global_batch} not divisible by data x fsdp = {data * fsdp}"
+    elif batch_per_shard % model.microbatches:
+        problem = f"{batch_per_shard:.0f} sequences per shard not divisible by train.microbatches = {model.microbatches}"
     elif model.heads % tensor:
         problem = f"{model.heads} heads not divisible by tensor = {tensor}"
     elif state + activation > hw.usable_memory * hw.gpu_memory:
@@ -230,6 +247,20 @@ def candidate_shapes(hosts: int, gpus_per_host: int) -> list[dict[str, int]]:
     return unique
 
 
+def with_accumulation(model: ModelSize, hw: Hardware, hosts: int, gpus_per_host: int,
+                      global_batch: int) -> tuple[int, LayoutCost] | None:
+    """The fewest `train.microbatches` (more than the model's, dividing a shard's batch) with which a
+    candidate layout fits, and the layout `choose` takes with it; None if none does."""
+    shapes = candidate_shapes(hosts, gpus_per_host)
+    most = max(global_batch // (shape["data"] * shape["fsdp"]) for shape in shapes)
+    for count in range(model.microbatches + 1, most + 1):
+        accumulating = dataclasses.replace(model, microbatches=count)
+        chosen = choose([layout_cost(accumulating, hw, hosts, shape, global_batch) for shape in shapes])
+        if chosen is not None:
+            return count, chosen
+    return None
+
+
 def choose(costs: list[LayoutCost]) -> LayoutCost | None:
     """The layout that fits and spends the least time communicating (ties: less tensor parallelism)."""
     fitting = [cost for cost in costs if cost.fits]
@@ -246,8 +277,8 @@ class CheckpointCost:
 
 
 def checkpoint_cost(model: ModelSize, hw: Hardware, hosts: int, layout: LayoutCost) -> CheckpointCost:
-    """Checkpoint size (params + Adam moments) and the write per host under the two Orbax policies."""
-    total = model.params * 3 * model.param_bytes
+    """Checkpoint size (params + optimizer moments) and the write per host under the two Orbax policies."""
+    total = model.params * (1 + model.moments) * model.param_bytes
     writers = hosts // layout.across["data"]
     per_host_parallel = total / hosts
     per_host_primary = total / writers
@@ -277,6 +308,8 @@ def report(cfg: Config, hosts: int, gpus_per_host: int = 8, batch_per_gpu: int |
     lines = [
         f"{cfg.model.name}: {model.params / 1e6:,.1f}M parameters ({model.layers} layers, d_model {model.d_model}, "
         f"seq {model.seq_len}, params {cfg.precision.params}, compute {cfg.precision.compute})",
+        f"optimizer {cfg.optim.name}: {model.moments} parameter-sized moment(s); train.microbatches "
+        f"{model.microbatches} (activations are kept for one microbatch at a time)",
         f"{hosts} host(s) x {gpus_per_host} GPUs = {gpus} GPUs; global batch {global_batch} sequences "
         f"({per_gpu} per GPU) = {tokens / 1e6:.2f}M tokens per step",
         f"assumed: NVLink {hw.nvlink_bw / GB:.0f} GB/s and network {hw.network_bw / GB:.0f} GB/s per GPU per "
@@ -299,6 +332,11 @@ def report(cfg: Config, hosts: int, gpus_per_host: int = 8, batch_per_gpu: int |
         )
     if chosen is None:
         lines.append("no candidate layout fits: use pipeline stages, remat (impl.remat=full) or a smaller batch")
+        accumulated = with_accumulation(model, hw, hosts, gpus_per_host, global_batch)
+        if accumulated is not None:
+            count, cost = accumulated
+            lines.append(f"or accumulate: train.microbatches={count} fits {describe_shape(cost.shape)} "
+                         f"({cost.activation_bytes / GB:.2f} GB of activations per microbatch)")
         return "\n".join(lines)
     lines += ["", f"chosen layout {describe_shape(chosen.shape)}: bytes per GPU per step, by axis and link"]
     for axis in ("data", "fsdp", "tensor"):
@@ -310,7 +348,7 @@ def report(cfg: Config, hosts: int, gpus_per_host: int = 8, batch_per_gpu: int |
     ckpt = checkpoint_cost(model, hw, hosts, chosen)
     lines += [
         "",
-        f"checkpoint: {ckpt.total_bytes / GB:.2f} GB (params + Adam moments, {cfg.precision.params})",
+        f"checkpoint: {ckpt.total_bytes / GB:.2f} GB (params + {cfg.optim.name} state, {cfg.precision.params})",
         f"  per host, replica-parallel writes: {ckpt.per_host_replica_parallel / GB:.3f} GB, "
         f"{ckpt.write_s_replica_parallel:.2f} s",
         f"  per host, data replica 0 writes alone: {ckpt.per_host_primary_replica / GB:.3f} GB, "
