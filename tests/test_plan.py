@@ -38,9 +38,14 @@ def test_over_the_device_memory_a_compiled_suggestion_fits(tmp_path, devices):
     limit = (whole.total + remat.total) // 2
     overrides, fitted = plan.suggest(cfg, limit, devices)
     assert overrides == ["impl.remat=full"] and fitted.total <= limit
-    text = plan.report(cfg, devices, limit)
-    assert "does not fit in" in text and "suggestion: impl.remat=full -> total" in text and "(compiled: fits)" in text
-    assert "fits in" in plan.report(cfg, devices, whole.total + 1)
+    # Compiled for CPU, only the state and batch are judged: the temporaries are not a GPU's.
+    verdict = plan.report(cfg, devices, limit).splitlines()[-1]
+    assert verdict == (f"the state and batch take {plan._gb(whole.held)} of {plan._gb(limit)} per device "
+                       f"({whole.held / limit:.0%}), leaving {plan._gb(limit - whole.held)} for temporaries and code: "
+                       f"the CPU compile's ({plan._gb(whole.temporaries + whole.code)}) would not fit; "
+                       f"run jaxdist plan on the GPU host for the verdict")
+    assert plan.report(cfg, devices, whole.total + 1).splitlines()[-1].endswith(
+        " would fit; run jaxdist plan on the GPU host for the verdict")
 
 
 def test_plan_command_prints_the_plan_and_allocates_nothing(tmp_path, capsys):
@@ -53,7 +58,9 @@ def test_plan_command_prints_the_plan_and_allocates_nothing(tmp_path, capsys):
     assert out[0] == "plan: mesh data=2 x stage=1 x fsdp=4 x tensor=1 (8 cpu devices)"
     assert out[1].startswith("per device: parameters ") and "temporaries" in out[1]
     assert out[1].endswith(" MFLOP per step"), out[1]  # a small step's work in a unit that shows it
-    assert out[2].startswith("fits in 80.00 GB per device")
+    assert out[2].startswith("compiled for CPU: parameters, optimizer state, model state, compute copies and batch "
+                             "are exact on any device; temporaries and code are CPU XLA's, not a GPU's")
+    assert out[3].startswith("the state and batch take ") and " of 80.00 GB per device (0%)" in out[3]
     gc.collect()
     created = [array for array in jax.live_arrays() if all(array is not old for old in before)]
     assert created == []  # nothing allocated for the state
@@ -116,3 +123,13 @@ def test_plan_for_a_classifier_counts_its_state_batch_and_flops(capsys, recipe):
         assert result.model_state == 0
         biases = sum(cfg.model.hidden) + 10
         assert result.params == ((count - biases) // 8 + biases) * 4
+
+
+def test_compiled_for_cpu_the_fit_is_judged_on_the_state_and_batch(capsys):
+    """2 x 2048 hidden units: 17.40 MB of parameters and 34.80 MB of AdamW moments per replica
+    exceed 40 MB whatever the temporaries; fsdp=8 splits them to an eighth."""
+    assert cli.main(["plan", "digits_mlp", "model.hidden=[2048,2048]", "--device-memory", "40MB"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2] == "does not fit in 40.00 MB per device: the state and batch alone need 52.20 MB"
+    assert out[-1] == ("suggestion: mesh.data=1 mesh.fsdp=8 rules.preset=fsdp -> state and batch 6.57 MB per device "
+                       "(compiled; a GPU's temporaries not counted)")
