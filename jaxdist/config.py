@@ -422,7 +422,7 @@ class OptimConfig(Section):
 
     name: Literal["adamw", "sgd", "lamb", "lars", "adafactor"] = Field("adamw", description="optimizer")
     lr: float = Field(3e-3, gt=0, description="peak learning rate, at base_batch")
-    weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay")
+    weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay, scaled by the learning rate schedule")
     decay_norms_and_biases: bool = Field(False, description="apply weight decay to norms and biases too")
     decay_embeddings: bool = Field(False, description="apply weight decay to embeddings too")
     trust_ratio_norms_and_biases: bool = Field(

@@ -148,6 +148,27 @@ def test_lamb_equals_optax_lamb_per_layer_with_masks(gpt):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7), ours, expected)
 
 
+def test_adafactor_weight_decay_is_scaled_by_the_learning_rate(gpt):
+    """With zero gradients an update is the decoupled decay alone: -lr * weight_decay * p on the
+    masked parameters, as adamw's and sgd's; nothing at all at lr 0 (warmup's first step)."""
+    names, params, _ = gpt
+    zeros = jax.tree.map(np.zeros_like, params)
+
+    def first_update(name, **keys):
+        cfg = _optim(name, **keys)
+        tx, _ = optim_lib.build_optimizer(cfg.optim, cfg.train, names)
+        return jax.jit(lambda p: tx.update(zeros, tx.init(p), p)[0])(params)
+
+    expected = jax.tree.map(
+        lambda p, on: -LR * WEIGHT_DECAY * p if on else np.zeros_like(p),
+        params, optim_lib.weight_decay_mask(_optim("adamw").optim, names),
+    )
+    for name in ("adafactor", "adamw", "sgd"):
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9), first_update(name), expected)
+    at_lr_0 = first_update("adafactor", warmup_steps=5)
+    assert all(not np.any(u) for u in jax.tree.leaves(at_lr_0))
+
+
 @pytest.mark.parametrize("name", ["adamw", "sgd", "lamb", "lars", "adafactor"])
 def test_every_optimizer_descends_and_shards_its_state(gpt, name):
     names, params, _ = gpt

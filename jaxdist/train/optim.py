@@ -7,7 +7,9 @@ parameter's logical axis names, so they hold for any model that names its dimens
 - norms and biases: at most one dimension besides a stacked `layers` axis;
 - embeddings (tables looked up by index): first axis, after `layers`, is `vocab` or `length`.
 
-Neither gets weight decay unless `optim.decay_norms_and_biases` / `optim.decay_embeddings` asks;
+Weight decay is decoupled and scaled by the learning rate in every optimizer (adafactor too,
+where optax would add it after the learning-rate scaling). Norms, biases and embeddings do not
+get it unless `optim.decay_norms_and_biases` / `optim.decay_embeddings` asks;
 LARS and LAMB leave norms and biases out of the trust ratio (as their papers' implementations
 do) unless `optim.trust_ratio_norms_and_biases`.
 
@@ -141,8 +143,14 @@ def _base_optimizer(
             optax.add_decayed_weights(optim.weight_decay, mask=decay),
             optax.sgd(lr, momentum=optim.momentum or None, nesterov=optim.nesterov),
         )
-    if optim.name == "adafactor":
-        return optax.adafactor(lr, weight_decay_rate=optim.weight_decay or None, weight_decay_mask=decay)
+    if optim.name == "adafactor":  # optax.adafactor, with the decay before the LR scaling, as adamw's
+        return optax.chain(
+            optax.scale_by_factored_rms(),
+            optax.clip_by_block_rms(1.0),
+            optax.scale_by_param_block_rms(),
+            optax.add_decayed_weights(optim.weight_decay, mask=decay),
+            optax.scale_by_learning_rate(lr),
+        )
     if optim.name == "lamb":  # optax.lamb, with a masked, per-layer trust ratio
         return optax.chain(
             optax.scale_by_adam(b1=optim.b1, b2=optim.b2, eps=optim.eps),
