@@ -169,6 +169,25 @@ def test_adafactor_weight_decay_is_scaled_by_the_learning_rate(gpt):
     assert all(not np.any(u) for u in jax.tree.leaves(at_lr_0))
 
 
+def test_adafactor_stacked_equals_per_layer(gpt):
+    """Adafactor's statistics are per layer: the stacked model steps as the per-layer one. `wide`
+    has two dimensions of at least optax's min_dim_size_to_factor (128), so its second moments
+    are factored."""
+    names, params, grads = gpt
+    rng = np.random.default_rng(1)
+    wide = lambda scale: (rng.normal(size=(2, 128, 256)) * scale).astype(np.float32)  # noqa: E731
+    names = {**names, "wide": ("layers", "embed", "mlp")}
+    params = {**params, "wide": wide(np.array([1.0, 10.0])[:, None, None])}
+    grads = [{**g, "wide": wide(1.0)} for g in grads + grads[:1]]
+    cfg = _optim("adafactor")
+    ours = _ours(cfg, names, params, grads)
+
+    per_layer_names = jax.tree.map(lambda n: [n[1:]] * 2 if optim_lib.is_stacked(n) else n, names, is_leaf=_is_names)
+    expected = _restack(
+        _ours(cfg, per_layer_names, _layers(params, names), [_layers(g, names) for g in grads]), names)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7), ours, expected)
+
+
 @pytest.mark.parametrize("name", ["adamw", "sgd", "lamb", "lars", "adafactor"])
 def test_every_optimizer_descends_and_shards_its_state(gpt, name):
     names, params, _ = gpt

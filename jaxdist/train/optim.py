@@ -15,7 +15,9 @@ do) unless `optim.trust_ratio_norms_and_biases`.
 
 Stacked layers are one array with a leading `layers` axis. LARS and LAMB define the trust ratio
 per layer, so for stacked parameters it is computed per slice along that axis; otherwise the
-chains are optax's `lars` and `lamb`, transformation for transformation.
+chains are optax's `lars` and `lamb`, transformation for transformation. Adafactor's
+per-parameter statistics (factored second moments, update clipping, parameter-scale RMS) are
+likewise per layer: `per_layer` vmaps them over the axis.
 """
 
 from __future__ import annotations
@@ -108,6 +110,27 @@ def scale_by_layerwise_trust_ratio(
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
+def per_layer(inner: optax.GradientTransformation, stacked: Any) -> optax.GradientTransformation:
+    """`inner` with each layer of the stacked parameters as a parameter of its own.
+
+    `stacked` is a tree of bools like the parameters. Stacked leaves go through `inner` vmapped
+    over their leading `layers` axis (its state gets that axis too); the others as they are.
+    """
+
+    def init_fn(params):
+        # vmap needs an array to map: there is none where no parameter is stacked, nor in the
+        # placeholder tree optax.tree_map_params inits with
+        return jax.vmap(inner.init)(params) if jax.tree.leaves(params) else inner.init(params)
+
+    def update_fn(updates, state, params=None):
+        if not jax.tree.leaves(updates):
+            return inner.update(updates, state, params)
+        return jax.vmap(inner.update)(updates, state, params)
+
+    labels = jax.tree.map(lambda layered: "layers" if layered else "whole", stacked)
+    return optax.partition({"layers": optax.GradientTransformation(init_fn, update_fn), "whole": inner}, labels)
+
+
 def scaled_lr(optim: OptimConfig, global_batch: int) -> float:
     """The peak LR for `global_batch` under `optim.lr_scaling` from `optim.base_batch`."""
     if optim.lr_scaling == "none":
@@ -145,9 +168,9 @@ def _base_optimizer(
         )
     if optim.name == "adafactor":  # optax.adafactor, with the decay before the LR scaling, as adamw's
         return optax.chain(
-            optax.scale_by_factored_rms(),
-            optax.clip_by_block_rms(1.0),
-            optax.scale_by_param_block_rms(),
+            per_layer(optax.chain(
+                optax.scale_by_factored_rms(), optax.clip_by_block_rms(1.0), optax.scale_by_param_block_rms(),
+            ), stacked),
             optax.add_decayed_weights(optim.weight_decay, mask=decay),
             optax.scale_by_learning_rate(lr),
         )
