@@ -55,7 +55,7 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
     eval_source = loader.open_split(cfg, "eval", keys) if cfg.eval.every else None
     # Read now, so a missing or corrupt tokenizer file stops the run before it trains, not after.
     tokenizer = loader.tokenizer(cfg) if cfg.sample.tokens and entry.samples_text else None
-    layout = layout_lib.from_config(cfg, devices)
+    layout = layout_lib.from_config(cfg, devices, entry.activations)
     rows = layout.process_rows(cfg.train.global_batch)
     # Every process indexes one global stream, so all must hold the same data: the replica check
     # below compares only rows that several processes hold, and most layouts have none.

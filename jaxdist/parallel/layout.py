@@ -8,11 +8,11 @@ the one place that says how the batch is split.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from jaxdist import models
 from jaxdist.config import Config, ParamSize, resolve_mesh_shape
 from jaxdist.errors import UserError
 from jaxdist.parallel import feed, pipeline
@@ -42,18 +42,22 @@ class Layout:
         return feed.process_rows(self.batch_sharding, global_batch, process_index)
 
 
-def from_config(cfg: Config, devices: list | None = None) -> Layout:
-    """The checked layout of `cfg` on `devices` (default: all devices of all processes)."""
+def from_config(cfg: Config, devices: list | None = None, activations: Sequence[tuple[str, ...]] = ()) -> Layout:
+    """The checked layout of `cfg` on `devices` (default: all devices of all processes).
+
+    `activations`: the logical names of the model's activations (`ModelEntry.activations`, which
+    the layers above pass in), so that rules their specs would refuse stop the run before it starts.
+    """
     devices = list(jax.devices() if devices is None else devices)
     shape = resolve_mesh_shape(cfg.mesh, len(devices))
     mesh = mesh_lib.build_mesh(shape, devices)
     layout = Layout(mesh, pipeline.rules_from_config(cfg.rules, shape))
     rules_lib.check_mesh_axes(layout.rules, mesh)
-    check(cfg, layout)
+    check(cfg, layout, activations)
     return layout
 
 
-def check(cfg: Config, layout: Layout) -> None:
+def check(cfg: Config, layout: Layout, activations: Sequence[tuple[str, ...]] = ()) -> None:
     """The checks that need the mesh: every mesh axis of more than one device used by a rule, batch sizes
     against the batch shards, the sizes the model's keys give its parameters against the mesh axes their
     rules split them over."""
@@ -77,7 +81,7 @@ def check(cfg: Config, layout: Layout) -> None:
         if size.size % rules_lib.axes_size(layout.mesh, axes):
             raise UserError(_not_divisible(cfg, layout, size, axes))
     pipeline.check_config(cfg, layout.mesh, layout.rules)
-    _check_activations(cfg, layout.rules)
+    _check_activations(cfg, layout.rules, activations)
 
 
 # What makes each mesh axis do its part, for the error about an axis no rule uses.
@@ -106,10 +110,10 @@ def _check_axes_used(cfg: Config, layout: Layout) -> None:
             )
 
 
-def _check_activations(cfg: Config, rules: rules_lib.Rules) -> None:
+def _check_activations(cfg: Config, rules: rules_lib.Rules, activations: Sequence[tuple[str, ...]]) -> None:
     """The errors the activations' specs would raise only as the step is traced, after the run has begun:
     the batch's, the model's activations' and the pipeline's buffers' under these rules."""
-    for names in [(pipeline.BATCH,), *models.get(cfg.model.name).activations]:
+    for names in [(pipeline.BATCH,), *activations]:
         rules.activation_spec(names, f"an activation ({', '.join(map(str, names))})")
     if cfg.impl.scan_layers and cfg.model.layer_stack is not None:
         pipeline.check_rules(rules)

@@ -128,11 +128,11 @@ class Trainer:
         `layout`: `jaxdist.parallel.layout.from_config(cfg, devices)`, where the caller already has it.
         `materialize` False: the state is described, not allocated (see `__init__`).
         """
-        layout = layout or layout_lib.from_config(cfg, devices)
+        entry = models.get(cfg.model.name)
+        layout = layout or layout_lib.from_config(cfg, devices, entry.activations)
         mesh, rules = layout.mesh, layout.rules
         platform = mesh.devices.flat[0].platform
         dtypes_lib.check_backend(cfg.precision, platform)
-        entry = models.get(cfg.model.name)
         create_model = entry.create(cfg)
         abstract = abstract_model(create_model, cfg.seed)
         tx, schedule = build_optimizer(cfg.optim, cfg.train, abstract.names)
@@ -228,8 +228,9 @@ class Trainer:
 
 def param_layouts(cfg: Config, devices: list | None = None) -> Any:
     """Each parameter's checked placement under this config, computed without allocating or compiling."""
-    layout = layout_lib.from_config(cfg, devices)
-    abstract = abstract_model(models.get(cfg.model.name).create(cfg), cfg.seed)
+    entry = models.get(cfg.model.name)
+    layout = layout_lib.from_config(cfg, devices, entry.activations)
+    abstract = abstract_model(entry.create(cfg), cfg.seed)
     return rules_lib.param_layouts(abstract.params, abstract.names, layout.rules, layout.mesh)
 
 
