@@ -53,8 +53,8 @@ def image_folder(inputs: list[str]) -> Path | None:
     """The folder of class folders when most files of `inputs` are images; None when they are text.
 
     The majority decides because a text corpus may hold a few images (a logo among its docs, which
-    the text path refuses by name like any file that is not text) and an image folder a stray file
-    (which the checks here and in `class_files` name). Images in any other form (beside text inputs,
+    the text path skips with a warning) and an image folder a stray file (which the checks here and
+    in `class_files` name). Images in any other form (beside text inputs,
     loose in the folder, next to the class folders) are a `UserError` that says where they go.
     """
     files = [path for name in inputs for path in _visible_files(Path(name))]

@@ -266,12 +266,7 @@ def tokenizer(cfg: Config) -> tokenizer_lib.Tokenizer:
     """The tokenizer of the configured data (bytes unless the prepared shards say otherwise)."""
     if cfg.data.source == "arrayrecord":
         directory = Path(cfg.data.path)
-        entry = sources.read_manifest(directory)["tokenizer"]
-        try:
-            return tokenizer_lib.load(entry, directory)
-        except (RuntimeError, UnicodeDecodeError):  # sentencepiece's parse error; a tokenizer.json not UTF-8
-            raise UserError(f"data.path={directory}: tokenizer file {entry['file']} is corrupt (it does not load as "
-                            f"a {entry['name']} tokenizer); prepare the data again") from None
+        return tokenizer_lib.load(sources.read_manifest(directory)["tokenizer"], directory)
     return tokenizer_lib.ByteTokenizer()
 
 

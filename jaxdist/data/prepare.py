@@ -42,9 +42,10 @@ def input_files(paths: list[str]) -> list[tuple[Path, str]]:
     """(file, stable name) for every input file, directories expanded recursively.
 
     Directories are listed sorted, skipping hidden and empty files (an empty file named on its
-    own is an error) and images (a text corpus's logos and figures; a warning counts them). The name (relative to the directory named; a file named on its own by its
-    base name) decides a document's split, so moving the data keeps the split. Files that would
-    share a name are told apart by their folders (`_distinct_names`); a file given twice is an error.
+    own is an error) and images (a text corpus's logos and figures; a warning counts them). The
+    name (relative to the directory named; a file named on its own by its base name) decides a
+    document's split, so moving the data keeps the split. Files that would share a name are told
+    apart by their folders (`_distinct_names`); a file given twice is an error.
     """
     files: list[tuple[Path, str]] = []
     for name in paths:

@@ -220,6 +220,10 @@ def load(entry: dict, directory: Path) -> Tokenizer:
     path = directory / entry["file"]
     if not path.is_file():
         raise UserError(f"data.path={directory}: tokenizer file {path.name} is missing; prepare the data again")
-    if name == HuggingFaceTokenizer.name:
-        return HuggingFaceTokenizer(path.read_text(encoding="utf-8"), f"data.path={directory}: {path.name}")
-    return SentencePieceTokenizer(path.read_bytes())
+    try:
+        if name == HuggingFaceTokenizer.name:
+            return HuggingFaceTokenizer(path.read_text(encoding="utf-8"), f"data.path={directory}: {path.name}")
+        return SentencePieceTokenizer(path.read_bytes())
+    except (RuntimeError, UnicodeDecodeError):  # sentencepiece's parse error; a tokenizer.json not UTF-8
+        raise UserError(f"data.path={directory}: tokenizer file {path.name} is corrupt (it does not load as a "
+                        f"{name} tokenizer); prepare the data again") from None
