@@ -167,16 +167,20 @@ def check_sources_agree(fingerprints: Mapping[str, tuple[int, int]]) -> None:
     """
     if jax.process_count() == 1:
         return
-    from jax.experimental import multihost_utils
-
     local = np.array([value for pair in fingerprints.values() for value in pair], np.int64)
-    gathered = np.asarray(multihost_utils.process_allgather(local)).reshape(jax.process_count(), -1)
-    problem = disagreeing_sources(gathered, list(fingerprints))
+    problem = disagreeing_sources(_per_process(local), list(fingerprints))
     if problem:
         raise UserError(
             f"the data differs across processes: {problem}; every process must read the same data "
             f"(same data.path contents on every host)"
         )
+
+
+def _per_process(local: np.ndarray) -> np.ndarray:
+    """Every process's 1-D `local`, one row per process. Collective."""
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(local)).reshape(jax.process_count(), -1)
 
 
 def check_replicas_agree(local: Mapping[str, np.ndarray], sharding: NamedSharding, rows: BatchRows) -> None:
@@ -186,10 +190,8 @@ def check_replicas_agree(local: Mapping[str, np.ndarray], sharding: NamedShardin
     """
     if jax.process_count() == 1:
         return
-    from jax.experimental import multihost_utils
-
-    digests = np.asarray(multihost_utils.process_allgather(shard_digests(local, sharding, rows)))
-    problem = disagreeing_replicas(digests.reshape(jax.process_count(), -1), batch_shards(sharding, rows.global_batch))
+    digests = _per_process(shard_digests(local, sharding, rows))
+    problem = disagreeing_replicas(digests, batch_shards(sharding, rows.global_batch))
     if problem:
         raise UserError(
             f"the first global batch disagrees across processes: {problem}, though those processes hold "
