@@ -8,7 +8,7 @@ of temporaries (activations, gradients, collective buffers) and code. Over `--de
 more microbatches, a wider fsdp axis) and suggests the first that fits.
 
 Compiled for CPU (planning without the GPUs), only the state and batch are the GPU's: XLA on CPU
-neither fuses nor rematerializes as on a GPU (gpt_1b4: 80 GB of temporaries against a GPU's 14), so
+neither fuses nor rematerializes as on a GPU (its temporaries can be several times a GPU's), so
 `--device-memory` is judged on the state and batch, with a wider fsdp as the only suggestion, and the
 CPU temporaries are shown beside them, not as a verdict.
 """
