@@ -205,6 +205,7 @@ def build_optimizer(
         trust=trust_ratio_mask(optim, logical_names),
         stacked=stacked_mask(logical_names),
     )
-    if optim.clip_norm is not None:
-        tx = optax.chain(optax.clip_by_global_norm(optim.clip_norm), tx)
-    return tx, schedule
+    # Clipping holds no state, and the chain has the same shape with it off: a checkpoint saved
+    # without clipping resumes with it (a diverging run's usual remedy), and the other way round.
+    clip = optax.identity() if optim.clip_norm is None else optax.clip_by_global_norm(optim.clip_norm)
+    return optax.chain(clip, tx), schedule

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.train.precision import LossScale
+from jaxdist.train.spikes import LossStats
 
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]
 
@@ -32,6 +33,8 @@ class TrainState(flax.struct.PyTreeNode):
     dynamic loss-scale state (`precision.LossScale`) under float16, else None. `model_state` holds
     the model's variables that are not parameters (BatchNorm's running averages), updated by the
     step's forward pass, not by the optimizer; None for a model without any (the GPT).
+    `loss_stats`: the running average of the applied steps' losses, which the loss-spike guard
+    compares each loss with (`spikes.LossStats`).
     """
 
     step: jax.Array
@@ -40,6 +43,7 @@ class TrainState(flax.struct.PyTreeNode):
     skipped_steps: jax.Array
     loss_scale: LossScale | None = None
     model_state: Any = None
+    loss_stats: LossStats | None = None
 
 
 class AbstractModel(NamedTuple):
@@ -146,6 +150,7 @@ def init_state(
         opt_state=opt_state_shardings(tx, abstract.params, param_shardings, mesh),
         loss_scale=jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), loss_scale),
         model_state=model_state_shardings,
+        loss_stats=jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), LossStats.create()),
     )
 
     def init() -> TrainState:
@@ -153,6 +158,7 @@ def init_state(
         return TrainState(
             step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
             skipped_steps=jnp.zeros((), jnp.int32), loss_scale=loss_scale, model_state=model_state,
+            loss_stats=LossStats.create(),
         )
 
     if materialize:

@@ -41,6 +41,7 @@ def make_train_step(
     copy_shardings: Any = None,
     copies_gather: copies_lib.Gather | None = None,
     nonfinite_guard: bool = True,
+    loss_spike: float | None = None,
 ) -> Callable[[TrainState, Any, Batch], tuple[TrainState, Any, dict[str, jax.Array]]]:
     """The jitted `step(state, copies, batch) -> (state, copies, metrics)`; state and copies are donated.
 
@@ -51,7 +52,9 @@ def make_train_step(
     at the optimizer's own step count), the loss function's aux values, `nonfinite` (1 when this
     step was bad, else 0), `skipped_steps` (dropped updates so far) and under loss scaling
     `loss_scale`. `nonfinite_guard=False` applies every update, finite or not (to measure the
-    guard's cost); loss scaling keeps its own check.
+    guard's cost); loss scaling keeps its own check. `loss_spike`: a loss above this factor times
+    the running average of the applied steps' losses is a bad step too (train/spikes.py), flagged
+    in `loss_spike` with the average in `loss_average`; None: off.
     """
 
     def step(state: TrainState, copies: Any, batch: Batch):
@@ -71,22 +74,30 @@ def make_train_step(
         grad_norm = optax.tree.norm(grads)
         metrics = {"loss": loss, "grad_norm": grad_norm, **aux}
         skipped = state.skipped_steps
+        applied = jnp.isfinite(loss)  # which losses the running average takes in
         if nonfinite_guard or scale is not None:
-            apply, bad = precision.verdict(loss, grad_norm, scale)
+            finite, bad = precision.verdict(loss, grad_norm, scale)
+            applied = finite
+            if loss_spike is not None and state.loss_stats is not None:
+                spike = state.loss_stats.is_spike(loss, loss_spike)
+                applied, bad = finite & ~spike, bad | spike
+                metrics["loss_spike"] = spike.astype(jnp.int32)
+                metrics["loss_average"] = state.loss_stats.average
             # A select per leaf, fused into the update: the old buffers are read, not copied.
             params, opt_state, model_state = precision.keep_if_not_finite(
-                apply, (params, opt_state, model_state), (state.params, state.opt_state, state.model_state))
-            skipped = skipped + (~apply).astype(skipped.dtype)
+                applied, (params, opt_state, model_state), (state.params, state.opt_state, state.model_state))
+            skipped = skipped + (~applied).astype(skipped.dtype)
             metrics["nonfinite"] = bad.astype(jnp.int32)
-            if scale is not None:
-                scale = scale.adjust(apply)
+            if scale is not None:  # a spike is no overflow: the scale follows finiteness alone
+                scale = scale.adjust(finite)
                 metrics["loss_scale"] = scale.scale
         metrics["skipped_steps"] = skipped
+        loss_stats = None if state.loss_stats is None else state.loss_stats.updated(loss, applied)
         if schedule is not None:  # dropped steps leave the optimizer's own count behind
             metrics["learning_rate"] = schedule(state.step - state.skipped_steps)
         new_state = TrainState(
             step=state.step + 1, params=params, opt_state=opt_state, skipped_steps=skipped, loss_scale=scale,
-            model_state=model_state,
+            model_state=model_state, loss_stats=loss_stats,
         )
         return new_state, None if make_copies is None else make_copies(params), metrics
 

@@ -59,6 +59,7 @@ class Trainer:
         compute_copies: Callable[[Any], Any] | None = None,
         fsdp_gather: str = "per_layer",
         materialize: bool = True,
+        loss_spike: float | None = None,
     ):
         """`abstract`: `state.abstract_model(create_model, seed)`, if already computed (saves a trace).
 
@@ -69,6 +70,8 @@ class Trainer:
         the batch axes (fsdp) at each use; per_step, the step gathers the copies whole once and keeps them for the
         backward (ZeRO-2; needs `compute_copies`). `materialize` False describes the state without
         allocating it: the step can then be compiled (`compile` with an abstract batch) but not run.
+        `loss_spike`: a loss above this factor times the running average of the applied steps'
+        losses is dropped like a non-finite step (train/spikes.py); None: off.
         """
         self.mesh = mesh
         self.rules = rules
@@ -105,7 +108,7 @@ class Trainer:
         self._copies, self._copies_of, self._copy_shardings = None, None, copy_shardings
         self._step = make_train_step(
             self.graphdef, loss_fn, optimizer, schedule, mesh, rules, self.state_shardings, microbatches,
-            grad_reduction, compute_copies, copy_shardings, copies_gather,
+            grad_reduction, compute_copies, copy_shardings, copies_gather, loss_spike=loss_spike,
         )
         # Its own program, run only where a step is logged: inside the step, the norm's reduction
         # kept XLA from writing the compute copies in the update's pass (a second read of every
@@ -152,6 +155,7 @@ class Trainer:
             seed=cfg.seed, microbatches=cfg.train.microbatches, grad_reduction=cfg.train.grad_reduction,
             schedule=schedule, loss_scale=precision.initial_loss_scale(cfg.precision), abstract=abstract,
             compute_copies=make_copies, fsdp_gather=cfg.train.fsdp_gather, materialize=materialize,
+            loss_spike=cfg.train.loss_spike,
         )
 
     def _has_flax_batch_norm(self) -> bool:
