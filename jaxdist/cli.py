@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 import threading
+import time
 
 # Only the standard library and jaxdist.errors (which imports nothing more): anything that imports
 # JAX is imported inside main(), where a Ctrl-C that lands during an import is the one-line exit 130.
@@ -67,6 +68,10 @@ def _parser() -> argparse.ArgumentParser:
         command = commands.add_parser(name, help=help_text)
         command.add_argument("config", help="YAML config file, or a recipe's name (e.g. tiny, gpt_406m)")
         command.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
+        if name == "train":
+            command.add_argument("--restart", action="store_true",
+                                 help="start over in a run_dir that holds an earlier run: its metrics, TensorBoard "
+                                      "events and checkpoints are moved to run_dir/replaced-<time>/ first")
         if name == "bench":
             command.add_argument("--steps", type=_COUNT, default=30,
                                  help="timed steps, in windows of 10 (the median window is reported)")
@@ -183,7 +188,7 @@ def _data_prepare(args) -> None:
 def _train(args) -> None:
     from jaxdist import config, loop
 
-    loop.train(config.load(args.config, args.overrides))
+    loop.train(config.load(args.config, args.overrides), restart=args.restart, started=args.started)
 
 
 def _config_with_data_sizes(args):
@@ -316,8 +321,24 @@ _OFFLINE = {"launch", "scale", "data", "export", "build-kernels", "plot", "confi
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the command `argv` (default: sys.argv[1:]) names; returns its exit code."""
+    code = _main(argv)
+    if any(thread.name.startswith(STUCK_WRITERS) and thread.is_alive() for thread in threading.enumerate()):
+        # A write stuck in the file system (a lost mount): what the run had to say is said, and
+        # interpreter shutdown could wait on it forever.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+# Threads that write a run's files; one still alive as the command ends is stuck in the file system.
+STUCK_WRITERS = ("jaxdist-checkpoint-writer", "jaxdist-metrics-writer")
+
+
+def _main(argv: list[str] | None) -> int:
+    started = time.perf_counter()
     try:
-        return _run(argv)
+        return _run(argv, started)
     except UserError as err:
         print(f"jaxdist: error: {err}", file=sys.stderr)
         return 2
@@ -335,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _run(argv: list[str] | None) -> int:
+def _run(argv: list[str] | None, started: float) -> int:
     from jaxdist.launch import die_with_launcher
 
     die_with_launcher()  # a no-op unless `jaxdist launch` started this process
@@ -345,6 +366,7 @@ def _run(argv: list[str] | None) -> int:
     unknown = [arg for arg in extra if "=" not in arg or arg.startswith("-")]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.started = started
     if hasattr(args, "overrides"):
         args.overrides = [*args.overrides, *extra]
     elif extra:

@@ -401,7 +401,8 @@ class TrainConfig(Section):
     per_step gathers the compute-dtype copies once in the forward and keeps them for the backward
     (PyTorch FSDP2's reshard_after_forward=False); float32 weights and optimizer state stay sharded.
     A non-finite step never updates the state (its data is consumed); under dynamic loss scaling
-    an overflow is the scaler's business unless the scale is already 1.
+    an overflow is the scaler's business unless the scale is already 1. A loss spike (a finite loss
+    far above the running average: a diverging run) is a bad step like a non-finite one.
     """
 
     steps: int = Field(300, gt=0, description="optimizer steps to train")
@@ -415,6 +416,9 @@ class TrainConfig(Section):
     on_nonfinite: Literal["halt", "skip"] = Field(
         "halt", description="after a non-finite step: stop without saving it (exit 3), or go on")
     max_consecutive_skips: int = Field(10, gt=0, description="under skip: halt after more bad steps in a row")
+    loss_spike: float | None = Field(
+        5.0, gt=1, description="a finite loss above this many times the running average of the last losses is a "
+        "bad step too, halted or skipped as on_nonfinite says (null: off)")
 
 
 class OptimConfig(Section):
@@ -496,7 +500,16 @@ class CheckpointConfig(Section):
     """Asynchronous checkpoints in run_dir/checkpoints (existing ones are resumed from even at every=0)."""
 
     every: int = Field(0, ge=0, description="save every N steps and at the last step (0: never)")
-    keep: int = Field(3, gt=0, description="how many of the newest checkpoints to keep")
+    keep: int = Field(3, gt=0, description="how many of the newest checkpoints to keep (a checkpoint counts once "
+                      "the step after it was sane)")
+    keep_every: int | None = Field(
+        None, gt=0, description="also keep every checkpoint at a multiple of this many steps, for good (null: none)")
+    resume_step: int | None = Field(
+        None, ge=0, description="resume from this step's checkpoint instead of the newest; newer ones are moved "
+        "aside as superseded-<step> (null: the newest)")
+    write_timeout: float = Field(
+        1800.0, gt=0, description="seconds a checkpoint write may take; a longer one stops the run (a stuck file "
+        "system), with the checkpoints before it intact")
 
 
 class PipelineConfig(Section):

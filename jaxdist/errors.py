@@ -20,8 +20,16 @@ class UserError(Exception):
 
 
 class NonFiniteError(Exception):
-    """A step's loss or gradients were not finite and `train.on_nonfinite` says to stop; the message
-    names the step and the last checkpoint, which holds only finite steps."""
+    """A step's loss or gradients were not finite (or its loss spiked) and `train.on_nonfinite` says
+    to stop; the message names the step and the last sane checkpoint.
+
+    `first_bad_step`: the first of the bad steps in a row that ended the run; the checkpoints from
+    the step before it on hold a diverging run (None: no step was bad, the parameters were).
+    """
+
+    def __init__(self, message: str, first_bad_step: int | None = None):
+        super().__init__(message)
+        self.first_bad_step = first_bad_step
 
 
 def warn(message: str) -> None:

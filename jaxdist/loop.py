@@ -8,21 +8,25 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxdist import kernels, models
-from jaxdist.checkpoint import RunCheckpoints
+from jaxdist.checkpoint import RunCheckpoints, rundir
+from jaxdist.checkpoint.rundir import RunDirLock
 from jaxdist.config import Config, TrainConfig
 from jaxdist.data import loader
 from jaxdist.data.tokenizer import Tokenizer
-from jaxdist.errors import NonFiniteError, check_writable
+from jaxdist.errors import NonFiniteError, check_writable, warn
 from jaxdist.observe import console, wandb_log
+from jaxdist.observe.goodput import STARTUP, RunTime
 from jaxdist.observe.metrics import MetricsWriter, device_metrics, drop_after, throughput
 from jaxdist.observe.profile import StepProfiler
 from jaxdist.parallel import feed
@@ -34,46 +38,80 @@ from jaxdist.train.preemption import StopSignals
 from jaxdist.train.trainer import Trainer, state_bytes_per_device
 
 
+# A loop that waits this share of each step for its next batch is input-bound (a warning says so).
+INPUT_BOUND = 0.25
+
+
 def log(message: str) -> None:
     """Prints on process 0 only."""
     if jax.process_index() == 0:
         print(message, flush=True)
 
 
-def train(cfg: Config, devices: list | None = None) -> Trainer:
+def train(cfg: Config, devices: list | None = None, restart: bool = False, started: float | None = None) -> Trainer:
     """Runs `cfg.train.steps` steps, writing `config.yaml`, `metrics.jsonl` and `checkpoints/` into
     `cfg.run_dir`; resumes from the newest good checkpoint there. A SIGTERM/SIGINT saves and
-    returns early (no sample). A non-finite step raises `NonFiniteError` as `train.on_nonfinite`
-    says (`NonFiniteGuard`), with nothing saved from that step on."""
+    returns early (no sample). A bad step raises `NonFiniteError` as `train.on_nonfinite` says
+    (`NonFiniteGuard`), with nothing saved from that step on.
+
+    The run holds `run_dir`'s lock throughout (`RunDirLock`). A fresh start where an earlier run
+    left metrics or set-aside checkpoints is refused, unless `restart` moves them aside first.
+    `started`: when the run began (a `time.perf_counter()` reading; default now), for its goodput.
+    """
+    clock = RunTime(started)
+    clock.add("process", time.perf_counter() - clock.started)
     # Opening the data and reading a first batch report bad data before anything compiles; so
     # does a checkpoint of another model in run_dir.
     wandb_log.check_installed(cfg)
-    cfg = loader.resolve_model(cfg)
-    entry = models.get(cfg.model.name)
-    keys = entry.batch_keys
-    train_source = loader.open_split(cfg, "train", keys)
-    eval_source = loader.open_split(cfg, "eval", keys) if cfg.eval.every else None
-    # Read now, so a missing or corrupt tokenizer file stops the run before it trains, not after.
-    tokenizer = loader.tokenizer(cfg) if cfg.sample.tokens and entry.samples_text else None
-    layout = layout_lib.from_config(cfg, devices, entry.activations)
-    rows = layout.process_rows(cfg.train.global_batch)
-    # Every process indexes one global stream, so all must hold the same data: the replica check
-    # below compares only rows that several processes hold, and most layouts have none.
-    splits = {"the train split": train_source, "the eval split": eval_source}
-    feed.check_sources_agree({name: loader.fingerprint(source) for name, source in splits.items() if source is not None})
-    checkpoints = RunCheckpoints(cfg, log)
-    planned = checkpoints.prepare()
-    # data.epochs ends the run where a resumed one counts the examples left from its checkpoint.
-    cfg = checkpoints.cfg = loader.resolve_steps(cfg, len(train_source), planned.step, planned.example)
+    with clock.part("data"):
+        cfg = loader.resolve_model(cfg)
+        entry = models.get(cfg.model.name)
+        keys = entry.batch_keys
+        train_source = loader.open_split(cfg, "train", keys)
+        eval_source = loader.open_split(cfg, "eval", keys) if cfg.eval.every else None
+        # Read now, so a missing or corrupt tokenizer file stops the run before it trains, not after.
+        tokenizer = loader.tokenizer(cfg) if cfg.sample.tokens and entry.samples_text else None
+    with clock.part("checks"):
+        layout = layout_lib.from_config(cfg, devices, entry.activations)
+        rows = layout.process_rows(cfg.train.global_batch)
+        # Every process indexes one global stream, so all must hold the same data: the replica check
+        # below compares only rows that several processes hold, and most layouts have none.
+        splits = {"the train split": train_source, "the eval split": eval_source}
+        feed.check_sources_agree({name: loader.fingerprint(source) for name, source in splits.items()
+                                  if source is not None})
+        run_dir = Path(cfg.run_dir)
+        # Every process checks: each writes its checkpoint shards there.
+        check_writable(run_dir, f"run_dir={run_dir}", directory=True)
+    with RunDirLock(run_dir):
+        if restart and jax.process_index() == 0 and (moved := rundir.set_history_aside(run_dir)):
+            log(f"--restart: moved the earlier run's files to {moved}")
+        if restart and jax.process_count() > 1:
+            multihost_utils.sync_global_devices("jaxdist_restart")  # before anyone reads checkpoints/
+        checkpoints = RunCheckpoints(cfg, log)
+        with clock.part("checks"):
+            planned = checkpoints.prepare()
+        if planned.step == 0:
+            rundir.check_history(run_dir)
+        # data.epochs ends the run where a resumed one counts the examples left from its checkpoint.
+        cfg = checkpoints.cfg = loader.resolve_steps(cfg, len(train_source), planned.step, planned.example, log)
+        _warn_if_warmup_outlasts_the_run(cfg)
+        return _train(cfg, entry, layout, rows, train_source, eval_source, tokenizer, checkpoints, planned, clock)
+
+
+def _train(cfg: Config, entry: models.ModelEntry, layout: layout_lib.Layout, rows: feed.BatchRows, train_source,
+           eval_source, tokenizer: Tokenizer | None, checkpoints: RunCheckpoints, planned, clock: RunTime) -> Trainer:
     run_dir = Path(cfg.run_dir)
-    # Every process checks: each writes its checkpoint shards there.
-    check_writable(run_dir, f"run_dir={run_dir}", directory=True)
-    batches = loader.train_iterator(cfg, rows, start_example=planned.example, source=train_source)
-    first_local = next(batches)
-    feed.check_replicas_agree(first_local, layout.batch_sharding, rows)
-    if built := kernels.build_for(cfg.model, cfg.impl):  # the model only loads them while it is traced
+    with clock.part("data"):
+        batches = loader.train_iterator(cfg, rows, start_example=planned.example, source=train_source)
+        first_local = next(batches)
+    with clock.part("checks"):
+        feed.check_replicas_agree(first_local, layout.batch_sharding, rows)
+    with clock.part("kernels"):
+        built = kernels.build_for(cfg.model, cfg.impl)  # the model only loads them while it is traced
+    if built:
         log(built)
-    trainer = Trainer.from_config(cfg, layout=layout)
+    with clock.part("init"):
+        trainer = Trainer.from_config(cfg, layout=layout)
     is_writer = jax.process_index() == 0
     reads = "" if jax.process_count() == 1 else (
         f"; process 0 feeds rows {_ranges(rows.rows)} of each global batch of {rows.global_batch}")
@@ -85,12 +123,14 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
         global_batch=cfg.train.global_batch, device_batch=cfg.train.global_batch // layout.batch_shards,
         param_bytes=max(state_bytes_per_device(trainer.params).values()),
     ))
-    start = checkpoints.resume(trainer)
+    with clock.part("restore"):
+        start = checkpoints.resume(trainer)
     if is_writer:  # once the checkpoint has taken this config: a refused resume leaves the old file
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
     if start != planned:  # the planned checkpoint failed to read: an older one was restored
-        batches = loader.train_iterator(cfg, rows, start_example=start.example, source=train_source)
-        first_local = next(batches)
+        with clock.part("data"):
+            batches = loader.train_iterator(cfg, rows, start_example=start.example, source=train_source)
+            first_local = next(batches)
     if is_writer:  # steps after the restored one (all, without a checkpoint) run again
         drop_after(run_dir, start.step)
     if start.step >= cfg.train.steps:
@@ -103,80 +143,158 @@ def train(cfg: Config, devices: list | None = None) -> Trainer:
         trainer, entry.eval_sums, lambda: loader.eval_iterator(cfg, rows, eval_source)
     )
     flops = entry.flops_per_example(cfg)
-
-    wandb = wandb_log.WandbRun(cfg, run_dir) if is_writer and cfg.log.wandb else None
-    writer = MetricsWriter(run_dir if is_writer else None, wandb)
     first = trainer.global_batch(first_local)
     trainer.compile(first)
-    # Only the XLA compile is saved by the persistent compilation cache; tracing is paid each start.
-    compile_times = {"trace_s": trainer.trace_time_s, "compile_s": trainer.compile_time_s}
-    log(f"compiled the train step: trace {trainer.trace_time_s:.1f} s, XLA compile {trainer.compile_time_s:.1f} s")
+    clock.add("trace", trainer.trace_time_s)
+    clock.add("compile", trainer.compile_time_s)
+    with clock.part("warm_up"):
+        checkpoints.warm_up(trainer.state)
+    log(clock.startup_line())
 
-    batch, last_time, last_step, data_wait = first, time.perf_counter(), start.step, 0.0
-    began = last_time
-    progress = console.StepProgress(start.step, cfg.train.steps, show=is_writer)
-    guard = NonFiniteGuard(cfg.train, lambda: checkpoints.last_saved, checkpoints.resumed_bad_steps_in_a_row)
-    checkpoints.bad_steps_in_a_row = lambda: guard.in_a_row
-    # The handlers stay through the last checkpoint's write: a signal then is recorded, not fatal.
-    with StopSignals() as stop:
-        try:
-            # guard.halting() is innermost: a halt must not reach the save after an error.
-            with (checkpoints.saving_on_error(trainer), StepProfiler(cfg.profile, run_dir) as profiler,
-                  guard.halting()):
-                for step in range(start.step + 1, cfg.train.steps + 1):
-                    profiler.before(step)
-                    metrics = trainer.step(batch)
-                    profiler.after(step, metrics)
-                    guard.record(step, metrics)
-                    progress.step(step)
-                    if step < cfg.train.steps:
-                        asked = time.perf_counter()
-                        local = next(batches)
-                        data_wait += time.perf_counter() - asked
-                        batch = trainer.global_batch(local)
-                    eval_due = evaluate is not None and (step % cfg.eval.every == 0 or step == cfg.train.steps)
-                    first_of_run = step == start.step + 1  # shows where the loss starts
-                    if first_of_run or step % cfg.log.every == 0 or step == cfg.train.steps or eval_due:
-                        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                        step_time = (time.perf_counter() - last_time) / (step - last_step)
-                        values["param_norm"] = float(trainer.param_norm())  # after the timing: its first call compiles
-                        examples_per_sec = cfg.train.global_batch / step_time
-                        values.update(step_time_s=step_time,
-                                      **throughput(examples_per_sec, cfg.model.tokens_per_example),
-                                      data_wait_s=data_wait / (step - last_step),
-                                      **device_metrics(flops, examples_per_sec, trainer.mesh))
-                        if eval_due:
-                            values.update(evaluate())
-                        if first_of_run:
-                            values.update(compile_times)
-                        writer.write(step, values)
-                        progress.logged(step, values)
-                        last_time, last_step, data_wait = time.perf_counter(), step, 0.0
-                    if checkpoints.due(step):
-                        guard.check()
-                    checkpoints.after_step(step, trainer.state)
-                    if reason := stop.requested(step):
-                        guard.check()
-                        checkpoints.stop(step, trainer.state, reason)
-                        return trainer
-                guard.check()
-        finally:
-            progress.close()
-            writer.close()
-            checkpoints.close()  # finishes the saves of finite steps
-    guard.raise_if_halted()
-    saved = checkpoints.last_saved
-    log(progress.summary(time.perf_counter() - began, "no checkpoint saved" if saved is None else
-                         f"last checkpoint: step {saved} in {checkpoints.directory}"))
+    wandb = wandb_log.WandbRun(cfg, run_dir) if is_writer and cfg.log.wandb else None
+    writer = MetricsWriter(run_dir if is_writer else None, wandb, resumed_at=start.step if start.step else None)
+    steps = _Steps(cfg, trainer, batches, first, evaluate, flops, writer, checkpoints, clock, start.step)
+    try:
+        steps.run()
+    finally:
+        writer.close()
+        if writer.stuck:
+            warn(f"the metrics of the last logged steps could not be written to {run_dir} in time (is its file "
+                 f"system stuck?)")
+    if steps.stopped:
+        return trainer
+    log(steps.progress.summary(steps.steady_values(), checkpoints.last_saved, checkpoints.directory))
+    log(clock.summary())
 
     if tokenizer is not None:
         write_sample(cfg, trainer, layout.batch_shards, tokenizer)
     return trainer
 
 
+class _Steps:
+    """The loop over the steps: step, check, log, evaluate, save; stops on a signal or a bad step."""
+
+    def __init__(self, cfg: Config, trainer: Trainer, batches, first, evaluate, flops: float, writer: MetricsWriter,
+                 checkpoints: RunCheckpoints, clock: RunTime, start: int):
+        self.cfg, self.trainer, self.batches, self.batch = cfg, trainer, batches, first
+        self.evaluate, self.flops, self.writer, self.checkpoints, self.clock = evaluate, flops, writer, checkpoints, clock
+        self.start = start
+        self.progress = console.StepProgress(start, cfg.train.steps, show=jax.process_index() == 0)
+        self.guard = NonFiniteGuard(cfg.train, checkpoints.resumed_bad_steps_in_a_row)
+        self.stopped = False
+        self._warned_input = False
+        self._last_time, self._last_step = time.perf_counter(), start
+        self._data_wait = self._saves = 0.0
+
+    def run(self) -> None:
+        cfg, checkpoints, guard = self.cfg, self.checkpoints, self.guard
+        # The handlers stay through the last checkpoint's write: a signal then is recorded, not fatal.
+        with StopSignals() as stop:
+            try:
+                # guard.halting() is innermost: a halt must not reach the save after an error.
+                with (checkpoints.saving_on_error(self.trainer, lambda: guard.in_a_row),
+                      StepProfiler(cfg.profile, Path(cfg.run_dir)) as profiler, guard.halting()):
+                    for step in range(self.start + 1, cfg.train.steps + 1):
+                        profiler.before(step)
+                        metrics = self.trainer.step(self.batch)
+                        profiler.after(step, metrics)
+                        if (sane := guard.record(step, metrics)) is not None:
+                            checkpoints.confirm(sane)
+                        self.progress.step(step)
+                        if step < cfg.train.steps:
+                            asked = time.perf_counter()
+                            local = next(self.batches)
+                            self._data_wait += time.perf_counter() - asked
+                            self.batch = self.trainer.global_batch(local)
+                        self._log(step, metrics)
+                        checkpoints.poll()
+                        self.writer.check()
+                        if checkpoints.due(step):
+                            guard.check()
+                            saving = time.perf_counter()
+                            checkpoints.after_step(step, self.trainer.state, guard.in_a_row)
+                            self._saves += self._spent("saves", saving)
+                        if reason := stop.requested(step):
+                            guard.check()
+                            with self.clock.part("saves"):
+                                checkpoints.stop(step, self.trainer.state, reason, guard.in_a_row)
+                            self.stopped = True
+                            return
+                    if (sane := guard.check()) is not None:
+                        checkpoints.confirm(sane)
+            finally:
+                self.progress.close()
+                with self.clock.part("saves"):
+                    # Finishes the saves of finite steps; after an interrupt, waits for nothing.
+                    checkpoints.close(wait=sys.exc_info()[0] is None or issubclass(sys.exc_info()[0], Exception))
+            if guard.halted is not None:
+                halted = guard.halted
+                raise NonFiniteError(f"{halted}; stopped without saving it; "
+                                     f"{checkpoints.diverged(halted.first_bad_step)}") from None
+
+    def _spent(self, part: str, since: float) -> float:
+        seconds = time.perf_counter() - since
+        self.clock.add(part, seconds)
+        return seconds
+
+    def _log(self, step: int, metrics: dict[str, Any]) -> None:
+        cfg = self.cfg
+        eval_due = self.evaluate is not None and (step % cfg.eval.every == 0 or step == cfg.train.steps)
+        first_of_run = step == self.start + 1  # shows where the loss starts
+        if not (first_of_run or step % cfg.log.every == 0 or step == cfg.train.steps or eval_due):
+            return
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        steps = step - self._last_step
+        # The steps' own time: saves (the loop's part of them) are counted apart; evaluation and
+        # logging come after the clock is read.
+        step_time = (time.perf_counter() - self._last_time - self._saves) / steps
+        self.clock.interval(steps, step_time, self._data_wait)
+        logging = time.perf_counter()
+        values["param_norm"] = float(self.trainer.param_norm())
+        examples_per_sec = cfg.train.global_batch / step_time
+        data_wait = self._data_wait / steps
+        values.update(step_time_s=step_time, **throughput(examples_per_sec, cfg.model.tokens_per_example),
+                      data_wait_s=data_wait, **device_metrics(self.flops, examples_per_sec, self.trainer.mesh))
+        if self._saves:
+            values["save_blocked_s"] = self._saves
+        if first_of_run:
+            values.update({f"startup_{name}_s": seconds for name, seconds in self.clock.parts.items()
+                           if name in STARTUP})
+        self._spent("logging", logging)
+        if eval_due:
+            evaluating = time.perf_counter()
+            values.update(self.evaluate())
+            values["eval_time_s"] = self._spent("eval", evaluating)
+        if (goodput := self.clock.goodput()) is not None:
+            values["goodput"] = goodput
+        self._warn_if_input_bound(step, steps, data_wait, step_time)
+        logging = time.perf_counter()
+        self.writer.write(step, values)
+        self.progress.logged(step, values)
+        self._spent("logging", logging)
+        self._last_time, self._last_step, self._data_wait, self._saves = time.perf_counter(), step, 0.0, 0.0
+
+    def _warn_if_input_bound(self, step: int, steps: int, data_wait: float, step_time: float) -> None:
+        if self._warned_input or steps < 2 or data_wait < INPUT_BOUND * step_time:
+            return
+        self._warned_input = True
+        warn(f"input is the bottleneck: up to step {step} the loop waited {data_wait * 1e3:.1f} ms of each "
+             f"{step_time * 1e3:.1f} ms step for data; raise data.workers (now {self.cfg.data.workers}), or read "
+             f"prepared data (jaxdist data prepare)")
+
+    def steady_values(self) -> dict[str, float]:
+        """The steady step time and its throughput and MFU (observe/goodput.py)."""
+        steady = self.clock.steady_step_s()
+        if steady is None:
+            return {}
+        examples_per_sec = self.cfg.train.global_batch / steady
+        return {"step_time_s": steady, **throughput(examples_per_sec, self.cfg.model.tokens_per_example),
+                **device_metrics(self.flops, examples_per_sec, self.trainer.mesh)}
+
+
 class NonFiniteGuard:
-    """Stops the run at a bad step (`precision.verdict`): at once under `train.on_nonfinite=halt`,
-    after more than `train.max_consecutive_skips` in a row under skip.
+    """Stops the run at a bad step (`precision.verdict`, and a loss spike: train/spikes.py): at once
+    under `train.on_nonfinite=halt`, after more than `train.max_consecutive_skips` in a row under skip.
 
     `record` reads each step's `nonfinite` flag one step late, after the next step is dispatched,
     so the host does not wait for the step it just queued; call `check` before saving a step, which
@@ -184,9 +302,8 @@ class NonFiniteGuard:
     not saved either: its step count would claim training the data did not.
     """
 
-    def __init__(self, cfg: TrainConfig, last_saved: Callable[[], int | None], in_a_row: int = 0):
+    def __init__(self, cfg: TrainConfig, in_a_row: int = 0):
         self._cfg = cfg
-        self._last_saved = last_saved
         self._pending: tuple[int, dict[str, Any]] | None = None
         self._in_a_row = in_a_row  # a resumed run's count goes on from its checkpoint's
         self.halted: NonFiniteError | None = None
@@ -196,35 +313,37 @@ class NonFiniteGuard:
         """Bad steps in a row up to the newest checked step (what a checkpoint of it saves)."""
         return self._in_a_row
 
-    def record(self, step: int, metrics: dict[str, Any]) -> None:
-        """Checks the step before this one, then holds on to this one's metrics."""
-        self.check()
+    def record(self, step: int, metrics: dict[str, Any]) -> int | None:
+        """Checks the step before this one, then holds on to this one's metrics. Returns the
+        checked step where it was sane (as `check`)."""
+        sane = self.check()
         self._pending = (step, metrics)
+        return sane
 
-    def check(self) -> None:
-        """Reads the newest recorded step's flag; raises `NonFiniteError` when the run must stop."""
+    def check(self) -> int | None:
+        """Reads the newest recorded step's flag: returns that step where it was sane (None where
+        it was bad but skipped, or there was none); raises `NonFiniteError` when the run must stop."""
         if self._pending is None:
-            return
+            return None
         step, metrics = self._pending
         self._pending = None
         if not int(metrics["nonfinite"]):
             self._in_a_row = 0
-            return
+            return step
         self._in_a_row += 1
         limit = self._cfg.max_consecutive_skips
         if self._cfg.on_nonfinite == "skip" and self._in_a_row <= limit:
-            return
+            return None
         why = "" if self._cfg.on_nonfinite == "halt" else (
             f" ({self._in_a_row} bad steps in a row, more than train.max_consecutive_skips={limit})")
-        last = self._last_saved()
-        kept = "there is no checkpoint" if last is None else f"the last checkpoint, step {last}, is intact"
-        raise NonFiniteError(f"step {step}: {_what_is_not_finite(metrics)}{why}; stopped without saving it; {kept}")
+        raise NonFiniteError(f"step {step}: {_what_is_bad(metrics, self._cfg)}{why}",
+                             first_bad_step=step - self._in_a_row + 1)
 
     @contextlib.contextmanager
     def halting(self) -> Iterator[None]:
-        """Leaves the block on a halt and keeps the error for `raise_if_halted`. Another error (a
-        corrupt batch, say) first checks the step not yet checked: if it was bad, the run halts
-        for it instead, so the save after an error never writes a state the guard would refuse."""
+        """Leaves the block on a halt and keeps the error in `halted`. Another error (a corrupt
+        batch, say) first checks the step not yet checked: if it was bad, the run halts for it
+        instead, so the save after an error never writes a state the guard would refuse."""
         try:
             yield
         except NonFiniteError as err:
@@ -237,15 +356,22 @@ class NonFiniteGuard:
                 return
             raise
 
-    def raise_if_halted(self) -> None:
-        if self.halted is not None:
-            raise self.halted
+
+def _warn_if_warmup_outlasts_the_run(cfg: Config) -> None:
+    warmup, steps = cfg.optim.warmup_steps, cfg.train.steps
+    if warmup >= steps:
+        decay = "" if cfg.optim.schedule == "constant" else f" and optim.schedule={cfg.optim.schedule} never decays"
+        warn(f"optim.warmup_steps={warmup} is not shorter than train.steps={steps}: the learning rate only ramps "
+             f"up, to {steps / warmup:.0%} of optim.lr at the last step{decay}; lower optim.warmup_steps")
 
 
-def _what_is_not_finite(metrics: dict[str, Any]) -> str:
+def _what_is_bad(metrics: dict[str, Any], cfg: TrainConfig) -> str:
     values = {k: float(v) for k, v in jax.device_get(metrics).items()}
     if not math.isfinite(values["loss"]):
         return f"the loss is {values['loss']}"
+    if values.get("loss_spike"):
+        return (f"the loss {values['loss']:.4g} is {values['loss'] / values['loss_average']:.3g} times its running "
+                f"average {values['loss_average']:.4g} (more than train.loss_spike={cfg.loss_spike:g}: diverging)")
     at_scale = f" at loss scale {values['loss_scale']:g}" if "loss_scale" in values else ""
     return f"the gradient norm is {values['grad_norm']}{at_scale} (loss {values['loss']:.4g})"
 

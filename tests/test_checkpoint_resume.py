@@ -149,11 +149,11 @@ def test_a_sigterm_while_the_last_checkpoint_is_written_keeps_it(tmp_path, monke
     handler_before = signal.getsignal(signal.SIGTERM)
     close = loop.RunCheckpoints.close
 
-    def sigterm_then_close(self):
+    def sigterm_then_close(self, wait=True):
         # A real signal as the last save is being finished; never without the loop's handler in place.
         assert signal.getsignal(signal.SIGTERM) is not handler_before, "no handler while the last save is written"
         os.kill(os.getpid(), signal.SIGTERM)
-        close(self)
+        close(self, wait)
 
     monkeypatch.setattr(loop.RunCheckpoints, "close", sigterm_then_close)
     loop.train(make_config(tmp_path, **ONE_DEVICE, train={"steps": 3}, checkpoint={"every": 3}),

@@ -9,6 +9,7 @@ import pytest
 from conftest import make_classifier_config, make_config
 from data_helpers import prepared, random_documents, window_ids
 
+from jaxdist.config import TrainConfig
 from jaxdist.data import loader, pipeline, prepare, sources
 from jaxdist.data.tokenizer import ByteTokenizer
 from jaxdist.errors import UserError
@@ -202,12 +203,35 @@ def test_in_memory_arrays_split_rows_between_train_and_eval(tmp_path):
 
 def test_epochs_decide_the_number_of_steps(tmp_path, dataset):
     cfg = data_config(tmp_path, dataset[0], data={"epochs": 3})
+    cfg = cfg.model_copy(update={"train": TrainConfig(global_batch=GLOBAL_BATCH)})  # train.steps left out
     n = len(loader.open_split(cfg, "train"))
     assert loader.resolve_steps(cfg, n).train.steps == 3 * n // GLOBAL_BATCH
     # Resumed after 10 steps at half this batch: the run still ends after 3 passes of examples.
     resumed = loader.resolve_steps(cfg, n, start_step=10, start_example=10 * GLOBAL_BATCH // 2)
     assert resumed.train.steps == 10 + (3 * n - 10 * GLOBAL_BATCH // 2) // GLOBAL_BATCH
     assert loader.resolve_steps(cfg, n, start_step=50, start_example=3 * n + 5).train.steps == 50
+
+
+def with_steps(cfg, steps: int):
+    """`cfg` with train.steps given by the user (as a file or an override would)."""
+    return cfg.model_copy(update={"train": TrainConfig(global_batch=GLOBAL_BATCH, steps=steps)})
+
+
+def test_train_steps_given_with_epochs_end_the_run_at_the_earlier_and_a_line_says_so(tmp_path, dataset):
+    cfg = with_steps(data_config(tmp_path, dataset[0], data={"epochs": 1}), 3)
+    n = len(loader.open_split(cfg, "train"))
+    epoch_steps = n // GLOBAL_BATCH
+    assert epoch_steps > 3
+    said = []
+    assert loader.resolve_steps(cfg, n, log=said.append).train.steps == 3
+    assert said == [f"data.epochs=1 ends the run at step {epoch_steps} and train.steps=3 at step 3: the run ends at "
+                    f"the earlier, where train.steps says (data.epochs is not reached)"]
+    longer = with_steps(cfg, epoch_steps + 5)
+    said.clear()
+    assert loader.resolve_steps(longer, n, log=said.append).train.steps == epoch_steps
+    assert said == [f"data.epochs=1 ends the run at step {epoch_steps} and train.steps={epoch_steps + 5} at step "
+                    f"{epoch_steps + 5}: the run ends at the earlier, where data.epochs says (train.steps is not "
+                    f"reached)"]
 
 
 def test_worker_processes_yield_the_same_batches(dataset, tmp_path):

@@ -126,14 +126,19 @@ def test_skipped_step_leaves_params_and_optimizer_state_bitwise_unchanged():
 def test_halt_exits_3_with_one_line_and_keeps_the_last_finite_checkpoint(tmp_path, capsys, every):
     code, err, cfg = _train_cli(tmp_path, capsys, checkpoint={"every": every})
     assert code == 3
+    # Checkpoint 2 holds the huge weights that step 3 started from: set aside, never resumed from.
+    checkpoints = tmp_path / "run" / "checkpoints"
+    kept = "the last sane checkpoint, step 1, is intact" if every == 1 else "there is no sane checkpoint"
     assert re.fullmatch(
-        rf"jaxdist: error: step {BAD_STEP}: the loss is (nan|inf); stopped without saving it; "
-        rf"the last checkpoint, step 2, is intact\n", err), err
+        rf"jaxdist: error: step {BAD_STEP}: the loss is (nan|inf); stopped without saving it; {kept}; the "
+        rf"checkpoints of the diverging steps were moved to diverged-2 in {checkpoints} \(rename one back to "
+        rf"resume from it\)\n", err), err
     records = _strict_records(tmp_path / "run")  # a NaN loss is written as null
     assert [r["step"] for r in records if r["nonfinite"]] == [BAD_STEP]
     assert records[-1]["step"] == BAD_STEP and records[-1]["loss"] is None
-    saved = _saved(cfg, [1, 2] if every == 1 else [2])  # nothing at or after the bad step
+    saved = _saved(cfg, [1] if every == 1 else [])  # nothing at or after the bad step
     assert all(_all_finite(state) for state in saved.values())
+    assert (checkpoints / "diverged-2" / "state").is_dir()
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # 1e39 as float32, on purpose
@@ -146,7 +151,7 @@ def test_an_update_that_overflows_from_finite_gradients_is_never_saved(tmp_path,
     assert cli.main(["train", str(config_file)]) == 3
     assert capsys.readouterr().err == (
         "jaxdist: error: step 1: the parameters are not finite, though no step's loss or gradients were "
-        "(an update overflowed: is optim.lr too large?); stopped without saving it; there is no checkpoint\n")
+        "(an update overflowed: is optim.lr too large?); stopped without saving it; there is no sane checkpoint\n")
     with Checkpoints(tmp_path / "run" / "checkpoints") as store:
         assert store.steps() == []
     records = _strict_records(tmp_path / "run")
@@ -158,15 +163,21 @@ def test_skip_goes_on_then_halts_after_max_consecutive_skips(tmp_path, capsys):
                                 train={"steps": 8, "on_nonfinite": "skip", "max_consecutive_skips": 2})
     last = BAD_STEP + 2  # the third bad step in a row
     assert code == 3
+    # The bad steps began at 3: checkpoints 2 (step 3 started from it) to 4 hold the diverging run.
     assert re.fullmatch(
         rf"jaxdist: error: step {last}: the loss is (nan|inf) \(3 bad steps in a row, more than "
-        rf"train.max_consecutive_skips=2\); stopped without saving it; the last checkpoint, step {last - 1}, "
-        rf"is intact\n", err), err
+        rf"train.max_consecutive_skips=2\); stopped without saving it; the last sane checkpoint, step 1, is "
+        rf"intact; the checkpoints of the diverging steps were moved to diverged-2, diverged-3, diverged-4 in "
+        rf"{tmp_path / 'run' / 'checkpoints'} \(rename one back to resume from it\)\n", err), err
     records = _strict_records(tmp_path / "run")
     assert [(r["step"], r["nonfinite"], r["skipped_steps"]) for r in records] == [
         (1, 0, 0), (2, 0, 0), (3, 1, 1), (4, 1, 2), (5, 1, 3)]
-    saved = _saved(cfg, [1, 2, 3, 4])
+    _saved(cfg, [1])
     for step in (3, 4):  # the skipped steps saved the state of step 2, counted
+        (tmp_path / "run" / "checkpoints" / f"diverged-{step}").rename(tmp_path / "run" / "checkpoints" / str(step))
+    (tmp_path / "run" / "checkpoints" / "diverged-2").rename(tmp_path / "run" / "checkpoints" / "2")
+    saved = _saved(cfg, [1, 2, 3, 4])
+    for step in (3, 4):
         jax.tree.map(np.testing.assert_array_equal, (saved[step].params, saved[step].opt_state),
                      (saved[2].params, saved[2].opt_state))
         assert int(saved[step].skipped_steps) == step - 2
@@ -187,8 +198,9 @@ def test_a_resumed_run_counts_the_bad_steps_in_a_row_from_its_checkpoint(tmp_pat
     captured = capsys.readouterr()
     assert re.fullmatch(
         r"jaxdist: error: step 5: the loss is (nan|inf) \(3 bad steps in a row, more than "
-        r"train.max_consecutive_skips=2\); stopped without saving it; the last checkpoint, step 4, is intact\n",
-        captured.err)
+        r"train.max_consecutive_skips=2\); stopped without saving it; the last sane checkpoint, step 1, is intact; "
+        r"the checkpoints of the diverging steps were moved to diverged-2, diverged-3, diverged-4 in .*\n",
+        captured.err), captured.err
     # The schedule is a function of train.steps: the resume line says that it changed.
     assert ("config changed: train.steps=4->8; optim.schedule=linear now decays over train.steps=8, not 4, so "
             "the learning rate changes where the run resumes") in captured.out
@@ -227,20 +239,19 @@ def test_an_error_right_after_a_bad_step_halts_for_the_step_and_saves_nothing():
     from jaxdist.errors import NonFiniteError
     from jaxdist.loop import NonFiniteGuard
 
-    guard = NonFiniteGuard(TrainConfig(on_nonfinite="halt"), lambda: 2)
+    guard = NonFiniteGuard(TrainConfig(on_nonfinite="halt"))
     saved = []
-    with pytest.raises(NonFiniteError, match="step 3: the loss is nan; stopped without saving it; the last "
-                                             "checkpoint, step 2, is intact"):
-        try:
-            with guard.halting():
-                guard.record(3, {"nonfinite": 1, "loss": float("nan"), "grad_norm": float("nan")})
-                raise RuntimeError("corrupt record")
-        except RuntimeError:
-            saved.append("the save after an error ran")
-        guard.raise_if_halted()
+    try:
+        with guard.halting():
+            guard.record(3, {"nonfinite": 1, "loss": float("nan"), "grad_norm": float("nan")})
+            raise RuntimeError("corrupt record")
+    except RuntimeError:
+        saved.append("the save after an error ran")
     assert saved == []
+    assert isinstance(guard.halted, NonFiniteError) and str(guard.halted) == "step 3: the loss is nan"
+    assert guard.halted.first_bad_step == 3
     # Without a bad step the other error goes on as it was.
-    ok = NonFiniteGuard(TrainConfig(on_nonfinite="halt"), lambda: 2)
+    ok = NonFiniteGuard(TrainConfig(on_nonfinite="halt"))
     with pytest.raises(RuntimeError, match="corrupt record"), ok.halting():
         ok.record(3, {"nonfinite": 0, "loss": 1.0, "grad_norm": 1.0})
         raise RuntimeError("corrupt record")

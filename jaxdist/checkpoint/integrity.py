@@ -35,11 +35,25 @@ def array_digests(arrays: dict[str, Any]) -> dict[str, list[int]]:
     Collective: with several processes, every process must call it with its part of the same
     global arrays. Typed PRNG keys are digested as their key data.
     """
-    if not arrays:
-        return {}
-    sums = _digest_all(list(arrays.values()))
-    # Replicated on every device: this process's first copy is the whole answer.
-    return dict(zip(arrays, np.asarray(sums.addressable_data(0)).tolist()))
+    return start_digests(arrays).result()
+
+
+class PendingDigests:
+    """Digests being computed on the devices; `result` waits for them (from any thread)."""
+
+    def __init__(self, names: list[str], sums: jax.Array | None):
+        self._names, self._sums = names, sums
+
+    def result(self) -> dict[str, list[int]]:
+        if self._sums is None:
+            return {}
+        # Replicated on every device: this process's first copy is the whole answer.
+        return dict(zip(self._names, np.asarray(self._sums.addressable_data(0)).tolist()))
+
+
+def start_digests(arrays: dict[str, Any]) -> PendingDigests:
+    """Dispatches `array_digests` without waiting for it (collective, like it)."""
+    return PendingDigests(list(arrays), _digest_all(list(arrays.values())) if arrays else None)
 
 
 @jax.jit

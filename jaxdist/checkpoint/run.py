@@ -24,6 +24,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxdist import models
 from jaxdist.checkpoint.integrity import is_damage
 from jaxdist.checkpoint.store import (
+    DIVERGED_PREFIX,
+    SUPERSEDED_PREFIX,
     UNREADABLE_PREFIX,
     CheckpointMismatch,
     Checkpoints,
@@ -103,6 +105,12 @@ class RunCheckpoints:
     this model; `resume` restores it into the trainer's shardings. Saves: every `checkpoint.every`
     steps and at the last step, at a preemption, and (one process) after an error if the state is
     intact. `checkpoint.every=0` turns saving off; existing checkpoints are still resumed from.
+
+    Rotation waits for the step after a checkpoint: checkpoint s is confirmed once step s + 1,
+    which starts from its parameters, was judged sane (`confirm`); only confirmed checkpoints beyond
+    the newest `checkpoint.keep` (and not at a multiple of `checkpoint.keep_every`) are deleted. So a
+    run that diverges never rotates out its sane checkpoints for diverged ones, and `diverged` sets
+    aside those of the diverging steps.
     """
 
     def __init__(self, cfg: Config, log: Callable[[str], None]):
@@ -111,24 +119,31 @@ class RunCheckpoints:
         self.enabled = cfg.checkpoint.every > 0
         self.directory = Path(cfg.run_dir) / "checkpoints"
         self.start = DataPosition()
-        # The guard's count of bad steps in a row: read at each save, restored by `resume`.
-        self.bad_steps_in_a_row: Callable[[], int] = lambda: 0
+        # The guard's count of bad steps in a row where the restored checkpoint was saved.
         self.resumed_bad_steps_in_a_row = 0
         self._planned: int | None = None
+        self._newer_than_planned: list[int] = []  # set aside at `resume`: a resume from an older step
         self._store: Checkpoints | None = None
         self._mesh: Mesh | None = None
+        self._unconfirmed: list[int] = []  # checkpoints whose next step is not judged yet
 
     def prepare(self) -> DataPosition:
-        """Picks the newest checkpoint whose metadata reads back and checks that its params fit
-        this model. Reads metadata and abstract shapes only: creates nothing, compiles nothing.
-        Returns its data position (step 0 without checkpoints)."""
+        """Picks the checkpoint to resume from (`checkpoint.resume_step`, else the newest whose
+        metadata reads back) and checks that its params fit this model. Reads metadata and abstract
+        shapes only: creates nothing, compiles nothing. Returns its data position (step 0 without
+        checkpoints)."""
         if self.directory.exists() and not self.directory.is_dir():
             raise UserError(f"run_dir={self.cfg.run_dir}: {self.directory} is a file, where the checkpoints go; "
                             f"move it away or use another run_dir")
+        wanted = self.cfg.checkpoint.resume_step
         if not self.directory.is_dir():
+            if wanted is not None:
+                raise UserError(f"checkpoint.resume_step={wanted}: {self.directory} holds no checkpoints; drop "
+                                f"checkpoint.resume_step to start from scratch")
             return self.start
         with Checkpoints(self.directory, create=False) as store:
-            for step in reversed(store.steps()):
+            candidates = self._candidates(store, wanted)
+            for step in reversed(candidates):
                 try:
                     saved, meta = store.saved_shapes(step), store.meta(step)
                 except Exception as err:
@@ -141,8 +156,29 @@ class RunCheckpoints:
                     with self._explaining_mismatch(store):
                         store.check_fits(step, params, part="params")
                 self._planned = step
+                self._newer_than_planned = [newer for newer in store.steps() if newer > step] if wanted else []
                 return _position(step, meta)
+        if wanted is not None:
+            raise UserError(f"checkpoint.resume_step={wanted}: that checkpoint is unreadable (set aside); pick "
+                            f"another step, or drop checkpoint.resume_step")
         return self.start
+
+    def _candidates(self, store: Checkpoints, wanted: int | None) -> list[int]:
+        """The steps to try, oldest first: all, or just `wanted`, unless a run that resumed from
+        `wanted` has saved newer ones since (a requeued command goes on from those)."""
+        steps = store.steps()
+        if wanted is None:
+            return steps
+        if wanted not in steps:
+            listed = ", ".join(map(str, steps)) or "none"
+            raise UserError(f"checkpoint.resume_step={wanted}: there is no checkpoint of step {wanted} in "
+                            f"{self.directory} (complete checkpoints: {listed}); pick one of those")
+        newest = steps[-1]
+        if newest > wanted and store.meta(newest)["config"]["checkpoint"].get("resume_step") == wanted:
+            self.log(f"checkpoint.resume_step={wanted} was taken by an earlier start: going on from its newest "
+                     f"checkpoint, step {newest}")
+            return steps
+        return [wanted]
 
     def resume(self, trainer) -> DataPosition:
         """Restores the prepared checkpoint (or, if its arrays fail to read, the newest one before
@@ -151,14 +187,21 @@ class RunCheckpoints:
         self._mesh = trainer.mesh
         if self._planned is None and not self.enabled:
             return self.start  # nothing to read and nothing to write: no checkpoints/ is made
-        self._store = Checkpoints(self.directory, self.cfg.checkpoint.keep)
+        # Rotation is this policy's (`confirm`), not Orbax's: a checkpoint is kept until confirmed.
+        self._store = Checkpoints(self.directory, keep=None, write_timeout=self.cfg.checkpoint.write_timeout)
         if self._planned is None:
             return self.start
-        target = abstract_state(trainer.state)
+        for newer in self._newer_than_planned:
+            aside = self._store.set_aside(newer, reason=f"checkpoint.resume_step={self._planned} resumes before it",
+                                          prefix=SUPERSEDED_PREFIX)
+            self.log(f"moved checkpoint {newer} to {aside} (newer than checkpoint.resume_step={self._planned})")
+        target, complete = self._restore_target(trainer.state)
         # Free the freshly initialized state first (once its init has run), so the state is never
-        # held twice.
+        # held twice; what the checkpoint lacks is kept, to start fresh.
+        kept = complete.fresh_leaves(trainer.state)
         for leaf in jax.tree.leaves(jax.block_until_ready(trainer.state)):
-            leaf.delete()
+            if not any(leaf is fresh for fresh in kept):
+                leaf.delete()
         with self._explaining_mismatch(self._store):
             restored = self._store.restore_latest(target, newest=self._planned)
         if restored is None:
@@ -167,12 +210,24 @@ class RunCheckpoints:
                 f"run_dir={self.cfg.run_dir}: no checkpoint in {self.directory} could be read (they were "
                 f"renamed {UNREADABLE_PREFIX}<step>); fix them, or start over with another run_dir"
             )
-        trainer.state = restored.state
+        trainer.state = complete.state(restored.state, trainer.state)
         self.start = _position(restored.step, restored.meta)
+        self._unconfirmed = [restored.step]
         # Checkpoints written before the count was saved hold none: their runs start from 0.
         self.resumed_bad_steps_in_a_row = int(restored.meta.get("bad_steps_in_a_row", 0))
-        self.log(self._resume_line(restored))
+        self.log(self._resume_line(restored, complete.note))
         return self.start
+
+    def _restore_target(self, state: Any) -> tuple[Any, _Completion]:
+        """The abstract state to read the planned checkpoint into, and how to complete what was
+        read: checkpoints saved before the train state had loss statistics lack them (they start
+        fresh)."""
+        target = abstract_state(state)
+        saved = self._store.saved_shapes(self._planned)
+        if state.loss_stats is not None and not any(name.startswith("loss_stats.") for name in saved):
+            return target.replace(loss_stats=None), _Completion(
+                "loss_stats", "the loss statistics of the loss-spike guard start fresh (the checkpoint has none)")
+        return target, _Completion()
 
     @contextlib.contextmanager
     def _explaining_mismatch(self, store: Checkpoints) -> Iterator[None]:
@@ -186,7 +241,7 @@ class RunCheckpoints:
                 f"{err} ({hint}); resume with the config it was saved with, or use another run_dir", err.step
             ) from None
 
-    def _resume_line(self, restored: Restored) -> str:
+    def _resume_line(self, restored: Restored, note: str | None) -> str:
         meta = restored.meta
         saved_on = " x ".join(f"{axis}={size}" for axis, size in meta["mesh"].items())
         line = (f"resuming from step {restored.step} (checkpoint {restored.path}, saved on mesh {saved_on} "
@@ -198,88 +253,152 @@ class RunCheckpoints:
             # The schedule is a function of train.steps: resumed, it is the new length's at this step.
             line += (f"; optim.schedule={self.cfg.optim.schedule} now decays over train.steps="
                      f"{self.cfg.train.steps}, not {saved_steps}, so the learning rate changes where the run resumes")
-        return line
+        return line + (f"; {note}" if note else "")
+
+    def warm_up(self, state: Any) -> None:
+        """Compiles what a save runs on the devices, so that the first save costs no more than the others."""
+        if self.enabled:
+            _all_finite(state.params, NamedSharding(self._mesh, PartitionSpec())).block_until_ready()
+            self._store.warm_up(state)
 
     def position(self, step: int) -> DataPosition:
         """The data position after `step` steps (global examples consumed so far)."""
         return self.start.advanced(step - self.start.step, self.cfg.train.global_batch)
 
-    def save(self, step: int, state: Any) -> None:
+    def save(self, step: int, state: Any, bad_steps_in_a_row: int = 0) -> None:
         """Starts writing `step`; raises `NonFiniteError` instead if the parameters are not finite.
 
         The step's own check reads only the loss and gradient norm: from finite gradients an
         update can still overflow (a learning rate far too large), and that must never be saved.
+        `bad_steps_in_a_row`: the non-finite steps that end at this one (saved in its meta).
         """
         if not bool(_all_finite(state.params, NamedSharding(self._mesh, PartitionSpec()))):
-            last = self._store.last_saved
-            kept = "there is no checkpoint" if last is None else f"the last checkpoint, step {last}, is intact"
             raise NonFiniteError(
                 f"step {step}: the parameters are not finite, though no step's loss or gradients were (an "
-                f"update overflowed: is optim.lr too large?); stopped without saving it; {kept}")
-        meta = run_meta(self.cfg, self._mesh, self.position(step), self.bad_steps_in_a_row())
-        self._store.save(step, state, meta)
+                f"update overflowed: is optim.lr too large?)")
+        self._finish_write()
+        self._store.save(step, state, run_meta(self.cfg, self._mesh, self.position(step), bad_steps_in_a_row))
+        self._unconfirmed.append(step)
 
     def due(self, step: int) -> bool:
         """Whether `after_step` saves `step` (every `checkpoint.every` steps, and the last)."""
         return self.enabled and (step % self.cfg.checkpoint.every == 0 or step == self.cfg.train.steps)
 
-    def after_step(self, step: int, state: Any) -> None:
+    def after_step(self, step: int, state: Any, bad_steps_in_a_row: int = 0) -> None:
         """Starts an async save if `step` is due."""
         if self.due(step):
-            self.save(step, state)
-            self.log(f"saved checkpoint step {step} in {self._store.path(step)}")
+            self.save(step, state, bad_steps_in_a_row)
+
+    def poll(self) -> None:
+        """Says which save completed since the last call; raises if one failed (a full disk)."""
+        if self._store is not None and (step := self._store.poll()) is not None:
+            self._saved(step)
+
+    def _finish_write(self) -> None:
+        """Waits for the write in progress (at most `checkpoint.write_timeout`) and says it is done."""
+        if self._store is not None and (step := self._store.writing) is not None:
+            self._store.wait_for_write()
+            self._saved(step)
+
+    def _saved(self, step: int) -> None:
+        self.log(f"saved checkpoint step {step} in {self._store.path(step)}")
+
+    def confirm(self, step: int) -> None:
+        """Step `step` was judged sane: the checkpoints before it are confirmed, and rotated."""
+        confirmed = [saved for saved in self._unconfirmed if saved < step]
+        if not confirmed:
+            return
+        self._unconfirmed = [saved for saved in self._unconfirmed if saved >= step]
+        self._store.prune(self.cfg.checkpoint.keep, self.cfg.checkpoint.keep_every, through=confirmed[-1])
+
+    def diverged(self, first_bad_step: int | None) -> str:
+        """Sets aside the checkpoints of a diverging run (from the step before `first_bad_step` on:
+        their next steps were bad) and says which checkpoint is the last sane one."""
+        if self._store is None:
+            return "there is no checkpoint"
+        self._finish_write()
+        moved = []
+        if first_bad_step is not None:
+            for step in self._store.steps():
+                if step >= first_bad_step - 1:
+                    moved.append(self._store.set_aside(step, reason=f"step {first_bad_step} after it was bad",
+                                                       prefix=DIVERGED_PREFIX))
+        last = self._store.last_saved
+        kept = "there is no sane checkpoint" if last is None else f"the last sane checkpoint, step {last}, is intact"
+        if moved:
+            names = ", ".join(path.name for path in moved)
+            kept = (f"{kept}; the checkpoints of the diverging steps were moved to {names} in {self.directory} "
+                    f"(rename one back to resume from it)")
+        return kept
 
     @property
     def last_saved(self) -> int | None:
-        """The newest checkpoint's step (saved by this run or before it), None without one."""
+        """The newest complete checkpoint's step (saved by this run or before it), None without one."""
         return None if self._store is None else self._store.last_saved
 
-    def stop(self, step: int, state: Any, reason: str) -> None:
+    def stop(self, step: int, state: Any, reason: str, bad_steps_in_a_row: int = 0) -> None:
         """Saves `step` (unless saving is off), waits for the write, and says how to resume."""
         if not self.enabled:
             self.log(f"stopped by {reason} after step {step}; nothing saved (checkpoint.every=0), "
                      f"so a rerun starts from scratch")
             return
-        self.save(step, state)
-        self._store.wait()
+        self.save(step, state, bad_steps_in_a_row)
+        self._finish_write()
         self.log(f"stopped by {reason} after step {step}; checkpoint saved in {self._store.path(step)}; "
                  f"run the same `jaxdist train` command (run_dir={self.cfg.run_dir}) to resume from step {step}")
 
     @contextlib.contextmanager
-    def saving_on_error(self, trainer) -> Iterator[None]:
+    def saving_on_error(self, trainer, bad_steps_in_a_row: Callable[[], int]) -> Iterator[None]:
         """On an exception: save the state if it is intact (not donated to a failed step), then re-raise.
 
         Only with one process: after an error on some processes, a collective save could hang.
         """
         try:
             yield
-        except CheckpointWriteError:
-            raise  # saving again would fail the same way
+        except (CheckpointWriteError, NonFiniteError):
+            raise  # saving again would fail the same way, or save what must not be saved
         except Exception:
             if self.enabled and jax.process_count() == 1:
-                self._save_last_good(trainer.state)
+                self._save_last_good(trainer.state, bad_steps_in_a_row())
             raise
 
-    def _save_last_good(self, state: Any) -> None:
+    def _save_last_good(self, state: Any, bad_steps_in_a_row: int) -> None:
         if not is_intact(state):
             self.log(f"the train state was lost in the failed step; last checkpoint: step {self._store.last_saved}")
             return
         step = int(jax.device_get(state.step))
-        if step == self._store.last_saved:
-            self.log(f"error after step {step}, whose checkpoint is saved in {self._store.path(step)}")
-            return
         try:
-            self.save(step, state)
-            self._store.wait()
+            self._finish_write()
+            if step == self._store.last_saved:
+                self.log(f"error after step {step}, whose checkpoint is saved in {self._store.path(step)}")
+                return
+            self.save(step, state, bad_steps_in_a_row)
+            self._store.wait_for_write()
         except Exception as err:  # noqa: BLE001  (the original error is the one to raise)
             warn(f"could not save the last good state at step {step}: {first_line(err)}")
             return
         self.log(f"error after step {step}: saved the last good state in {self._store.path(step)}")
 
-    def close(self) -> None:
-        """Waits for pending writes."""
-        if self._store is not None:
-            self._store.close()
+    def close(self, wait: bool = True) -> None:
+        """Waits for pending writes (`wait` False: leaves them, after an interrupt)."""
+        if self._store is None:
+            return
+        if wait:
+            self._finish_write()
+        self._store.close(wait)
+
+
+class _Completion:
+    """What a restore from an older checkpoint layout lacks, started fresh from the new state."""
+
+    def __init__(self, field: str | None = None, note: str | None = None):
+        self._field, self.note = field, note
+
+    def fresh_leaves(self, state: Any) -> list[Any]:
+        return [] if self._field is None else jax.tree.leaves(getattr(state, self._field))
+
+    def state(self, restored: Any, fresh: Any) -> Any:
+        return restored if self._field is None else restored.replace(**{self._field: getattr(fresh, self._field)})
 
 
 @functools.partial(jax.jit, static_argnums=1)

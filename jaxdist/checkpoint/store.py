@@ -12,33 +12,42 @@
   devices before the write (see `jaxdist.checkpoint.integrity`). A restore computes them again
   over what it read, in the target layout, and a checkpoint that differs is damaged.
 
-`save` returns once the arrays are copied off the devices; the write goes on while the next steps
-run. Orbax writes each step into a temporary directory and renames it when every process is done,
-so a checkpoint killed mid-write is never listed (and is removed at the next start). Restoring
-builds abstract targets with the *current* shardings, so a checkpoint restores under any mesh and
-process count that the model fits: every process reads just the pieces its devices need.
+`save` returns once the copy of the arrays off the devices is under way (`HOST_COPIES` says how, by
+platform); a background thread finishes the copy, writes the files and commits them while the next
+steps run, and `poll` reports each save once it is complete. Orbax writes each step into a
+temporary directory and renames it when every process is done, so a checkpoint killed mid-write is
+never listed (and is removed at the next start). Restoring builds abstract targets with the
+*current* shardings, so a checkpoint restores under any mesh and process count that the model fits:
+every process reads just the pieces its devices need.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
 import itertools
 import math
-from collections.abc import Iterator
+import queue
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxdist.checkpoint.integrity import DamagedCheckpoint, agree, array_digests, differences, is_damage
+from jaxdist.checkpoint.integrity import (DamagedCheckpoint, PendingDigests, agree, array_digests, differences,
+                                          is_damage, start_digests)
 from jaxdist.errors import UserError, warn
 
 STATE, META, DIGESTS = "state", "meta", "digests"
-UNREADABLE_PREFIX = "unreadable-"
+# Where checkpoints that are not to be resumed from are moved, by why: damaged files, the state of a
+# diverging run (its next step was bad), newer than the step a run was told to resume from.
+UNREADABLE_PREFIX, DIVERGED_PREFIX, SUPERSEDED_PREFIX = "unreadable-", "diverged-", "superseded-"
 _MIN_CHUNK_BYTES = 2**20
 # How TensorStore's errors begin (its status codes); others are not about the files.
 _TENSORSTORE_CODES = ("RESOURCE_EXHAUSTED", "DATA_LOSS", "NOT_FOUND", "OUT_OF_RANGE", "FAILED_PRECONDITION",
@@ -126,7 +135,7 @@ def first_mismatch(saved: dict[str, tuple], wanted: dict[str, tuple]) -> str | N
 
 
 def _type_handlers() -> ocp.type_handlers.TypeHandlerRegistry:
-    """Orbax's standard leaf handlers, tuned for saving often (see `_state_to_write`).
+    """Orbax's standard leaf handlers, tuned for saving often (see `_Snapshot`).
 
     - jax.Array, written shard by shard as held: Orbax's default on CPU ("replica-parallel":
       replicated shards split among their replicas) compiles a slice program per shard shape at
@@ -134,7 +143,7 @@ def _type_handlers() -> ocp.type_handlers.TypeHandlerRegistry:
       already turns it off. No `_sharding` file: restores always pass the target shardings, and
       writing it costs a TensorStore open per array (docs/checkpoints.md, "Cost").
     - numpy arrays, not copied again: every one handed to Orbax is a fresh host copy made by
-      `_state_to_write` (Orbax's own copy was most of what a save blocked).
+      `_Snapshot` (Orbax's own copy was most of what a save blocked).
     """
     scalar = ocp.type_handlers.ScalarHandler()
     return ocp.type_handlers.create_type_handler_registry(
@@ -151,31 +160,113 @@ def _numpy_handler() -> ocp.type_handlers.NumpyHandler:
         return ocp.type_handlers.NumpyHandler()
 
 
-def _state_to_write(state: Any) -> ocp.args.PyTreeSave:
-    """What Orbax is given to write `state`; numpy leaves are copied (the caller may change them).
+# How a save copies the state off the devices before the next step may overwrite it (the step
+# donates its input state):
+# - numpy: one batched `jax.device_get` into numpy arrays, before `save` returns (one process
+#   only). On a CPU there is no transfer to hide, and whole host arrays are the cheapest to write
+#   (Orbax writes a jax.Array shard by shard, with Python bookkeeping for each: 231 device shards
+#   for the tiny GPT on 8 devices took twice the CPU, and on a CPU-bound step that is step time).
+# - pinned: a `device_put` into pinned host memory, dispatched like a computation: `save` returns at
+#   once, the device copies at full PCIe speed, and the next step waits only for the copy of the
+#   buffers it overwrites.
+# - device: a copy on the device (HBM bandwidth), then the transfer to host from the background
+#   thread while the next steps run; costs the state's bytes of device memory until then.
+HostCopy = Literal["numpy", "pinned", "device"]
+HOST_COPIES: tuple[HostCopy, ...] = ("numpy", "pinned", "device")
 
-    With one process, every jax.Array is copied to host memory by one batched `jax.device_get`
-    and written whole, as a numpy array. Orbax writes a jax.Array shard by shard, with Python
-    bookkeeping for each one (231 device shards for the tiny GPT on 8 devices): that took twice
-    the CPU, and on a CPU-bound step the save's CPU is step time. The files hold the same arrays,
-    so the checkpoint restores onto any mesh and process count alike. With several processes,
-    each process holds only some shards and writes those. PRNG key arrays stay jax.Arrays (Orbax
-    stores their key data and implementation).
-    """
-    leaves, treedef = jax.tree.flatten(state)
-    save_args = [ocp.SaveArgs() for _ in leaves]
-    one_process = jax.process_count() == 1
-    whole = []
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, np.ndarray):
-            leaves[i] = leaf.copy()
-        elif (one_process and isinstance(leaf, jax.Array)
-              and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended)):
-            save_args[i] = _chunked(leaf)
-            whole.append(i)
-    for i, host in zip(whole, jax.device_get([leaves[i] for i in whole])):
-        leaves[i] = host
-    return ocp.args.PyTreeSave(jax.tree.unflatten(treedef, leaves), save_args=jax.tree.unflatten(treedef, save_args))
+
+def default_host_copy(platform: str) -> HostCopy:
+    """The host copy for a platform: numpy on a CPU with one process (several processes each hold
+    only some shards, which must stay jax.Arrays), pinned elsewhere."""
+    return "numpy" if platform == "cpu" and jax.process_count() == 1 else "pinned"
+
+
+@jax.jit
+def _device_copies(arrays: list[jax.Array]) -> list[jax.Array]:
+    return [jnp.copy(array) for array in arrays]
+
+
+class _Snapshot:
+    """The state of one save, taken off the devices' live buffers: `start` runs on the loop's thread
+    (before the next step can donate the buffers), `to_write` on the writer's."""
+
+    def __init__(self, state: Any, how: HostCopy):
+        leaves, self._treedef = jax.tree.flatten(state)
+        self._save_args = [ocp.SaveArgs() for _ in leaves]
+        one_process = jax.process_count() == 1
+        if how == "numpy" and not one_process:
+            raise ValueError("host copy 'numpy' writes whole arrays, which needs one process")
+        # Typed PRNG key arrays stay jax.Arrays (Orbax stores their key data and implementation).
+        self._moved = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)
+                       and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended)]
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, np.ndarray):
+                leaves[i] = leaf.copy()  # the caller may change it while the write goes on
+        arrays = [leaves[i] for i in self._moved]
+        if one_process:  # written whole (see `_chunked`)
+            for i in self._moved:
+                self._save_args[i] = _chunked(leaves[i])
+        if how == "numpy":
+            arrays = jax.device_get(arrays)
+        elif how == "pinned":
+            arrays = jax.device_put(arrays, [array.sharding.with_memory_kind("pinned_host") for array in arrays])
+        else:
+            arrays = _device_copies(arrays)
+        for i, array in zip(self._moved, arrays):
+            leaves[i] = array
+        self._leaves, self._how = leaves, how
+
+    def to_write(self) -> ocp.args.PyTreeSave:
+        """What Orbax writes: with one process whole numpy arrays, else each process's shards as jax.Arrays."""
+        leaves = list(self._leaves)
+        if jax.process_count() == 1 and self._how != "numpy":
+            moved = [leaves[i] for i in self._moved]
+            for i, host in zip(self._moved, jax.device_get(moved)):
+                leaves[i] = host
+            if self._how == "device":
+                for array in moved:
+                    array.delete()  # the device memory the copy held
+        return ocp.args.PyTreeSave(jax.tree.unflatten(self._treedef, leaves),
+                                   save_args=jax.tree.unflatten(self._treedef, self._save_args))
+
+    def release(self) -> None:
+        """Frees what the snapshot holds on the devices (a device copy), once written."""
+        if self._how == "device":
+            for i in self._moved:
+                if not self._leaves[i].is_deleted():
+                    self._leaves[i].delete()
+
+
+class _Writer:
+    """One background thread that runs a store's writes in order. A daemon: a write stuck in the
+    file system (a lost mount) must never keep the process from exiting."""
+
+    def __init__(self):
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="jaxdist-checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, task: Callable[[], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._tasks.put((task, future))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            task, future = self._tasks.get()
+            if task is None:
+                return
+            future.set_running_or_notify_cancel()
+            try:
+                future.set_result(task())
+            except BaseException as err:  # noqa: BLE001  (handed to whoever waits for the future)
+                future.set_exception(err)
+
+    def close(self, wait: bool = True) -> None:
+        """Ends the thread once the tasks queued before are done (`wait`: and waits for that)."""
+        self._tasks.put((None, None))
+        if wait:
+            self._thread.join()
 
 
 def _is_key(leaf: Any) -> bool:
@@ -232,7 +323,7 @@ def _after_writes(read):
 
     @functools.wraps(read)
     def waiting(self, *args, **kwargs):
-        self.wait()
+        self.wait_for_write()
         return read(self, *args, **kwargs)
 
     return waiting
@@ -242,20 +333,29 @@ class Checkpoints:
     """The checkpoints in one directory: async sharded saves, and restores with fallback.
 
     Every process must make the same calls in the same order (saving and restoring are collective).
-    With `create=False` nothing is written to disk until `save`.
+    With `create=False` nothing is written to disk until `save`. `keep`: how many of the newest
+    checkpoints Orbax keeps as it saves; None keeps every one (the caller deletes with `prune`).
+    `host_copy`: how a save copies the state off the devices (`HOST_COPIES`; default by platform).
+    `write_timeout`: seconds a write may take before a wait for it gives up (a stuck file system).
     """
 
-    def __init__(self, directory: str | Path, keep: int = 3, create: bool = True):
+    def __init__(self, directory: str | Path, keep: int | None = 3, create: bool = True,
+                 host_copy: HostCopy | None = None, write_timeout: float | None = None):
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
-            preservation_policy=ocp.checkpoint_managers.LatestN(keep),
-            enable_async_checkpointing=True,
+            preservation_policy=None if keep is None else ocp.checkpoint_managers.LatestN(keep),
+            # Saves are asynchronous here: each runs whole on this store's writer thread.
+            enable_async_checkpointing=False,
             cleanup_tmp_directories=create,
             create=create,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=_registry())
-        self.last_saved: int | None = self._manager.latest_step()
-        self._writing: int | None = None
+        self.last_saved: int | None = self._manager.latest_step()  # the newest complete checkpoint
+        self.host_copy = host_copy
+        self.write_timeout = write_timeout
+        self.writing: int | None = None  # the step being written, until `poll` or `wait` sees it done
+        self._pending: concurrent.futures.Future | None = None
+        self._writer: _Writer | None = None
         self._write_failed = False
 
     def __enter__(self) -> Checkpoints:
@@ -275,39 +375,114 @@ class Checkpoints:
         return self.directory / str(step)
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
-        """Starts writing checkpoint `step`; returns once the arrays are copied off the devices.
+        """Starts writing checkpoint `step`; returns once its copy off the devices is under way.
 
         A previous write still in progress is waited for first, as by every read. Saving the last
-        saved step again does nothing.
-        The digests of the arrays are written with them, in the same step directory.
+        saved step again does nothing. The digests of the arrays are written with them, in the
+        same step directory. `poll` or `wait` says when the checkpoint is complete.
         """
         if step == self.last_saved:
             return
-        self.wait()  # Orbax would wait too; here a failed write is told apart from this one
-        digests = array_digests(named_arrays(state))
-        args = ocp.args.Composite(**{
-            STATE: _state_to_write(state), META: ocp.args.JsonSave(meta), DIGESTS: ocp.args.JsonSave(digests),
-        })
-        self._writing = step
-        with self._reporting_write_failure():
-            self._manager.save(step, args=args, force=True)
-        self.last_saved = step
+        self.wait_for_write()
+        how = self.host_copy or default_host_copy(_platform(state))
+        digests = start_digests(named_arrays(state))
+        snapshot = _Snapshot(state, how)
+        if self._writer is None:
+            self._writer = _Writer()
+        self.writing = step
+        self._pending = self._writer.submit(functools.partial(self._write, step, snapshot, digests, meta))
 
-    def wait(self) -> None:
-        """Blocks until the last save is complete on disk.
+    def _write(self, step: int, snapshot: _Snapshot, digests: PendingDigests, meta: dict[str, Any]) -> None:
+        """On the writer thread: finishes the copy to host, writes and commits checkpoint `step`."""
+        try:
+            args = ocp.args.Composite(**{
+                STATE: snapshot.to_write(), META: ocp.args.JsonSave(meta), DIGESTS: ocp.args.JsonSave(digests.result()),
+            })
+            with self._reporting_write_failure(step):
+                self._manager.save(step, args=args, force=True)
+        finally:
+            snapshot.release()
+
+    def warm_up(self, state: Any) -> None:
+        """Compiles what a save of `state` runs on the devices (its digests, its copy), so that the
+        first save costs the loop no more than the others."""
+        start_digests(named_arrays(state)).result()
+        if (self.host_copy or default_host_copy(_platform(state))) == "device":
+            leaves = [leaf for leaf in jax.tree.leaves(state) if isinstance(leaf, jax.Array)
+                      and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended)]
+            _device_copies.lower(leaves).compile()
+
+    def poll(self) -> int | None:
+        """The step of a save that completed since the last call, else None; raises
+        `CheckpointWriteError` (the ones before it are intact) if it failed."""
+        if self._pending is None or not self._pending.done():
+            return None
+        return self._finish()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Blocks until the last save is complete on disk (at most `timeout` seconds: False if it
+        is still being written by then).
 
         Raises `CheckpointWriteError` if it could not be written: its partial directory is never
         listed, and the checkpoints before it are untouched.
         """
-        with self._reporting_write_failure():
-            self._manager.wait_until_finished()
-        self._writing = None
-
-    def close(self) -> None:
-        """Waits for pending writes and releases Orbax's threads (raises like `wait`)."""
+        if self._pending is None:
+            return True
         try:
-            self.wait()
+            self._pending.exception(timeout)
+        except concurrent.futures.TimeoutError:
+            return False
+        self._finish()
+        return True
+
+    def wait_for_write(self) -> None:
+        """`wait`, at most `write_timeout` seconds: a write that takes longer raises
+        `CheckpointWriteError` (its step is never listed; the ones before it are intact)."""
+        if not self.wait(self.write_timeout):
+            raise CheckpointWriteError(
+                f"checkpoint {self.path(self.writing)} was not written within checkpoint.write_timeout="
+                f"{self.write_timeout:g} s (is the file system of {self.directory} stuck?); the newest complete "
+                f"checkpoint is step {self.last_saved}; fix the file system (or raise the timeout) and run again "
+                f"to resume from it")
+
+    def _finish(self) -> int:
+        future, step = self._pending, self.writing
+        self._pending, self.writing = None, None
+        try:
+            future.result()
+        except CheckpointWriteError:
+            self._write_failed = True
+            self.last_saved = self._manager.latest_step()
+            raise
+        self.last_saved = step
+        return step
+
+    def prune(self, keep: int, keep_every: int | None = None, through: int | None = None) -> None:
+        """Deletes, on the writer thread after the writes before it, the checkpoints up to step
+        `through` (default: all) but the newest `keep` of them and those at multiples of `keep_every`."""
+        def delete_old() -> None:
+            upto = [step for step in self._manager.all_steps() if through is None or step <= through]
+            for step in sorted(upto)[:-keep]:
+                if not (keep_every and step % keep_every == 0):
+                    self._manager.delete(step)
+
+        if self._writer is None:
+            self._writer = _Writer()
+        self._writer.submit(delete_old)
+
+    def close(self, wait: bool = True) -> None:
+        """Waits for pending writes (and deletions) and releases Orbax's threads (raises like
+        `wait_for_write`). `wait` False leaves a write in progress to the writer thread, which
+        does not keep the process alive: its checkpoint is never listed."""
+        try:
+            if wait:
+                self.wait_for_write()
+                if self._writer is not None:
+                    self._writer.submit(lambda: None).result(self.write_timeout)  # deletions after the last write
         finally:
+            if self._writer is not None:
+                self._writer.close(wait and self._pending is None)
+                self._writer = None
             try:
                 self._manager.close()
             except (OSError, ValueError):
@@ -315,20 +490,18 @@ class Checkpoints:
                     raise  # else Orbax raises the failed write's error again: already reported
 
     @contextlib.contextmanager
-    def _reporting_write_failure(self) -> Iterator[None]:
-        """Turns a failed write of step `self._writing` (a full disk, a lost mount) into one line."""
+    def _reporting_write_failure(self, step: int) -> Iterator[None]:
+        """Turns a failed write of `step` (a full disk, a lost mount) into one line."""
         try:
             yield
         except (OSError, ValueError) as err:
             if isinstance(err, ValueError) and not str(err).startswith(_TENSORSTORE_CODES):
                 raise
-            step, self._writing, self._write_failed = self._writing, None, True
             self._manager.reload()
-            self.last_saved = self._manager.latest_step()
             raise CheckpointWriteError(
                 f"could not write checkpoint {self.path(step)} ({type(err).__name__}: {first_line(err)}); "
-                f"the newest complete checkpoint is step {self.last_saved}; free space there (or fix the "
-                f"directory) and run again to resume from it"
+                f"the newest complete checkpoint is step {self._manager.latest_step()}; free space there (or "
+                f"fix the directory) and run again to resume from it"
             ) from err
 
     @_after_writes
@@ -440,25 +613,32 @@ class Checkpoints:
                 self.set_aside(step, err)
         return None
 
-    def set_aside(self, step: int, err: Exception) -> Path:
-        """Renames unreadable checkpoint `step` to `unreadable-<step>` (`unreadable-<step>-2`, ... if
-        that is taken: kept for a look, never listed again, and its step can be saved anew), with a
-        warning."""
-        aside = self.directory / f"{UNREADABLE_PREFIX}{step}"
-        # The same step can be saved anew and be found unreadable again: each copy keeps its own name.
+    def set_aside(self, step: int, err: Exception | None = None, prefix: str = UNREADABLE_PREFIX,
+                  reason: str | None = None) -> Path:
+        """Renames checkpoint `step` to `<prefix><step>` (`<prefix><step>-2`, ... if that is taken:
+        kept for a look, never listed again, and its step can be saved anew). An unreadable one
+        (`err`: why) is reported in a warning; `reason` says why another is moved."""
+        aside = self.directory / f"{prefix}{step}"
+        # The same step can be saved anew and be set aside again: each copy keeps its own name.
         for copy in itertools.count(2):
             if not aside.exists():
                 break
-            aside = self.directory / f"{UNREADABLE_PREFIX}{step}-{copy}"
+            aside = self.directory / f"{prefix}{step}-{copy}"
         if jax.process_index() == 0:
             self.path(step).rename(aside)
         if jax.process_count() > 1:
-            ocp.multihost.sync_global_processes(f"jaxdist_set_aside_{step}")
+            ocp.multihost.sync_global_processes(f"jaxdist_set_aside_{prefix}{step}")
         self._manager.reload()
         self.last_saved = self._manager.latest_step()
-        warn(f"checkpoint {self.path(step)} is unreadable ({type(err).__name__}: {first_line(err)}); "
-             f"moved it to {aside}; falling back to the one before")
+        if err is not None:
+            warn(f"checkpoint {self.path(step)} is unreadable ({type(err).__name__}: {first_line(err)}); "
+                 f"moved it to {aside}; falling back to the one before")
         return aside
+
+
+def _platform(state: Any) -> str:
+    arrays = [leaf for leaf in jax.tree.leaves(state) if isinstance(leaf, jax.Array)]
+    return next(iter(arrays[0].sharding.device_set)).platform if arrays else "cpu"
 
 
 def first_line(err: Exception) -> str:

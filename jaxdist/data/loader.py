@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import zipfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -366,10 +366,12 @@ def resolve_model(cfg: Config) -> Config:
     return cfg.model_copy(update={"model": model.model_copy(update=update)})
 
 
-def resolve_steps(cfg: Config, train_examples: int, start_step: int = 0, start_example: int = 0) -> Config:
+def resolve_steps(cfg: Config, train_examples: int, start_step: int = 0, start_example: int = 0,
+                  log: Callable[[str], None] | None = None) -> Config:
     """`cfg` with `train.steps` set (when `data.epochs` is) to end the run after `data.epochs` passes
-    over `train_examples`. A resumed run (`start_step` steps done, `start_example` examples read)
-    counts the examples left, so the end stays where it was under another `train.global_batch`."""
+    over `train_examples`, or at `train.steps` where that is set too and comes first (`log` says
+    which). A resumed run (`start_step` steps done, `start_example` examples read) counts the
+    examples left, so the end stays where it was under another `train.global_batch`."""
     if cfg.data.epochs is None:
         return cfg
     total = cfg.data.epochs * train_examples
@@ -379,6 +381,12 @@ def resolve_steps(cfg: Config, train_examples: int, start_step: int = 0, start_e
             f"train.global_batch={cfg.train.global_batch}; use more epochs or a smaller batch"
         )
     steps = start_step + max(0, total - start_example) // cfg.train.global_batch
+    if "steps" in cfg.train.model_fields_set and cfg.train.steps != steps and log is not None:
+        first, later = (("train.steps", "data.epochs") if cfg.train.steps < steps else ("data.epochs", "train.steps"))
+        log(f"data.epochs={cfg.data.epochs} ends the run at step {steps:,} and train.steps={cfg.train.steps:,} at "
+            f"step {cfg.train.steps:,}: the run ends at the earlier, where {first} says ({later} is not reached)")
+    if "steps" in cfg.train.model_fields_set:
+        steps = min(steps, cfg.train.steps)
     return cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": steps})})
 
 

@@ -72,8 +72,6 @@ class StepProgress:
         self._start = start
         self._bar: Progress | None = None
         self.steps = 0  # logged so far
-        self._seconds = self._items = self._mfu_seconds = 0.0
-        self._unit = "tokens/s"
         self.last: dict[str, float] = {}  # the newest value of each metric
         console = terminal() if show else None
         if console is not None:
@@ -91,17 +89,11 @@ class StepProgress:
 
     def logged(self, step: int, values: dict[str, float]) -> None:
         """Shows a logged step's metrics."""
-        steps = step - self._start - self.steps
-        self.steps += steps
-        seconds = values["step_time_s"] * steps
-        self._seconds += seconds
-        self._unit, per_sec = _throughput(values)
-        self._items += per_sec * seconds
-        # MFU is proportional to tokens/s: weighted by time, its mean is the mean throughput's.
-        self._mfu_seconds += values.get("mfu", math.nan) * seconds
+        self.steps = step - self._start
         self.last.update(values)
         if self._bar is not None:
-            shown = f"loss {_fmt(values['loss'])}  {self._unit} {_fmt(per_sec)}"
+            unit, per_sec = _throughput(values)
+            shown = f"loss {_fmt(values['loss'])}  {unit} {_fmt(per_sec)}"
             self._bar.update(self._task, completed=step, shown=shown)
         elif self._show:
             print(plain_line(step, values), flush=True)
@@ -110,13 +102,17 @@ class StepProgress:
         if self._bar is not None:
             self._bar.stop()
 
-    def summary(self, wall_s: float, checkpoint: str) -> str:
-        """The closing lines: steps, wall time, mean throughput (and MFU where known), the last
-        losses (and accuracies), `checkpoint` (where it is)."""
-        per_sec = self._items / self._seconds if self._seconds else 0.0
-        mfu = self._mfu_seconds / self._seconds if self._seconds else math.nan
-        utilization = f", MFU {mfu:.1%}" if math.isfinite(mfu) else ""
+    def summary(self, steady: dict[str, float], last_saved: int | None, checkpoints: Path) -> str:
+        """The closing lines: steps, the steady step time with its throughput (and MFU where known)
+        (`steady`, observe/goodput.py), the last losses (and accuracies), and the last checkpoint."""
+        if steady:
+            unit, per_sec = _throughput(steady)
+            utilization = f", MFU {steady['mfu']:.1%}" if "mfu" in steady else ""
+            rate = f"; steady {steady['step_time_s'] * 1e3:,.1f} ms a step, {per_sec:,.0f} {unit}{utilization}"
+        else:
+            rate = ""
         losses = "  ".join(f"{k.replace('_', ' ')} {_fmt(self.last[k])}"
                            for k in ("loss", "accuracy", "eval_loss", "eval_accuracy") if k in self.last)
-        return (f"trained {self.steps} steps in {wall_s:.1f} s; mean {per_sec:,.0f} {self._unit}{utilization}; "
-                f"last {losses}\n{checkpoint}")
+        checkpoint = ("no checkpoint saved" if last_saved is None else
+                      f"last checkpoint: step {last_saved} in {checkpoints}")
+        return f"trained {self.steps} steps{rate}; last {losses}\n{checkpoint}"

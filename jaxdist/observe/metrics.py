@@ -3,15 +3,23 @@ process gets a writer that does nothing.
 
 `metrics.jsonl` is strict JSON: a non-finite value (a NaN loss) is written as null. TensorBoard
 gets the same values under `run_dir/tb`, `eval_` keys as `eval/...` and the others as `train/...`;
-so does W&B with `log.wandb=true` (observe/wandb_log.py).
+so does W&B with `log.wandb=true` (observe/wandb_log.py). The files are written and flushed on a
+background thread, one logged step at a time: the loop never waits on the disk, a crash loses at
+most the step being written, and a disk that fails (full) or stops answering (a lost mount) is
+reported by the loop's next `write`, as one line, never a hang.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import os
+import queue
+import threading
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TextIO
 
 from jax.sharding import Mesh
 
@@ -22,54 +30,130 @@ if TYPE_CHECKING:
 
 # Dense bf16 peak FLOP/s per device from the datasheets, matched on substrings of `device_kind`.
 PEAK_FLOPS_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
+# A logged step not written after this long means the file system has stopped answering.
+STUCK_AFTER_S = 120.0
+# How long `close` waits for the steps not yet written.
+CLOSE_WAIT_S = 10.0
+_EVENT_FILES = itertools.count()
 
 
 class MetricsWriter:
     """Appends one JSON object per logged step to `metrics.jsonl` (non-finite values as null), adds
     each value to TensorBoard's event files in `run_dir/tb` and, given one, to a W&B run; does
-    nothing without `run_dir`."""
+    nothing without `run_dir`.
 
-    def __init__(self, run_dir: Path | None, wandb: WandbRun | None = None):
+    `resumed_at`: the step a resumed run restarts after; TensorBoard is told to drop the events of
+    later steps that earlier runs wrote (its purge), as `metrics.jsonl` drops their lines."""
+
+    def __init__(self, run_dir: Path | None, wandb: WandbRun | None = None, resumed_at: int | None = None):
         self._path = None if run_dir is None else run_dir / "metrics.jsonl"
-        self._file = open(self._path, "a") if run_dir is not None else None
-        self._tensorboard = _tensorboard_writer(run_dir / "tb") if run_dir is not None else None
         self._wandb = wandb
+        self._pending: queue.SimpleQueue = queue.SimpleQueue()
+        self._failure: str | None = None
+        self._writing: tuple[int, float] | None = None  # (step, since) of the step being written
+        self._thread = None
+        if run_dir is not None:
+            self._thread = threading.Thread(target=self._write_all, args=(run_dir, resumed_at),
+                                            name="jaxdist-metrics-writer", daemon=True)
+            self._thread.start()
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
-        if self._file is not None:
-            strict = {k: v if math.isfinite(v) else None for k, v in record.items()}
-            try:
-                self._file.write(json.dumps(strict, allow_nan=False) + "\n")
-                self._file.flush()
-            except OSError as err:  # a full disk, say: one line, not a traceback
-                raise UserError(f"could not write {self._path} at step {step} ({err.strerror}); free space in "
-                                f"run_dir or pick another, then run the same command to resume") from None
-        if self._tensorboard is not None:
-            for key, value in record.items():
-                # A gap, as in metrics.jsonl; tensorboardX would also log a warning per value.
-                if key != "step" and math.isfinite(value):
-                    self._tensorboard.add_scalar(tensorboard_tag(key), value, step)
+        """Queues a logged step's values; raises `UserError` if an earlier step could not be written."""
+        self.check()
+        values = {k: float(v) for k, v in metrics.items()}
+        if self._thread is not None:
+            self._pending.put((step, values, time.monotonic()))
         if self._wandb is not None:
-            self._wandb.log(step, {k: float(v) for k, v in metrics.items()})
+            self._wandb.log(step, values)
+
+    def check(self) -> None:
+        """Raises `UserError` if the writer failed, or has been stuck on one step for too long."""
+        if self._failure is not None:
+            raise UserError(self._failure)
+        writing = self._writing
+        if writing is not None and time.monotonic() - writing[1] > STUCK_AFTER_S:
+            raise UserError(f"could not write {self._path}: step {writing[0]}'s line has not been written for "
+                            f"{STUCK_AFTER_S:.0f} s (is the file system stuck?); fix it, then run the same "
+                            f"command to resume")
+
+    def _write_all(self, run_dir: Path, resumed_at: int | None) -> None:
+        files = None
+        try:
+            files = _Files(run_dir, resumed_at)
+            while (item := self._pending.get()) is not None:
+                step, values, queued = item
+                self._writing = (step, queued)
+                files.write(step, values)
+                self._writing = None
+        except OSError as err:  # a full disk, say: one line, not a traceback
+            what = err.filename or self._path
+            self._failure = (f"could not write {what} ({err.strerror}); free space in run_dir or pick another, "
+                             f"then run the same command to resume")
+        finally:
+            if files is not None:
+                files.close()
 
     def close(self) -> None:
-        """Closes the files and finishes the W&B run. A failure to finish the files (a full disk) is
-        not raised here: the run stops on the write that failed first, and its error is the one to report."""
-        for close in (self._file, self._tensorboard):
-            if close is not None:
-                try:
-                    close.close()  # flushes
-                except OSError:
-                    pass
+        """Writes what is queued (waiting at most `CLOSE_WAIT_S`) and finishes the W&B run; a
+        failure here is not raised: the run stops on the write that failed first."""
+        if self._thread is not None:
+            self._pending.put(None)
+            self._thread.join(CLOSE_WAIT_S)
         if self._wandb is not None:
             self._wandb.close()
 
+    @property
+    def stuck(self) -> bool:
+        """Whether the writer thread is still running after `close` (a file system that stopped answering)."""
+        return self._thread is not None and self._thread.is_alive()
 
-def _tensorboard_writer(directory: Path):
+
+class _Files:
+    """metrics.jsonl and the TensorBoard event file, written and flushed one step at a time."""
+
+    def __init__(self, run_dir: Path, resumed_at: int | None):
+        self._jsonl: TextIO = open(run_dir / "metrics.jsonl", "a")
+        self._events = _tensorboard_events(run_dir / "tb", resumed_at)
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        record = {"step": step, **values}
+        strict = {k: v if math.isfinite(v) else None for k, v in record.items()}
+        self._jsonl.write(json.dumps(strict, allow_nan=False) + "\n")
+        self._jsonl.flush()
+        # A non-finite value is a gap, as in metrics.jsonl.
+        self._events.write_event(_scalars_event(step, {k: v for k, v in values.items() if math.isfinite(v)}))
+        self._events.flush()
+
+    def close(self) -> None:
+        for file in (self._jsonl, self._events):
+            try:
+                file.close()
+            except OSError:
+                pass
+
+
+def _tensorboard_events(directory: Path, resumed_at: int | None) -> Any:
     # Imported here, not with jaxdist: importing tensorboardX sets CRC32C_SW_MODE in the environment.
-    from tensorboardX import SummaryWriter
-    return SummaryWriter(str(directory))
+    from tensorboardX.event_file_writer import EventsWriter
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+    directory.mkdir(parents=True, exist_ok=True)
+    # The file's name holds the second it was made in: the pid and a count keep two of one second apart.
+    events = EventsWriter(str(directory / "events"), filename_suffix=f".{os.getpid()}.{next(_EVENT_FILES)}")
+    if resumed_at is not None:
+        # TensorBoard drops the events of earlier files at or after a session start's step.
+        events.write_event(Event(step=resumed_at + 1, wall_time=time.time(),
+                                 session_log=SessionLog(status=SessionLog.START)))
+    events.flush()
+    return events
+
+
+def _scalars_event(step: int, values: dict[str, float]) -> Any:
+    from tensorboardX.proto.event_pb2 import Event
+    from tensorboardX.proto.summary_pb2 import Summary
+
+    summary = Summary(value=[Summary.Value(tag=tensorboard_tag(key), simple_value=value) for key, value in values.items()])
+    return Event(step=step, wall_time=time.time(), summary=summary)
 
 
 def tensorboard_tag(key: str) -> str:
