@@ -79,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
             command.add_argument("--out", help="append the JSON result to this file")
             command.add_argument("--devices", type=_COUNT, help="use only the first N devices")
             command.add_argument("--profile", help="trace three extra steps with the JAX profiler into this folder")
+            command.add_argument("--checkpoint", metavar="DIR",
+                                 help="also measure what saving checkpoints into DIR costs the loop: each save's "
+                                      "blocking time (the first apart), the steps beside a write, the restore")
             command.add_argument("--bubble", action="store_true",
                                  help="with a pipeline: also time one device on its share of the batch, unpipelined, "
                                       "and report the measured bubble (1 - that step time / the pipeline's)")
@@ -248,8 +251,10 @@ def _bench(args) -> None:
         check_writable(args.out, f"bench: --out={args.out}")
     if args.profile:
         check_writable(args.profile, f"bench: --profile={args.profile}", directory=True)
+    if args.checkpoint:
+        check_writable(args.checkpoint, f"bench: --checkpoint={args.checkpoint}", directory=True)
     cfg = _config_with_data_sizes(args)
-    result = bench.run(cfg, args.steps, args.warmup, devices, args.profile, args.bubble)
+    result = bench.run(cfg, args.steps, args.warmup, devices, args.profile, args.bubble, args.checkpoint)
     bench.write(result, args.out)
 
 

@@ -31,6 +31,7 @@ import itertools
 import math
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -191,6 +192,7 @@ class _Snapshot:
     (before the next step can donate the buffers), `to_write` on the writer's."""
 
     def __init__(self, state: Any, how: HostCopy):
+        self.started = time.perf_counter()
         leaves, self._treedef = jax.tree.flatten(state)
         self._save_args = [ocp.SaveArgs() for _ in leaves]
         one_process = jax.process_count() == 1
@@ -355,6 +357,7 @@ class Checkpoints:
         self.write_timeout = write_timeout
         self.writing: int | None = None  # the step being written, until `poll` or `wait` sees it done
         self._pending: concurrent.futures.Future | None = None
+        self.last_write_s: float | None = None  # how long the last complete write took, from its save
         self._writer: _Writer | None = None
         self._write_failed = False
 
@@ -392,8 +395,9 @@ class Checkpoints:
         self.writing = step
         self._pending = self._writer.submit(functools.partial(self._write, step, snapshot, digests, meta))
 
-    def _write(self, step: int, snapshot: _Snapshot, digests: PendingDigests, meta: dict[str, Any]) -> None:
-        """On the writer thread: finishes the copy to host, writes and commits checkpoint `step`."""
+    def _write(self, step: int, snapshot: _Snapshot, digests: PendingDigests, meta: dict[str, Any]) -> float:
+        """On the writer thread: finishes the copy to host, writes and commits checkpoint `step`;
+        returns the seconds it took (from the save's call)."""
         try:
             args = ocp.args.Composite(**{
                 STATE: snapshot.to_write(), META: ocp.args.JsonSave(meta), DIGESTS: ocp.args.JsonSave(digests.result()),
@@ -402,6 +406,7 @@ class Checkpoints:
                 self._manager.save(step, args=args, force=True)
         finally:
             snapshot.release()
+        return time.perf_counter() - snapshot.started
 
     def warm_up(self, state: Any) -> None:
         """Compiles what a save of `state` runs on the devices (its digests, its copy), so that the
@@ -449,7 +454,7 @@ class Checkpoints:
         future, step = self._pending, self.writing
         self._pending, self.writing = None, None
         try:
-            future.result()
+            self.last_write_s = future.result()
         except CheckpointWriteError:
             self._write_failed = True
             self.last_saved = self._manager.latest_step()

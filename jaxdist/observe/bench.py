@@ -29,7 +29,7 @@ import numpy as np
 from jaxdist import kernels, models
 from jaxdist.config import Config, with_overrides
 from jaxdist.errors import UserError
-from jaxdist.observe import clocks, hlo
+from jaxdist.observe import checkpoint_cost, clocks, hlo
 from jaxdist.observe.metrics import mfu, throughput
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import mesh as mesh_lib
@@ -98,17 +98,18 @@ def time_steps(trainer, batch: dict, steps: int, warmup: int,
 
 
 def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = None, profile_dir: str | None = None,
-        bubble: bool = False) -> dict:
+        bubble: bool = False, checkpoint_dir: str | None = None) -> dict:
     """Builds the trainer as `train` does, then times `steps` steps after `warmup` steps.
 
     With `profile_dir`, three more steps are traced by the JAX profiler into that folder. With
-    `bubble` (a pipelined config), the pipeline's measured bubble too (`measured_bubble`). The
-    model's `auto` sizes must be resolved (`jaxdist.data.loader.resolve_model`, as the `bench`
-    command does).
+    `bubble` (a pipelined config), the pipeline's measured bubble too (`measured_bubble`). With
+    `checkpoint_dir`, what saving there costs the loop (`checkpoint_cost.measure`) under `checkpoint`.
+    The model's `auto` sizes must be resolved (`jaxdist.data.loader.resolve_model`, as the
+    `bench` command does).
     """
     if bubble:
         _check_bubble(cfg, devices)
-    result = _measure(cfg, steps, warmup, devices, profile_dir)
+    result = _measure(cfg, steps, warmup, devices, profile_dir, checkpoint_dir)
     if bubble:
         result.update(measured_bubble(cfg, result, steps, warmup, devices))
     return result
@@ -153,7 +154,8 @@ def _check_bubble(cfg: Config, devices: list | None) -> None:
                         f"{cfg.train.global_batch} must be a multiple of the {count} devices")
 
 
-def _measure(cfg: Config, steps: int, warmup: int, devices: list | None, profile_dir: str | None = None) -> dict:
+def _measure(cfg: Config, steps: int, warmup: int, devices: list | None, profile_dir: str | None = None,
+             checkpoint_dir: str | None = None) -> dict:
     """`run` without the bubble: the trainer built, compiled and timed."""
     if auto := [f"model.{key}" for key in ("vocab", "classes", "image_shape") if getattr(cfg.model, key, None) == "auto"]:
         verb = "takes its value" if len(auto) == 1 else "take their values"
@@ -179,6 +181,8 @@ def _measure(cfg: Config, steps: int, warmup: int, devices: list | None, profile
                 metrics = trainer.step(batch)
             jax.block_until_ready(metrics)
     step_s = statistics.median(times)
+    saving = {} if checkpoint_dir is None else {
+        "checkpoint": checkpoint_cost.measure(trainer, batch, cfg, Path(checkpoint_dir) / "checkpoints")}
     devices = trainer.mesh.devices.flatten().tolist()
     examples_per_sec = cfg.train.global_batch / step_s
     rates = throughput(examples_per_sec, cfg.model.tokens_per_example)  # tokens/s or examples/s
@@ -223,6 +227,7 @@ def _measure(cfg: Config, steps: int, warmup: int, devices: list | None, profile
         # This process's GPUs during the timed steps (NVML; absent without it): the SM clock and
         # power the step time was measured at, and how often the power limit held the clock.
         **sampler.summary(),
+        **saving,
     }
 
 
