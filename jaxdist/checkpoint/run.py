@@ -19,10 +19,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import pydantic
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist import models
-from jaxdist.checkpoint.integrity import is_damage
+from jaxdist.checkpoint.integrity import DamagedCheckpoint, is_damage
 from jaxdist.checkpoint.store import (
     UNREADABLE_PREFIX,
     CheckpointMismatch,
@@ -96,6 +97,39 @@ def run_meta(cfg: Config, mesh: Mesh, position: DataPosition, bad_steps_in_a_row
     }
 
 
+class _SavedData(pydantic.BaseModel):
+    example: int
+
+
+class _SavedTrain(pydantic.BaseModel):
+    steps: int
+
+
+class _SavedConfig(pydantic.BaseModel):
+    train: _SavedTrain
+
+
+class _SavedMeta(pydantic.BaseModel):
+    """What resuming reads of a checkpoint's meta (see `run_meta`; other keys are not read)."""
+
+    data: _SavedData
+    config: _SavedConfig
+    mesh: dict[str, int]
+    process_count: int
+    bad_steps_in_a_row: int = 0  # absent from checkpoints saved before it was counted
+
+
+def _check_meta(meta: dict[str, Any]) -> None:
+    """Raises `DamagedCheckpoint` if a checkpoint's meta lacks what resuming reads from it: its
+    file decodes as JSON, but it is not what `run_meta` wrote."""
+    try:
+        _SavedMeta.model_validate(meta)
+    except pydantic.ValidationError as err:
+        problem = err.errors()[0]
+        where = ".".join(map(str, problem["loc"]))
+        raise DamagedCheckpoint(f"its meta is malformed ({where}: {problem['msg']})") from None
+
+
 class RunCheckpoints:
     """The training loop's checkpoint policy for one run directory.
 
@@ -130,7 +164,7 @@ class RunCheckpoints:
         with Checkpoints(self.directory, create=False) as store:
             for step in reversed(store.steps()):
                 try:
-                    saved, meta = store.saved_shapes(step), store.meta(step)
+                    saved, meta = store.read_metadata(step, meta_check=_check_meta)
                 except Exception as err:
                     if not is_damage(err):
                         raise
@@ -160,7 +194,7 @@ class RunCheckpoints:
         for leaf in jax.tree.leaves(jax.block_until_ready(trainer.state)):
             leaf.delete()
         with self._explaining_mismatch(self._store):
-            restored = self._store.restore_latest(target, newest=self._planned)
+            restored = self._store.restore_latest(target, newest=self._planned, meta_check=_check_meta)
         if restored is None:
             self._store.close()
             raise UserError(
