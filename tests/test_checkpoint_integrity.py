@@ -151,10 +151,14 @@ def test_other_errors_pass_through_parsing_unchanged(error):
         with parsing("the metadata of x"):
             raise error
     assert caught.value is error and not is_damage(caught.value)
-    with pytest.raises(ValueError, match="DATA_LOSS") as caught:  # TensorStore's: judged by its code
+
+
+def test_tensorstore_errors_pass_through_parsing_to_be_judged_by_their_code():
+    data_loss = ValueError("DATA_LOSS: Error decoding b-tree node")
+    with pytest.raises(ValueError, match="DATA_LOSS") as caught:
         with parsing("the metadata of x"):
-            raise ValueError("DATA_LOSS: Error decoding b-tree node")
-    assert is_damage(caught.value)
+            raise data_loss
+    assert caught.value is data_loss and is_damage(caught.value)
 
 
 def test_processes_agree_on_a_failed_read():
