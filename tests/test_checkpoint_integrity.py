@@ -3,7 +3,9 @@
 import errno
 import json
 import os
+import shutil
 import subprocess
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -14,10 +16,20 @@ import yaml
 from conftest import TINY_GPT, make_config
 from data_helpers import prepared, random_documents
 from jax.sharding import NamedSharding, PartitionSpec
+from safetensors.numpy import load_file
 
 from jaxdist import cli, loop
-from jaxdist.checkpoint import Checkpoints, DamagedCheckpoint, abstract_state, array_digests, is_damage
-from jaxdist.checkpoint.integrity import agree
+from jaxdist.checkpoint import (
+    Checkpoints,
+    DamagedCheckpoint,
+    RunCheckpoints,
+    abstract_state,
+    array_digests,
+    export_params,
+    is_damage,
+)
+from jaxdist.checkpoint import integrity
+from jaxdist.checkpoint.integrity import agree, parsing
 from jaxdist.data import loader, sources
 from jaxdist.errors import UserError
 from jaxdist.parallel.feed import BatchRows
@@ -114,8 +126,39 @@ def test_damage_is_told_from_other_errors():
     wrapped.__cause__ = ValueError('OUT_OF_RANGE: Error reading "w/0.0" in OCDBT database')
     assert is_damage(wrapped) and is_damage(FileNotFoundError("x")) and is_damage(DamagedCheckpoint("x"))
     assert is_damage(json.JSONDecodeError("bad", "{", 1))
+    assert is_damage(UnicodeDecodeError("utf-8", b"\x9a", 0, 1, "invalid start byte"))
     assert not is_damage(MemoryError()) and not is_damage(RuntimeError("transient"))
-    assert not is_damage(ValueError("RESOURCE_EXHAUSTED: out of memory"))
+    assert not is_damage(ValueError("RESOURCE_EXHAUSTED: out of memory")) and not is_damage(PermissionError("x"))
+    assert not is_damage(KeyError("step")) and not is_damage(TypeError("x"))  # a bug, unless met in `parsing`
+
+
+@pytest.mark.parametrize("error", [KeyError("tree_metadata"), TypeError("'int' object is not subscriptable"),
+                                   AttributeError("'list' object has no attribute 'get'"), AssertionError(),
+                                   IndexError("list index out of range"), ValueError("6 is not a valid KeyType"),
+                                   UnicodeDecodeError("utf-8", b"\x9a", 0, 1, "invalid start byte")], ids=repr)
+def test_what_parsing_metadata_raises_on_malformed_content_is_damage(error):
+    with pytest.raises(DamagedCheckpoint, match="the metadata of x is malformed") as caught:
+        with parsing("the metadata of x"):
+            raise error
+    assert caught.value.__cause__ is error and is_damage(caught.value)
+
+
+@pytest.mark.parametrize("error", [MemoryError(), PermissionError(13, "Permission denied"), RuntimeError("x"),
+                                   ValueError("RESOURCE_EXHAUSTED: out of memory"),
+                                   ValueError("PERMISSION_DENIED: Error opening file")], ids=repr)
+def test_other_errors_pass_through_parsing_unchanged(error):
+    with pytest.raises(type(error)) as caught:
+        with parsing("the metadata of x"):
+            raise error
+    assert caught.value is error and not is_damage(caught.value)
+
+
+def test_tensorstore_errors_pass_through_parsing_to_be_judged_by_their_code():
+    data_loss = ValueError("DATA_LOSS: Error decoding b-tree node")
+    with pytest.raises(ValueError, match="DATA_LOSS") as caught:
+        with parsing("the metadata of x"):
+            raise data_loss
+    assert caught.value is data_loss and is_damage(caught.value)
 
 
 def test_processes_agree_on_a_failed_read():
@@ -279,3 +322,213 @@ def test_corrupt_record_met_mid_run_is_one_line_and_the_checkpoints_restore(tmp_
     assert cli.main(["train", str(config_file)]) == 0
     assert f"resuming from step {failing}" in capfd.readouterr().out  # verified against its digests
     assert saved_steps(tmp_path / "run" / "checkpoints")[-1] == failing + 2
+
+
+
+# Damage to each file of a checkpoint. What each file of a step directory is (orbax-checkpoint
+# 0.12, one process), and whether what a restore returns can depend on it. Orbax merges each
+# process's OCDBT database into one at save: `state/manifest.ocdbt` and its B-tree (`state/d/`)
+# point into the per-process data files directly, so the per-process manifests and B-tree nodes
+# are never read again. `_CHECKPOINT_METADATA` holds Orbax's handler names and timestamps: listing
+# reads the commit time only (the directory's time if the file does not decode), and restores use
+# jaxdist's own handlers. `commit_success.txt` marks a commit on object stores that cannot rename
+# (GCS); on a file system nothing reads it.
+MATTERS, HARMLESS = "matters", "harmless"
+ROLES = {
+    "_CHECKPOINT_METADATA": HARMLESS,
+    "commit_success.txt": HARMLESS,
+    "meta/metadata": MATTERS,
+    "digests/metadata": MATTERS,
+    "state/_METADATA": MATTERS,
+    "state/manifest.ocdbt": MATTERS,
+    "state/d/ B-tree node": MATTERS,
+    "state/ocdbt.process_0/d/ array data": MATTERS,
+    "state/ocdbt.process_0/manifest.ocdbt": HARMLESS,
+    "state/ocdbt.process_0/d/ B-tree node": HARMLESS,
+}
+# How an OCDBT B-tree node and a zstd frame (an OCDBT data file) begin.
+_MAGIC = {bytes.fromhex("0cdb20de"): "B-tree node", bytes.fromhex("28b52ffd"): "array data"}
+
+
+def role(step_dir: Path, relative: str) -> str:
+    """Which of `ROLES` the file `relative` of checkpoint directory `step_dir` has ("unknown": none)."""
+    if relative.endswith("commit_success.txt"):
+        return "commit_success.txt"
+    folder = relative.rpartition("/")[0]
+    if folder.endswith("/d"):
+        relative = f"{folder}/ {_MAGIC.get((step_dir / relative).read_bytes()[:4], 'unknown')}"
+    return relative if relative in ROLES else "unknown"
+
+
+def checkpoint_files(step_dir: Path, file_role: str | None = None) -> list[str]:
+    """The files of `step_dir` (those of `file_role` only, if given), relative to it."""
+    files = sorted(str(path.relative_to(step_dir)) for path in step_dir.rglob("*") if path.is_file())
+    return [relative for relative in files if file_role is None or role(step_dir, relative) == file_role]
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def garbage(path: Path) -> None:
+    """As many bytes, none of them valid UTF-8 (nor JSON, nor OCDBT, nor zstd)."""
+    path.write_bytes(b"\x9a" * path.stat().st_size)
+
+
+DAMAGE = {"flip": flip_bytes, "truncate": truncate, "garbage": garbage}
+
+
+def write_config(run_dir: Path) -> Path:
+    """A config file for 3 steps of the tiny GPT in `run_dir`, saving after each."""
+    raw = {**TINY_GPT, "run_dir": str(run_dir), "train": {**TINY_GPT["train"], "steps": 3}, "checkpoint": {"every": 1}}
+    config_file = run_dir.parent / f"{run_dir.name}.yaml"
+    config_file.write_text(yaml.safe_dump(raw))
+    return config_file
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A run of 3 steps saved after each one, as a run stopped after step 2 leaves it (checkpoints
+    1 and 2), and the losses of the uninterrupted run."""
+    run_dir = tmp_path_factory.mktemp("saved") / "run"
+    assert cli.main(["train", str(write_config(run_dir))]) == 0
+    shutil.rmtree(run_dir / "checkpoints" / "3")
+    return run_dir, losses(run_dir)
+
+
+def damaged_copy(saved_run, directory: Path, relative: str, damage) -> Path:
+    """A copy of the saved run in `directory`, file `relative` of its checkpoint 2 damaged."""
+    run_dir = directory / relative.replace("/", "_")
+    shutil.copytree(saved_run[0], run_dir)
+    damage(run_dir / "checkpoints" / "2" / relative)
+    return run_dir
+
+
+def assert_set_aside_and_resumed_from_step_1(run_dir: Path, relative: str, out: str, err: str) -> None:
+    checkpoints = run_dir / "checkpoints"
+    assert f"checkpoint {checkpoints / '2'} is unreadable" in err, (relative, err)
+    assert "resuming from step 1 (" in out, (relative, out)
+    assert (checkpoints / "unreadable-2" / relative).is_file() and saved_steps(checkpoints) == [1, 2, 3]
+
+
+def test_every_file_of_a_checkpoint_has_a_known_role(saved_run):
+    step_dir = saved_run[0] / "checkpoints" / "2"
+    roles = {relative: role(step_dir, relative) for relative in checkpoint_files(step_dir)}
+    assert "unknown" not in roles.values(), roles
+    assert set(roles.values()) == set(ROLES), roles  # every role has a file to damage
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+@pytest.mark.parametrize("file_role", ROLES)
+def test_damage_to_any_file_is_set_aside_or_does_not_matter(saved_run, tmp_path, capsys, file_role, damage):
+    """Each file of checkpoint 2 that has `file_role`, damaged in turn, and `jaxdist train` started
+    again: no traceback; the checkpoint is set aside and the run resumes from step 1, or, for the
+    files nothing reads, it resumes from step 2 with every array matching its digest. Either way
+    the losses are those of the uninterrupted run, bit for bit."""
+    step_dir = saved_run[0] / "checkpoints" / "2"
+    for relative in checkpoint_files(step_dir, file_role):
+        run_dir = damaged_copy(saved_run, tmp_path, relative, DAMAGE[damage])
+        capsys.readouterr()
+        assert cli.main(["train", str(write_config(run_dir))]) == 0, relative
+        out, err = capsys.readouterr()
+        assert "Traceback" not in err, (relative, err)
+        if ROLES[file_role] == MATTERS:
+            assert_set_aside_and_resumed_from_step_1(run_dir, relative, out, err)
+        else:
+            assert "resuming from step 2 (" in out and "is unreadable" not in err, (relative, err)
+            assert "not verified" not in err and not list((run_dir / "checkpoints").glob("unreadable-*"))
+        assert losses(run_dir) == saved_run[1], relative
+
+
+@pytest.mark.parametrize(("relative", "content"), [
+    ("meta/metadata", "[]"), ("meta/metadata", '{"step": 2, "data": {"example": "many"}}'),
+    ("digests/metadata", "null"), ("state/_METADATA", "{}"), ("state/_METADATA", '{"tree_metadata": [7]}'),
+])
+def test_metadata_that_decodes_but_is_malformed_is_set_aside(saved_run, tmp_path, capsys, relative, content):
+    """JSON that parses, in place of what was written: what it lacks is damage, not a traceback."""
+    run_dir = damaged_copy(saved_run, tmp_path, relative, lambda path: path.write_text(content))
+    capsys.readouterr()
+    assert cli.main(["train", str(write_config(run_dir))]) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    assert_set_aside_and_resumed_from_step_1(run_dir, relative, out, err)
+    assert "is malformed" in err
+    assert losses(run_dir) == saved_run[1]
+
+
+@pytest.fixture(scope="module")
+def exported_params(saved_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export") / "params.safetensors"
+    export_params(saved_run[0], out, step=2)
+    return load_file(out)
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+@pytest.mark.parametrize("file_role", ROLES)
+def test_export_of_a_damaged_checkpoint_refuses_or_writes_the_saved_params(
+        saved_run, exported_params, tmp_path, file_role, damage):
+    """Export reads the params and the meta: damage it meets is one line naming the older step;
+    damage elsewhere (the optimizer state's data) leaves what it writes the saved params."""
+    step_dir = saved_run[0] / "checkpoints" / "2"
+    for relative in checkpoint_files(step_dir, file_role):
+        run_dir = damaged_copy(saved_run, tmp_path, relative, DAMAGE[damage])
+        out = tmp_path / "params.safetensors"
+        try:
+            export_params(run_dir, out, step=2)
+        except UserError as err:
+            assert ROLES[file_role] == MATTERS, (relative, err)
+            assert f"checkpoint {run_dir / 'checkpoints' / '2'} is damaged" in str(err), relative
+            assert str(err).endswith("pass --step with an older one: 1")
+        else:
+            exported = load_file(out)
+            assert exported.keys() == exported_params.keys(), relative
+            for name, array in exported_params.items():
+                np.testing.assert_array_equal(exported[name], array, err_msg=f"{relative}: {name}")
+            out.unlink()
+
+
+def test_processes_agree_on_the_metadata_before_resuming(saved_run, tmp_path, monkeypatch, capsys):
+    """Reading a checkpoint's metadata is collective: another process's damage sets the
+    checkpoint aside here too, though this process read it well."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(saved_run[0], run_dir)
+    others = iter([integrity.DAMAGED])  # process 1's outcome of its first read (step 2), then OK
+
+    def with_another_process(err):
+        integrity.agree(err, gather=lambda code: [code, next(others, integrity.OK)])
+
+    monkeypatch.setattr("jaxdist.checkpoint.store.agree", with_another_process)
+    position = RunCheckpoints(make_config(run_dir), log=print).prepare()
+    assert position.step == 1
+    assert "process 1 found it damaged" in capsys.readouterr().err
+    assert (run_dir / "checkpoints" / "unreadable-2").is_dir()
+
+
+def test_saved_digests_are_read_before_the_processes_agree(two_steps, mesh, monkeypatch):
+    """A process that cannot read the digests tells the others before any of them computes the
+    digests of what it read (a collective computation the others would otherwise wait in)."""
+    garbage(two_steps / "2" / "digests" / "metadata")
+    outcomes = []
+
+    def recording(err):
+        outcomes.append(integrity.outcome(err))
+        integrity.agree(err, gather=lambda code: [code])
+
+    monkeypatch.setattr("jaxdist.checkpoint.store.agree", recording)
+    with Checkpoints(two_steps, create=False) as checkpoints:
+        with pytest.raises(UnicodeDecodeError) as caught:
+            checkpoints.restore(2, abstract_state(state_on(mesh, 0)))
+    assert outcomes == [integrity.DAMAGED] and is_damage(caught.value)
+
+
+@pytest.mark.parametrize("error", [PermissionError(13, "Permission denied"), MemoryError()], ids=repr)
+def test_failing_to_read_metadata_for_other_reasons_sets_nothing_aside(saved_run, tmp_path, monkeypatch, error):
+    def fail(*args, **kwargs):
+        raise error
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(saved_run[0], run_dir)
+    monkeypatch.setattr(ocp.CheckpointManager, "item_metadata", fail)
+    with pytest.raises(type(error)):
+        RunCheckpoints(make_config(run_dir), log=print).prepare()
+    assert not list((run_dir / "checkpoints").glob("unreadable-*"))

@@ -134,6 +134,29 @@ def test_checkpoint_restores_under_another_process_count(tmp_path, one_process_l
     np.testing.assert_allclose(losses(run_dir), one_process_losses, rtol=1e-5, atol=0)
 
 
+def test_damaged_checkpoints_are_set_aside_by_every_process(tmp_path, one_process_losses):
+    """Checkpoint 6's meta is not UTF-8 (met when choosing where to resume) and an array of
+    checkpoint 4 is corrupt (met when restoring): both processes set both aside together and
+    resume from step 2."""
+    run_dir = tmp_path / "run"
+    loop.train(make_config(run_dir, **LAYOUT, train={"steps": REFERENCE_STEPS}, checkpoint={"every": 2}))
+    checkpoints = run_dir / "checkpoints"
+    (checkpoints / "6" / "meta" / "metadata").write_bytes(b"\x9a" * 64)
+    data = max((f for f in (checkpoints / "4" / "state").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    corrupt = bytearray(data.read_bytes())
+    for i in range(len(corrupt) // 2, len(corrupt) // 2 + 8):
+        corrupt[i] ^= 0xFF
+    data.write_bytes(bytes(corrupt))
+    cfg = make_config(run_dir, **LAYOUT, train={"steps": REFERENCE_STEPS}, checkpoint={"every": 2})
+    result = launch_train(write_config(tmp_path / "resume.yaml", cfg))
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"checkpoint {checkpoints / '6'} is unreadable (UnicodeDecodeError" in result.stderr
+    assert f"checkpoint {checkpoints / '4'} is unreadable" in result.stderr
+    assert "resuming from step 2 (" in result.stdout
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["2", "4", "6", "unreadable-4", "unreadable-6"]
+    np.testing.assert_allclose(losses(run_dir), one_process_losses, rtol=1e-5, atol=0)
+
+
 # -- the launcher stops everything when one process dies -------------------------------------------
 
 

@@ -7,12 +7,17 @@ array, on the devices that hold it, under any mesh and process count, and every 
 same answer. The first sum weighs each element by an odd number, so a change in any one element
 always changes it; the second is nonlinear in the bits, so changes that cancel in the first are
 still caught (all but 1 in 2**64 of them).
+
+Damage is told from other failures by what a read raises (`is_damage`), and by where: around a
+read of metadata alone, `parsing` turns what a parser raises on content not shaped as written
+into `DamagedCheckpoint`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -22,6 +27,17 @@ from jax.experimental import multihost_utils
 
 # TensorStore's status codes for files that are missing, cut short or fail to decode.
 _DAMAGE_CODES = ("DATA_LOSS", "NOT_FOUND", "OUT_OF_RANGE", "FAILED_PRECONDITION")
+# Every status code a TensorStore error begins with (absl's): such an error is judged by its code.
+_STATUS_CODES = ("CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
+                 "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
+                 "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED")
+# What decoding a file's bytes as JSON raises when they are not what was written: bytes that are
+# not UTF-8 (a flipped bit sets the high bit of an ASCII byte), or text that is not JSON.
+_UNDECODABLE = (UnicodeDecodeError, json.JSONDecodeError)
+# What parsing decoded metadata raises when it is not shaped as written: a key missing (KeyError),
+# a value of another type (TypeError, AttributeError), an unknown type or key kind (Orbax's
+# ValueError), an index past a list's end (IndexError, Orbax's AssertionError).
+_MALFORMED = (LookupError, TypeError, AttributeError, AssertionError, ValueError)
 OK, DAMAGED, FAILED = 0, 1, 2
 
 
@@ -108,11 +124,28 @@ def is_damage(err: BaseException) -> bool:
     """Whether `err` (or an error it wraps) means a checkpoint's files are missing, cut short or
     corrupt, rather than a failure of this machine (memory, a transient I/O error) or a bug."""
     for cause in _chain(err):
-        if isinstance(cause, (DamagedCheckpoint, FileNotFoundError, json.JSONDecodeError)):
+        if isinstance(cause, (DamagedCheckpoint, FileNotFoundError, *_UNDECODABLE)):
             return True
         if isinstance(cause, ValueError) and str(cause).startswith(_DAMAGE_CODES):
             return True
     return False
+
+
+@contextlib.contextmanager
+def parsing(what: str) -> Iterator[None]:
+    """Raises `DamagedCheckpoint` for what parsing `what`, a checkpoint's metadata, raises on
+    content that is not shaped as it was written (a key missing, a value of another type).
+
+    For reads whose only input is the files (no arrays, no caller's objects): there such an error
+    comes from the content, not from a bug. Other errors pass unchanged: I/O and memory errors,
+    and TensorStore's, which `is_damage` judges by their status code.
+    """
+    try:
+        yield
+    except _MALFORMED as err:
+        if isinstance(err, ValueError) and str(err).startswith(_STATUS_CODES):
+            raise
+        raise DamagedCheckpoint(f"{what} is malformed ({type(err).__name__}: {err})") from err
 
 
 def _chain(err: BaseException) -> Iterable[BaseException]:

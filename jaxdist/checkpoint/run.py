@@ -19,10 +19,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import pydantic
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist import models
-from jaxdist.checkpoint.integrity import is_damage
+from jaxdist.checkpoint.integrity import DamagedCheckpoint, is_damage
 from jaxdist.checkpoint.store import (
     DIVERGED_PREFIX,
     SUPERSEDED_PREFIX,
@@ -98,6 +99,39 @@ def run_meta(cfg: Config, mesh: Mesh, position: DataPosition, bad_steps_in_a_row
     }
 
 
+class _SavedData(pydantic.BaseModel):
+    example: int
+
+
+class _SavedTrain(pydantic.BaseModel):
+    steps: int
+
+
+class _SavedConfig(pydantic.BaseModel):
+    train: _SavedTrain
+
+
+class _SavedMeta(pydantic.BaseModel):
+    """What resuming reads of a checkpoint's meta (see `run_meta`; other keys are not read)."""
+
+    data: _SavedData
+    config: _SavedConfig
+    mesh: dict[str, int]
+    process_count: int
+    bad_steps_in_a_row: int = 0  # absent from checkpoints saved before it was counted
+
+
+def _check_meta(meta: dict[str, Any]) -> None:
+    """Raises `DamagedCheckpoint` if a checkpoint's meta lacks what resuming reads from it: its
+    file decodes as JSON, but it is not what `run_meta` wrote."""
+    try:
+        _SavedMeta.model_validate(meta)
+    except pydantic.ValidationError as err:
+        problem = err.errors()[0]
+        where = ".".join(map(str, problem["loc"]))
+        raise DamagedCheckpoint(f"its meta is malformed ({where}: {problem['msg']})") from None
+
+
 class RunCheckpoints:
     """The training loop's checkpoint policy for one run directory.
 
@@ -145,7 +179,7 @@ class RunCheckpoints:
             candidates = self._candidates(store, wanted)
             for step in reversed(candidates):
                 try:
-                    saved, meta = store.saved_shapes(step), store.meta(step)
+                    saved, meta = store.read_metadata(step, meta_check=_check_meta)
                 except Exception as err:
                     if not is_damage(err):
                         raise
@@ -174,7 +208,7 @@ class RunCheckpoints:
             raise UserError(f"checkpoint.resume_step={wanted}: there is no checkpoint of step {wanted} in "
                             f"{self.directory} (complete checkpoints: {listed}); pick one of those")
         newest = steps[-1]
-        if newest > wanted and store.meta(newest)["config"]["checkpoint"].get("resume_step") == wanted:
+        if newest > wanted and _resumed_from(store, newest) == wanted:
             self.log(f"checkpoint.resume_step={wanted} was taken by an earlier start: going on from its newest "
                      f"checkpoint, step {newest}")
             return steps
@@ -203,7 +237,7 @@ class RunCheckpoints:
             if not any(leaf is fresh for fresh in kept):
                 leaf.delete()
         with self._explaining_mismatch(self._store):
-            restored = self._store.restore_latest(target, newest=self._planned)
+            restored = self._store.restore_latest(target, newest=self._planned, meta_check=_check_meta)
         if restored is None:
             self._store.close()
             raise UserError(
@@ -406,6 +440,18 @@ def _all_finite(params: Any, replicated: NamedSharding) -> jax.Array:
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(params)
                                 if jnp.issubdtype(leaf.dtype, jnp.inexact)] or [jnp.bool_(True)]))
     return jax.lax.with_sharding_constraint(finite, replicated)  # every process reads the answer
+
+
+def _resumed_from(store: Checkpoints, step: int) -> int | None:
+    """The `checkpoint.resume_step` of the run that saved checkpoint `step` (None: none, or its meta is damaged)."""
+    try:
+        meta = store.meta(step)
+    except Exception as err:
+        if not is_damage(err):
+            raise
+        return None
+    config = meta.get("config") if isinstance(meta, dict) else None
+    return ((config or {}).get("checkpoint") or {}).get("resume_step")
 
 
 def _position(step: int, meta: dict[str, Any]) -> DataPosition:

@@ -42,7 +42,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxdist.checkpoint.integrity import (DamagedCheckpoint, PendingDigests, agree, array_digests, differences,
-                                          is_damage, start_digests)
+                                          is_damage, parsing, start_digests)
 from jaxdist.errors import UserError, warn
 
 STATE, META, DIGESTS = "state", "meta", "digests"
@@ -512,32 +512,58 @@ class Checkpoints:
     @_after_writes
     def saved_shapes(self, step: int) -> dict[str, tuple]:
         """`{dotted.path: (shape, dtype)}` of the state saved at `step`, from its metadata alone."""
-        return leaf_shapes(self._state_metadata(step).tree)
+        return leaf_shapes(self._state_tree(step))
 
-    def _state_metadata(self, step: int) -> Any:
-        saved = self._manager.item_metadata(step).get(STATE)  # None, or absent from a step's stray files
+    def _state_tree(self, step: int) -> Any:
+        """The metadata of the state saved at `step`: its pytree of array metadata."""
+        with parsing(f"the metadata of {self.path(step) / STATE}"):
+            saved = self._manager.item_metadata(step).get(STATE)  # None, or absent from a step's stray files
         if saved is None:
             raise DamagedCheckpoint(f"checkpoint {self.path(step)} has no readable metadata of its state")
-        return saved
+        return saved.tree
+
+    def _json_object(self, step: int, item: str, value: Any) -> dict[str, Any]:
+        """`value`, JSON item `item` of checkpoint `step` as read, if it is the object that was written."""
+        if not isinstance(value, dict):
+            raise DamagedCheckpoint(f"{self.path(step) / item} is malformed (a JSON {type(value).__name__}, not an object)")
+        return value
 
     @_after_writes
     def meta(self, step: int) -> dict[str, Any]:
         """The JSON meta of checkpoint `step` (see `jaxdist.checkpoint.run.run_meta`)."""
         restored = self._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))
-        return dict(restored[META])
+        return self._json_object(step, META, restored[META])
+
+    @_after_writes
+    def read_metadata(self, step: int, meta_check: Callable[[dict[str, Any]], None] | None = None,
+                      ) -> tuple[dict[str, tuple], dict[str, Any]]:
+        """`saved_shapes(step)` and `meta(step)`, the meta checked by `meta_check` (which raises
+        `DamagedCheckpoint` if it lacks what the caller reads from it). Collective, like `restore`:
+        if reading fails on any process, it raises on every one, an error for which `is_damage`
+        holds if the checkpoint is damaged."""
+        try:
+            saved, meta, err = self.saved_shapes(step), self.meta(step), None
+            if meta_check is not None:
+                meta_check(meta)
+        except Exception as caught:  # noqa: BLE001  (every process must learn how the others fared)
+            saved, meta, err = None, None, caught
+        agree(err)
+        return saved, meta
 
     @_after_writes
     def read_parts(self, step: int, parts: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
         """The parts of checkpoint `step`'s state named in `parts` that it holds (e.g. params and
         model_state) as numpy arrays on this host (nothing else of the state is read), and its meta."""
-        tree = self._state_metadata(step).tree
-        saved = {part: tree[part] for part in parts if tree.get(part) is not None}
+        tree = self._state_tree(step)
+        with parsing(f"the metadata of {self.path(step) / STATE}"):  # a run's state has named fields
+            saved = {part: tree[part] for part in parts if tree.get(part) is not None}
         as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), saved)
         state = ocp.args.PyTreeRestore(item=saved, restore_args=as_numpy, partial_restore=True)
         restored = self._manager.restore(step, args=ocp.args.Composite(**{STATE: state, META: ocp.args.JsonRestore()}))
+        meta = self._json_object(step, META, restored[META])
         found = {part: restored[STATE][part] for part in saved}
         self.verify(step, found)
-        return found, dict(restored[META])
+        return found, meta
 
     def check_fits(self, step: int, target: Any, part: str | None = None) -> None:
         """Raises `CheckpointMismatch` naming the first leaf whose shape differs from `target`'s.
@@ -554,21 +580,25 @@ class Checkpoints:
         return saved
 
     @_after_writes
-    def restore(self, step: int, target: Any, verify: bool = True) -> Restored:
+    def restore(self, step: int, target: Any, verify: bool = True,
+                meta_check: Callable[[dict[str, Any]], None] | None = None) -> Restored:
         """Checkpoint `step` read into `target`'s shapes, dtypes and shardings (any mesh).
 
         Typed PRNG key arrays in `target` come back typed, with their implementation. Arrays are
         read in their saved dtype, checked against their digests (unless `verify` is False) and
-        then cast. Collective: if reading fails on any process, it raises on every one (see
-        `integrity.agree`); a damaged checkpoint raises an error for which `is_damage` holds.
+        then cast. The meta is checked by `meta_check`, as in `read_metadata`. Collective: if
+        reading fails on any process, it raises on every one (see `integrity.agree`); a damaged
+        checkpoint raises an error for which `is_damage` holds.
         """
         try:
-            state, meta, err = *self._read(step, target), None
+            state, meta = self._read(step, target)
+            if meta_check is not None:
+                meta_check(meta)
+            digests, err = self._saved_digests(step) if verify else None, None
         except Exception as caught:  # noqa: BLE001  (every process must learn how the others fared)
-            state, meta, err = None, None, caught
+            state, meta, digests, err = None, None, None, caught
         agree(err)
-        if verify:
-            self.verify(step, state)
+        self._check_digests(digests, state)  # on replicated sums: every process reaches the same verdict
         state = jax.tree.map(_as_target, target, state)
         return Restored(step, state, meta, self.path(step))
 
@@ -582,36 +612,50 @@ class Checkpoints:
             STATE: ocp.args.PyTreeRestore(read_target, restore_args), META: ocp.args.JsonRestore(),
         })
         restored = self._manager.restore(step, args=args)
-        return restored[STATE], dict(restored[META])
+        return restored[STATE], self._json_object(step, META, restored[META])
 
     @_after_writes
     def verify(self, step: int, state: Any) -> None:
         """Raises `DamagedCheckpoint` if any array of `state`, read from checkpoint `step`, differs
         from the digest saved with it. A checkpoint written before digests were saved is used as
-        it is, with a warning. Collective, like `restore`."""
+        it is, with a warning. Collective in its digest computation, not in its read of the saved
+        digests (`restore` reads those before its processes agree)."""
+        self._check_digests(self._saved_digests(step), state)
+
+    def _saved_digests(self, step: int) -> dict[str, Any] | None:
+        """The digests saved with checkpoint `step`; None, with a warning, if it has none."""
         if not (self.path(step) / DIGESTS).is_dir():
             warn(f"checkpoint {self.path(step)} has no digests (saved by an older jaxdist): not verified")
+            return None
+        restored = self._manager.restore(step, args=ocp.args.Composite(**{DIGESTS: ocp.args.JsonRestore()}))
+        return self._json_object(step, DIGESTS, restored[DIGESTS])
+
+    @staticmethod
+    def _check_digests(saved: dict[str, Any] | None, state: Any) -> None:
+        """Raises `DamagedCheckpoint` if any array of `state` differs from its digest in `saved`
+        (None: nothing to check). Collective: every process computes the digests of the arrays."""
+        if saved is None:
             return
-        saved = self._manager.restore(step, args=ocp.args.Composite(**{DIGESTS: ocp.args.JsonRestore()}))[DIGESTS]
-        wrong = differences(dict(saved), array_digests(named_arrays(state)))
+        wrong = differences(saved, array_digests(named_arrays(state)))
         if wrong:
             more = f" and {len(wrong) - 1} more" if len(wrong) > 1 else ""
             raise DamagedCheckpoint(f"{wrong[0]}{more} differ from the digests saved with them")
 
-    def restore_latest(self, target: Any, newest: int | None = None) -> Restored | None:
+    def restore_latest(self, target: Any, newest: int | None = None,
+                       meta_check: Callable[[dict[str, Any]], None] | None = None) -> Restored | None:
         """The newest checkpoint (up to step `newest`) that reads back; None if there is none.
 
-        One that is damaged (files missing, cut short or corrupt, or arrays that differ from
-        their digests) is set aside (see `set_aside`) and the one before it is tried. Any other
-        error (out of memory, a transient I/O error) is raised, and nothing is set aside. One
-        whose shapes differ from the target raises `CheckpointMismatch`: that is the wrong
-        model, not a damaged file.
+        One that is damaged (files missing, cut short or corrupt, metadata that fails to parse or
+        fails `meta_check`, or arrays that differ from their digests) is set aside (see
+        `set_aside`) and the one before it is tried. Any other error (out of memory, a transient
+        I/O error) is raised, and nothing is set aside. One whose shapes differ from the target
+        raises `CheckpointMismatch`: that is the wrong model, not a damaged file.
         """
         for step in reversed(self.steps()):
             if newest is not None and step > newest:
                 continue
             try:
-                return self.restore(step, target)
+                return self.restore(step, target, meta_check=meta_check)
             except Exception as err:
                 if not is_damage(err):
                     raise
