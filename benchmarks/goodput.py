@@ -2,8 +2,9 @@
 
     PYTHONPATH=. python benchmarks/goodput.py --out DIR [--scratch DIR] [--parts checkpoint,start,run] [--gpus 2]
 
-- checkpoint: `benchmarks/bench_checkpoint.py` on gpt_406m (every host copy) and gpt_1b4 (the
-  default), one GPU: each save's cost to the loop, the write, the steps beside it, the restore.
+- checkpoint: `benchmarks/bench_checkpoint.py` on gpt_406m and gpt_1b4 under `--host-copies`
+  (default: pinned, the GPU's), one GPU: each save's cost to the loop, the write, the steps
+  beside it, the restore.
 - start: `jaxdist train gpt_406m` for 2 steps twice, from an empty cache (cold: kernels built,
   step compiled) and again (warm: both cached); the start-up's parts as the run reports them.
 - run: gpt_406m for `--steps` steps (default 1,000) with a save every 100 and an eval every 500, on
@@ -44,14 +45,14 @@ def jaxdist(*args: str) -> list[str]:
     return [sys.executable, "-m", "jaxdist.cli", *args]
 
 
-# Per recipe: the host copies compared and the saves timed of each.
-CHECKPOINT_RUNS = {"gpt_406m": ("numpy,pinned,device", "4"), "gpt_1b4": ("pinned,device", "3")}
+# Per recipe: the saves timed under each host copy.
+CHECKPOINT_SAVES = {"gpt_406m": "4", "gpt_1b4": "3"}
 
 
-def checkpoint_part(out: Path, scratch: Path, recipes: list[str]) -> list[dict]:
+def checkpoint_part(out: Path, scratch: Path, recipes: list[str], copies: str) -> list[dict]:
     rows = []
     for recipe in recipes:
-        copies, saves = CHECKPOINT_RUNS[recipe]
+        saves = CHECKPOINT_SAVES[recipe]
         text = run([sys.executable, "benchmarks/bench_checkpoint.py", recipe, "mesh.fsdp=1", "--dir",
                     str(scratch / "ckpt"), "--host-copies", copies, "--saves", saves],
                    out / f"checkpoint_{recipe}.log", {"CUDA_VISIBLE_DEVICES": "0"})
@@ -101,7 +102,8 @@ def main() -> None:
     parser.add_argument("--parts", default="checkpoint,start,run")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--gpus", type=int, default=2)
-    parser.add_argument("--checkpoint-recipes", default=",".join(CHECKPOINT_RUNS))
+    parser.add_argument("--checkpoint-recipes", default=",".join(CHECKPOINT_SAVES))
+    parser.add_argument("--host-copies", default="pinned", help="checkpoint part: the host copies compared")
     args = parser.parse_args()
     out, scratch = Path(args.out), Path(args.scratch)
     out.mkdir(parents=True, exist_ok=True)
@@ -109,7 +111,7 @@ def main() -> None:
     parts = args.parts.split(",")
     results = {}
     if "checkpoint" in parts:
-        results["checkpoint"] = checkpoint_part(out, scratch, args.checkpoint_recipes.split(","))
+        results["checkpoint"] = checkpoint_part(out, scratch, args.checkpoint_recipes.split(","), args.host_copies)
     if "start" in parts:
         results["start"] = start_part(out, scratch)
     if "run" in parts:

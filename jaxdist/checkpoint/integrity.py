@@ -2,7 +2,7 @@
 
 A digest of an array is two 32-bit sums over its elements, each element's bits mixed with its
 row-major index in the global array. Sums modulo 2**32 come out the same in any order of addition,
-so the digest does not depend on how the array is split: it is one jitted reduction over the global
+so the digest does not depend on how the array is split: it is a jitted reduction over the global
 array, on the devices that hold it, under any mesh and process count, and every process gets the
 same answer. The first sum weighs each element by an odd number, so a change in any one element
 always changes it; the second is nonlinear in the bits, so changes that cancel in the first are
@@ -57,24 +57,38 @@ def array_digests(arrays: dict[str, Any]) -> dict[str, list[int]]:
 class PendingDigests:
     """Digests being computed on the devices; `result` waits for them (from any thread)."""
 
-    def __init__(self, names: list[str], sums: jax.Array | None):
-        self._names, self._sums = names, sums
+    def __init__(self, sums: dict[str, jax.Array]):
+        self._sums = sums
 
     def result(self) -> dict[str, list[int]]:
-        if self._sums is None:
-            return {}
         # Replicated on every device: this process's first copy is the whole answer.
-        return dict(zip(self._names, np.asarray(self._sums.addressable_data(0)).tolist()))
+        return {name: np.asarray(sums.addressable_data(0)).tolist() for name, sums in self._sums.items()}
 
 
 def start_digests(arrays: dict[str, Any]) -> PendingDigests:
-    """Dispatches `array_digests` without waiting for it (collective, like it)."""
-    return PendingDigests(list(arrays), _digest_all(list(arrays.values())) if arrays else None)
+    """Dispatches `array_digests` without waiting for it (collective, like it).
+
+    One small program per distinct shape, dtype and sharding, not one for the whole state: XLA
+    compiles a state's hundreds of reductions as one program many times slower than the few
+    distinct ones. On CPU each runs to the end before the next starts: XLA's in-process CPU
+    collectives can deadlock when programs overlap on simulated devices."""
+    sums = {}
+    for name, array in arrays.items():
+        sums[name] = _digest_one(array)
+        if _on_cpu(array):
+            sums[name].block_until_ready()
+    return PendingDigests(sums)
+
+
+def _on_cpu(array: Any) -> bool:
+    """Whether a digest of `array` runs on CPU devices (a host array's runs on the default device)."""
+    device = next(iter(array.sharding.device_set)) if isinstance(array, jax.Array) else jax.devices()[0]
+    return device.platform == "cpu"
 
 
 @jax.jit
-def _digest_all(leaves: list) -> jax.Array:
-    return jnp.stack([_digest(leaf) for leaf in leaves])
+def _digest_one(x: jax.Array) -> jax.Array:
+    return _digest(x)
 
 
 def _digest(x: jax.Array) -> jax.Array:

@@ -224,6 +224,8 @@ class RunCheckpoints:
         # Rotation is this policy's (`confirm`), not Orbax's: a checkpoint is kept until confirmed.
         self._store = Checkpoints(self.directory, keep=None, write_timeout=self.cfg.checkpoint.write_timeout)
         if self._planned is None:
+            if self.enabled:
+                self._store.start_warm_up(trainer.state)
             return self.start
         for newer in self._newer_than_planned:
             aside = self._store.set_aside(newer, reason=f"checkpoint.resume_step={self._planned} resumes before it",
@@ -245,6 +247,7 @@ class RunCheckpoints:
                 f"renamed {UNREADABLE_PREFIX}<step>); fix them, or start over with another run_dir"
             )
         trainer.state = complete.state(restored.state, trainer.state)
+        self._store.start_warm_up(trainer.state)
         self.start = _position(restored.step, restored.meta)
         self._unconfirmed = [restored.step]
         # Checkpoints written before the count was saved hold none: their runs start from 0.

@@ -167,19 +167,55 @@ def _numpy_handler() -> ocp.type_handlers.NumpyHandler:
 #   only). On a CPU there is no transfer to hide, and whole host arrays are the cheapest to write
 #   (Orbax writes a jax.Array shard by shard, with Python bookkeeping for each: 231 device shards
 #   for the tiny GPT on 8 devices took twice the CPU, and on a CPU-bound step that is step time).
-# - pinned: a `device_put` into pinned host memory, dispatched like a computation: `save` returns at
-#   once, the device copies at full PCIe speed, and the next step waits only for the copy of the
-#   buffers it overwrites.
-# - device: a copy on the device (HBM bandwidth), then the transfer to host from the background
-#   thread while the next steps run; costs the state's bytes of device memory until then.
+# - device: a copy on the device (at HBM bandwidth: milliseconds), then, on the writer thread, the
+#   transfer of that copy into pinned host memory while the next steps run. Costs the state's bytes
+#   of device memory until the transfer is done.
+# - pinned: the transfer into pinned host memory dispatched from `save`, for a state that cannot
+#   be held twice on the devices: the next step waits for the copy of the buffers it overwrites,
+#   and the loop for the allocation of the pinned buffers (about 1 GB/s).
+# A GPU uses `device` where the device has room for the copy, else `pinned` (benchmarks/README.md
+# has the measurements).
 HostCopy = Literal["numpy", "pinned", "device"]
 HOST_COPIES: tuple[HostCopy, ...] = ("numpy", "pinned", "device")
+_ROOM = 1.25  # free device memory a device copy needs, over the state's bytes on that device
 
 
-def default_host_copy(platform: str) -> HostCopy:
-    """The host copy for a platform: numpy on a CPU with one process (several processes each hold
-    only some shards, which must stay jax.Arrays), pinned elsewhere."""
-    return "numpy" if platform == "cpu" and jax.process_count() == 1 else "pinned"
+def default_host_copy(state: Any) -> HostCopy:
+    """The host copy for `state` where none is set: numpy on a CPU with one process (several
+    processes each hold only some shards, which must stay jax.Arrays), else device where every
+    device has room for a copy of its part of the state, else pinned."""
+    arrays = _arrays(state)
+    if not arrays:
+        return "numpy"
+    if _platform(state) == "cpu":
+        return "numpy" if jax.process_count() == 1 else "pinned"
+    held: dict[Any, int] = {}
+    for array in arrays:
+        for shard in array.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    for device, nbytes in held.items():
+        stats = device.memory_stats() or {}
+        free = stats.get("bytes_limit", 0) - stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0))
+        if free < _ROOM * nbytes:
+            return "pinned"
+    return "device"
+
+
+def _arrays(state: Any) -> list[jax.Array]:
+    """The state's arrays a save copies off the devices (typed PRNG keys stay: Orbax stores their key data)."""
+    return [leaf for leaf in jax.tree.leaves(state) if isinstance(leaf, jax.Array)
+            and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended)]
+
+
+def _pinned(arrays: list[jax.Array]) -> list[jax.Array]:
+    """The arrays' copies in pinned host memory (dispatched; blocks only to allocate them)."""
+    return jax.device_put(arrays, [array.sharding.with_memory_kind("pinned_host") for array in arrays])
+
+
+def _allocate_pinned(arrays: list[jax.Array]) -> None:
+    """Copies the arrays into pinned host memory and lets the copies go: what a save allocates."""
+    for copy in jax.block_until_ready(_pinned(arrays)):
+        copy.delete()
 
 
 @jax.jit
@@ -198,9 +234,8 @@ class _Snapshot:
         one_process = jax.process_count() == 1
         if how == "numpy" and not one_process:
             raise ValueError("host copy 'numpy' writes whole arrays, which needs one process")
-        # Typed PRNG key arrays stay jax.Arrays (Orbax stores their key data and implementation).
-        self._moved = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)
-                       and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended)]
+        moved = {id(array) for array in _arrays(state)}
+        self._moved = [i for i, leaf in enumerate(leaves) if id(leaf) in moved]
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, np.ndarray):
                 leaves[i] = leaf.copy()  # the caller may change it while the write goes on
@@ -208,34 +243,31 @@ class _Snapshot:
         if one_process:  # written whole (see `_chunked`)
             for i in self._moved:
                 self._save_args[i] = _chunked(leaves[i])
-        if how == "numpy":
-            arrays = jax.device_get(arrays)
-        elif how == "pinned":
-            arrays = jax.device_put(arrays, [array.sharding.with_memory_kind("pinned_host") for array in arrays])
-        else:
-            arrays = _device_copies(arrays)
-        for i, array in zip(self._moved, arrays):
+        copies = {"numpy": jax.device_get, "pinned": _pinned, "device": _device_copies}[how](arrays)
+        for i, array in zip(self._moved, copies):
             leaves[i] = array
         self._leaves, self._how = leaves, how
 
     def to_write(self) -> ocp.args.PyTreeSave:
         """What Orbax writes: with one process whole numpy arrays, else each process's shards as jax.Arrays."""
         leaves = list(self._leaves)
+        moved = [leaves[i] for i in self._moved]
+        if self._how == "device":
+            on_device, moved = moved, jax.block_until_ready(_pinned(moved))
+            for array in on_device:
+                array.delete()  # the device memory the copy held, free as soon as it is on the host
         if jax.process_count() == 1 and self._how != "numpy":
-            moved = [leaves[i] for i in self._moved]
-            for i, host in zip(self._moved, jax.device_get(moved)):
-                leaves[i] = host
-            if self._how == "device":
-                for array in moved:
-                    array.delete()  # the device memory the copy held
+            moved = jax.device_get(moved)
+        for i, array in zip(self._moved, moved):
+            leaves[i] = array
         return ocp.args.PyTreeSave(jax.tree.unflatten(self._treedef, leaves),
                                    save_args=jax.tree.unflatten(self._treedef, self._save_args))
 
     def release(self) -> None:
-        """Frees what the snapshot holds on the devices (a device copy), once written."""
+        """Frees what the snapshot holds on the devices (a device copy not yet transferred)."""
         if self._how == "device":
             for i in self._moved:
-                if not self._leaves[i].is_deleted():
+                if isinstance(self._leaves[i], jax.Array) and not self._leaves[i].is_deleted():
                     self._leaves[i].delete()
 
 
@@ -309,7 +341,8 @@ def _chunked(array: jax.Array) -> ocp.SaveArgs:
 def _registry() -> ocp.handlers.CheckpointHandlerRegistry:
     """Which Orbax handler reads and writes each item (also needed to read metadata before restoring)."""
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    state_handler = ocp.PyTreeCheckpointHandler(type_handler_registry=_type_handlers())
+    # Uncompressed: zstd took most of a write's CPU for 15% fewer bytes (float weights barely compress).
+    state_handler = ocp.PyTreeCheckpointHandler(type_handler_registry=_type_handlers(), use_compression=False)
     meta_handler = ocp.JsonCheckpointHandler()
     for args in (ocp.args.PyTreeSave, ocp.args.PyTreeRestore):
         registry.add(STATE, args, state_handler)
@@ -337,7 +370,8 @@ class Checkpoints:
     Every process must make the same calls in the same order (saving and restoring are collective).
     With `create=False` nothing is written to disk until `save`. `keep`: how many of the newest
     checkpoints Orbax keeps as it saves; None keeps every one (the caller deletes with `prune`).
-    `host_copy`: how a save copies the state off the devices (`HOST_COPIES`; default by platform).
+    `host_copy`: how a save copies the state off the devices (`HOST_COPIES`; default: chosen at the
+    first save by `default_host_copy`).
     `write_timeout`: seconds a write may take before a wait for it gives up (a stuck file system).
     """
 
@@ -359,6 +393,7 @@ class Checkpoints:
         self._pending: concurrent.futures.Future | None = None
         self.last_write_s: float | None = None  # how long the last complete write took, from its save
         self._writer: _Writer | None = None
+        self._warming: concurrent.futures.Future | None = None
         self._write_failed = False
 
     def __enter__(self) -> Checkpoints:
@@ -387,13 +422,11 @@ class Checkpoints:
         if step == self.last_saved:
             return
         self.wait_for_write()
-        how = self.host_copy or default_host_copy(_platform(state))
+        how = self.host_copy = self.host_copy or default_host_copy(state)
         digests = start_digests(named_arrays(state))
         snapshot = _Snapshot(state, how)
-        if self._writer is None:
-            self._writer = _Writer()
         self.writing = step
-        self._pending = self._writer.submit(functools.partial(self._write, step, snapshot, digests, meta))
+        self._pending = self._writer_thread().submit(functools.partial(self._write, step, snapshot, digests, meta))
 
     def _write(self, step: int, snapshot: _Snapshot, digests: PendingDigests, meta: dict[str, Any]) -> float:
         """On the writer thread: finishes the copy to host, writes and commits checkpoint `step`;
@@ -408,14 +441,23 @@ class Checkpoints:
             snapshot.release()
         return time.perf_counter() - snapshot.started
 
+    def start_warm_up(self, state: Any) -> None:
+        """Starts, on the writer thread, what the first save would otherwise pay for: the pinned host
+        buffers a GPU's save copies into (their allocation runs at about 1 GB/s and holds up the
+        GPU; the allocator keeps them for every save after). Call it while the GPU idles (before
+        compiling the step), and `warm_up` before the next step."""
+        if _platform(state) != "cpu" and self.host_copy != "numpy" and (arrays := _arrays(state)):
+            self._warming = self._writer_thread().submit(functools.partial(_allocate_pinned, arrays))
+
     def warm_up(self, state: Any) -> None:
-        """Compiles what a save of `state` runs on the devices (its digests, its copy), so that the
-        first save costs the loop no more than the others."""
+        """Compiles what a save of `state` runs on the devices (its digests, a device copy) and waits
+        for `start_warm_up`, so that the first save costs the loop no more than the others."""
         start_digests(named_arrays(state)).result()
-        if (self.host_copy or default_host_copy(_platform(state))) == "device":
-            leaves = [leaf for leaf in jax.tree.leaves(state) if isinstance(leaf, jax.Array)
-                      and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended)]
-            _device_copies.lower(leaves).compile()
+        if _platform(state) != "cpu" and self.host_copy in (None, "device"):
+            _device_copies.lower(_arrays(state)).compile()
+        if self._warming is not None:
+            self._warming.result(self.write_timeout)
+            self._warming = None
 
     def poll(self) -> int | None:
         """The step of a save that completed since the last call, else None; raises
@@ -471,9 +513,12 @@ class Checkpoints:
                 if not (keep_every and step % keep_every == 0):
                     self._manager.delete(step)
 
+        self._writer_thread().submit(delete_old)
+
+    def _writer_thread(self) -> _Writer:
         if self._writer is None:
             self._writer = _Writer()
-        self._writer.submit(delete_old)
+        return self._writer
 
     def close(self, wait: bool = True) -> None:
         """Waits for pending writes (and deletions) and releases Orbax's threads (raises like

@@ -27,10 +27,10 @@ def measure(trainer, batch: dict, cfg, directory: str | Path, saves: int = 4, wi
             host_copy: HostCopy | None = None) -> dict[str, Any]:
     """Times `saves` saves of `trainer.state` into `directory` (see the module docstring); the
     trainer must be compiled and warmed up. Returns the figures in seconds and bytes."""
-    platform = trainer.mesh.devices.flat[0].platform
-    how = host_copy or default_host_copy(platform)
+    how = host_copy or default_host_copy(trainer.state)
     store = Checkpoints(directory, keep=1, host_copy=how)
     started = time.perf_counter()
+    store.start_warm_up(trainer.state)
     store.warm_up(trainer.state)
     warm_up_s = time.perf_counter() - started
     plain = [_window(trainer, batch, window) for _ in range(3)]
