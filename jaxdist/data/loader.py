@@ -72,7 +72,7 @@ def open_split(cfg: Config, split: str, keys: tuple[str, ...] = ()):
         arrays = _array_split(path, split, data.eval_fraction, keys or None)
     _check_shapes(arrays, cfg, name)
     _check_ids(arrays, cfg, name)
-    return sources.ArraySource(arrays, name, pixels=_integer_pixels(arrays, name))
+    return sources.ArraySource(_eight_bit_pixels(arrays, name), name)
 
 
 def _check_shapes(arrays: dict[str, np.ndarray], cfg: Config, name: str) -> None:
@@ -115,18 +115,18 @@ def _shape(array: np.ndarray) -> str:
     return f"[{', '.join(['N', *map(str, array.shape[1:])])}]"
 
 
-def _integer_pixels(arrays: dict[str, np.ndarray], name: str) -> tuple[str, ...]:
-    """("images",) where the images are integers: 8-bit pixels (as CIFAR and MNIST ship), read as
-    float32 / 255 like the `images` source's records, so every classifier sees [0, 1]."""
+def _eight_bit_pixels(arrays: dict[str, np.ndarray], name: str) -> dict[str, np.ndarray]:
+    """`arrays` with integer images as uint8: they are 8-bit pixels (as CIFAR and MNIST ship), fed
+    as the `images` source's records are and scaled to [0, 1] by the classifier, on the device."""
     images = arrays.get("images")
-    if images is None or not np.issubdtype(images.dtype, np.integer):
-        return ()
-    if images.dtype != np.uint8 and images.size:
+    if images is None or not np.issubdtype(images.dtype, np.integer) or images.dtype == np.uint8:
+        return arrays
+    if images.size:
         low, high = int(images.min()), int(images.max())
         if low < 0 or high > 255:
             raise UserError(f"{name}: images holds integers from {low} to {high}; integer images are read as "
                             f"8-bit pixels (0 to 255, divided by 255): save them as uint8, or as float32 in [0, 1]")
-    return ("images",)
+    return {**arrays, "images": images.astype(np.uint8)}
 
 
 def _check_ids(arrays: dict[str, np.ndarray], cfg: Config, name: str) -> None:
