@@ -120,11 +120,19 @@ def test_eval_batches_are_never_augmented(arrays_config):
     np.testing.assert_array_equal(weights, [1] * 10 + [0] * 6)
 
 
-@pytest.mark.parametrize("pad", [3, 8, 11])  # up to a padding wider than the 8 x 8 image
-def test_the_crop_equals_numpys_padding_at_the_drawn_offset(pad):
+# Float RGB, 8-bit RGB (a prepared folder's pixels), 8-bit gray, and 4 float channels.
+IMAGES = [IMAGE, (IMAGE * 200).astype(np.uint8), (IMAGE[..., :1] * 200).astype(np.uint8),
+          np.concatenate([IMAGE, IMAGE[..., :1]], axis=-1)]
+
+
+@pytest.mark.parametrize("image", IMAGES, ids=["float32_rgb", "uint8_rgb", "uint8_gray", "float32_4"])
+@pytest.mark.parametrize("pad", [0, 3, 8, 11])  # up to a padding wider than the 8 x 8 image
+def test_the_crop_equals_numpys_padding_at_the_drawn_offset(pad, image):
     augment = Augment(seed=5, crop_padding=pad, flip=True)
-    padded = np.pad(IMAGE, [(pad, pad), (pad, pad), (0, 0)])
+    padded = np.pad(image, [(pad, pad), (pad, pad), (0, 0)])
     for index in range(100):
         top, left, flip = augment.draws(index)
         window = padded[top : top + 8, left : left + 8]
-        np.testing.assert_array_equal(augment(index, {"images": IMAGE})["images"], window[:, ::-1] if flip else window)
+        out = augment(index, {"images": image})["images"]
+        assert out.dtype == image.dtype and out.flags.c_contiguous
+        np.testing.assert_array_equal(out, window[:, ::-1] if flip else window)
