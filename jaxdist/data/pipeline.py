@@ -125,6 +125,11 @@ def eval_batches(
 
 
 def _iterate(batches: grain.MapDataset, read_threads: int, prefetch: int, workers: int) -> Iterator:
+    """`batches` (a batched MapDataset), read ahead by threads, in worker processes where `workers`."""
+    if workers:
+        # Each worker stacks its batches straight into shared memory, which this process maps:
+        # else grain copies every finished batch into shared memory once more.
+        batches.enable_shared_memory_output()
     options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=prefetch)
     stream = batches.to_iter_dataset(options)
     if workers:
