@@ -60,9 +60,9 @@ def arrays_config(tmp_path):
     rng = np.random.default_rng(0)
     np.savez(tmp_path / "images.npz", images=rng.random((ROWS, 8, 8, 3), np.float32), labels=np.arange(ROWS, dtype=np.int32))
 
-    def config(global_batch=BATCH, **augment):
+    def config(global_batch=BATCH, workers=0, **augment):
         return make_config(tmp_path, data={"source": "arrays", "path": str(tmp_path / "images.npz"), "eval_fraction": 0.1,
-                                           "augment": augment}, train={"global_batch": global_batch})
+                                           "augment": augment, "workers": workers}, train={"global_batch": global_batch})
     return config
 
 
@@ -100,7 +100,9 @@ def test_a_resumed_iterator_and_every_process_see_the_same_augmented_batches(arr
     cfg = arrays_config(crop_padding=1, flip=True)
     whole = BatchRows(BATCH, tuple(range(BATCH)))
     running = list(islice(loader.train_iterator(cfg, whole), 25))  # 200 examples: into the third epoch
-    resumed = list(islice(loader.train_iterator(cfg, whole, start_example=13 * BATCH), 12))
+    # Resumed where another host's data.workers: auto resolves to worker processes: the same batches.
+    elsewhere = arrays_config(crop_padding=1, flip=True, workers=2)
+    resumed = list(islice(loader.train_iterator(elsewhere, whole, start_example=13 * BATCH), 12))
     halves = [list(islice(loader.train_iterator(cfg, BatchRows(BATCH, rows), start_example=13 * BATCH), 12))
               for rows in ((0, 1, 2, 3), (4, 5, 6, 7))]
     for step, batch in enumerate(running[13:]):

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from jaxdist.config import ClassifierSection, Config
@@ -24,6 +25,7 @@ from jaxdist.data import corpus, digits, pipeline, sources
 from jaxdist.data.augment import Augment
 from jaxdist.data import tokenizer as tokenizer_lib
 from jaxdist.errors import UserError, warn
+from jaxdist.parallel import distributed
 from jaxdist.parallel.feed import BatchRows
 
 Batch = dict[str, np.ndarray]
@@ -366,6 +368,29 @@ def resolve_model(cfg: Config) -> Config:
     return cfg.model_copy(update={"model": model.model_copy(update=update)})
 
 
+def resolve_workers(cfg: Config) -> Config:
+    """`cfg` with `data.workers: auto` set to a count (`pipeline.auto_workers`) from its data source,
+    this process's usable cores and the processes that share them. Any count gives the same
+    batches, so a resumed run may resolve another one on another host. Collective where several
+    processes run: every process must call it (`jaxdist train` does, where it takes the model's
+    sizes from the data)."""
+    if cfg.data.workers != "auto":
+        return cfg
+    workers = pipeline.auto_workers(cfg.data.source, pipeline.usable_cores(), distributed.processes_sharing_cores())
+    return cfg.model_copy(update={"data": cfg.data.model_copy(update={"workers": workers})})
+
+
+def describe(cfg: Config) -> str:
+    """One line on how the train batches are read: source, worker processes, threads, read-ahead."""
+    data = cfg.data
+    where = "" if data.path is None else f" from {data.path}"
+    readers = ("the training process" if data.workers == 0 else
+               f"data.workers={data.workers} worker processes" if data.workers == "auto" else
+               f"{data.workers} worker process{'es' if data.workers > 1 else ''}")
+    return (f"data: {data.source}{where}, read in {readers} ({data.read_threads} read threads, "
+            f"{data.prefetch} batches ahead)")
+
+
 def resolve_steps(cfg: Config, train_examples: int, start_step: int = 0, start_example: int = 0) -> Config:
     """`cfg` with `train.steps` set (when `data.epochs` is) to end the run after `data.epochs` passes
     over `train_examples`. A resumed run (`start_step` steps done, `start_example` examples read)
@@ -386,9 +411,15 @@ def train_iterator(cfg: Config, rows: BatchRows, start_example: int = 0, source=
     """This process's train batches (the `rows` it feeds of each global batch) from global example
     `start_example` on (0: the beginning), augmented as `data.augment` says.
 
-    After global step s the position is `s * train.global_batch`, under any process count.
+    After global step s the position is `s * train.global_batch`, under any process count and any
+    `data.workers`. A single process resolves `data.workers: auto` here if the config has not;
+    several processes must have resolved it (`resolve_workers`, a collective).
     """
     source = open_split(cfg, "train") if source is None else source
+    if cfg.data.workers == "auto" and jax.process_count() > 1:  # resolving it is a collective: never hidden here
+        raise UserError("data.workers=auto is not resolved; pass the config through "
+                        "jaxdist.data.loader.resolve_workers on every process first (jaxdist train does)")
+    cfg = resolve_workers(cfg)
     augment = Augment.from_config(cfg.data.augment, cfg.seed)
     if augment is not None and "images" not in source[0]:
         raise UserError(
