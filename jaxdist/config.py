@@ -379,10 +379,20 @@ class DataConfig(Section):
     eval_fraction: float = Field(
         0.01, ge=0, lt=1, description="share of stdlib files or array rows held out for eval")
     epochs: int | None = Field(None, gt=0, description="when set, decides train.steps")
-    workers: int = Field(0, ge=0, description="grain worker processes (0: read in this process; same batches)")
+    workers: int | Literal["auto"] = Field(
+        "auto", description="grain worker processes (0: read in the training process; any count reads the same "
+                            "batches); auto: from the host's cores per training process")
     read_threads: int = Field(2, ge=0, description="grain read threads")
     prefetch: int = Field(4, ge=0, description="grain read-ahead buffer, in elements")
     augment: AugmentConfig = Field(AugmentConfig(), description="random crops and flips of train images")
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers(cls, value: Any) -> Any:
+        if value == "auto" or (type(value) is int and value >= 0):
+            return value
+        raise ValueError(f"data.workers={value!r}: use a number of worker processes (0: read in the training "
+                         f"process), or auto")
 
     @model_validator(mode="after")
     def _path(self) -> DataConfig:

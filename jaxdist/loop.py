@@ -64,7 +64,7 @@ def train(cfg: Config, devices: list | None = None, restart: bool = False, start
     # does a checkpoint of another model in run_dir.
     wandb_log.check_installed(cfg)
     with clock.part("data"):
-        cfg = loader.resolve_model(cfg)
+        cfg = loader.resolve_workers(loader.resolve_model(cfg))  # resolved, so config.yaml and checkpoints hold them
         entry = models.get(cfg.model.name)
         keys = entry.batch_keys
         train_source = loader.open_split(cfg, "train", keys)
@@ -117,6 +117,7 @@ def _train(cfg: Config, entry: models.ModelEntry, layout: layout_lib.Layout, row
         f"; process 0 feeds rows {_ranges(rows.rows)} of each global batch of {rows.global_batch}")
     log(f"mesh {mesh_lib.describe(trainer.mesh)} on {len(trainer.mesh.devices.flat)} devices "
         f"({jax.process_count()} process(es)); rules preset {cfg.rules.preset}{reads}")
+    log(loader.describe(cfg))
     log(console.banner(
         processes=jax.process_count(), devices=trainer.mesh.devices.size,
         platform=trainer.mesh.devices.flat[0].platform, params=sum(p.size for p in jax.tree.leaves(trainer.params)),

@@ -2,9 +2,9 @@
 
     python tests/data_process.py PORT PROCESS_ID SHARD_DIR OUT_JSON
 
-Reads two epochs of train batches and one eval pass through the config-driven iterators, builds
-each global batch on the config's mesh spanning both processes, and writes what this process read and the
-gathered global batches as JSON.
+Resolves `data.workers: auto` as `jaxdist train` does, reads two epochs of train batches and one
+eval pass through the config-driven iterators, builds each global batch on the config's mesh
+spanning both processes, and writes what this process read and the gathered global batches as JSON.
 """
 
 import json
@@ -17,7 +17,7 @@ from jax.experimental import multihost_utils
 import jaxdist
 from jaxdist import config
 from jaxdist.data import loader
-from jaxdist.parallel import feed, layout
+from jaxdist.parallel import distributed, feed, layout
 
 
 def main(port: str, process_id: str, shard_dir: str, out: str) -> None:
@@ -27,10 +27,11 @@ def main(port: str, process_id: str, shard_dir: str, out: str) -> None:
         "data": {"source": "arrayrecord", "path": shard_dir},
         "model": {"seq_len": 16}, "train": {"global_batch": 8}, "eval": {"every": 1},
     })
+    cfg = loader.resolve_workers(cfg)
     run_layout = layout.from_config(cfg)
     rows = run_layout.process_rows(cfg.train.global_batch)
     steps = -(-2 * len(loader.open_split(cfg, "train")) // 8)
-    result = {"rows": list(rows.rows)}
+    result = {"rows": list(rows.rows), "workers": cfg.data.workers, "sharing": distributed.processes_sharing_cores()}
     for name, batches in (("train", loader.train_iterator(cfg, rows)), ("eval", loader.eval_iterator(cfg, rows))):
         local, gathered, weights = [], [], []
         for _, batch in zip(range(steps), batches):

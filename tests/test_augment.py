@@ -60,9 +60,9 @@ def arrays_config(tmp_path):
     rng = np.random.default_rng(0)
     np.savez(tmp_path / "images.npz", images=rng.random((ROWS, 8, 8, 3), np.float32), labels=np.arange(ROWS, dtype=np.int32))
 
-    def config(global_batch=BATCH, **augment):
+    def config(global_batch=BATCH, workers=0, **augment):
         return make_config(tmp_path, data={"source": "arrays", "path": str(tmp_path / "images.npz"), "eval_fraction": 0.1,
-                                           "augment": augment}, train={"global_batch": global_batch})
+                                           "augment": augment, "workers": workers}, train={"global_batch": global_batch})
     return config
 
 
@@ -100,7 +100,9 @@ def test_a_resumed_iterator_and_every_process_see_the_same_augmented_batches(arr
     cfg = arrays_config(crop_padding=1, flip=True)
     whole = BatchRows(BATCH, tuple(range(BATCH)))
     running = list(islice(loader.train_iterator(cfg, whole), 25))  # 200 examples: into the third epoch
-    resumed = list(islice(loader.train_iterator(cfg, whole, start_example=13 * BATCH), 12))
+    # Resumed where another host's data.workers: auto resolves to worker processes: the same batches.
+    elsewhere = arrays_config(crop_padding=1, flip=True, workers=2)
+    resumed = list(islice(loader.train_iterator(elsewhere, whole, start_example=13 * BATCH), 12))
     halves = [list(islice(loader.train_iterator(cfg, BatchRows(BATCH, rows), start_example=13 * BATCH), 12))
               for rows in ((0, 1, 2, 3), (4, 5, 6, 7))]
     for step, batch in enumerate(running[13:]):
@@ -120,11 +122,19 @@ def test_eval_batches_are_never_augmented(arrays_config):
     np.testing.assert_array_equal(weights, [1] * 10 + [0] * 6)
 
 
-@pytest.mark.parametrize("pad", [3, 8, 11])  # up to a padding wider than the 8 x 8 image
-def test_the_crop_equals_numpys_padding_at_the_drawn_offset(pad):
+# Float RGB, 8-bit RGB (a prepared folder's pixels), 8-bit gray, and 4 float channels.
+IMAGES = [IMAGE, (IMAGE * 200).astype(np.uint8), (IMAGE[..., :1] * 200).astype(np.uint8),
+          np.concatenate([IMAGE, IMAGE[..., :1]], axis=-1)]
+
+
+@pytest.mark.parametrize("image", IMAGES, ids=["float32_rgb", "uint8_rgb", "uint8_gray", "float32_4"])
+@pytest.mark.parametrize("pad", [0, 3, 8, 11])  # up to a padding wider than the 8 x 8 image
+def test_the_crop_equals_numpys_padding_at_the_drawn_offset(pad, image):
     augment = Augment(seed=5, crop_padding=pad, flip=True)
-    padded = np.pad(IMAGE, [(pad, pad), (pad, pad), (0, 0)])
+    padded = np.pad(image, [(pad, pad), (pad, pad), (0, 0)])
     for index in range(100):
         top, left, flip = augment.draws(index)
         window = padded[top : top + 8, left : left + 8]
-        np.testing.assert_array_equal(augment(index, {"images": IMAGE})["images"], window[:, ::-1] if flip else window)
+        out = augment(index, {"images": image})["images"]
+        assert out.dtype == image.dtype and out.flags.c_contiguous
+        np.testing.assert_array_equal(out, window[:, ::-1] if flip else window)

@@ -18,6 +18,7 @@ from conftest import TINY_GPT, make_config
 
 from jaxdist import cli, loop
 from jaxdist.checkpoint import Checkpoints, abstract_state
+from jaxdist.data import pipeline
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 12
@@ -99,6 +100,35 @@ def test_error_after_step_6_saves_it_and_resume_is_bitwise(tmp_path, reference, 
     loop.train(config(tmp_path, checkpoint={"every": 4}))
     assert "resuming from step 6" in capsys.readouterr().out
     # Bitwise: the resumed run is the uninterrupted one, step for step.
+    assert losses_by_step(tmp_path) == reference.losses
+
+
+def test_a_resume_on_a_host_of_other_cores_resolves_its_own_workers_and_reads_the_same_batches(
+        tmp_path, reference, at_log_of_step, monkeypatch, capsys):
+    """data.workers: auto resolves per host; the count is in the run's config and its checkpoints,
+    and a resume that resolves another one reads on exactly where the run stopped."""
+    def fail():
+        raise OSError("disk full")
+
+    at_log_of_step(6, fail)
+    monkeypatch.setattr(pipeline, "SOURCES_WITH_WORKERS", ("stdlib",))  # as an image folder would be read
+    monkeypatch.setattr(pipeline, "usable_cores", lambda: 4)  # -> 2 worker processes
+    with pytest.raises(OSError, match="disk full"):
+        loop.train(config(tmp_path, checkpoint={"every": 4}))
+    assert "read in 2 worker processes" in capsys.readouterr().out
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["data"]["workers"] == 2
+    with Checkpoints(tmp_path / "checkpoints", create=False) as store:
+        assert store.meta(6)["config"]["data"]["workers"] == 2
+
+    monkeypatch.undo()
+    monkeypatch.setattr(pipeline, "SOURCES_WITH_WORKERS", ("stdlib",))
+    monkeypatch.setattr(pipeline, "usable_cores", lambda: 2)  # -> read in the training process
+    loop.train(config(tmp_path, checkpoint={"every": 4}))
+    out = capsys.readouterr().out
+    assert ("; config changed: data.workers=2->0; data.workers only spreads the reading over processes: the "
+            "batches stay the same") in out
+    assert "read in the training process" in out
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["data"]["workers"] == 0
     assert losses_by_step(tmp_path) == reference.losses
 
 

@@ -3,14 +3,17 @@
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import SMALL_RESNET, make_classifier_config
+from flax import nnx
 
 from jaxdist import cli, config, models
 from jaxdist.config import MODEL_CONFIGS
 from jaxdist.data import digits, loader
 from jaxdist.errors import UserError
+from jaxdist.models import classifier
 from jaxdist.train.state import abstract_model
 
 # torchvision's published sizes at 224x224x3 and 1000 classes: parameters, and multiply-adds of one
@@ -58,6 +61,30 @@ def test_every_registered_model_has_a_config_section():
     assert set(models.MODELS) == set(MODEL_CONFIGS)
     for name, section in MODEL_CONFIGS.items():
         assert section().name == name
+
+
+def test_8_bit_pixels_are_scaled_on_the_device_to_the_floats_the_host_would_feed():
+    cfg = config.load(None, ["model.name=mlp", "model.hidden=[16]", "model.classes=3", "model.image_shape=[4,4,3]",
+                             "precision.compute=float32"])
+    with nnx.use_eager_sharding(False):
+        model = models.get("mlp").create(cfg)(nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, (8, 4, 4, 3), dtype=np.uint8)
+    labels, weights = rng.integers(0, 3, 8, dtype=np.int32), np.ones(8, np.float32)
+    scaled = pixels.astype(np.float32) / np.float32(255)  # what the host fed before: within one rounding
+    unit = np.asarray(jax.jit(classifier.unit_range)(jnp.asarray(pixels)))
+    assert unit.dtype == np.float32 and unit.min() >= 0 and unit.max() <= 1
+    np.testing.assert_array_equal(unit, pixels.astype(np.float32) * np.float32(1 / 255))
+    np.testing.assert_allclose(unit, scaled, rtol=2**-23, atol=0)
+    as_pixels = classifier.loss(model, {"images": jnp.asarray(pixels), "labels": jnp.asarray(labels)})
+    as_floats = classifier.loss(model, {"images": jnp.asarray(scaled), "labels": jnp.asarray(labels)})
+    assert float(as_pixels[0]) == pytest.approx(float(as_floats[0]), rel=1e-6) and float(as_pixels[0]) > 0
+    sums = classifier.eval_sums(model, {"images": jnp.asarray(pixels), "labels": labels, "weights": weights})
+    assert float(sums["loss"]) == pytest.approx(float(classifier.eval_sums(
+        model, {"images": jnp.asarray(scaled), "labels": labels, "weights": weights})["loss"]), rel=1e-6)
+    # Unscaled, the model would see 0 to 255: another loss.
+    assert float(as_pixels[0]) != pytest.approx(float(classifier.loss(
+        model, {"images": jnp.asarray(pixels, jnp.float32), "labels": jnp.asarray(labels)})[0]), rel=1e-3)
 
 
 def test_digits_split_is_fixed_real_and_disjoint():

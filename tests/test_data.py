@@ -324,12 +324,12 @@ def classifier_arrays(tmp_path, images, labels, image_shape=(4, 4, 1)):
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.int64])
-def test_integer_images_are_pixels_read_as_float32_over_255(tmp_path, dtype):
+def test_integer_images_are_fed_as_8_bit_pixels(tmp_path, dtype):
     pixels = np.arange(6 * 16).reshape(6, 4, 4, 1) % 256
     source = loader.open_split(classifier_arrays(tmp_path, pixels.astype(dtype), np.arange(6) % 3), "train")
     for i in range(6):
-        assert source[i]["images"].dtype == np.float32
-        np.testing.assert_array_equal(source[i]["images"], pixels[i].astype(np.float32) / np.float32(255))
+        assert source[i]["images"].dtype == np.uint8
+        np.testing.assert_array_equal(source[i]["images"], pixels[i])
 
 
 def test_integer_images_beyond_8_bits_are_refused(tmp_path):

@@ -38,6 +38,8 @@ def test_two_processes_read_each_example_once_per_epoch(tmp_path):
         output, _ = worker.communicate(timeout=120)
         assert worker.returncode == 0, output[-3000:]
     results = [json.loads((tmp_path / f"{i}.json").read_text()) for i in range(2)]
+    # Both run on this host's cores: data.workers=auto would give each half of them (these tokens: none).
+    assert [(result["sharing"], result["workers"]) for result in results] == [(2, 0)] * 2
 
     cfg = make_config(tmp_path, data={"source": "arrayrecord", "path": str(path)}, model={"seq_len": 16})
     for split in ("train", "eval"):

@@ -285,6 +285,9 @@ class RunCheckpoints:
                 f"by {meta['process_count']} process(es))")
         changes = changed_keys(meta["config"], self.cfg.model_dump(mode="json"))
         line += f"; config changed: {', '.join(changes)}" if changes else ""
+        if meta["config"].get("data", {}).get("workers") != self.cfg.data.workers:
+            # data.workers: auto resolves per host; a resume elsewhere may resolve another count.
+            line += "; data.workers only spreads the reading over processes: the batches stay the same"
         saved_steps = meta["config"]["train"]["steps"]
         if saved_steps != self.cfg.train.steps and self.cfg.optim.schedule != "constant":
             # The schedule is a function of train.steps: resumed, it is the new length's at this step.

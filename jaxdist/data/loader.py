@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from jaxdist.config import ClassifierSection, Config
@@ -24,6 +25,7 @@ from jaxdist.data import corpus, digits, pipeline, sources
 from jaxdist.data.augment import Augment
 from jaxdist.data import tokenizer as tokenizer_lib
 from jaxdist.errors import UserError, warn
+from jaxdist.parallel import distributed
 from jaxdist.parallel.feed import BatchRows
 
 Batch = dict[str, np.ndarray]
@@ -72,7 +74,7 @@ def open_split(cfg: Config, split: str, keys: tuple[str, ...] = ()):
         arrays = _array_split(path, split, data.eval_fraction, keys or None)
     _check_shapes(arrays, cfg, name)
     _check_ids(arrays, cfg, name)
-    return sources.ArraySource(arrays, name, pixels=_integer_pixels(arrays, name))
+    return sources.ArraySource(_eight_bit_pixels(arrays, name), name)
 
 
 def _check_shapes(arrays: dict[str, np.ndarray], cfg: Config, name: str) -> None:
@@ -115,18 +117,18 @@ def _shape(array: np.ndarray) -> str:
     return f"[{', '.join(['N', *map(str, array.shape[1:])])}]"
 
 
-def _integer_pixels(arrays: dict[str, np.ndarray], name: str) -> tuple[str, ...]:
-    """("images",) where the images are integers: 8-bit pixels (as CIFAR and MNIST ship), read as
-    float32 / 255 like the `images` source's records, so every classifier sees [0, 1]."""
+def _eight_bit_pixels(arrays: dict[str, np.ndarray], name: str) -> dict[str, np.ndarray]:
+    """`arrays` with integer images as uint8: they are 8-bit pixels (as CIFAR and MNIST ship), fed
+    as the `images` source's records are and scaled to [0, 1] by the classifier, on the device."""
     images = arrays.get("images")
-    if images is None or not np.issubdtype(images.dtype, np.integer):
-        return ()
-    if images.dtype != np.uint8 and images.size:
+    if images is None or not np.issubdtype(images.dtype, np.integer) or images.dtype == np.uint8:
+        return arrays
+    if images.size:
         low, high = int(images.min()), int(images.max())
         if low < 0 or high > 255:
             raise UserError(f"{name}: images holds integers from {low} to {high}; integer images are read as "
                             f"8-bit pixels (0 to 255, divided by 255): save them as uint8, or as float32 in [0, 1]")
-    return ("images",)
+    return {**arrays, "images": images.astype(np.uint8)}
 
 
 def _check_ids(arrays: dict[str, np.ndarray], cfg: Config, name: str) -> None:
@@ -366,6 +368,29 @@ def resolve_model(cfg: Config) -> Config:
     return cfg.model_copy(update={"model": model.model_copy(update=update)})
 
 
+def resolve_workers(cfg: Config) -> Config:
+    """`cfg` with `data.workers: auto` set to a count (`pipeline.auto_workers`) from its data source,
+    this process's usable cores and the processes that share them. Any count gives the same
+    batches, so a resumed run may resolve another one on another host. Collective where several
+    processes run: every process must call it (`jaxdist train` does, where it takes the model's
+    sizes from the data)."""
+    if cfg.data.workers != "auto":
+        return cfg
+    workers = pipeline.auto_workers(cfg.data.source, pipeline.usable_cores(), distributed.processes_sharing_cores())
+    return cfg.model_copy(update={"data": cfg.data.model_copy(update={"workers": workers})})
+
+
+def describe(cfg: Config) -> str:
+    """One line on how the train batches are read: source, worker processes, threads, read-ahead."""
+    data = cfg.data
+    where = "" if data.path is None else f" from {data.path}"
+    readers = ("the training process" if data.workers == 0 else
+               f"data.workers={data.workers} worker processes" if data.workers == "auto" else
+               f"{data.workers} worker process{'es' if data.workers > 1 else ''}")
+    return (f"data: {data.source}{where}, read in {readers} ({data.read_threads} read threads, "
+            f"{data.prefetch} batches ahead)")
+
+
 def resolve_steps(cfg: Config, train_examples: int, start_step: int = 0, start_example: int = 0,
                   log: Callable[[str], None] | None = None) -> Config:
     """`cfg` with `train.steps` set (when `data.epochs` is) to end the run after `data.epochs` passes
@@ -394,9 +419,15 @@ def train_iterator(cfg: Config, rows: BatchRows, start_example: int = 0, source=
     """This process's train batches (the `rows` it feeds of each global batch) from global example
     `start_example` on (0: the beginning), augmented as `data.augment` says.
 
-    After global step s the position is `s * train.global_batch`, under any process count.
+    After global step s the position is `s * train.global_batch`, under any process count and any
+    `data.workers`. A single process resolves `data.workers: auto` here if the config has not;
+    several processes must have resolved it (`resolve_workers`, a collective).
     """
     source = open_split(cfg, "train") if source is None else source
+    if cfg.data.workers == "auto" and jax.process_count() > 1:  # resolving it is a collective: never hidden here
+        raise UserError("data.workers=auto is not resolved; pass the config through "
+                        "jaxdist.data.loader.resolve_workers on every process first (jaxdist train does)")
+    cfg = resolve_workers(cfg)
     augment = Augment.from_config(cfg.data.augment, cfg.seed)
     if augment is not None and "images" not in source[0]:
         raise UserError(

@@ -6,12 +6,19 @@ The global stream of examples is fixed by (seed, dataset): epoch e is a permutat
 its devices hold (`jaxdist.parallel.feed.BatchRows`): processes holding the same rows read the
 same examples. So the data position is one number, the global example index, and it means the
 same thing under any process count and layout.
+
+Batches are made before grain's worker processes share out the work (each worker makes whole
+batches, every n-th one), so the number of workers changes neither the batches nor their order:
+a run resumes under any `data.workers`. `auto_workers` is what `data.workers: auto` resolves to.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import grain
 import numpy as np
@@ -20,6 +27,16 @@ from absl import flags
 from jaxdist.parallel.feed import BatchRows
 from jaxdist.errors import UserError
 
+
+# data.workers=auto (`auto_workers`), measured in docs/performance.md: workers only for the sources
+# whose examples take real work (a prepared image folder's records: unpacked, cropped, flipped;
+# token windows read at millions of tokens/s per core, and in-memory arrays, stay in the
+# training process); with fewer cores per training process none (on 2 cores, workers trained
+# slower); with more, all but RESERVED_CORES (the training loop and JAX's own threads), at most MAX_WORKERS.
+SOURCES_WITH_WORKERS = ("images",)
+MIN_CORES_FOR_WORKERS = 4
+RESERVED_CORES = 2
+MAX_WORKERS = 32
 
 # Orders the eval examples of a pass limited to its first batches (`eval_batches`).
 EVAL_SAMPLE_SEED = 0
@@ -125,6 +142,11 @@ def eval_batches(
 
 
 def _iterate(batches: grain.MapDataset, read_threads: int, prefetch: int, workers: int) -> Iterator:
+    """`batches` (a batched MapDataset), read ahead by threads, in worker processes where `workers`."""
+    if workers:
+        # Each worker stacks its batches straight into shared memory, which this process maps:
+        # else grain copies every finished batch into shared memory once more.
+        batches.enable_shared_memory_output()
     options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=prefetch)
     stream = batches.to_iter_dataset(options)
     if workers:
@@ -134,3 +156,30 @@ def _iterate(batches: grain.MapDataset, read_threads: int, prefetch: int, worker
             flags.FLAGS.mark_as_parsed()
         stream = stream.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
     return iter(stream)
+
+
+def usable_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """The cores this process may use: its CPU affinity, capped by a CPU quota of its control group
+    (a container's CPU limit: cgroup v2's `cpu.max`, or v1's `cpu/cpu.cfs_quota_us` per period)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    for quota_file, period_file in (("cpu.max", None), ("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us")):
+        try:
+            quota, *period = (cgroup / quota_file).read_text().split()
+            if period_file is not None:
+                period = (cgroup / period_file).read_text().split()
+            if quota not in ("max", "-1"):
+                cores = min(cores, max(1, math.ceil(int(quota) / int(period[0]))))
+        except (OSError, ValueError, IndexError):  # no such file, or not a quota
+            continue
+    return cores
+
+
+def auto_workers(source: str, cores: int, processes: int) -> int:
+    """`data.workers: auto`: the grain worker processes reading `source` (a `data.source`) for each of
+    `processes` training processes that share `cores` CPU cores: none for a source not in
+    `SOURCES_WITH_WORKERS` or below `MIN_CORES_FOR_WORKERS` cores each, else all of a process's
+    cores but `RESERVED_CORES`, at most `MAX_WORKERS`."""
+    share = cores // max(processes, 1)
+    if source not in SOURCES_WITH_WORKERS or share < MIN_CORES_FOR_WORKERS:
+        return 0
+    return min(share - RESERVED_CORES, MAX_WORKERS)

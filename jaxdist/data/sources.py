@@ -124,8 +124,10 @@ class ArrayRecordTokens:
 class ArrayRecordImages:
     """One split's labeled images from the shards `jaxdist data prepare FOLDER` wrote.
 
-    `source[i] == {"images": float32 [H, W, C] in [0, 1], "labels": int32 []}`. A record is the
-    label (int32, little-endian) followed by the uint8 pixels in H, W, C order.
+    `source[i] == {"images": uint8 [H, W, C], "labels": int32 []}`. A record is the label (int32,
+    little-endian) followed by the uint8 pixels in H, W, C order. The pixels stay 8-bit on the way
+    to the device (a quarter of float32's bytes to augment, batch, pass between processes and
+    copy to the device); the classifier scales them to [0, 1] there (`models.classifier`).
     """
 
     def __init__(self, directory: Path, manifest: dict, split: str):
@@ -146,21 +148,18 @@ class ArrayRecordImages:
         raw = self._records.read(index, self._bytes)
         label = np.frombuffer(raw, LABEL_DTYPE, count=1)[0].astype(np.int32)
         pixels = np.frombuffer(raw, np.uint8, offset=LABEL_DTYPE.itemsize).reshape(self.image_shape)
-        return {"images": pixels.astype(np.float32) / np.float32(255), "labels": label}
+        return {"images": pixels, "labels": label}
 
 
 class ArraySource:
     """Rows of equally long in-memory arrays as examples: `source[i] == {name: array[i], ...}`.
 
     For classifiers and tests: e.g. `ArraySource({"image": x, "label": y})`, or
-    `{"inputs": ..., "targets": ...}` token rows for a language model. The arrays named in `pixels`
-    hold 8-bit pixel values, read as float32 / 255 (as `ArrayRecordImages` reads its records):
-    converted one example at a time, so memory holds them at a quarter of float32's size.
+    `{"inputs": ..., "targets": ...}` token rows for a language model.
     """
 
-    def __init__(self, arrays: Mapping[str, np.ndarray], name: str = "in-memory arrays", pixels: tuple[str, ...] = ()):
+    def __init__(self, arrays: Mapping[str, np.ndarray], name: str = "in-memory arrays"):
         self.arrays = {key: np.asarray(array) for key, array in arrays.items()}
-        self.pixels = pixels
         lengths = {key: array.shape[0] if array.ndim else 0 for key, array in self.arrays.items()}
         if not lengths or len(set(lengths.values())) != 1 or not min(lengths.values()):
             raise UserError(f"{name}: need one or more non-empty arrays of equal length, got lengths {lengths}")
@@ -170,7 +169,4 @@ class ArraySource:
         return self._length
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        example = {name: array[index] for name, array in self.arrays.items()}
-        for name in self.pixels:
-            example[name] = example[name].astype(np.float32) / np.float32(255)
-        return example
+        return {name: array[index] for name, array in self.arrays.items()}

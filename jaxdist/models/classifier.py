@@ -1,8 +1,10 @@
 """What the image classifiers share: their loss and accuracy, exact eval sums, FLOPs, a random batch.
 
-A classification example is `{"images": float32 [height, width, channels] in [0, 1], "labels":
-int32 []}`; a batch stacks them (`[B, H, W, C]`, `[B]`), and eval batches add `weights` (1 for a
-real example, 0 for padding). A classifier maps images to logits `[B, classes]`.
+A classification example is `{"images": [height, width, channels], "labels": int32 []}`, the
+images float32 in [0, 1] or uint8 pixels, which the loss scales to [0, 1] on the device (pixel /
+255: a quarter of float32's bytes cross from the host); a batch stacks them (`[B, H, W, C]`,
+`[B]`), and eval batches add `weights` (1 for a real example, 0 for padding). A classifier maps
+images to logits `[B, classes]`.
 """
 
 from __future__ import annotations
@@ -29,9 +31,17 @@ def sizes(model_cfg: ClassifierSection) -> tuple[int, tuple[int, int, int]]:
     return model_cfg.classes, tuple(model_cfg.image_shape)
 
 
+def unit_range(images: jax.Array) -> jax.Array:
+    """`images` as floats in [0, 1]: uint8 pixels times float32(1 / 255) (what XLA makes of a division
+    by 255 on some backends, so written out: every backend gives the same bits), float images as they are."""
+    if images.dtype == jnp.uint8:
+        return images.astype(jnp.float32) * jnp.float32(1 / 255)
+    return images
+
+
 def _losses_and_hits(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
     """Per example: the float32 cross-entropy and whether the top logit is the label (1.0 or 0.0)."""
-    logits = model(batch["images"]).astype(jnp.float32)
+    logits = model(unit_range(batch["images"])).astype(jnp.float32)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
     hits = (jnp.argmax(logits, axis=-1) == batch["labels"]).astype(jnp.float32)
     return losses, hits

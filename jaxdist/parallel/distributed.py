@@ -28,9 +28,11 @@ import os
 import socket
 import sys
 import threading
+import zlib
 from collections.abc import Mapping
 
 import jax
+import numpy as np
 from jax._src import xla_bridge
 
 from jaxdist.errors import UserError
@@ -236,3 +238,23 @@ def _reachable(address: str) -> bool:
             return True
     except OSError:
         return False
+
+
+def cpu_set_key() -> int:
+    """A number that processes share where they run on one host on the same CPU cores."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return zlib.crc32(f"{socket.gethostname()} {cores}".encode())
+
+
+def processes_sharing_cores() -> int:
+    """How many of this run's processes, this one included, run on this host on the same CPU cores
+    as this one: 1 for a single process, or where a launcher pinned each process to cores of its
+    own (SLURM's CPU binding); all of a host's processes where they share its cores (`jaxdist
+    launch`, torchrun). Collective: every process must call it."""
+    if jax.process_count() == 1:
+        return 1
+    from jax.experimental import multihost_utils
+
+    mine = cpu_set_key()
+    keys = np.asarray(multihost_utils.process_allgather(np.array([mine], np.int64)))
+    return int((keys.ravel() == mine).sum())
