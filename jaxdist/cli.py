@@ -3,7 +3,9 @@ plot`: the command line.
 
 Exit codes: 0 done, 1 crash, 2 user error, 3 `train` stopped at a non-finite loss or gradients
 (nothing of that step saved; the last checkpoint is intact), 130 interrupted (Ctrl-C) outside the
-training steps (before them, or in the sample after them); `launch` also 124 when it stopped a stuck run;
+training steps (before them, or in the sample after them), 141 stdout closed (`jaxdist config show | head`:
+the command stops quietly where its next output found the reader gone, as a program that SIGPIPE
+stops; `train` first saves the last good state, as on any error); `launch` also 124 when it stopped a stuck run;
 `build-kernels` 1 where a kernel is unavailable on a GPU. Before anything else every command
 applies jaxdist's process-wide settings (`JAXDIST_CPU_DEVICES`, the XLA GPU flags:
 `jaxdist.runtime`); every command that runs JAX then joins the other processes of the run
@@ -20,7 +22,11 @@ import threading
 
 # Only the standard library and jaxdist.errors (which imports nothing more): anything that imports
 # JAX is imported inside main(), where a Ctrl-C that lands during an import is the one-line exit 130.
-from jaxdist.errors import NonFiniteError, UserError, check_writable, cli_number
+from jaxdist.errors import NonFiniteError, UserError, check_writable, cli_number, discard_output
+
+# The exit code when stdout's reader is gone: 128 + SIGPIPE, what a shell reports for a program that
+# signal stopped.
+STDOUT_CLOSED_EXIT = 141
 
 
 class _OneLineErrors(argparse.ArgumentParser):
@@ -28,6 +34,10 @@ class _OneLineErrors(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"jaxdist: error: {message} (see jaxdist --help)\n")
+
+    def exit(self, status: int = 0, message: str | None = None):
+        sys.stdout.flush()  # --help and --version output meets a closed pipe inside main(), not at exit
+        super().exit(status, message)
 
 
 class _Version(argparse.Action):
@@ -317,7 +327,12 @@ _OFFLINE = {"launch", "scale", "data", "export", "build-kernels", "plot", "confi
 def main(argv: list[str] | None = None) -> int:
     """Runs the command `argv` (default: sys.argv[1:]) names; returns its exit code."""
     try:
-        return _run(argv)
+        code = _run(argv)
+        sys.stdout.flush()  # what is still buffered meets a closed pipe here, not as the interpreter exits
+        return code
+    except BrokenPipeError:  # stdout's reader is gone (`jaxdist config show | head`)
+        discard_output(sys.stdout)
+        return STDOUT_CLOSED_EXIT
     except UserError as err:
         print(f"jaxdist: error: {err}", file=sys.stderr)
         return 2

@@ -27,6 +27,8 @@ is relayed for at most `RELAY_DRAIN_S` more seconds.
 
 SIGINT or SIGTERM to the launcher is forwarded to every process as SIGTERM (a training run saves a
 checkpoint and stops); the launcher exits 0 if every process then exits 0, else 128 + the signal.
+The launcher's stdout or stderr closing (its reader gone: `jaxdist launch ... | head`) counts as a
+SIGPIPE, forwarded the same way; the rest of the output is dropped.
 Each process dies with the launcher, even if the launcher is killed outright (`die_with_launcher`).
 """
 
@@ -44,7 +46,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import BinaryIO, TextIO
 
-from jaxdist.errors import UserError
+from jaxdist.errors import UserError, discard_output
 
 # Seconds between SIGTERM and SIGKILL. After a process died the others cannot go on (a JAX
 # multi-controller run needs every process), so they get little time; when the launcher itself is
@@ -205,8 +207,14 @@ class _Group:
     def _relay(self, pipe: BinaryIO, out: TextIO, prefix: str) -> None:
         for line in iter(pipe.readline, b""):
             with self.lock:
-                out.write(prefix + line.decode("utf-8", errors="replace").rstrip("\n") + "\n")
-                out.flush()
+                try:
+                    out.write(prefix + line.decode("utf-8", errors="replace").rstrip("\n") + "\n")
+                    out.flush()
+                except BrokenPipeError:  # the launcher's reader is gone (`jaxdist launch ... | head`)
+                    # The run stops as on a SIGPIPE: the processes save and stop, their output is
+                    # still read (a process blocked on a full pipe would never stop) and dropped.
+                    discard_output(out)
+                    self.stop_signal = self.stop_signal or signal.SIGPIPE
                 self.last_output = time.monotonic()
         pipe.close()
 

@@ -549,3 +549,19 @@ def test_ctrl_c_while_the_command_starts_exits_130(tmp_path, start):
     run = subprocess.run([sys.executable, *start, "rules", "tiny"], capture_output=True, text=True, cwd=REPO,
                          env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}, timeout=120)
     assert (run.returncode, run.stderr) == (130, "jaxdist: interrupted\n")
+
+
+@pytest.mark.parametrize("argv", [["config", "show"], ["--version"]], ids=["config_show", "version"])
+def test_a_closed_stdout_ends_the_command_quietly(argv):
+    """`jaxdist config show | head`: the reader leaves before the command is done. Here it is gone
+    before the first write (a pipe whose read end is closed), so every write finds it gone: the
+    command stops with exit 141 (128 + SIGPIPE) and nothing on stderr, not a BrokenPipeError
+    traceback nor the interpreter's complaint about the final flush."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        run = subprocess.run([sys.executable, "-m", "jaxdist.cli", *argv], stdout=write_end, stderr=subprocess.PIPE,
+                             text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO, timeout=120)
+    finally:
+        os.close(write_end)
+    assert (run.returncode, run.stderr) == (cli.STDOUT_CLOSED_EXIT, "")

@@ -234,3 +234,25 @@ def test_each_failure_is_said_once_with_what_happens_next(monkeypatch, code, max
     said = [line.removeprefix("jaxdist launch: ") for line in err.getvalue().splitlines()]
     failure = f"process 1 {launch._describe_exit(code)}; stopping process 0"
     assert [line for line in said if not line.startswith("started 2 process(es)")] == [failure + t for t in then]
+
+
+def test_a_closed_stdout_stops_the_group_like_a_sigpipe():
+    """`jaxdist launch ... | head`: the launcher's reader leaves. The launcher stops the processes as
+    it would on a SIGPIPE (they save and exit 0 here), drops the rest of their output, and neither
+    the relay thread nor the final flush raises."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    saves_on_sigterm = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); "
+                        "[(print('step', flush=True), time.sleep(0.1)) for _ in range(600)]")
+    err = io.StringIO()
+    with open(write_end, "w") as out:
+        group = launch._Group(out, err)
+        group.start(0, python(saves_on_sigterm), dict(os.environ))
+        code = group.wait()
+        out.write("the launcher's last words\n")
+    assert code == 0
+    assert err.getvalue().splitlines() == [
+        "jaxdist launch: received SIGPIPE; sending SIGTERM to every process (120 s to save and stop)",
+        "jaxdist launch: every process exited 0 after SIGPIPE",
+    ]
+    assert_all_gone(group)
