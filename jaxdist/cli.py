@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 import threading
 
@@ -31,6 +32,14 @@ STDOUT_CLOSED_EXIT = 141
 
 class _OneLineErrors(argparse.ArgumentParser):
     """Command-line mistakes are user errors too: one line on stderr, exit code 2."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # A word that starts with '-' and a digit is an option's value (`--device-memory -5GB`,
+        # `--timeout -1e3`), which the option's type then refuses by name; Python 3.11's argparse
+        # takes only plain negative numbers as values, and else says "expected one argument". No
+        # jaxdist option is named like a number.
+        self._negative_number_matcher = re.compile(r"-\.?\d")
 
     def error(self, message: str):
         self.exit(2, f"jaxdist: error: {message} (see jaxdist --help)\n")

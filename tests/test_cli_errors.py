@@ -398,12 +398,23 @@ def test_unwritable_run_dir(config_file, tmp_path, capsys, compiles, case):
     (["export", "run", "out.npz", "--step", "-1"], "argument --step: -1 is not a non-negative integer"),
     (["--num-processes", "0", "train", "c.yaml"], "argument --num-processes: 0 is not a positive integer"),
     (["--init-timeout", "x", "train", "c.yaml"], "argument --init-timeout: 'x' is not a positive integer"),
+    (["launch", "-n", "2", "--timeout", "-1e3", "--", "train", "c.yaml"], "argument --timeout: -1e3 is not a positive"),
 ], ids=lambda value: "_".join(value)[:40] if isinstance(value, list) else None)
 def test_bad_numbers_on_the_command_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
     assert exit_info.value.code == 2
     assert message in one_line_error(capsys)
+
+
+@pytest.mark.parametrize("value", ["-5GB", "=-5GB"], ids=["spaced", "joined"])
+def test_a_negative_device_memory_is_named(config_file, capsys, compiles, value):
+    """A value starting with '-' is the option's value, not an unknown option."""
+    argv = ["plan", str(config_file), "--device-memory" + value] if value.startswith("=") else \
+        ["plan", str(config_file), "--device-memory", value]
+    assert cli.main(argv) == 2
+    assert one_line_error(capsys) == "jaxdist: error: --device-memory '-5GB': give a positive size such as 80GB or 16GiB\n"
+    assert compiles.count == 0
 
 
 @pytest.mark.parametrize("command", ["bench", "plan"])
