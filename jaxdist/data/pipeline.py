@@ -132,5 +132,16 @@ def _iterate(batches: grain.MapDataset, read_threads: int, prefetch: int, worker
         # and a program that never parsed any must say so; without workers absl stays as it was.
         if not flags.FLAGS.is_parsed():
             flags.FLAGS.mark_as_parsed()
-        stream = stream.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+        stream = stream.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers)).map(_in_own_memory)
     return iter(stream)
+
+
+def _in_own_memory(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A worker's batch copied out of the shared memory grain hands it over in.
+
+    grain unlinks a batch's shared memory once the last reference to it is gone, but JAX may keep a
+    host array it was given (`jax.device_put`) until Python's next garbage collection, so a run's
+    last batches would outlive the process ("leaked shared_memory objects" at exit). The copy
+    frees the shared memory as soon as the batch arrives.
+    """
+    return {key: np.array(value) for key, value in batch.items()}
