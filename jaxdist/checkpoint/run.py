@@ -32,6 +32,7 @@ from jaxdist.checkpoint.store import (
     abstract_state,
     first_line,
     is_intact,
+    set_aside_summary,
 )
 from jaxdist.config import Config
 from jaxdist.errors import NonFiniteError, UserError, warn
@@ -127,6 +128,8 @@ class RunCheckpoints:
                             f"move it away or use another run_dir")
         if not self.directory.is_dir():
             return self.start
+        if note := set_aside_summary(self.directory):
+            warn(note)
         with Checkpoints(self.directory, create=False) as store:
             for step in reversed(store.steps()):
                 try:

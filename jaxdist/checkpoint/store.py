@@ -458,7 +458,21 @@ class Checkpoints:
         self.last_saved = self._manager.latest_step()
         warn(f"checkpoint {self.path(step)} is unreadable ({type(err).__name__}: {first_line(err)}); "
              f"moved it to {aside}; falling back to the one before")
+        if note := set_aside_summary(self.directory):
+            warn(note)
         return aside
+
+
+def set_aside_summary(directory: Path) -> str | None:
+    """One line on the checkpoints set aside in `directory` (`unreadable-*`): how many and the space
+    they hold, which nothing frees but the user; None where there are none."""
+    folders = [path for path in directory.glob(f"{UNREADABLE_PREFIX}*") if path.is_dir()]
+    if not folders:
+        return None
+    size = sum(file.stat().st_size for folder in folders for file in folder.rglob("*") if file.is_file())
+    count = f"{len(folders)} set-aside checkpoint{'s' if len(folders) > 1 else ''}"
+    return (f"{directory} holds {count} ({UNREADABLE_PREFIX}*), {size / 1e6:,.1f} MB; delete them when you no "
+            f"longer need them")
 
 
 def first_line(err: Exception) -> str:
