@@ -120,6 +120,10 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--max-restarts", type=_INDEX, default=0,
                         help="start the whole group again after a process failed (not a user error), up to this "
                              "many times; train resumes from the newest complete checkpoint (default 0)")
+    launch.add_argument("--log", metavar="FILE",
+                        help="where libraries' notes (gloo connections, preemption notices) go instead of the "
+                             "terminal (default: jaxdist-launch-<pid>.log in the temporary folder)")
+    launch.add_argument("--verbose", action="store_true", help="relay libraries' notes too, like any line")
     launch.add_argument("program", nargs=argparse.REMAINDER, help="-- train CONFIG [overrides]")
     doctor = commands.add_parser("doctor", help="check devices and collectives on every mesh axis")
     doctor.add_argument("--config", help="YAML config whose mesh to check (default: data = process count)")
@@ -298,7 +302,7 @@ def _launch(args) -> int:
     from jaxdist import launch
 
     return launch.launch(args.num, args.devices_per_process, args.program, args.timeout,
-                         max_restarts=args.max_restarts)
+                         max_restarts=args.max_restarts, notes=args.log, verbose=args.verbose)
 
 
 def _doctor(args) -> int:
