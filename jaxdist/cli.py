@@ -3,7 +3,9 @@ plot`: the command line.
 
 Exit codes: 0 done, 1 crash, 2 user error, 3 `train` stopped at a non-finite loss or gradients
 (nothing of that step saved; the last checkpoint is intact), 130 interrupted (Ctrl-C) outside the
-training steps (before them, or in the sample after them); `launch` also 124 when it stopped a stuck run;
+training steps (before them, or in the sample after them), 141 stdout closed (`jaxdist config show | head`:
+the command stops quietly where its next output found the reader gone, as a program that SIGPIPE
+stops; `train` first saves the last good state, as on any error); `launch` also 124 when it stopped a stuck run;
 `build-kernels` 1 where a kernel is unavailable on a GPU. Before anything else every command
 applies jaxdist's process-wide settings (`JAXDIST_CPU_DEVICES`, the XLA GPU flags:
 `jaxdist.runtime`); every command that runs JAX then joins the other processes of the run
@@ -15,20 +17,37 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 import threading
 import time
 
 # Only the standard library and jaxdist.errors (which imports nothing more): anything that imports
 # JAX is imported inside main(), where a Ctrl-C that lands during an import is the one-line exit 130.
-from jaxdist.errors import NonFiniteError, UserError, check_writable, cli_number
+from jaxdist.errors import NonFiniteError, UserError, check_writable, cli_number, discard_output
+
+# The exit code when stdout's reader is gone: 128 + SIGPIPE, what a shell reports for a program that
+# signal stopped.
+STDOUT_CLOSED_EXIT = 141
 
 
 class _OneLineErrors(argparse.ArgumentParser):
     """Command-line mistakes are user errors too: one line on stderr, exit code 2."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # A word that starts with '-' and a digit is an option's value (`--device-memory -5GB`,
+        # `--timeout -1e3`), which the option's type then refuses by name; Python 3.11's argparse
+        # takes only plain negative numbers as values, and else says "expected one argument". No
+        # jaxdist option is named like a number.
+        self._negative_number_matcher = re.compile(r"-\.?\d")
+
     def error(self, message: str):
         self.exit(2, f"jaxdist: error: {message} (see jaxdist --help)\n")
+
+    def exit(self, status: int = 0, message: str | None = None):
+        sys.stdout.flush()  # --help and --version output meets a closed pipe inside main(), not at exit
+        super().exit(status, message)
 
 
 class _Version(argparse.Action):
@@ -109,6 +128,10 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--max-restarts", type=_INDEX, default=0,
                         help="start the whole group again after a process failed (not a user error), up to this "
                              "many times; train resumes from the newest complete checkpoint (default 0)")
+    launch.add_argument("--log", metavar="FILE",
+                        help="where libraries' notes (gloo connections, preemption notices) go instead of the "
+                             "terminal (default: jaxdist-launch-<pid>.log in the temporary folder)")
+    launch.add_argument("--verbose", action="store_true", help="relay libraries' notes too, like any line")
     launch.add_argument("program", nargs=argparse.REMAINDER, help="-- train CONFIG [overrides]")
     doctor = commands.add_parser("doctor", help="check devices and collectives on every mesh axis")
     doctor.add_argument("--config", help="YAML config whose mesh to check (default: data = process count)")
@@ -289,7 +312,7 @@ def _launch(args) -> int:
     from jaxdist import launch
 
     return launch.launch(args.num, args.devices_per_process, args.program, args.timeout,
-                         max_restarts=args.max_restarts)
+                         max_restarts=args.max_restarts, notes=args.log, verbose=args.verbose)
 
 
 def _doctor(args) -> int:
@@ -343,7 +366,12 @@ STUCK_WRITERS = ("jaxdist-checkpoint-writer", "jaxdist-metrics-writer")
 def _main(argv: list[str] | None) -> int:
     started = time.perf_counter()
     try:
-        return _run(argv, started)
+        code = _run(argv, started)
+        sys.stdout.flush()  # what is still buffered meets a closed pipe here, not as the interpreter exits
+        return code
+    except BrokenPipeError:  # stdout's reader is gone (`jaxdist config show | head`)
+        discard_output(sys.stdout)
+        return STDOUT_CLOSED_EXIT
     except UserError as err:
         print(f"jaxdist: error: {err}", file=sys.stderr)
         return 2

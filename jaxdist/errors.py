@@ -1,5 +1,6 @@
 """The exceptions the CLI turns into one line on stderr and an exit code, the one-line warning, the
-command line's checked numbers, and the check that an output path can be written.
+command line's checked numbers, the check that an output path can be written, and what to do with an
+output whose reader is gone.
 
 `UserError` (exit code 2, before any compile): a mistake in the input; messages name the config
 key, the value and the fix. `NonFiniteError` (exit code 3): training stopped at a non-finite step,
@@ -9,6 +10,7 @@ with nothing of that step saved.
 import argparse
 import importlib
 import math
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -88,3 +90,14 @@ def check_writable(path: str | Path, what: str, directory: bool = False) -> None
             pass
     except OSError as err:
         raise UserError(f"{what} cannot be written ({err.strerror}: {err.filename}); pick a writable path") from None
+
+
+def discard_output(stream) -> None:
+    """Points `stream`, whose reader is gone (a closed pipe: `jaxdist config show | head`), at the
+    null device, so what is still buffered, later writes and the interpreter's final flush succeed
+    instead of raising `BrokenPipeError` again."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, stream.fileno())
+    finally:
+        os.close(null)

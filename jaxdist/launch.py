@@ -5,7 +5,10 @@ Each process runs `jaxdist <command>` with `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_P
 hosts would. Process i gets K devices: GPUs i*K .. i*K+K-1 (`JAX_LOCAL_DEVICE_IDS`) where GPUs
 exist, else K simulated CPU devices (`JAXDIST_CPU_DEVICES`, set for each process from K; a
 different value in the launcher's own environment is refused rather than silently replaced).
-Every output line is prefixed with `[i] `.
+Every output line is prefixed with `[i] `. Notes that libraries print in every multi-process run
+(gloo's connections, JAX's and Orbax's notes on a SIGTERM: `LIBRARY_NOTES`) go to a log file
+instead, named on stderr at the first one (`--log FILE`; default `jaxdist-launch-<pid>.log` in the
+temporary folder); `--verbose` relays them like any line.
 
 The launcher never waits forever; it stops every process (each child leads its own process
 group, so the child's own children go too) when:
@@ -27,6 +30,8 @@ is relayed for at most `RELAY_DRAIN_S` more seconds.
 
 SIGINT or SIGTERM to the launcher is forwarded to every process as SIGTERM (a training run saves a
 checkpoint and stops); the launcher exits 0 if every process then exits 0, else 128 + the signal.
+The launcher's stdout or stderr closing (its reader gone: `jaxdist launch ... | head`) counts as a
+SIGPIPE, forwarded the same way; the rest of the output is dropped.
 Each process dies with the launcher, even if the launcher is killed outright (`die_with_launcher`).
 """
 
@@ -35,16 +40,18 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import BinaryIO, TextIO
 
-from jaxdist.errors import UserError
+from jaxdist.errors import UserError, discard_output
 
 # Seconds between SIGTERM and SIGKILL. After a process died the others cannot go on (a JAX
 # multi-controller run needs every process), so they get little time; when the launcher itself is
@@ -67,6 +74,11 @@ NON_FINITE_EXIT = 3
 # Where a child finds the launcher's pid (see die_with_launcher).
 LAUNCHER_PID = "JAXDIST_LAUNCHER_PID"
 _POLL_S = 0.1
+# Lines libraries print in every multi-process run that tell a user nothing to act on, or what a
+# jaxdist line says too: gloo's connections (several per process, written piece by piece from
+# several threads, so a line may hold parts of two, or the end of one), JAX's preemption notifier
+# and Orbax's preemption sync point on a SIGTERM (the run's own line says where it stopped and saved).
+LIBRARY_NOTES = re.compile(r"\[Gloo\] Rank|peer ranks\b|preemption_notifier\.cc:\d+\]|Reached preemption sync point, step=")
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -99,12 +111,15 @@ def child_command(program: Sequence[str]) -> list[str]:
 
 
 def launch(num_processes: int, devices_per_process: int, program: Sequence[str], timeout_s: float | None = None,
-           stdout: TextIO | None = None, stderr: TextIO | None = None, max_restarts: int = 0) -> int:
+           stdout: TextIO | None = None, stderr: TextIO | None = None, max_restarts: int = 0,
+           notes: str | os.PathLike | None = None, verbose: bool = False) -> int:
     """Runs `jaxdist <program>` as `num_processes` processes; returns the exit code for the launcher.
 
     `timeout_s`: stop everything when no process printed a line for this long (None: no limit).
     `max_restarts`: start the whole group again, up to this many times, after a process failed
     (see `_Group.restartable`); a `train` run then resumes from its newest complete checkpoint.
+    `notes`: the file libraries' notes (`LIBRARY_NOTES`) go to (None: `default_notes_path()`);
+    `verbose`: relay them like any line instead.
     """
     program = list(program[1:] if program and program[0] == "--" else program)
     if num_processes < 1:
@@ -118,14 +133,41 @@ def launch(num_processes: int, devices_per_process: int, program: Sequence[str],
     if not program:
         raise UserError("launch: no command given; e.g. jaxdist launch -n 2 -- train jaxdist/recipes/tiny.yaml")
     _check_cpu_devices(os.environ.get("JAXDIST_CPU_DEVICES"), devices_per_process)
+    stderr = stderr or sys.stderr
     restarts = 0
-    while True:
-        group = _Group(stdout or sys.stdout, stderr or sys.stderr, timeout_s, restarts=restarts,
-                       max_restarts=max_restarts)
-        code = _run_group(group, num_processes, devices_per_process, program)
-        if not group.restarting:
-            return code
-        restarts += 1
+    with contextlib.closing(_Notes(notes or default_notes_path(), stderr)) as library_notes:
+        while True:
+            group = _Group(stdout or sys.stdout, stderr, timeout_s, restarts=restarts, max_restarts=max_restarts,
+                           notes=None if verbose else library_notes)
+            code = _run_group(group, num_processes, devices_per_process, program)
+            if not group.restarting:
+                return code
+            restarts += 1
+
+
+def default_notes_path() -> str:
+    """Where `launch` writes libraries' notes unless told: `jaxdist-launch-<pid>.log` in the temporary folder."""
+    return os.path.join(tempfile.gettempdir(), f"jaxdist-launch-{os.getpid()}.log")
+
+
+class _Notes:
+    """The file libraries' notes go to: opened, and named in one line on `stderr`, at the first note."""
+
+    def __init__(self, path: str | os.PathLike, stderr: TextIO):
+        self.path, self.stderr = path, stderr
+        self._file: TextIO | None = None
+
+    def write(self, line: str) -> None:
+        if self._file is None:
+            self._file = open(self.path, "a", encoding="utf-8")
+            print(f"jaxdist launch: libraries' notes (gloo connections, preemption notices) go to {self.path}; "
+                  f"--verbose shows them here", file=self.stderr, flush=True)
+        self._file.write(line)
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
 
 
 def _run_group(group: _Group, num_processes: int, devices_per_process: int, program: list[str]) -> int:
@@ -175,12 +217,15 @@ class _Group:
     `timeout_s`: the longest time without an output line from any child (None: no limit);
     `peer_exit_grace_s`: how long the others may run after a child exited 0;
     `restarts`: how many times the launcher started the group again before this attempt, of at most
-    `max_restarts` (see `restarting`).
+    `max_restarts` (see `restarting`); `notes`: where lines matching `LIBRARY_NOTES` go (None:
+    relayed like the others).
     """
 
     def __init__(self, stdout: TextIO, stderr: TextIO, timeout_s: float | None = None,
-                 peer_exit_grace_s: float = PEER_EXIT_GRACE_S, restarts: int = 0, max_restarts: int = 0):
+                 peer_exit_grace_s: float = PEER_EXIT_GRACE_S, restarts: int = 0, max_restarts: int = 0,
+                 notes: _Notes | None = None):
         self.stdout, self.stderr = stdout, stderr
+        self.notes = notes
         self.timeout_s = timeout_s
         self.peer_exit_grace_s = peer_exit_grace_s
         self.restarts, self.max_restarts = restarts, max_restarts
@@ -204,11 +249,24 @@ class _Group:
 
     def _relay(self, pipe: BinaryIO, out: TextIO, prefix: str) -> None:
         for line in iter(pipe.readline, b""):
+            text = prefix + line.decode("utf-8", errors="replace").rstrip("\n") + "\n"
             with self.lock:
-                out.write(prefix + line.decode("utf-8", errors="replace").rstrip("\n") + "\n")
-                out.flush()
+                if self.notes is not None and LIBRARY_NOTES.search(text):
+                    self.notes.write(text)
+                else:
+                    self._write(out, text)
                 self.last_output = time.monotonic()
         pipe.close()
+
+    def _write(self, out: TextIO, text: str) -> None:
+        try:
+            out.write(text)
+            out.flush()
+        except BrokenPipeError:  # the launcher's reader is gone (`jaxdist launch ... | head`)
+            # The run stops as on a SIGPIPE: the processes save and stop, their output is still
+            # read (a process blocked on a full pipe would never stop) and dropped.
+            discard_output(out)
+            self.stop_signal = self.stop_signal or signal.SIGPIPE
 
     def wait(self) -> int:
         """Relays output until every child exited or the run must stop (see the module docstring);

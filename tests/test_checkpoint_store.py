@@ -219,6 +219,34 @@ def test_prepare_skips_unreadable_metadata(tiny_checkpoint, capsys):
     assert "checkpoint" in capsys.readouterr().err and (run_dir / "checkpoints" / "unreadable-5").is_dir()
 
 
+def test_set_aside_checkpoints_are_counted_with_the_space_they_hold(tiny_checkpoint, capsys):
+    """Nothing deletes a set-aside checkpoint: a run that sets one aside, or starts with some
+    present, says in one line how many there are and how much space they hold."""
+    run_dir, _ = tiny_checkpoint
+    checkpoints = run_dir / "checkpoints"
+    (checkpoints / "5" / "meta" / "metadata").write_text("{not json")
+    cfg = make_config(run_dir, mesh={"data": 2, "fsdp": 2, "tensor": 2})
+
+    def summary(count: str, size: int) -> str:
+        return (f"jaxdist: warning: {checkpoints} holds {count} (unreadable-*), {size / 1e6:,.1f} MB; delete them "
+                f"when you no longer need them")
+
+    def size_of(folder) -> int:
+        return sum(file.stat().st_size for file in folder.rglob("*") if file.is_file())
+
+    RunCheckpoints(cfg, print).prepare()
+    first = size_of(checkpoints / "unreadable-5")
+    assert first > 10_000  # the whole checkpoint, arrays and all
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and "is unreadable" in lines[0]
+    assert lines[1] == summary("1 set-aside checkpoint", first)
+
+    (checkpoints / "unreadable-9").mkdir()
+    (checkpoints / "unreadable-9" / "data").write_bytes(bytes(2_500_000))
+    RunCheckpoints(cfg, print).prepare()  # nothing more to set aside: the run starts with two present
+    assert capsys.readouterr().err.splitlines() == [summary("2 set-aside checkpoints", first + 2_500_000)]
+
+
 @pytest.mark.parametrize("suffix", ["safetensors", "npz"])
 def test_export_writes_the_params(tiny_checkpoint, tmp_path, capsys, suffix):
     run_dir, params = tiny_checkpoint

@@ -398,12 +398,23 @@ def test_unwritable_run_dir(config_file, tmp_path, capsys, compiles, case):
     (["export", "run", "out.npz", "--step", "-1"], "argument --step: -1 is not a non-negative integer"),
     (["--num-processes", "0", "train", "c.yaml"], "argument --num-processes: 0 is not a positive integer"),
     (["--init-timeout", "x", "train", "c.yaml"], "argument --init-timeout: 'x' is not a positive integer"),
+    (["launch", "-n", "2", "--timeout", "-1e3", "--", "train", "c.yaml"], "argument --timeout: -1e3 is not a positive"),
 ], ids=lambda value: "_".join(value)[:40] if isinstance(value, list) else None)
 def test_bad_numbers_on_the_command_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
     assert exit_info.value.code == 2
     assert message in one_line_error(capsys)
+
+
+@pytest.mark.parametrize("value", ["-5GB", "=-5GB"], ids=["spaced", "joined"])
+def test_a_negative_device_memory_is_named(config_file, capsys, compiles, value):
+    """A value starting with '-' is the option's value, not an unknown option."""
+    argv = ["plan", str(config_file), "--device-memory" + value] if value.startswith("=") else \
+        ["plan", str(config_file), "--device-memory", value]
+    assert cli.main(argv) == 2
+    assert one_line_error(capsys) == "jaxdist: error: --device-memory '-5GB': give a positive size such as 80GB or 16GiB\n"
+    assert compiles.count == 0
 
 
 @pytest.mark.parametrize("command", ["bench", "plan"])
@@ -549,3 +560,19 @@ def test_ctrl_c_while_the_command_starts_exits_130(tmp_path, start):
     run = subprocess.run([sys.executable, *start, "rules", "tiny"], capture_output=True, text=True, cwd=REPO,
                          env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}, timeout=120)
     assert (run.returncode, run.stderr) == (130, "jaxdist: interrupted\n")
+
+
+@pytest.mark.parametrize("argv", [["config", "show"], ["--version"]], ids=["config_show", "version"])
+def test_a_closed_stdout_ends_the_command_quietly(argv):
+    """`jaxdist config show | head`: the reader leaves before the command is done. Here it is gone
+    before the first write (a pipe whose read end is closed), so every write finds it gone: the
+    command stops with exit 141 (128 + SIGPIPE) and nothing on stderr, not a BrokenPipeError
+    traceback nor the interpreter's complaint about the final flush."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        run = subprocess.run([sys.executable, "-m", "jaxdist.cli", *argv], stdout=write_end, stderr=subprocess.PIPE,
+                             text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO, timeout=120)
+    finally:
+        os.close(write_end)
+    assert (run.returncode, run.stderr) == (cli.STDOUT_CLOSED_EXIT, "")

@@ -270,6 +270,22 @@ def test_token_ids_outside_the_vocabulary_are_refused(tmp_path, key, ids, messag
     assert str(caught.value) == f"data.path={tmp_path / 'tokens.npz'}: {message}"
 
 
+@pytest.mark.parametrize("inputs, targets, key, smallest", [
+    (np.full((6, 32), -300), np.full((6, 32), -300), "inputs", -300),  # all negative: the largest id + 1 is -299
+    (np.zeros((6, 32), np.int64), np.resize(np.arange(-100, 50), (6, 32)), "targets", -100),  # an ignore id
+])
+def test_negative_token_ids_under_vocab_auto_are_named(tmp_path, inputs, targets, key, smallest):
+    np.savez(tmp_path / "tokens.npz", inputs=inputs, targets=targets)
+    cfg = make_config(tmp_path, data={"source": "arrays", "path": str(tmp_path / "tokens.npz")},
+                      model={"vocab": "auto"})
+    with pytest.raises(UserError) as caught:
+        loader.resolve_model(cfg)
+    assert str(caught.value) == (
+        f"model.vocab=auto: data.path={tmp_path / 'tokens.npz'}: {key} holds negative token ids (the smallest is "
+        f"{smallest}); ids count from 0, and there is no ignore id such as -100: save the arrays with ids 0 to "
+        f"vocab - 1")
+
+
 def test_labels_outside_the_classes_are_refused(tmp_path):
     np.savez(tmp_path / "digits.npz", images=np.zeros((8, 4, 4, 1), np.float32), labels=np.arange(8) % 5)
     cfg = make_classifier_config(tmp_path, {"name": "mlp", "classes": 4, "image_shape": [4, 4, 1]},

@@ -234,3 +234,71 @@ def test_each_failure_is_said_once_with_what_happens_next(monkeypatch, code, max
     said = [line.removeprefix("jaxdist launch: ") for line in err.getvalue().splitlines()]
     failure = f"process 1 {launch._describe_exit(code)}; stopping process 0"
     assert [line for line in said if not line.startswith("started 2 process(es)")] == [failure + t for t in then]
+
+
+def test_a_closed_stdout_stops_the_group_like_a_sigpipe():
+    """`jaxdist launch ... | head`: the launcher's reader leaves. The launcher stops the processes as
+    it would on a SIGPIPE (they save and exit 0 here), drops the rest of their output, and neither
+    the relay thread nor the final flush raises."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    saves_on_sigterm = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); "
+                        "[(print('step', flush=True), time.sleep(0.1)) for _ in range(600)]")
+    err = io.StringIO()
+    with open(write_end, "w") as out:
+        group = launch._Group(out, err)
+        group.start(0, python(saves_on_sigterm), dict(os.environ))
+        code = group.wait()
+        out.write("the launcher's last words\n")
+    assert code == 0
+    assert err.getvalue().splitlines() == [
+        "jaxdist launch: received SIGPIPE; sending SIGTERM to every process (120 s to save and stop)",
+        "jaxdist launch: every process exited 0 after SIGPIPE",
+    ]
+    assert_all_gone(group)
+
+
+# What libraries print in a multi-process run: gloo's connections (two threads' lines interleaved
+# into one, and the end of one on a line of its own), JAX's and Orbax's notes on a SIGTERM.
+LIBRARY_LINES = [
+    "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1",
+    "[Gloo] Rank [Gloo] Rank 0 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3",
+    "1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3",
+    "W1128 08:30:23.474814   24496 preemption_notifier.cc:90] SIGTERM caught at 2026-11-28T08:30:23.474812467+00:00",
+    "WARNING:absl:[process=0][thread=MainThread] Reached preemption sync point, step=4",
+]
+
+
+def test_library_notes_go_to_the_log_file_and_the_run_s_own_lines_stay(monkeypatch, tmp_path):
+    """One line, once (across restarts), names the file the notes go to; jaxdist's lines, and other
+    libraries' lines (a warning a user may act on), are relayed as before."""
+    monkeypatch.delenv("JAXDIST_CPU_DEVICES", raising=False)
+    prints = (f"import sys; lines = {LIBRARY_LINES!r}; "
+              "print('step 1 loss 5.6', flush=True); [print(line, file=sys.stderr, flush=True) for line in lines]; "
+              "print('WARNING:absl:a warning of another kind', file=sys.stderr, flush=True); sys.exit(1)")
+    monkeypatch.setattr(launch, "child_command", lambda program: python(prints))
+    out, err, log = io.StringIO(), io.StringIO(), tmp_path / "notes.log"
+    assert launch.launch(1, 1, ["train", "any.yaml"], stdout=out, stderr=err, max_restarts=1, notes=log) == 1
+
+    assert out.getvalue().splitlines() == ["[0] step 1 loss 5.6"] * 2
+    said = [line for line in err.getvalue().splitlines() if not line.startswith("jaxdist launch: started")]
+    assert said == [
+        f"jaxdist launch: libraries' notes (gloo connections, preemption notices) go to {log}; --verbose shows "
+        f"them here",
+        "[0] WARNING:absl:a warning of another kind",
+        "jaxdist launch: process 0 exited with code 1; restarting the group (1 of 1)",
+        "[0] WARNING:absl:a warning of another kind",
+        "jaxdist launch: process 0 exited with code 1; not restarting",
+    ]
+    assert log.read_text().splitlines() == [f"[0] {line}" for line in LIBRARY_LINES] * 2
+
+
+def test_verbose_relays_the_library_notes(monkeypatch, tmp_path):
+    monkeypatch.delenv("JAXDIST_CPU_DEVICES", raising=False)
+    prints = f"import sys; [print(line, file=sys.stderr, flush=True) for line in {LIBRARY_LINES!r}]"
+    monkeypatch.setattr(launch, "child_command", lambda program: python(prints))
+    err, log = io.StringIO(), tmp_path / "notes.log"
+    assert launch.launch(1, 1, ["train", "any.yaml"], stdout=io.StringIO(), stderr=err, notes=log, verbose=True) == 0
+    assert [line for line in err.getvalue().splitlines() if line.startswith("[0] ")] == [
+        f"[0] {line}" for line in LIBRARY_LINES]
+    assert not log.exists()

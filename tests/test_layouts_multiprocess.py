@@ -218,7 +218,7 @@ def test_batch_rule_decides_the_rows_each_process_feeds(devices):
     assert feed.disagreeing_replicas(digests[[0, 2]], shards) is None
 
 
-def test_bench_feeds_each_process_its_rows(capsys):
+def test_bench_feeds_each_process_its_rows(capsys, tmp_path):
     """`jaxdist bench` over stages on two processes starts from the one-process first loss: the
     random batch is drawn globally and each process feeds the rows its devices hold."""
     from jaxdist import cli
@@ -229,7 +229,8 @@ def test_bench_feeds_each_process_its_rows(capsys):
                "--steps", "1", "--warmup", "0"]
     assert cli.main(program) == 0
     one = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    result = run_jaxdist("launch", "-n", "2", "--devices-per-process", "4", "--", *program)
+    result = run_jaxdist("launch", "-n", "2", "--devices-per-process", "4", "--log", str(tmp_path / "launch.log"), "--",
+                         *program)
     assert result.returncode == 0, result.stderr[-3000:]
     two = json.loads(next(line[4:] for line in result.stdout.splitlines() if line.startswith("[0] {")))
     assert two["layout"] == one["layout"] == "data=1 x stage=2 x fsdp=4 x tensor=1"

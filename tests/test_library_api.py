@@ -11,9 +11,11 @@ import sys
 from pathlib import Path
 
 import jaxdist
+from jaxdist.parallel import rules
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+LIBRARY = ROOT / "docs" / "library.md"
 
 # Appended to the example: what the test checks, printed as one JSON line.
 REPORT = """
@@ -90,6 +92,67 @@ def test_readme_sharding_example_places_a_users_model(tmp_path):
     assert result["specs"] == {"w1": ["fsdp", "tensor"], "w2": ["tensor", None]}
     assert result["w1_shard"] == [4, 32] and result["w2_shard"] == [32, 2]
     assert result["logits"] == [[64, 2], ["fsdp"]]  # the batch over data x fsdp (data=1)
+
+
+def batch_example() -> str:
+    """docs/library.md's batch block, after the README's sharding example."""
+    match = re.search(r"<!-- batch-example:[^>]*-->\s*```python\n(.*?)```", LIBRARY.read_text(), re.S)
+    assert match, "docs/library.md lost its batch example"
+    return sharding_example() + match.group(1)
+
+
+BATCH_REPORT = """
+import json
+with nnx.use_eager_sharding(False):
+    alone = MLP(nnx.Rngs(3))  # unsharded, on one device
+created = placement.create(seed=3)
+print(json.dumps({
+    "batch": [list(batch["x"].shape), list(batch["x"].sharding.spec)],
+    "rows": list(rows),
+    "logits": [list(logits.shape), list(logits.sharding.spec)],
+    "logits_right": bool(np.allclose(logits, np.maximum(all_x @ model.w1[...], 0) @ model.w2[...], atol=1e-5)),
+    "seed_gives_the_unsharded_values": all(np.array_equal(getattr(created, name)[...], getattr(alone, name)[...])
+                                           for name in ("w1", "w2")),
+}))
+"""
+
+
+def test_library_doc_batch_example_shards_the_input_batch(tmp_path):
+    script = tmp_path / "batch.py"
+    script.write_text(batch_example() + BATCH_REPORT)
+    env = {**os.environ, "JAXDIST_CPU_DEVICES": "8", "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "warning" not in run.stderr  # every parameter of the MLP has logical names
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["batch"] == [[64, 16], [["data", "fsdp"]]]  # data=1 x fsdp=4: rows split 4 ways
+    assert result["rows"] == list(range(64))  # one process feeds every row
+    assert result["logits"] == [[64, 2], ["fsdp"]]
+    assert result["logits_right"] and result["seed_gives_the_unsharded_values"]
+
+
+def preset_tables() -> str:
+    """The tables of docs/library.md, rendered from rules.PRESETS."""
+    def table(kind: str, title: str) -> list[str]:
+        names = list(dict.fromkeys(name for preset in rules.PRESETS.values() for name in getattr(preset, kind)))
+        lines = [f"| {title} name | " + " | ".join(f"`{name}`" for name in rules.PRESETS) + " |",
+                 "|" + " --- |" * (len(rules.PRESETS) + 1)]
+        for name in names:
+            cells = [" + ".join(getattr(preset, kind)[name]) or "replicated" for preset in rules.PRESETS.values()]
+            lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+        return lines
+
+    return "\n".join([*table("params", "parameter"), "", *table("activations", "activation")]) + "\n"
+
+
+def test_library_doc_preset_tables_are_the_presets():
+    """Every preset knows the same names (a name one lacked would fail placing there)."""
+    assert all(preset.params.keys() == rules.PRESETS["dp"].params.keys()
+               and preset.activations.keys() == rules.PRESETS["dp"].activations.keys() for preset in rules.PRESETS.values())
+    text = LIBRARY.read_text()
+    marker = "<!-- preset-tables: tests/test_library_api.py checks them against rules.PRESETS -->\n"
+    assert marker in text
+    assert text.split(marker, 1)[1] == preset_tables(), "regenerate the tables with tests/test_library_api.py:preset_tables()"
 
 
 def test_rules_round_trip_through_flax_pairs():

@@ -91,7 +91,12 @@ def one_process_losses(tmp_path_factory):
 
 
 def launch_train(config_file: Path) -> subprocess.CompletedProcess:
-    return run_jaxdist("launch", "-n", "2", "--devices-per-process", "4", "--", "train", str(config_file))
+    return run_jaxdist("launch", "-n", "2", "--devices-per-process", "4", "--log", str(config_file.with_suffix(".log")),
+                       "--", "train", str(config_file))
+
+
+# What the launcher writes to its log file rather than among the run's lines (jaxdist.launch.LIBRARY_NOTES).
+LIBRARY_NOTE_WORDS = re.compile(r"Gloo|peer ranks|preemption_notifier|absl")
 
 
 def test_launch_two_processes_trains_like_one_process(tmp_path, one_process_losses):
@@ -109,6 +114,11 @@ def test_launch_two_processes_trains_like_one_process(tmp_path, one_process_loss
     assert sum(re.match(r"\[0\] step +\d+ +loss", line) is not None for line in out) == TRAIN_STEPS
     assert not [line for line in out if line.startswith("[1] ") and ("step" in line or "mesh" in line)]
     assert "[0] --- sample ---" in out  # generation gathers its rows from both processes
+    # gloo's notes on its connections go to the launcher's log file, named in one line.
+    assert not LIBRARY_NOTE_WORDS.search(result.stdout + result.stderr), result.stdout + result.stderr
+    log = tmp_path / "two.log"
+    assert f"libraries' notes (gloo connections, preemption notices) go to {log}" in result.stderr
+    assert "[Gloo] Rank" in log.read_text()
 
 
 # -- checkpoints across process counts --------------------------------------------------------------
@@ -177,7 +187,7 @@ def launch_in_background(config_file: Path, *options: str) -> Iterator[tuple[sub
     its stdout) and the list its stderr lines collect in. Its --timeout bounds every read of its output."""
     launcher = subprocess.Popen(
         [sys.executable, "-m", "jaxdist.cli", "launch", "-n", "2", "--devices-per-process", "4", "--timeout", "120",
-         *options, "--", "train", str(config_file)],
+         "--log", str(config_file.with_suffix(".log")), *options, "--", "train", str(config_file)],
         env=jaxdist_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
     )
     stderr_lines: list[str] = []
@@ -266,6 +276,10 @@ def test_sigterm_to_the_launcher_saves_at_one_step_and_resumes(tmp_path):
     assert code == 0, "".join(stderr_lines)[-3000:]
     assert "jaxdist launch: every process exited 0 after SIGTERM\n" in stderr_lines
     assert _pids_alive(launched_pids(stderr_lines)) == []
+    # JAX's and Orbax's notes on the SIGTERM go to the launcher's log file.
+    assert not LIBRARY_NOTE_WORDS.search(rest + "".join(stderr_lines)), rest + "".join(stderr_lines)
+    notes = (tmp_path / "long.log").read_text()
+    assert "preemption_notifier.cc" in notes and "Reached preemption sync point" in notes
     assert first <= step < cfg.train.steps
 
     saved = run_dir / "checkpoints" / str(step)
@@ -288,8 +302,8 @@ def test_sigterm_to_the_launcher_saves_at_one_step_and_resumes(tmp_path):
 # -- doctor ----------------------------------------------------------------------------------------
 
 
-def test_doctor_passes_under_launch():
-    result = run_jaxdist("launch", "-n", "2", "--devices-per-process", "4", "--",
+def test_doctor_passes_under_launch(tmp_path):
+    result = run_jaxdist("launch", "-n", "2", "--devices-per-process", "4", "--log", str(tmp_path / "launch.log"), "--",
                          "doctor", "mesh.tensor=2", "--megabytes", "0.25")
     assert result.returncode == 0, result.stderr[-3000:]
     out = [line.removeprefix("[0] ") for line in result.stdout.splitlines() if line.startswith("[0] ")]

@@ -4,6 +4,7 @@ import re
 
 import jax
 import numpy as np
+import optax
 import pytest
 import yaml
 from conftest import SMALL_RESNET, TINY_GPT, make_classifier_config, make_config
@@ -197,3 +198,41 @@ def test_every_activation_a_model_constrains_is_one_the_layout_check_checks(tmp_
         jax.eval_shape(lambda state, batch: entry.loss(nnx.merge(graphdef, state), batch), state, batch)
     named = {tuple(name for name in names if name is not None) for names in traced}
     assert named and named <= {*entry.activations, ("batch",), ("stage", "batch")}, named - set(entry.activations)
+
+
+class PartlyNamed(nnx.Module):
+    """A model whose projection carries logical names and whose flax layers (a Linear, a LayerNorm)
+    and scalar carry none."""
+
+    def __init__(self, rngs):
+        init = nnx.initializers.lecun_normal()
+        self.w = nnx.Param(nnx.with_partitioning(init, ("embed", "mlp"))(rngs.params(), (16, 32)))
+        self.head = nnx.Linear(32, 8, rngs=rngs)
+        self.norm = nnx.LayerNorm(8, rngs=rngs)
+        self.temperature = nnx.Param(jax.numpy.ones(()))  # nothing to split
+
+    def __call__(self, x):
+        return self.norm(self.head(x @ self.w)) * self.temperature
+
+
+UNNAMED_WARNING = ("jaxdist: warning: rules: 4 parameter(s) carry no logical names, so every device holds them whole: "
+                   "head/bias, head/kernel, norm/bias, norm/scale; name their dimensions (nnx.with_partitioning) "
+                   "for the rules to split them\n")
+
+
+def test_parameters_without_logical_names_are_replicated_with_one_warning(devices, capsys):
+    mesh = make_mesh(fsdp=4, tensor=2)
+    placement = rules.place(PartlyNamed, rules.preset("fsdp_tp"), mesh)
+    assert capsys.readouterr().err == UNNAMED_WARNING
+    specs = {"/".join(map(str, path)): sharding.spec for path, sharding in nnx.to_flat_state(placement.shardings)}
+    assert specs == {"w": P("fsdp", "tensor"), "head/kernel": P(None, None), "head/bias": P(None),
+                     "norm/scale": P(None), "norm/bias": P(None), "temperature": P()}
+
+    def loss_fn(model, batch):
+        return (model(batch["x"]) ** 2).mean()
+
+    Trainer(PartlyNamed, loss_fn, optax.sgd(0.1), mesh, rules.preset("fsdp_tp"))
+    assert capsys.readouterr().err == UNNAMED_WARNING  # the Trainer places it once, and says so once
+
+    rules.place(models.get("gpt").create(make_config("unused")), rules.preset("fsdp_tp"), mesh)
+    assert capsys.readouterr().err == ""  # jaxdist's models name every parameter

@@ -35,6 +35,7 @@ from jaxdist.checkpoint.store import (
     abstract_state,
     first_line,
     is_intact,
+    set_aside_summary,
 )
 from jaxdist.config import Config
 from jaxdist.errors import NonFiniteError, UserError, warn
@@ -175,6 +176,8 @@ class RunCheckpoints:
                 raise UserError(f"checkpoint.resume_step={wanted}: {self.directory} holds no checkpoints; drop "
                                 f"checkpoint.resume_step to start from scratch")
             return self.start
+        if note := set_aside_summary(self.directory):
+            warn(note)
         with Checkpoints(self.directory, create=False) as store:
             candidates = self._candidates(store, wanted)
             for step in reversed(candidates):

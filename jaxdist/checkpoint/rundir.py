@@ -29,13 +29,12 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxdist.checkpoint.store import DIVERGED_PREFIX, SUPERSEDED_PREFIX, UNREADABLE_PREFIX
+from jaxdist.checkpoint.store import SET_ASIDE_PREFIXES
 from jaxdist.errors import UserError
 
 LOCK_FILE = "jaxdist.lock"
 # What a start moves aside with --restart, and what makes a directory hold history.
 HISTORY = ("metrics.jsonl", "tb", "checkpoints", "config.yaml", "wandb")
-_SET_ASIDE = (UNREADABLE_PREFIX, DIVERGED_PREFIX, SUPERSEDED_PREFIX)
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
 
 
@@ -153,7 +152,7 @@ def history(run_dir: Path) -> list[str]:
         found.append("TensorBoard events in tb/")
     checkpoints = run_dir / "checkpoints"
     if checkpoints.is_dir():
-        aside = sorted(path.name for path in checkpoints.iterdir() if path.name.startswith(_SET_ASIDE))
+        aside = sorted(path.name for path in checkpoints.iterdir() if path.name.startswith(SET_ASIDE_PREFIXES))
         if aside:
             found.append(f"set-aside checkpoints ({', '.join(aside)})")
     return found

@@ -49,6 +49,7 @@ STATE, META, DIGESTS = "state", "meta", "digests"
 # Where checkpoints that are not to be resumed from are moved, by why: damaged files, the state of a
 # diverging run (its next step was bad), newer than the step a run was told to resume from.
 UNREADABLE_PREFIX, DIVERGED_PREFIX, SUPERSEDED_PREFIX = "unreadable-", "diverged-", "superseded-"
+SET_ASIDE_PREFIXES = (UNREADABLE_PREFIX, DIVERGED_PREFIX, SUPERSEDED_PREFIX)
 _MIN_CHUNK_BYTES = 2**20
 # How TensorStore's errors begin (its status codes); others are not about the files.
 _TENSORSTORE_CODES = ("RESOURCE_EXHAUSTED", "DATA_LOSS", "NOT_FOUND", "OUT_OF_RANGE", "FAILED_PRECONDITION",
@@ -727,12 +728,26 @@ class Checkpoints:
         if err is not None:
             warn(f"checkpoint {self.path(step)} is unreadable ({type(err).__name__}: {first_line(err)}); "
                  f"moved it to {aside}; falling back to the one before")
+        if note := set_aside_summary(self.directory):
+            warn(note)
         return aside
 
 
 def _platform(state: Any) -> str:
     arrays = [leaf for leaf in jax.tree.leaves(state) if isinstance(leaf, jax.Array)]
     return next(iter(arrays[0].sharding.device_set)).platform if arrays else "cpu"
+
+
+def set_aside_summary(directory: Path) -> str | None:
+    """One line on the checkpoints set aside in `directory` (unreadable, diverged, superseded): how
+    many and the space they hold, which nothing frees but the user; None where there are none."""
+    folders = [path for path in directory.glob("*") if path.is_dir() and path.name.startswith(SET_ASIDE_PREFIXES)]
+    if not folders:
+        return None
+    size = sum(file.stat().st_size for folder in folders for file in folder.rglob("*") if file.is_file())
+    count = f"{len(folders)} set-aside checkpoint{'s' if len(folders) > 1 else ''}"
+    kinds = ", ".join(f"{prefix}*" for prefix in SET_ASIDE_PREFIXES if any(f.name.startswith(prefix) for f in folders))
+    return f"{directory} holds {count} ({kinds}), {size / 1e6:,.1f} MB; delete them when you no longer need them"
 
 
 def first_line(err: Exception) -> str:

@@ -274,7 +274,8 @@ def tokenizer(cfg: Config) -> tokenizer_lib.Tokenizer:
 
 def data_vocab(cfg: Config) -> int:
     """The vocabulary size of the configured data: the prepared tokenizer's, 256 bytes for the
-    stdlib corpus, or the largest token id + 1 of an `arrays` file's integer inputs and targets."""
+    stdlib corpus, or the largest token id + 1 of an `arrays` file's integer inputs and targets
+    (which must hold no negative id: that is no vocabulary size)."""
     data = cfg.data
     if data.source in ("images", "digits"):
         raise UserError(f"model.vocab=auto: data.source={data.source} holds images, not tokens; use a token source")
@@ -282,14 +283,19 @@ def data_vocab(cfg: Config) -> int:
         return tokenizer_lib.ByteTokenizer.vocab_size
     if data.source == "arrayrecord":
         return int(sources.read_manifest(Path(data.path))["tokenizer"]["vocab_size"])
-    tokens = [a for a in _load_arrays(Path(data.path), ("inputs", "targets")).values()
-              if np.issubdtype(a.dtype, np.integer) and a.size]
+    tokens = {key: a for key, a in _load_arrays(Path(data.path), ("inputs", "targets")).items()
+              if np.issubdtype(a.dtype, np.integer) and a.size}
     if not tokens:
         raise UserError(
             f"model.vocab=auto: data.path={data.path} has no integer inputs or targets arrays to take the "
             f"vocabulary from; set model.vocab to a number"
         )
-    return int(max(a.max() for a in tokens)) + 1
+    for key, ids in tokens.items():
+        if (low := int(ids.min())) < 0:
+            raise UserError(f"model.vocab=auto: data.path={data.path}: {key} holds negative token ids (the smallest "
+                            f"is {low}); ids count from 0, and there is no ignore id such as -100: save the "
+                            f"arrays with ids 0 to vocab - 1")
+    return int(max(a.max() for a in tokens.values())) + 1
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxdist.errors import UserError
+from jaxdist.errors import UserError, warn
 
 MeshAxes = tuple[str, ...]
 RuleValue = str | Sequence[str] | None
@@ -329,6 +329,23 @@ def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
 
+def unnamed(variables: nnx.State) -> tuple[str, ...]:
+    """The paths of the variables that carry no logical names (and have a dimension to split): no
+    rule reaches them, so they are replicated on every device."""
+    return tuple("/".join(map(str, path)) for path, variable in nnx.to_flat_state(variables)
+                 if variable.shape and not any(variable.get_metadata().get(key) is not None
+                                               for key in _SHARDING_METADATA))
+
+
+def warn_unnamed(paths: Sequence[str]) -> None:
+    """One warning naming the parameters without logical names (replicated: legal, but perhaps
+    not meant), if there are any."""
+    if paths:
+        shown = ", ".join(paths[:8]) + (f" and {len(paths) - 8} more" if len(paths) > 8 else "")
+        warn(f"rules: {len(paths)} parameter(s) carry no logical names, so every device holds them whole: "
+             f"{shown}; name their dimensions (nnx.with_partitioning) for the rules to split them")
+
+
 @dataclasses.dataclass(frozen=True)
 class Placement:
     """Where every parameter of a model lives: checked layouts, their shardings and a table.
@@ -371,6 +388,7 @@ def place(target: Any, rules: Rules, mesh: Mesh, names: Any = None) -> Placement
     `target`: a flax NNX model class or factory called as `target(rngs)` (built abstractly), an
     `nnx.Module`, or an `nnx.State`, all carrying logical names as variable metadata; or any pytree
     of arrays or `jax.ShapeDtypeStruct`s, with `names` a matching pytree of logical-name tuples.
+    A variable without logical names is replicated, with one warning naming every such variable.
     """
     graphdef = factory = None
     if names is None:
@@ -380,6 +398,7 @@ def place(target: Any, rules: Rules, mesh: Mesh, names: Any = None) -> Placement
                 target = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))
         if isinstance(target, nnx.Module):
             graphdef, target = nnx.split(target)
+        warn_unnamed(unnamed(target))
         names = jax.tree.map(logical_names, target, is_leaf=_is_variable)
         target = jax.tree.map(lambda v: v.get_value(), target, is_leaf=_is_variable)
     return Placement(param_layouts(target, names, rules, mesh), mesh, graphdef, factory)

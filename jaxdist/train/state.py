@@ -55,6 +55,7 @@ class AbstractModel(NamedTuple):
     names: Any
     state: Any = None  # the non-parameter variables (`TrainState.model_state`); None without any
     state_names: Any = None
+    unnamed: tuple[str, ...] = ()  # the paths of the variables without logical names (`rules.unnamed`)
 
 
 def _names(variables: nnx.State) -> Any:
@@ -73,7 +74,7 @@ def abstract_model(create_model: ModelFactory, seed: int) -> AbstractModel:
     graphdef, params, state = nnx.split(model, nnx.Param, ...)
     state_dict = _or_none(nnx.to_pure_dict(state))
     return AbstractModel(graphdef, nnx.to_pure_dict(params), _names(params), state_dict,
-                         None if state_dict is None else _names(state))
+                         None if state_dict is None else _names(state), rules_lib.unnamed(nnx.state(model)))
 
 
 def model_variables(create_model: ModelFactory, seed: int) -> tuple[Any, Any]:
@@ -137,6 +138,7 @@ def init_state(
     to compile for it without allocating it (`jaxdist plan`).
     """
     abstract = abstract or abstract_model(create_model, seed)
+    rules_lib.warn_unnamed(abstract.unnamed)
     layouts = rules_lib.param_layouts(abstract.params, abstract.names, rules, mesh)
     param_shardings = rules_lib.layout_shardings(layouts, mesh)
     model_state_shardings = None
