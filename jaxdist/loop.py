@@ -7,6 +7,7 @@ metrics. Side effects (files, printing) live here and in the CLI; the step itsel
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import sys
 import time
@@ -95,7 +96,13 @@ def train(cfg: Config, devices: list | None = None, restart: bool = False, start
         # data.epochs ends the run where a resumed one counts the examples left from its checkpoint.
         cfg = checkpoints.cfg = loader.resolve_steps(cfg, len(train_source), planned.step, planned.example, log)
         _warn_if_warmup_outlasts_the_run(cfg)
-        return _train(cfg, entry, layout, rows, train_source, eval_source, tokenizer, checkpoints, planned, clock)
+        try:
+            return _train(cfg, entry, layout, rows, train_source, eval_source, tokenizer, checkpoints, planned, clock)
+        finally:
+            # A data worker's batch lives in shared memory that grain unlinks once nothing refers to
+            # it, and JAX lets go of the host arrays it was given only at a garbage collection: without
+            # one the last batches outlive the process ("leaked shared_memory objects" at exit).
+            gc.collect()
 
 
 def _train(cfg: Config, entry: models.ModelEntry, layout: layout_lib.Layout, rows: feed.BatchRows, train_source,
@@ -158,6 +165,7 @@ def _train(cfg: Config, entry: models.ModelEntry, layout: layout_lib.Layout, row
     try:
         steps.run()
     finally:
+        batches.close()  # stops the data workers, whose batches read ahead are dropped
         writer.close()
         if writer.stuck:
             warn(f"the metrics of the last logged steps could not be written to {run_dir} in time (is its file "
