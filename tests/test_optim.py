@@ -26,7 +26,8 @@ def gpt(tmp_path_factory):
     from one per layer.
     """
     cfg = make_config(tmp_path_factory.mktemp("gpt"))
-    _, abstract, names, _, _ = abstract_model(models.get("gpt").create(cfg), 0)
+    model = abstract_model(models.get("gpt").create(cfg), 0)
+    abstract, names = model.params, model.names
     rng = np.random.default_rng(0)
     layer_scale = np.array([1.0, 3.0])
 
