@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -198,6 +197,7 @@ class _Steps:
     def run(self) -> None:
         cfg, checkpoints, guard = self.cfg, self.checkpoints, self.guard
         # The handlers stay through the last checkpoint's write: a signal then is recorded, not fatal.
+        interrupted = False
         with StopSignals() as stop:
             try:
                 # guard.halting() is innermost: a halt must not reach the save after an error.
@@ -231,11 +231,14 @@ class _Steps:
                             return
                     if (sane := guard.check()) is not None:
                         checkpoints.confirm(sane)
+            except BaseException as err:
+                interrupted = not isinstance(err, Exception)  # a second Ctrl-C: leave at once
+                raise
             finally:
                 self.progress.close()
                 with self.clock.part("saves"):
                     # Finishes the saves of finite steps; after an interrupt, waits for nothing.
-                    checkpoints.close(wait=sys.exc_info()[0] is None or issubclass(sys.exc_info()[0], Exception))
+                    checkpoints.close(wait=not interrupted)
             if guard.halted is not None:
                 halted = guard.halted
                 raise NonFiniteError(f"{halted}; stopped without saving it; "

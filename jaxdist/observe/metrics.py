@@ -11,6 +11,7 @@ reported by the loop's next `write`, as one line, never a hang.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -18,6 +19,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -116,13 +118,16 @@ class _Files:
         self._events = _tensorboard_events(run_dir / "tb", resumed_at)
 
     def write(self, step: int, values: dict[str, float]) -> None:
+        """Appends one step to both files and flushes them; an `OSError` names the file that failed."""
         record = {"step": step, **values}
         strict = {k: v if math.isfinite(v) else None for k, v in record.items()}
-        self._jsonl.write(json.dumps(strict, allow_nan=False) + "\n")
-        self._jsonl.flush()
+        with _naming(self._jsonl.name):
+            self._jsonl.write(json.dumps(strict, allow_nan=False) + "\n")
+            self._jsonl.flush()
         # A non-finite value is a gap, as in metrics.jsonl.
-        self._events.write_event(_scalars_event(step, {k: v for k, v in values.items() if math.isfinite(v)}))
-        self._events.flush()
+        with _naming(self._events._file_name):
+            self._events.write_event(_scalars_event(step, {k: v for k, v in values.items() if math.isfinite(v)}))
+            self._events.flush()
 
     def close(self) -> None:
         for file in (self._jsonl, self._events):
@@ -132,6 +137,15 @@ class _Files:
                 pass
 
 
+@contextlib.contextmanager
+def _naming(path: str) -> Iterator[None]:
+    """An `OSError` inside names `path` (a write's error carries no file name)."""
+    try:
+        yield
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, err.filename or path) from err
+
+
 def _tensorboard_events(directory: Path, resumed_at: int | None) -> Any:
     # Imported here, not with jaxdist: importing tensorboardX sets CRC32C_SW_MODE in the environment.
     from tensorboardX.event_file_writer import EventsWriter
@@ -139,12 +153,13 @@ def _tensorboard_events(directory: Path, resumed_at: int | None) -> Any:
 
     directory.mkdir(parents=True, exist_ok=True)
     # The file's name holds the second it was made in: the pid and a count keep two of one second apart.
-    events = EventsWriter(str(directory / "events"), filename_suffix=f".{os.getpid()}.{next(_EVENT_FILES)}")
-    if resumed_at is not None:
-        # TensorBoard drops the events of earlier files at or after a session start's step.
-        events.write_event(Event(step=resumed_at + 1, wall_time=time.time(),
-                                 session_log=SessionLog(status=SessionLog.START)))
-    events.flush()
+    with _naming(str(directory)):
+        events = EventsWriter(str(directory / "events"), filename_suffix=f".{os.getpid()}.{next(_EVENT_FILES)}")
+        if resumed_at is not None:
+            # TensorBoard drops the events of earlier files at or after a session start's step.
+            events.write_event(Event(step=resumed_at + 1, wall_time=time.time(),
+                                     session_log=SessionLog(status=SessionLog.START)))
+        events.flush()
     return events
 
 
