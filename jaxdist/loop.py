@@ -207,8 +207,7 @@ class _Steps:
                         profiler.before(step)
                         metrics = self.trainer.step(self.batch)
                         profiler.after(step, metrics)
-                        if (sane := guard.record(step, metrics)) is not None:
-                            checkpoints.confirm(sane)
+                        guard.record(step, metrics)
                         self.progress.step(step)
                         if step < cfg.train.steps:
                             asked = time.perf_counter()
@@ -223,14 +222,15 @@ class _Steps:
                             saving = time.perf_counter()
                             checkpoints.after_step(step, self.trainer.state, guard.in_a_row)
                             self._saves += self._spent("saves", saving)
+                        checkpoints.confirm(guard.sane_through)
                         if reason := stop.requested(step):
                             guard.check()
                             with self.clock.part("saves"):
                                 checkpoints.stop(step, self.trainer.state, reason, guard.in_a_row)
                             self.stopped = True
                             return
-                    if (sane := guard.check()) is not None:
-                        checkpoints.confirm(sane)
+                    guard.check()
+                    checkpoints.confirm(guard.sane_through)
             except BaseException as err:
                 interrupted = not isinstance(err, Exception)  # a second Ctrl-C: leave at once
                 raise
@@ -319,33 +319,32 @@ class NonFiniteGuard:
         self._pending: tuple[int, dict[str, Any]] | None = None
         self._in_a_row = in_a_row  # a resumed run's count goes on from its checkpoint's
         self.halted: NonFiniteError | None = None
+        self.sane_through: int | None = None  # the newest checked step that was sane
 
     @property
     def in_a_row(self) -> int:
         """Bad steps in a row up to the newest checked step (what a checkpoint of it saves)."""
         return self._in_a_row
 
-    def record(self, step: int, metrics: dict[str, Any]) -> int | None:
-        """Checks the step before this one, then holds on to this one's metrics. Returns the
-        checked step where it was sane (as `check`)."""
-        sane = self.check()
+    def record(self, step: int, metrics: dict[str, Any]) -> None:
+        """Checks the step before this one, then holds on to this one's metrics."""
+        self.check()
         self._pending = (step, metrics)
-        return sane
 
-    def check(self) -> int | None:
-        """Reads the newest recorded step's flag: returns that step where it was sane (None where
-        it was bad but skipped, or there was none); raises `NonFiniteError` when the run must stop."""
+    def check(self) -> None:
+        """Reads the newest recorded step's flag; raises `NonFiniteError` when the run must stop."""
         if self._pending is None:
-            return None
+            return
         step, metrics = self._pending
         self._pending = None
         if not int(metrics["nonfinite"]):
             self._in_a_row = 0
-            return step
+            self.sane_through = step
+            return
         self._in_a_row += 1
         limit = self._cfg.max_consecutive_skips
         if self._cfg.on_nonfinite == "skip" and self._in_a_row <= limit:
-            return None
+            return
         why = "" if self._cfg.on_nonfinite == "halt" else (
             f" ({self._in_a_row} bad steps in a row, more than train.max_consecutive_skips={limit})")
         raise NonFiniteError(f"step {step}: {_what_is_bad(metrics, self._cfg)}{why}",

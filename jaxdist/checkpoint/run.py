@@ -206,15 +206,14 @@ class RunCheckpoints:
         steps = store.steps()
         if wanted is None:
             return steps
+        if steps and steps[-1] > wanted and _resumed_from(store, steps[-1]) == wanted:
+            self.log(f"checkpoint.resume_step={wanted} was taken by an earlier start: going on from its newest "
+                     f"checkpoint, step {steps[-1]}")
+            return steps
         if wanted not in steps:
             listed = ", ".join(map(str, steps)) or "none"
             raise UserError(f"checkpoint.resume_step={wanted}: there is no checkpoint of step {wanted} in "
                             f"{self.directory} (complete checkpoints: {listed}); pick one of those")
-        newest = steps[-1]
-        if newest > wanted and _resumed_from(store, newest) == wanted:
-            self.log(f"checkpoint.resume_step={wanted} was taken by an earlier start: going on from its newest "
-                     f"checkpoint, step {newest}")
-            return steps
         return [wanted]
 
     def resume(self, trainer) -> DataPosition:
@@ -346,9 +345,10 @@ class RunCheckpoints:
     def _saved(self, step: int) -> None:
         self.log(f"saved checkpoint step {step} in {self._store.path(step)}")
 
-    def confirm(self, step: int) -> None:
-        """Step `step` was judged sane: the checkpoints before it are confirmed, and rotated."""
-        confirmed = [saved for saved in self._unconfirmed if saved < step]
+    def confirm(self, step: int | None) -> None:
+        """Step `step` was judged sane (None: none yet): the checkpoints before it are confirmed,
+        and rotated."""
+        confirmed = [saved for saved in self._unconfirmed if step is not None and saved < step]
         if not confirmed:
             return
         self._unconfirmed = [saved for saved in self._unconfirmed if saved >= step]

@@ -728,8 +728,8 @@ class Checkpoints:
         if err is not None:
             warn(f"checkpoint {self.path(step)} is unreadable ({type(err).__name__}: {first_line(err)}); "
                  f"moved it to {aside}; falling back to the one before")
-        if note := set_aside_summary(self.directory):
-            warn(note)
+            if note := set_aside_summary(self.directory):
+                warn(note)
         return aside
 
 
