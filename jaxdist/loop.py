@@ -154,8 +154,11 @@ def _train(cfg: Config, entry: models.ModelEntry, layout: layout_lib.Layout, row
     trainer.compile(first)
     clock.add("trace", trainer.trace_time_s)
     clock.add("compile", trainer.compile_time_s)
-    with clock.part("warm_up"):
+    with clock.part("warm_up"):  # what the steps run beside themselves, compiled before the first
         checkpoints.warm_up(trainer.state)
+        if evaluate is not None:
+            evaluate.warm_up()
+        trainer.param_norm().block_until_ready()
     log(clock.startup_line())
 
     wandb = wandb_log.WandbRun(cfg, run_dir) if is_writer and cfg.log.wandb else None
@@ -236,7 +239,7 @@ class _Steps:
                 raise
             finally:
                 self.progress.close()
-                with self.clock.part("saves"):
+                with self.clock.part("last_write"):
                     # Finishes the saves of finite steps; after an interrupt, waits for nothing.
                     checkpoints.close(wait=not interrupted)
             if guard.halted is not None:
@@ -260,7 +263,7 @@ class _Steps:
         # The steps' own time: saves (the loop's part of them) are counted apart; evaluation and
         # logging come after the clock is read.
         step_time = (time.perf_counter() - self._last_time - self._saves) / steps
-        self.clock.interval(steps, step_time, self._data_wait)
+        self.clock.interval(steps, step_time, self._data_wait, first=step == self.start + 1)
         logging = time.perf_counter()
         values["param_norm"] = float(self.trainer.param_norm())
         examples_per_sec = cfg.train.global_batch / step_time

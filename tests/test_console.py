@@ -23,8 +23,8 @@ def test_plain_lines_when_stdout_is_not_a_terminal(tmp_path, capsys):
     assert saved == [f"saved checkpoint step {s} in {tmp_path / 'run' / 'checkpoints' / str(s)}" for s in (2, 3)]
     assert any(re.fullmatch(r"trained 3 steps; steady [\d,.]+ ms a step, [\d,]+ tokens/s; last loss [\d.]+", line)
                for line in out), out  # no MFU where the device's peak is unknown (CPU)
-    assert any(re.match(r"goodput \d+\.\d% \([\d.]+ s of steps in [\d.]+ s, \d+\.\d% after start-up\); the rest: ", line)
-               for line in out), out
+    assert any(re.match(r"goodput \d+\.\d% \([\d.]+ s of steps in [\d.]+ s; \d+\.\d% from the first step to the last, "
+                        r"start-up and the last checkpoint's write left out\); the rest: ", line) for line in out), out
     assert f"last checkpoint: step 3 in {tmp_path / 'run' / 'checkpoints'}" in out
 
 

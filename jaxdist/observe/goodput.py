@@ -4,9 +4,11 @@ Goodput is what a run trained per second of wall time, as a share of what its st
 would train in that time: `steps x steady step time / wall time`. The steady step time is the
 median over the logging intervals of each interval's time per step, measured without the saves,
 evaluations and logging inside it; MFU and tokens/s in the summary are that rate's. What the rest
-of the wall time went to is accounted by cause: start-up (data, init, restore, trace, compile),
-saves (the loop's blocking part, and the wait for the last write), evaluation, logging, steps
-slower than steady (of which the loop waited on input), and what is left over.
+of the wall time went to is accounted by cause: start-up (data, init, restore, trace, compile,
+the first step's one-time costs), saves (the loop's blocking part), evaluation, logging, steps
+slower than steady (of which the loop waited on input), the last checkpoint's write, and what is
+left over. The summary also gives goodput between the first step and the last: without the costs
+a run pays once, however long it is (start-up, the last write).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from collections.abc import Iterator
 # checkpoints against each other, building kernels, creating the state, restoring it, tracing and
 # compiling the step, compiling what a save runs.
 STARTUP = ("process", "data", "checks", "kernels", "init", "restore", "trace", "compile", "warm_up")
-_LABELS = {"process": "process start", "warm_up": "checkpoint programs"}
+_LABELS = {"process": "process start", "warm_up": "eval, save and log programs", "first_step": "first step",
+           "last_write": "the last checkpoint's write"}
 
 
 class RunTime:
@@ -31,6 +34,7 @@ class RunTime:
         self.started = time.perf_counter() if started is None else started
         self.parts: dict[str, float] = {}
         self._intervals: list[tuple[int, float]] = []  # (steps, seconds per step without saves, evals, logging)
+        self._first_step_s: float | None = None  # the run's first step, alone in its interval
         self.input_wait_s = 0.0
 
     @contextlib.contextmanager
@@ -45,21 +49,27 @@ class RunTime:
     def add(self, name: str, seconds: float) -> None:
         self.parts[name] = self.parts.get(name, 0.0) + seconds
 
-    def interval(self, steps: int, step_time_s: float, input_wait_s: float) -> None:
+    def interval(self, steps: int, step_time_s: float, input_wait_s: float, first: bool = False) -> None:
         """Records a logging interval: `steps` steps at `step_time_s` each (saves, evals and logging
-        left out), of which the loop waited `input_wait_s` in all for input."""
-        self._intervals.append((steps, step_time_s))
+        left out), of which the loop waited `input_wait_s` in all for input. `first`: the run's
+        first step, whose time over the steady step's is a start-up cost (its first run of each
+        kernel, allocations)."""
+        if first and steps == 1:
+            self._first_step_s = step_time_s
+        else:
+            self._intervals.append((steps, step_time_s))
         self.input_wait_s += input_wait_s
 
     @property
     def steps(self) -> int:
-        return sum(steps for steps, _ in self._intervals)
+        return sum(steps for steps, _ in self._intervals) + (self._first_step_s is not None)
 
     def steady_step_s(self) -> float | None:
         """The median interval's time per step (intervals of more than one step where there are
-        any: the first step after a start runs alone and pays one-time costs)."""
+        any: a step logged alone is noisier)."""
         longer = [seconds for steps, seconds in self._intervals if steps > 1]
-        times = longer or [seconds for _, seconds in self._intervals]
+        times = longer or [seconds for _, seconds in self._intervals] or (
+            [] if self._first_step_s is None else [self._first_step_s])
         return statistics.median(times) if times else None
 
     def startup_s(self) -> float:
@@ -79,20 +89,22 @@ class RunTime:
 
     def summary(self) -> str:
         """Goodput and what the rest of the wall time went to, by cause."""
-        now = time.perf_counter()
-        wall = now - self.started
+        wall = time.perf_counter() - self.started
         steady = self.steady_step_s()
         if steady is None:
             return f"no step trained in {wall:.1f} s"
         productive = self.steps * steady
+        first_step = 0.0 if self._first_step_s is None else max(0.0, self._first_step_s - steady)
         stepping = sum(steps * seconds for steps, seconds in self._intervals)
-        causes = [(_LABELS.get(name, name), self.parts.get(name, 0.0)) for name in STARTUP]
-        causes += [(name, self.parts.get(name, 0.0)) for name in ("saves", "eval", "logging")]
-        slower = max(0.0, stepping - productive)
-        causes.append((f"steps slower than steady (input waits {self.input_wait_s:.1f} s)", slower))
-        causes.append(("other", max(0.0, wall - productive - sum(seconds for _, seconds in causes))))
-        shown = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in causes if seconds >= 0.05)
-        after_start = wall - self.startup_s()
-        after = f", {productive / after_start:.1%} after start-up" if after_start > 0 else ""
-        return (f"goodput {productive / wall:.1%} ({productive:.1f} s of steps in {wall:.1f} s{after})"
-                + (f"; the rest: {shown}" if shown else ""))
+        once = [(_LABELS.get(name, name), self.parts.get(name, 0.0)) for name in STARTUP]
+        once += [(_LABELS["first_step"], first_step), (_LABELS["last_write"], self.parts.get("last_write", 0.0))]
+        running = [(name, self.parts.get(name, 0.0)) for name in ("saves", "eval", "logging")]
+        slower = max(0.0, stepping - (productive - (steady if self._first_step_s is not None else 0.0)))
+        running.append((f"steps slower than steady (input waits {self.input_wait_s:.1f} s)", slower))
+        accounted = productive + sum(seconds for _, seconds in once + running)
+        running.append(("other", max(0.0, wall - accounted)))
+        shown = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in once + running if seconds >= 0.05)
+        between = wall - sum(seconds for _, seconds in once)
+        steady_share = f"; {productive / between:.1%} from the first step to the last" if between > 0 else ""
+        return (f"goodput {productive / wall:.1%} ({productive:.1f} s of steps in {wall:.1f} s{steady_share}, "
+                f"start-up and the last checkpoint's write left out)" + (f"; the rest: {shown}" if shown else ""))

@@ -57,6 +57,13 @@ class Evaluator:
         self._step = make_eval_step(trainer.graphdef, eval_sums, trainer.mesh, trainer.rules, shardings.params,
                                     shardings.model_state)
 
+    def warm_up(self) -> None:
+        """Compiles the eval step on the split's first batch, so that the first evaluation costs no more
+        than the others."""
+        first = next(iter(self._batches()))
+        state = self._trainer.state
+        jax.block_until_ready(self._step(state.params, state.model_state, self._trainer.global_batch(first)))
+
     def __call__(self) -> dict[str, float]:
         """`{"eval_" + metric: mean over the split}`, e.g. eval_loss and eval_accuracy."""
         state = self._trainer.state
