@@ -218,7 +218,7 @@ def test_killing_one_process_stops_the_launcher(tmp_path):
     cfg = make_config(tmp_path / "run", **LAYOUT, train={"steps": 100_000}, log={"every": 1})
     with launch_in_background(write_config(tmp_path / "long.yaml", cfg)) as (launcher, stderr_lines):
         # Both joined and process 0 compiled: about to step together.
-        read_until(launcher, re.escape("[0] compiled the train step"), stderr_lines)
+        read_until(launcher, re.escape("[0] ready to train"), stderr_lines)
         pids = launched_pids(stderr_lines)
         os.kill(pids[1], signal.SIGKILL)
         killed_at = time.monotonic()
