@@ -66,7 +66,8 @@ def _one_step(cfg, initial_params) -> Step:
     """One SGD step through the config's optimizer and the real compiled step, on the config's mesh."""
     mesh = layout_lib.from_config(cfg).mesh
     rules = rules_lib.from_config(cfg.rules)
-    graphdef, abstract_params, names, _, _ = abstract_model(models.get("gpt").create(cfg), cfg.seed)
+    abstract = abstract_model(models.get("gpt").create(cfg), cfg.seed)
+    graphdef, abstract_params, names = abstract.graphdef, abstract.params, abstract.names
     layouts = rules_lib.param_layouts(abstract_params, names, rules, mesh)
     param_shardings = rules_lib.layout_shardings(layouts, mesh)
     tx, schedule = build_optimizer(cfg.optim, cfg.train, names)

@@ -346,8 +346,9 @@ ROLES = {
     "state/ocdbt.process_0/manifest.ocdbt": HARMLESS,
     "state/ocdbt.process_0/d/ B-tree node": HARMLESS,
 }
-# How an OCDBT B-tree node and a zstd frame (an OCDBT data file) begin.
-_MAGIC = {bytes.fromhex("0cdb20de"): "B-tree node", bytes.fromhex("28b52ffd"): "array data"}
+# How an OCDBT B-tree node begins; the other files of a `d/` folder hold the arrays' raw bytes
+# (the state is written uncompressed).
+_NODE = bytes.fromhex("0cdb20de")
 
 
 def role(step_dir: Path, relative: str) -> str:
@@ -356,7 +357,8 @@ def role(step_dir: Path, relative: str) -> str:
         return "commit_success.txt"
     folder = relative.rpartition("/")[0]
     if folder.endswith("/d"):
-        relative = f"{folder}/ {_MAGIC.get((step_dir / relative).read_bytes()[:4], 'unknown')}"
+        node = (step_dir / relative).read_bytes()[:4] == _NODE
+        relative = f"{folder}/ {'B-tree node' if node else 'array data'}"
     return relative if relative in ROLES else "unknown"
 
 

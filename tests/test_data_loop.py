@@ -16,6 +16,7 @@ from data_helpers import huggingface_tokenizer, prepared, random_documents
 from flax import nnx
 
 from jaxdist import loop
+from jaxdist.config import TrainConfig
 from jaxdist.data import loader, sources
 
 
@@ -24,6 +25,7 @@ def test_epochs_and_exact_eval_loss(tmp_path):
     cfg = make_config(
         tmp_path / "run", data={"source": "arrayrecord", "path": str(path), "epochs": 1}, eval={"every": 5}
     )
+    cfg = cfg.model_copy(update={"train": TrainConfig(global_batch=cfg.train.global_batch)})  # the epoch decides
     train_windows = len(loader.open_split(cfg, "train"))
     eval_source = loader.open_split(cfg, "eval")
     assert len(eval_source) % cfg.train.global_batch  # the last eval batch is padded

@@ -47,7 +47,8 @@ def _losses_and_grads(cfg, params, batch, microbatches):
     `loss_and_grads` and, for eval, the loss alone, on cfg's mesh."""
     mesh = layout_lib.from_config(cfg).mesh
     rules = rules_lib.from_config(cfg.rules)
-    graphdef, abstract_params, names, _, _ = abstract_model(models.get("gpt").create(cfg), cfg.seed)
+    abstract = abstract_model(models.get("gpt").create(cfg), cfg.seed)
+    graphdef, abstract_params, names = abstract.graphdef, abstract.params, abstract.names
     param_shardings = rules_lib.layout_shardings(rules_lib.param_layouts(abstract_params, names, rules, mesh), mesh)
 
     def both(p, b):

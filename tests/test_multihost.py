@@ -234,12 +234,12 @@ def test_killing_one_process_stops_the_launcher(tmp_path):
 
 
 def test_a_killed_process_restarts_the_group_which_resumes(tmp_path, one_process_losses):
-    """launch --max-restarts: process 1 killed after step 3 (checkpoints every 2 steps); the group
+    """launch --max-restarts: process 1 killed once checkpoint 2 is complete (checkpoints every 2 steps); the group
     starts again, resumes from the newest complete checkpoint and ends with the uninterrupted losses."""
     run_dir = tmp_path / "run"
     cfg = make_config(run_dir, **LAYOUT, train={"steps": REFERENCE_STEPS}, checkpoint={"every": 2})
     with launch_in_background(write_config(tmp_path / "c.yaml", cfg), "--max-restarts", "2") as (launcher, stderr_lines):
-        read_until(launcher, r"\[0\] step +3 +loss", stderr_lines)
+        read_until(launcher, r"\[0\] saved checkpoint step 2 ", stderr_lines)  # complete on disk
         os.kill(launched_pids(stderr_lines)[1], signal.SIGKILL)
         rest = launcher.stdout.read()
         code = launcher.wait(timeout=LAUNCH_TIMEOUT_S)

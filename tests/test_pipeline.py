@@ -198,7 +198,8 @@ def test_pipelined_loss_and_grads_match_unpipelined(tmp_path, monkeypatch, devic
                        pipeline={"microbatches": microbatches, "repeats": repeats, "unroll": unroll})
     layout = layout_lib.from_config(cfg, devices)
     mesh, rules = layout.mesh, layout.rules
-    _, abstract, names, _, _ = abstract_model(models.get("gpt").create(cfg), cfg.seed)
+    model = abstract_model(models.get("gpt").create(cfg), cfg.seed)
+    abstract, names = model.params, model.names
     layouts = rules_lib.param_layouts(abstract, names, rules, mesh)
     sharded = jax.device_put(params, rules_lib.layout_shardings(layouts, mesh))
     assert sharded["blocks"]["mlp"]["up"].sharding.spec[0] == "stage"
@@ -263,7 +264,8 @@ def _step_on_stages(tmp_path, stages: int, fsdp: int = 1, rows: int = HEAD_BATCH
                        pipeline={"microbatches": HEAD_MICROBATCHES, "unroll": unroll})
     layout = layout_lib.from_config(cfg, jax.devices()[:stages * fsdp])
     mesh, rules = layout.mesh, layout.rules
-    _, abstract, names, _, _ = abstract_model(models.get("gpt").create(cfg), cfg.seed)
+    model = abstract_model(models.get("gpt").create(cfg), cfg.seed)
+    abstract, names = model.params, model.names
     shardings = rules_lib.layout_shardings(rules_lib.param_layouts(abstract, names, rules, mesh), mesh)
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     tokens = jax.ShapeDtypeStruct((rows, HEAD_GPT["seq_len"]), jnp.int32, sharding=batch_sharding(mesh, rules))

@@ -57,7 +57,7 @@ def logged(run_dir: Path) -> tuple[dict[int, dict], dict, set[str]]:
 
 def test_offline_run_holds_the_config_and_metrics_jsonl_values(tmp_path):
     run_dir = tmp_path / "run"
-    loop.train(make_config(run_dir, train={"steps": 3}, log=OFFLINE))
+    loop.train(make_config(run_dir, train={"steps": 3}, log=OFFLINE, checkpoint={"every": 3}))
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     history, config, ids = logged(run_dir)
     assert sorted(history) == [1, 2, 3] and [line["step"] for line in lines] == [1, 2, 3]
@@ -65,12 +65,12 @@ def test_offline_run_holds_the_config_and_metrics_jsonl_values(tmp_path):
         expected = {tensorboard_tag(k): v for k, v in line.items() if k != "step"}
         assert history[line["step"]] == expected  # every key, equal to the last bit
     assert [history[s]["train/loss"] for s in (1, 2, 3)] == [line["loss"] for line in lines]
-    assert "train/compile_s" in history[1] and "train/compile_s" not in history[2]
+    assert "train/startup_compile_s" in history[1] and "train/startup_compile_s" not in history[2]
     assert config["train"]["steps"] == 3 and config["model"]["d_model"] == 64 and config["log"]["wandb"] is True
     assert ids == {(run_dir / "wandb" / "run_id").read_text()}
 
-    # Resumed in the same run_dir (no checkpoint: from step 0): the same W&B run goes on.
-    loop.train(make_config(run_dir, train={"steps": 4}, log=OFFLINE))
+    # Resumed in the same run_dir: the same W&B run goes on.
+    loop.train(make_config(run_dir, train={"steps": 4}, log=OFFLINE, checkpoint={"every": 3}))
     history, _, resumed = logged(run_dir)
     assert resumed == ids and len(list(run_dir.glob("wandb/offline-run-*"))) == 2
     assert history[4]["train/loss"] == json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["loss"]

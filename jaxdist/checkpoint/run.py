@@ -161,6 +161,7 @@ class RunCheckpoints:
         self._store: Checkpoints | None = None
         self._mesh: Mesh | None = None
         self._unconfirmed: list[int] = []  # checkpoints whose next step is not judged yet
+        self._prune_through: int | None = None  # rotation due through this step
 
     def prepare(self) -> DataPosition:
         """Picks the checkpoint to resume from (`checkpoint.resume_step`, else the newest whose
@@ -347,12 +348,14 @@ class RunCheckpoints:
 
     def confirm(self, step: int | None) -> None:
         """Step `step` was judged sane (None: none yet): the checkpoints before it are confirmed,
-        and rotated."""
+        and rotated (with several processes, once no write is in progress: see `Checkpoints.prune`)."""
         confirmed = [saved for saved in self._unconfirmed if step is not None and saved < step]
-        if not confirmed:
-            return
-        self._unconfirmed = [saved for saved in self._unconfirmed if saved >= step]
-        self._store.prune(self.cfg.checkpoint.keep, self.cfg.checkpoint.keep_every, through=confirmed[-1])
+        if confirmed:
+            self._unconfirmed = [saved for saved in self._unconfirmed if saved >= step]
+            self._prune_through = confirmed[-1]
+        if self._prune_through is not None and (jax.process_count() == 1 or self._store.writing is None):
+            self._store.prune(self.cfg.checkpoint.keep, self.cfg.checkpoint.keep_every, through=self._prune_through)
+            self._prune_through = None
 
     def diverged(self, first_bad_step: int | None) -> str:
         """Sets aside the checkpoints of a diverging run (from the step before `first_bad_step` on:
@@ -428,6 +431,7 @@ class RunCheckpoints:
             return
         if wait:
             self._finish_write()
+            self.confirm(None)  # a rotation that waited for the write
         self._store.close(wait)
 
 

@@ -245,6 +245,10 @@ class _Snapshot:
             for i in self._moved:
                 self._save_args[i] = _chunked(leaves[i])
         copies = {"numpy": jax.device_get, "pinned": _pinned, "device": _device_copies}[how](arrays)
+        if arrays and _platform(arrays) == "cpu":
+            # XLA's in-process CPU collectives can deadlock while another program runs on the same
+            # simulated devices: the copy ends before the next step starts, as each step does there.
+            jax.block_until_ready(copies)
         for i, array in zip(self._moved, copies):
             leaves[i] = array
         self._leaves, self._how = leaves, how
@@ -381,8 +385,10 @@ class Checkpoints:
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
             preservation_policy=None if keep is None else ocp.checkpoint_managers.LatestN(keep),
-            # Saves are asynchronous here: each runs whole on this store's writer thread.
-            enable_async_checkpointing=False,
+            # One process: each save runs whole on this store's writer thread. Several: Orbax's own
+            # saves agree across processes with collectives, which must run on the thread that runs
+            # the steps, in the same order everywhere; its background thread does the rest.
+            enable_async_checkpointing=jax.process_count() > 1,
             cleanup_tmp_directories=create,
             create=create,
         )
@@ -427,17 +433,37 @@ class Checkpoints:
         digests = start_digests(named_arrays(state))
         snapshot = _Snapshot(state, how)
         self.writing = step
-        self._pending = self._writer_thread().submit(functools.partial(self._write, step, snapshot, digests, meta))
+        if jax.process_count() == 1:
+            self._pending = self._writer_thread().submit(functools.partial(self._write, step, snapshot, digests, meta))
+            return
+        try:
+            with self._reporting_write_failure(step):
+                self._manager.save(step, args=self._args(snapshot, digests, meta), force=True)
+        except BaseException:
+            snapshot.release()
+            raise
+        self._pending = self._writer_thread().submit(functools.partial(self._committed, step, snapshot))
+
+    def _args(self, snapshot: _Snapshot, digests: PendingDigests, meta: dict[str, Any]) -> ocp.args.Composite:
+        return ocp.args.Composite(**{
+            STATE: snapshot.to_write(), META: ocp.args.JsonSave(meta), DIGESTS: ocp.args.JsonSave(digests.result()),
+        })
 
     def _write(self, step: int, snapshot: _Snapshot, digests: PendingDigests, meta: dict[str, Any]) -> float:
-        """On the writer thread: finishes the copy to host, writes and commits checkpoint `step`;
-        returns the seconds it took (from the save's call)."""
+        """On the writer thread, with one process: finishes the copy to host, writes and commits
+        checkpoint `step`; returns the seconds it took (from the save's call)."""
         try:
-            args = ocp.args.Composite(**{
-                STATE: snapshot.to_write(), META: ocp.args.JsonSave(meta), DIGESTS: ocp.args.JsonSave(digests.result()),
-            })
             with self._reporting_write_failure(step):
-                self._manager.save(step, args=args, force=True)
+                self._manager.save(step, args=self._args(snapshot, digests, meta), force=True)
+        finally:
+            snapshot.release()
+        return time.perf_counter() - snapshot.started
+
+    def _committed(self, step: int, snapshot: _Snapshot) -> float:
+        """On the writer thread, with several processes: waits for Orbax to commit checkpoint `step`."""
+        try:
+            with self._reporting_write_failure(step):
+                self._manager.wait_until_finished()
         finally:
             snapshot.release()
         return time.perf_counter() - snapshot.started
@@ -514,7 +540,12 @@ class Checkpoints:
                 if not (keep_every and step % keep_every == 0):
                     self._manager.delete(step)
 
-        self._writer_thread().submit(delete_old)
+        if jax.process_count() > 1:  # every process deletes together, as it saves (see `save`)
+            if self.writing is not None:
+                raise RuntimeError("prune with several processes runs between writes: wait for the last one first")
+            delete_old()
+        else:
+            self._writer_thread().submit(delete_old)
 
     def _writer_thread(self) -> _Writer:
         if self._writer is None:
