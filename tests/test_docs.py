@@ -113,6 +113,7 @@ def _mentions(path: Path) -> list[tuple[str, str | None]]:
             continue  # a Python call, checked with the names below
         if value and value.count("]") > value.count("["):
             value = value[:value.rindex("]")]  # the end of an optional part of a synopsis
+        value = value.rstrip(",:") if value else value  # the punctuation of the sentence around it
         found.append((key, value))
     for span in _inline_spans(text):
         if match := re.fullmatch(r"((?:%s)\.[\w.]+): (.+)" % "|".join(SECTIONS), span):
@@ -149,6 +150,7 @@ def test_the_docs_check_finds_what_they_name():
         with pytest.raises(KeyError):
             _field_types(key)
     assert _value_error("model.name", "resnet") is None and _value_error("model.name", "vit")
+    assert ("train.loss_spike", "5") in set(_mentions(ROOT / "docs" / "checkpoints.md"))  # before a colon
 
 
 def test_removed_options_are_named_only_in_the_history():
@@ -262,7 +264,8 @@ def _resolves(dotted: str) -> bool:
 @pytest.mark.parametrize("path", MARKDOWN, ids=_name)
 def test_every_python_name_and_import_in_the_docs_resolves(path):
     text = path.read_text()
-    names = {name for span in _inline_spans(text) for name in re.findall(r"\bjaxdist(?:\.\w+)+", span)}
+    # `jaxdist.NAME`, but not a file named so (`run_dir/jaxdist.lock`).
+    names = {name for span in _inline_spans(text) for name in re.findall(r"(?<![\w/.])jaxdist(?:\.\w+)+", span)}
     for match in MENTION.finditer(text):  # calls such as `rules.place(...)`
         module, attribute = match["key"].split(".", 1)
         if match["call"] and module in MODULES:
@@ -271,3 +274,4 @@ def test_every_python_name_and_import_in_the_docs_resolves(path):
         for statement in re.findall(r"^(?:from \S+ import .+|import .+)$", block, re.M):
             exec(statement, {})  # the docs' own import lines: ImportError if a name is gone
     assert [name for name in sorted(names) if not _resolves(name)] == []
+
