@@ -2,7 +2,8 @@
 README.md, docs/*.md, benchmarks/README.md, the recipes' comments and the SLURM and Kubernetes
 templates is a key of jaxdist/config.py that takes that value; every `jaxdist ...` command line parses with the current command line (and
 loads its config, where it names a recipe); every `jaxdist.NAME` and Python import resolves.
-benchmarks/HISTORY.md, a log of the past, is the one place removed options may still be named."""
+benchmarks/HISTORY.md, a log of the past, is the one place removed options may still be named. docs/config.md is
+generated from the config classes, and is what the command generates now."""
 
 import contextlib
 import importlib
@@ -151,6 +152,7 @@ def test_the_docs_check_finds_what_they_name():
             _field_types(key)
     assert _value_error("model.name", "resnet") is None and _value_error("model.name", "vit")
     assert ("train.loss_spike", "5") in set(_mentions(ROOT / "docs" / "checkpoints.md"))  # before a colon
+    assert ("model.name", "mlp") in set(_mentions(ROOT / "docs" / "config.md"))  # before a comma
 
 
 def test_removed_options_are_named_only_in_the_history():
@@ -275,3 +277,12 @@ def test_every_python_name_and_import_in_the_docs_resolves(path):
             exec(statement, {})  # the docs' own import lines: ImportError if a name is gone
     assert [name for name in sorted(names) if not _resolves(name)] == []
 
+
+# -- the generated config reference ---------------------------------------------------------------
+
+def test_the_config_reference_is_what_config_show_generates(capsys):
+    assert cli.main(["config", "show", "--format", "markdown"]) == 0
+    generated = capsys.readouterr().out
+    assert generated == (ROOT / "docs" / "config.md").read_text(), (
+        "docs/config.md is not what the config classes give: regenerate it with "
+        "`jaxdist config show --format markdown > docs/config.md`")
