@@ -110,8 +110,8 @@ def _mentions(path: Path) -> list[tuple[str, str | None]]:
     found = []
     for match in MENTION.finditer(text):
         key, value = match["key"], match["value"]
-        if match["call"]:
-            continue  # a Python call, checked with the names below
+        if match["call"] or key.endswith(".md"):
+            continue  # a Python call, checked with the names below; a page (data.md)
         if value and value.count("]") > value.count("["):
             value = value[:value.rindex("]")]  # the end of an optional part of a synopsis
         value = value.rstrip(",:") if value else value  # the punctuation of the sentence around it
@@ -141,8 +141,8 @@ def test_every_config_key_in_the_docs_exists_and_takes_the_value_shown(path):
 def test_the_docs_check_finds_what_they_name():
     """The check above reads the docs: the mentions it must see are seen, and wrong ones would fail."""
     assert ("mesh.fsdp", "8") in _mentions(ROOT / "scripts" / "k8s" / "jaxdist-job.yaml")
-    readme = set(_mentions(ROOT / "README.md"))
-    assert {("train.fsdp_gather", "per_step"), ("log.wandb", "true"), ("impl.loss_chunk", None)} <= readme
+    assert ("train.fsdp_gather", "per_step") in set(_mentions(ROOT / "README.md"))
+    assert {("log.wandb", "true"), ("impl.loss_chunk", None)} <= set(_mentions(ROOT / "docs" / "running.md"))
     assert ("rules.activations.seq", "tensor") in set(_mentions(ROOT / "docs" / "performance.md"))  # a whole span
     assert _value_error("train.fsdp_gather", "per_block") and _value_error("rules.preset", "zero3")
     assert _value_error("impl.remat", "all") and _value_error("mesh.data", "two")
@@ -233,9 +233,9 @@ def test_every_command_line_in_the_docs_parses(path):
 
 
 def test_the_command_check_reads_synopses_and_fails_wrong_commands():
-    readme = [command for command, whole in _command_lines(ROOT / "README.md") if whole]
-    assert "jaxdist data prepare FILES... --out DIR [--tokenizer byte|sentencepiece|TOKENIZER.json]" in readme
-    assert _argv(readme[readme.index("jaxdist data prepare FILES... --out DIR [--tokenizer "
+    running = [command for command, whole in _command_lines(ROOT / "docs" / "running.md") if whole]
+    assert "jaxdist data prepare FILES... --out DIR [--tokenizer byte|sentencepiece|TOKENIZER.json]" in running
+    assert _argv(running[running.index("jaxdist data prepare FILES... --out DIR [--tokenizer "
                                      "byte|sentencepiece|TOKENIZER.json]")]) == [
         "data", "prepare", "FILES", "--out", "DIR", "--tokenizer", "byte"]
     assert _parse_error(["bench", "tiny", "--gpus", "2"], whole=True)  # no such flag
