@@ -99,7 +99,8 @@ def _markdown_sections(capsys, *argv: str) -> dict[str, list[list[str]]]:
 def test_markdown_has_a_table_per_section_and_every_models_keys(capsys):
     sections = _markdown_sections(capsys)
     assert list(sections)[:7] == ["top level", "mesh", "rules", "model (model.name=gpt)",
-                                  "model (model.name=mlp, its defaults)", "model (model.name=resnet, its defaults)", "impl"]
+                                  "model (model.name=mlp, its defaults)",
+                                  "model (model.name=resnet, its defaults)", "impl"]
     assert sections["top level"][0] == ["`seed`", "`0`", "int", "seed of parameter init, data order and sampling"]
     assert ["`mesh.fsdp`", "`-1`", "int"] == sections["mesh"][2][:3]
     # A | inside a cell is escaped, so the row keeps four cells.
