@@ -1,4 +1,4 @@
-"""The same `jaxdist bench` with this tree and another checkout of jaxdist, alternating, in one call.
+"""The same `jaxdist bench` with this tree and another checkout of jaxdist, alternating, on one GPU.
 
     git archive REV jaxdist | tar -x -C .other      # e.g. the commit before a change
     python benchmarks/against_tree.py .other [--config jaxdist/recipes/gpt_406m.yaml] [--pairs 2]

@@ -6,8 +6,9 @@ Suites: `one_gpu`, `long_sequences`, `two_gpus_dp_fsdp` (2 GPUs), `tensor_parall
 README.md.
 
 Each run is a separate process (one GPU program at a time); every result is one JSON line. The
-peers are shared/peers/*.py (torch_gpt.py, torch_dist.py, plain_jax_gpt.py); pass their folder.
-Ratios are only meaningful within one call on one machine: absolute times drift between hosts.
+peers are the PyTorch peer programs (torch_gpt.py, torch_dist.py, plain_jax_gpt.py; not part of this
+repository): pass their folder with --peers, or in JAXDIST_PEERS. Ratios are only meaningful
+between runs of one invocation on one machine: absolute times drift between hosts.
 """
 
 from __future__ import annotations
@@ -125,11 +126,14 @@ def table(results: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("suites", nargs="+", choices=sorted(suites("")))
-    parser.add_argument("--peers", default=os.environ.get("JAXDIST_PEERS", "../shared/peers"))
+    parser.add_argument("--peers", default=os.environ.get("JAXDIST_PEERS"),
+                        help="folder of the PyTorch peer programs (default: $JAXDIST_PEERS)")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs present (default: all that nvidia-smi lists)")
     parser.add_argument("--out", help="append every result as a JSON line")
     parser.add_argument("--timeout", type=int, default=420)
     args = parser.parse_args()
+    if args.peers is None:
+        parser.error("pass the folder of the PyTorch peer programs with --peers DIR (or set JAXDIST_PEERS)")
     # Every run inherits jaxdist's XLA flags, so the plain-JAX peer compiles under the same ones.
     jaxdist.gpu_defaults()
     gpus = args.gpus or int(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.count("GPU "))

@@ -50,7 +50,7 @@ def test_mlp_sizes_and_flops():
     assert models.get("mlp").flops_per_example(cfg) == 6 * (64 * 32 + 32 * 16 + 16 * 10)
 
 
-def test_gpt_flops_per_example_is_the_peers_count_per_token_times_tokens():
+def test_gpt_flops_per_example_is_palms_model_flops_per_token_times_tokens():
     cfg = config.load("tiny")
     m = cfg.model
     per_token = 6 * (12 * m.layers * m.d_model**2 + m.vocab * m.d_model) + 12 * m.layers * m.d_model * m.seq_len

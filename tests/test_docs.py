@@ -2,7 +2,8 @@
 README.md, docs/*.md, benchmarks/README.md, the recipes' comments and the SLURM and Kubernetes
 templates is a key of jaxdist/config.py that takes that value; every `jaxdist ...` command line parses with the current command line (and
 loads its config, where it names a recipe); every `jaxdist.NAME` and Python import resolves.
-benchmarks/HISTORY.md, a log of the past, is the one place removed options may still be named."""
+benchmarks/HISTORY.md, a log of the past, is the one place removed options may still be named. docs/config.md is
+generated from the config classes, and is what the command generates now."""
 
 import contextlib
 import importlib
@@ -109,10 +110,11 @@ def _mentions(path: Path) -> list[tuple[str, str | None]]:
     found = []
     for match in MENTION.finditer(text):
         key, value = match["key"], match["value"]
-        if match["call"]:
-            continue  # a Python call, checked with the names below
+        if match["call"] or key.endswith(".md"):
+            continue  # a Python call, checked with the names below; a page (data.md)
         if value and value.count("]") > value.count("["):
             value = value[:value.rindex("]")]  # the end of an optional part of a synopsis
+        value = value.rstrip(",:") if value else value  # the punctuation of the sentence around it
         found.append((key, value))
     for span in _inline_spans(text):
         if match := re.fullmatch(r"((?:%s)\.[\w.]+): (.+)" % "|".join(SECTIONS), span):
@@ -139,8 +141,8 @@ def test_every_config_key_in_the_docs_exists_and_takes_the_value_shown(path):
 def test_the_docs_check_finds_what_they_name():
     """The check above reads the docs: the mentions it must see are seen, and wrong ones would fail."""
     assert ("mesh.fsdp", "8") in _mentions(ROOT / "scripts" / "k8s" / "jaxdist-job.yaml")
-    readme = set(_mentions(ROOT / "README.md"))
-    assert {("train.fsdp_gather", "per_step"), ("log.wandb", "true"), ("impl.loss_chunk", None)} <= readme
+    assert ("train.fsdp_gather", "per_step") in set(_mentions(ROOT / "README.md"))
+    assert {("log.wandb", "true"), ("impl.loss_chunk", None)} <= set(_mentions(ROOT / "docs" / "running.md"))
     assert ("rules.activations.seq", "tensor") in set(_mentions(ROOT / "docs" / "performance.md"))  # a whole span
     assert _value_error("train.fsdp_gather", "per_block") and _value_error("rules.preset", "zero3")
     assert _value_error("impl.remat", "all") and _value_error("mesh.data", "two")
@@ -149,6 +151,8 @@ def test_the_docs_check_finds_what_they_name():
         with pytest.raises(KeyError):
             _field_types(key)
     assert _value_error("model.name", "resnet") is None and _value_error("model.name", "vit")
+    assert ("train.loss_spike", "5") in set(_mentions(ROOT / "docs" / "checkpoints.md"))  # before a colon
+    assert ("model.name", "mlp") in set(_mentions(ROOT / "docs" / "config.md"))  # before a comma
 
 
 def test_removed_options_are_named_only_in_the_history():
@@ -229,9 +233,9 @@ def test_every_command_line_in_the_docs_parses(path):
 
 
 def test_the_command_check_reads_synopses_and_fails_wrong_commands():
-    readme = [command for command, whole in _command_lines(ROOT / "README.md") if whole]
-    assert "jaxdist data prepare FILES... --out DIR [--tokenizer byte|sentencepiece|TOKENIZER.json]" in readme
-    assert _argv(readme[readme.index("jaxdist data prepare FILES... --out DIR [--tokenizer "
+    running = [command for command, whole in _command_lines(ROOT / "docs" / "running.md") if whole]
+    assert "jaxdist data prepare FILES... --out DIR [--tokenizer byte|sentencepiece|TOKENIZER.json]" in running
+    assert _argv(running[running.index("jaxdist data prepare FILES... --out DIR [--tokenizer "
                                      "byte|sentencepiece|TOKENIZER.json]")]) == [
         "data", "prepare", "FILES", "--out", "DIR", "--tokenizer", "byte"]
     assert _parse_error(["bench", "tiny", "--gpus", "2"], whole=True)  # no such flag
@@ -262,7 +266,8 @@ def _resolves(dotted: str) -> bool:
 @pytest.mark.parametrize("path", MARKDOWN, ids=_name)
 def test_every_python_name_and_import_in_the_docs_resolves(path):
     text = path.read_text()
-    names = {name for span in _inline_spans(text) for name in re.findall(r"\bjaxdist(?:\.\w+)+", span)}
+    # `jaxdist.NAME`, but not a file named so (`run_dir/jaxdist.lock`).
+    names = {name for span in _inline_spans(text) for name in re.findall(r"(?<![\w/.])jaxdist(?:\.\w+)+", span)}
     for match in MENTION.finditer(text):  # calls such as `rules.place(...)`
         module, attribute = match["key"].split(".", 1)
         if match["call"] and module in MODULES:
@@ -271,3 +276,13 @@ def test_every_python_name_and_import_in_the_docs_resolves(path):
         for statement in re.findall(r"^(?:from \S+ import .+|import .+)$", block, re.M):
             exec(statement, {})  # the docs' own import lines: ImportError if a name is gone
     assert [name for name in sorted(names) if not _resolves(name)] == []
+
+
+# -- the generated config reference ---------------------------------------------------------------
+
+def test_the_config_reference_is_what_config_show_generates(capsys):
+    assert cli.main(["config", "show", "--format", "markdown"]) == 0
+    generated = capsys.readouterr().out
+    assert generated == (ROOT / "docs" / "config.md").read_text(), (
+        "docs/config.md is not what the config classes give: regenerate it with "
+        "`jaxdist config show --format markdown > docs/config.md`")

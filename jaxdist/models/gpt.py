@@ -362,9 +362,9 @@ class GPT(nnx.Module):
 
 
 def flops_per_token(cfg: Config) -> int:
-    """Training FLOPs per token, counted as the peers count them (shared/peers/README.md), so MFU
-    compares: 6 x (12 x layers x d^2 + vocab x d) for the matmuls, plus 12 x layers x d x seq for
-    attention."""
+    """Training FLOPs per token as the PaLM paper counts them for model FLOPs utilization
+    (Chowdhery et al. 2022, appendix B): 6N + 12 x layers x d x seq, N = 12 x layers x d^2 + vocab x d
+    the parameters of the matmuls (the output projection included), 12 x layers x d x seq for attention."""
     m = cfg.model
     matmul_params = 12 * m.layers * m.d_model**2 + m.vocab * m.d_model
     return 6 * matmul_params + 12 * m.layers * m.d_model * m.seq_len

@@ -4,7 +4,10 @@ Any registered model: random tokens for the GPT, random pixels and labels for a 
 (`ModelEntry.random_batch`). Warm-up steps are excluded; the step time is the median over windows
 of timed steps. MFU is the model's training FLOPs per example (`ModelEntry.flops_per_example`)
 times examples per second and device over the device's peak (989e12 on H100 and H200). For the
-GPT that is exactly the peers' count (shared/peers/README.md), so numbers compare:
+GPT that is the model FLOPs of the PaLM paper (Chowdhery et al. 2022, "PaLM: Scaling Language
+Modeling with Pathways", appendix B, "model FLOPs utilization"): 6N + 12 L d s per token (its
+12 L H Q T, with H heads of Q dimensions making d and T = s tokens), N the parameters of the
+matmuls (the layers' weights and the output projection; no norms, biases or position embeddings):
 
     matmul_params   = 12 * layers * d * d + vocab * d
     flops_per_token = 6 * matmul_params + 12 * layers * d * seq

@@ -47,7 +47,7 @@ class Hardware:
     network_bw: float = 50 * GB  # per GPU, one direction (one 400 Gb/s InfiniBand NIC per GPU)
     storage_bw: float = 2 * GB  # checkpoint write bandwidth per host (parallel filesystem client)
     peak_flops: float = PEAK_FLOPS_BF16["H100"]
-    mfu: float = 0.45  # measured for the 406M recipe on one H100/H200 (shared/peers/README.md)
+    mfu: float = 0.45  # the 406M recipe's first versions on one H100/H200 (benchmarks/HISTORY.md)
     usable_memory: float = 0.9  # of gpu_memory; XLA and CUDA keep the rest
 
 
