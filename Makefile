@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 train: install
-	$(BIN)/jaxdist train jaxdist/recipes/tiny.yaml $(ARGS)
+	$(BIN)/jaxdist train configs/tiny.yaml $(ARGS)
 
 test: install
 	$(BIN)/pytest -n 2 --durations=15 $(ARGS)

@@ -1,6 +1,6 @@
 """The same layout in one process over every GPU and in one process per GPU (`jaxdist launch`).
 
-    python benchmarks/across_processes.py [--config jaxdist/recipes/gpt_406m.yaml] [--steps 10]
+    python benchmarks/across_processes.py [--config configs/gpt_406m.yaml] [--steps 10]
 
 For each layout (pipeline stages, FSDP) it runs `jaxdist bench` twice on all GPUs of this host:
 once as one process, once as `jaxdist launch -n <GPUs>`, and prints the untrained model's first
@@ -35,7 +35,7 @@ def bench(command: list[str]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="jaxdist/recipes/gpt_406m.yaml")
+    parser.add_argument("--config", default="configs/gpt_406m.yaml")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--batch-per-gpu", type=int, default=16)

@@ -1,7 +1,7 @@
 """The same `jaxdist bench` with this tree and another checkout of jaxdist, alternating, on one GPU.
 
     git archive REV jaxdist | tar -x -C .other      # e.g. the commit before a change
-    python benchmarks/against_tree.py .other [--config jaxdist/recipes/gpt_406m.yaml] [--pairs 2]
+    python benchmarks/against_tree.py .other [--config configs/gpt_406m.yaml] [--pairs 2]
 
 Runs `--pairs` x (this tree, the other), each as a fresh process on the same GPU, then prints
 each run's step time, trace and compile times and first loss, and the ratio of the medians. Before
@@ -35,7 +35,7 @@ def bench(tree: Path, config: str, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("other", type=Path, help="another jaxdist tree (holding jaxdist/)")
-    parser.add_argument("--config", default="jaxdist/recipes/gpt_406m.yaml")
+    parser.add_argument("--config", default="configs/gpt_406m.yaml")
     parser.add_argument("--pairs", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()

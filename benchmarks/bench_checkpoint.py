@@ -4,7 +4,7 @@
         [--host-copies numpy,pinned,device] [--saves 4]
 
 Builds the config's trainer once (random batch, as `jaxdist bench`), then measures each host copy
-in turn with `jaxdist.observe.checkpoint_cost.measure` (the measurement behind `jaxdist bench
+in turn with `jaxdist.commands.checkpoint_cost.measure` (the measurement behind `jaxdist bench
 --checkpoint`): the loop's cost of a save (the first apart), the host's blocking time, the write's
 duration, the step beside a write, the restore and the bytes. Prints one JSON line per host copy
 and a table last. `numpy` needs one process.
@@ -22,7 +22,7 @@ import jax
 import jaxdist
 from jaxdist import config as config_lib
 from jaxdist.checkpoint.store import HOST_COPIES
-from jaxdist.observe import bench, checkpoint_cost
+from jaxdist.commands import bench, checkpoint_cost
 from jaxdist.train.trainer import Trainer
 
 COLUMNS = ("host_copy", "first_save_loop_cost_s", "save_loop_cost_s", "save_blocked_s", "write_s", "step_s",

@@ -4,7 +4,7 @@
         --gpus-per-host 1
 
 Prepares each source as `jaxdist data prepare` does, in a temporary directory, then reads train
-batches through the pipeline `jaxdist train` uses (`pipeline.train_batches`: shuffled, per-epoch
+batches through the pipeline `jaxdist train` uses (`stream.train_batches`: shuffled, per-epoch
 reseeded, this process feeding every row) for each `data.workers` of the sweep and for the
 default (`data.workers: auto`, resolved for one process on this host, marked "(auto)"):
 
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxdist.data import corpus, images, pipeline, prepare, sources
+from jaxdist.data import corpus, images, prepare, sources, stream
 from jaxdist.data.augment import Augment
 from jaxdist.parallel.feed import BatchRows
 
@@ -180,11 +180,11 @@ def text_source(scratch: Path, tokenizer: str, args) -> Source | None:
     train = manifest["splits"]["train"]
     print(f"text/{tokenizer}: prepared {train['tokens'] / 1e6:.1f} M {manifest['dtype']} tokens of "
           f"{train['documents']} files in {time.perf_counter() - start:.1f} s", flush=True)
-    windows = pipeline.TokenWindows(sources.ArrayRecordTokens(out, manifest, "train"), args.seq_len)
+    windows = stream.TokenWindows(sources.ArrayRecordTokens(out, manifest, "train"), args.seq_len)
     rows = BatchRows(args.token_batch, tuple(range(args.token_batch)))
     return Source(
         f"text/{tokenizer}", "arrayrecord", "tokens",
-        lambda workers: pipeline.train_batches(windows, rows, seed=0, workers=workers, read_threads=args.read_threads,
+        lambda workers: stream.train_batches(windows, rows, seed=0, workers=workers, read_threads=args.read_threads,
                                                prefetch=args.prefetch),
         lambda batch: batch["inputs"].size,
         args.gpu_tokens_per_sec * args.gpus_per_host if args.gpu_tokens_per_sec else None,
@@ -210,7 +210,7 @@ def image_source(scratch: Path, args) -> Source:
     augment = Augment(seed=0, crop_padding=args.crop_padding, flip=True)
     return Source(
         "images", "images", "images",
-        lambda workers: pipeline.train_batches(source, rows, seed=0, workers=workers, augment=augment,
+        lambda workers: stream.train_batches(source, rows, seed=0, workers=workers, augment=augment,
                                                read_threads=args.read_threads, prefetch=args.prefetch),
         lambda batch: len(batch["labels"]),
         args.gpu_images_per_sec * args.gpus_per_host if args.gpu_images_per_sec else None,
@@ -221,7 +221,7 @@ def image_source(scratch: Path, args) -> Source:
 def run_sweep(source: Source, counts: list[int], cores: int, args) -> list[tuple[str, Rate]]:
     """(workers as shown, rate) for each count and the default (`data.workers: auto` for one process
     on `cores`), the default's marked."""
-    default = pipeline.auto_workers(source.data_source, cores, processes=1)
+    default = stream.auto_workers(source.data_source, cores, processes=1)
     results = []
     for workers in sorted({*counts, default}):
         batches = source.batches(workers)
@@ -269,11 +269,11 @@ def main() -> None:
     parser.add_argument("--token-batch", type=int, default=16)
     args = parser.parse_args()
 
-    cores = pipeline.usable_cores()
+    cores = stream.usable_cores()
     counts = [int(count) for count in args.workers.split(",")] if args.workers else sweep_counts(cores)
     print(f"{cores} usable cores; data.workers=auto gives one process on them "
-          f"{pipeline.auto_workers('images', cores, 1)} workers for images, "
-          f"{pipeline.auto_workers('arrayrecord', cores, 1)} for text; Python {sys.version.split()[0]}", flush=True)
+          f"{stream.auto_workers('images', cores, 1)} workers for images, "
+          f"{stream.auto_workers('arrayrecord', cores, 1)} for text; Python {sys.version.split()[0]}", flush=True)
     rows, measured = [], []
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.sources.split(","):

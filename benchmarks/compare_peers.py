@@ -21,11 +21,11 @@ import sys
 import time
 
 import jaxdist
-from jaxdist.observe import clocks
+from jaxdist.commands import clocks
 
 JAXDIST = [sys.executable, "-m", "jaxdist.cli", "bench"]
-GPT_406M = ["jaxdist/recipes/gpt_406m.yaml"]
-GPT_1B4 = ["jaxdist/recipes/gpt_1b4.yaml"]
+GPT_406M = ["configs/gpt_406m.yaml"]
+GPT_1B4 = ["configs/gpt_1b4.yaml"]
 
 
 def suites(peers: str) -> dict[str, list[tuple[str, list[str]]]]:

@@ -251,7 +251,7 @@ def _first_devices(args) -> list | None:
 
 
 def _plan(args) -> None:
-    from jaxdist.observe import plan
+    from jaxdist.commands import plan
 
     import jax
 
@@ -269,7 +269,7 @@ def _plan(args) -> None:
 
 
 def _bench(args) -> None:
-    from jaxdist.observe import bench
+    from jaxdist.commands import bench
 
     devices = _first_devices(args)
     # Before compiling and timing, which these paths would otherwise fail only after.
@@ -370,18 +370,18 @@ def _launch(args) -> int:
 
 
 def _doctor(args) -> int:
-    from jaxdist.observe import doctor
+    from jaxdist.commands import doctor
 
     return doctor.run(doctor.load_config(args.config, args.overrides), args.megabytes)
 
 
 def _scale(args) -> None:
-    from jaxdist.observe import scaling
+    from jaxdist.commands import scale
 
-    hardware = scaling.Hardware(network_bw=args.network_gbs * 1e9, nvlink_bw=args.nvlink_gbs * 1e9,
+    hardware = scale.Hardware(network_bw=args.network_gbs * 1e9, nvlink_bw=args.nvlink_gbs * 1e9,
                                 storage_bw=args.storage_gbs * 1e9)
     cfg = _config_with_data_sizes(args)
-    print(scaling.report(cfg, args.hosts, args.gpus_per_host, args.batch_per_gpu, hardware))
+    print(scale.report(cfg, args.hosts, args.gpus_per_host, args.batch_per_gpu, hardware))
 
 
 def _export(args) -> None:
@@ -392,7 +392,7 @@ def _export(args) -> None:
 
 
 def _plot(args) -> None:
-    from jaxdist.observe import plot
+    from jaxdist.commands import plot
 
     print(f"wrote {plot.plot(args.run_dirs, args.out)}")
 

@@ -6,6 +6,7 @@ naming the dotted key; `jaxdist.parallel.layout` adds the checks that need the d
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import math
 from collections.abc import Hashable, Iterator
@@ -22,7 +23,6 @@ from jaxdist.errors import UserError
 
 MESH_AXES = ("data", "stage", "fsdp", "tensor")
 _MODEL_NAME = "the model: gpt, mlp or resnet; each has its own keys (`jaxdist config show model.name=NAME`)"
-RECIPES = Path(__file__).parent / "recipes"
 
 
 class Section(BaseModel):
@@ -663,9 +663,19 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def recipes_folder() -> Path:
+    """Where the recipes are: the package `jaxdist.configs` (the repository's `configs/`, installed or
+    mapped there by an editable install), else, for a source tree on the path that is not installed
+    (PYTHONPATH=.), that tree's own `configs/`."""
+    try:
+        return Path(str(importlib.resources.files("jaxdist.configs")))
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[1] / "configs"
+
+
 def recipes() -> list[str]:
-    """Names of the recipes that ship with jaxdist (`jaxdist/recipes/NAME.yaml`)."""
-    return sorted(recipe.stem for recipe in RECIPES.glob("*.yaml"))
+    """Names of the recipes that ship with jaxdist (`configs/NAME.yaml`)."""
+    return sorted(recipe.stem for recipe in recipes_folder().glob("*.yaml"))
 
 
 def _locate(path: str | Path) -> Path:
@@ -673,7 +683,7 @@ def _locate(path: str | Path) -> Path:
     file; a `UserError` for a directory that names no recipe."""
     path = Path(path)
     if not (path.is_file() or path.suffix or len(path.parts) != 1):
-        recipe = RECIPES / f"{path}.yaml"
+        recipe = recipes_folder() / f"{path}.yaml"
         if recipe.is_file():
             return recipe
         if not path.is_dir():
@@ -827,25 +837,3 @@ def _yaml_problem(err: yaml.YAMLError) -> str:
     parts = [f"{text} (line {mark.line + 1}, column {mark.column + 1})" if mark else text
              for text, mark in ((err.context, err.context_mark), (err.problem, err.problem_mark)) if text]
     return " ".join(": ".join(parts).split())
-
-
-def resolve_mesh_shape(mesh: MeshConfig, device_count: int) -> dict[str, int]:
-    """Mesh axis sizes with the -1 filled in; a `UserError` if they cannot cover the devices."""
-    sizes = {axis: getattr(mesh, axis) for axis in MESH_AXES}
-    fixed = math.prod(size for size in sizes.values() if size != -1)
-    fill = [axis for axis, size in sizes.items() if size == -1]
-    if fill:
-        if device_count % fixed:
-            shown = " x ".join(f"mesh.{axis}={size}" for axis, size in sizes.items() if size != -1)
-            raise UserError(
-                f"mesh: the fixed axes {shown} multiply to {fixed}, which does not divide the "
-                f"{device_count} devices; change them or mesh.{fill[0]}"
-            )
-        sizes[fill[0]] = device_count // fixed
-    elif fixed != device_count:
-        shown = " x ".join(f"mesh.{axis}={size}" for axis, size in sizes.items())
-        raise UserError(
-            f"mesh: {shown} = {fixed} devices, but {device_count} are present; make the product "
-            f"{device_count} or set one axis to -1"
-        )
-    return sizes

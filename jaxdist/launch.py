@@ -131,7 +131,7 @@ def launch(num_processes: int, devices_per_process: int, program: Sequence[str],
     if max_restarts < 0:
         raise UserError(f"launch --max-restarts {max_restarts}: must be 0 or more")
     if not program:
-        raise UserError("launch: no command given; e.g. jaxdist launch -n 2 -- train jaxdist/recipes/tiny.yaml")
+        raise UserError("launch: no command given; e.g. jaxdist launch -n 2 -- train configs/tiny.yaml")
     _check_cpu_devices(os.environ.get("JAXDIST_CPU_DEVICES"), devices_per_process)
     stderr = stderr or sys.stderr
     restarts = 0

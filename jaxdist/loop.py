@@ -7,6 +7,7 @@ metrics. Side effects (files, printing) live here and in the CLI; the step itsel
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import math
 import time
@@ -19,7 +20,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxdist import kernels, models
-from jaxdist.checkpoint import RunCheckpoints, rundir
+from jaxdist.checkpoint import ResumePlan, RunCheckpoints, plan_resume, rundir
 from jaxdist.checkpoint.rundir import RunDirLock
 from jaxdist.config import Config, TrainConfig
 from jaxdist.data import loader
@@ -35,6 +36,7 @@ from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.train.evaluate import Evaluator
 from jaxdist.train.generate import sample
 from jaxdist.train.preemption import StopSignals
+from jaxdist.train.state import AbstractModel, abstract_model
 from jaxdist.train.trainer import Trainer, state_bytes_per_device
 
 
@@ -60,43 +62,13 @@ def train(cfg: Config, devices: list | None = None, restart: bool = False, start
     """
     clock = RunTime(started)
     clock.add("process", time.perf_counter() - clock.started)
-    # Opening the data and reading a first batch report bad data before anything compiles; so
-    # does a checkpoint of another model in run_dir.
-    wandb_log.check_installed(cfg)
-    with clock.part("data"):
-        cfg = loader.resolve_workers(loader.resolve_model(cfg))  # resolved, so config.yaml and checkpoints hold them
-        entry = models.get(cfg.model.name)
-        keys = entry.batch_keys
-        train_source = loader.open_split(cfg, "train", keys)
-        eval_source = loader.open_split(cfg, "eval", keys) if cfg.eval.every else None
-        # Read now, so a missing or corrupt tokenizer file stops the run before it trains, not after.
-        tokenizer = loader.tokenizer(cfg) if cfg.sample.tokens and entry.samples_text else None
-    with clock.part("checks"):
-        layout = layout_lib.from_config(cfg, devices, entry.activations)
-        rows = layout.process_rows(cfg.train.global_batch)
-        # Every process indexes one global stream, so all must hold the same data: the replica check
-        # below compares only rows that several processes hold, and most layouts have none.
-        splits = {"the train split": train_source, "the eval split": eval_source}
-        feed.check_sources_agree({name: loader.fingerprint(source) for name, source in splits.items()
-                                  if source is not None})
-        run_dir = Path(cfg.run_dir)
-        # Every process checks: each writes its checkpoint shards there.
-        check_writable(run_dir, f"run_dir={run_dir}", directory=True)
+    run_dir = Path(cfg.run_dir)
+    # Every process checks: each writes its checkpoint shards there.
+    check_writable(run_dir, f"run_dir={run_dir}", directory=True)
     with RunDirLock(run_dir):
-        if restart and jax.process_index() == 0 and (moved := rundir.set_history_aside(run_dir)):
-            log(f"--restart: moved the earlier run's files to {moved}")
-        if restart and jax.process_count() > 1:
-            multihost_utils.sync_global_devices("jaxdist_restart")  # before anyone reads checkpoints/
-        checkpoints = RunCheckpoints(cfg, log)
-        with clock.part("checks"):
-            planned = checkpoints.prepare()
-        if planned.step == 0:
-            rundir.check_history(run_dir)
-        # data.epochs ends the run where a resumed one counts the examples left from its checkpoint.
-        cfg = checkpoints.cfg = loader.resolve_steps(cfg, len(train_source), planned.step, planned.example, log)
-        _warn_if_warmup_outlasts_the_run(cfg)
+        run = prepare(cfg, devices, restart, clock)
         try:
-            return _train(cfg, entry, layout, rows, train_source, eval_source, tokenizer, checkpoints, planned, clock)
+            return _run(run, clock)
         finally:
             # A data worker's batch lives in shared memory that grain unlinks once nothing refers to
             # it, and JAX lets go of the host arrays it was given only at a garbage collection: without
@@ -104,11 +76,71 @@ def train(cfg: Config, devices: list | None = None, restart: bool = False, start
             gc.collect()
 
 
-def _train(cfg: Config, entry: models.ModelEntry, layout: layout_lib.Layout, rows: feed.BatchRows, train_source,
-           eval_source, tokenizer: Tokenizer | None, checkpoints: RunCheckpoints, planned, clock: RunTime) -> Trainer:
-    run_dir = Path(cfg.run_dir)
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What a run is, decided once before anything is built: the config resolved against its data and
+    its checkpoints, the model, the layout, the rows this process feeds, the data and where it resumes."""
+
+    cfg: Config
+    entry: models.ModelEntry
+    abstract: AbstractModel
+    layout: layout_lib.Layout
+    rows: feed.BatchRows
+    train_source: Any
+    eval_source: Any
+    tokenizer: Tokenizer | None
+    resume: ResumePlan
+
+
+def prepare(cfg: Config, devices: list | None = None, restart: bool = False,
+            clock: RunTime | None = None) -> Run:
+    """Resolves and checks `cfg` against its data, the devices and the run directory's checkpoints,
+    before anything is built or compiled: bad data, a layout the devices cannot carry, a checkpoint
+    of another model and a fresh start over an earlier run's history all stop here (`UserError`).
+    `restart` first moves an earlier run's files aside. Call it holding the run directory's lock."""
+    clock = clock or RunTime()
+    # Opening the data and reading a first batch report bad data before anything compiles; so
+    # does a checkpoint of another model in run_dir.
+    wandb_log.check_installed(cfg)
     with clock.part("data"):
-        batches = loader.train_iterator(cfg, rows, start_example=planned.example, source=train_source)
+        cfg = loader.resolve_workers(loader.resolve_model(cfg))  # resolved, so config.yaml and checkpoints hold them
+        entry = models.get(cfg.model.name)
+        train_source = loader.open_split(cfg, "train", entry.batch_keys)
+        eval_source = loader.open_split(cfg, "eval", entry.batch_keys) if cfg.eval.every else None
+        # Read now, so a missing or corrupt tokenizer file stops the run before it trains, not after.
+        tokenizer = loader.tokenizer(cfg) if cfg.sample.tokens and entry.samples_text else None
+    with clock.part("checks"):
+        layout = layout_lib.from_config(cfg, devices, entry.activations)
+        rows = layout.process_rows(cfg.train.global_batch)
+        # Every process indexes one global stream, so all must hold the same data: the replica check
+        # compares only rows that several processes hold, and most layouts have none.
+        splits = {"the train split": train_source, "the eval split": eval_source}
+        feed.check_sources_agree({name: loader.fingerprint(source) for name, source in splits.items()
+                                  if source is not None})
+        run_dir = Path(cfg.run_dir)
+        if restart and jax.process_index() == 0 and (moved := rundir.set_history_aside(run_dir)):
+            log(f"--restart: moved the earlier run's files to {moved}")
+        if restart and jax.process_count() > 1:
+            multihost_utils.sync_global_devices("jaxdist_restart")  # before anyone reads checkpoints/
+        abstract = abstract_model(entry.create(cfg), cfg.seed)
+        plan = plan_resume(cfg, abstract.params, log)
+        if plan.step is None:
+            rundir.check_history(run_dir)
+    # data.epochs ends the run where a resumed one counts the examples left from its checkpoint.
+    cfg = loader.resolve_steps(cfg, len(train_source), plan.position.step, plan.position.example, log)
+    _warn_if_warmup_outlasts_the_run(cfg)
+    return Run(cfg, entry, abstract, layout, rows, train_source, eval_source, tokenizer, plan)
+
+
+def _run(run: Run, clock: RunTime) -> Trainer:
+    """Builds the run (its trainer, restored; its evaluator; what a save runs), compiles the step,
+    runs the steps and closes with the summary and a sample."""
+    cfg, layout, rows = run.cfg, run.layout, run.rows
+    run_dir = Path(cfg.run_dir)
+    checkpoints = RunCheckpoints(cfg, run.resume, log)
+    planned = run.resume.position
+    with clock.part("data"):
+        batches = loader.train_iterator(cfg, rows, start_example=planned.example, source=run.train_source)
         first_local = next(batches)
     with clock.part("checks"):
         feed.check_replicas_agree(first_local, layout.batch_sharding, rows)
@@ -117,7 +149,7 @@ def _train(cfg: Config, entry: models.ModelEntry, layout: layout_lib.Layout, row
     if built:
         log(built)
     with clock.part("init"):
-        trainer = Trainer.from_config(cfg, layout=layout)
+        trainer = Trainer.from_config(cfg, layout=layout, abstract=run.abstract)
     is_writer = jax.process_index() == 0
     reads = "" if jax.process_count() == 1 else (
         f"; process 0 feeds rows {_ranges(rows.rows)} of each global batch of {rows.global_batch}")
@@ -136,20 +168,22 @@ def _train(cfg: Config, entry: models.ModelEntry, layout: layout_lib.Layout, row
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
     if start != planned:  # the planned checkpoint failed to read: an older one was restored
         with clock.part("data"):
-            batches = loader.train_iterator(cfg, rows, start_example=start.example, source=train_source)
+            batches.close()
+            batches = loader.train_iterator(cfg, rows, start_example=start.example, source=run.train_source)
             first_local = next(batches)
     if is_writer:  # steps after the restored one (all, without a checkpoint) run again
         drop_after(run_dir, start.step)
     if start.step >= cfg.train.steps:
         log(f"nothing to train: step {start.step} reached train.steps={cfg.train.steps}; raise train.steps "
             f"to go on, or use another run_dir")
+        batches.close()
         checkpoints.close()
         return trainer
 
-    evaluate = None if eval_source is None else Evaluator(
-        trainer, entry.eval_sums, lambda: loader.eval_iterator(cfg, rows, eval_source)
+    evaluate = None if run.eval_source is None else Evaluator(
+        trainer, run.entry.eval_sums, lambda: loader.eval_iterator(cfg, rows, run.eval_source)
     )
-    flops = entry.flops_per_example(cfg)
+    flops = run.entry.flops_per_example(cfg)
     first = trainer.global_batch(first_local)
     trainer.compile(first)
     clock.add("trace", trainer.trace_time_s)
@@ -177,8 +211,8 @@ def _train(cfg: Config, entry: models.ModelEntry, layout: layout_lib.Layout, row
     log(steps.progress.summary(steps.steady_values(), checkpoints.last_saved, checkpoints.directory))
     log(clock.summary())
 
-    if tokenizer is not None:
-        write_sample(cfg, trainer, layout.batch_shards, tokenizer)
+    if run.tokenizer is not None:
+        write_sample(cfg, trainer, layout.batch_shards, run.tokenizer)
     return trainer
 
 

@@ -8,7 +8,7 @@ import pytest
 from jaxdist import cli, config
 from jaxdist.data import loader
 from jaxdist.models.gpt import flops_per_token
-from jaxdist.observe import bench
+from jaxdist.commands import bench
 from jaxdist.observe.metrics import peak_flops
 
 
@@ -17,7 +17,7 @@ def test_bench_reports_consistent_throughput_and_its_setup(tmp_path, capsys):
     overrides = ["model.d_model=64", "model.layers=2", "model.heads=4", "model.seq_len=32", "model.vocab=256",
                  "train.global_batch=16", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "rules.preset=fsdp_tp",
                  f"run_dir={tmp_path / 'run'}", "checkpoint.every=1"]
-    assert cli.main(["bench", "jaxdist/recipes/tiny.yaml", *overrides, "--steps", "4", "--warmup", "1", "--out", str(out)]) == 0
+    assert cli.main(["bench", "configs/tiny.yaml", *overrides, "--steps", "4", "--warmup", "1", "--out", str(out)]) == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed == json.loads(out.read_text())
     assert not (tmp_path / "run").exists()  # bench never writes a run: no checkpoints, even when a recipe sets them
@@ -29,7 +29,7 @@ def test_bench_reports_consistent_throughput_and_its_setup(tmp_path, capsys):
     tokens = 16 * 32
     assert abs(printed["tokens_per_sec"] - tokens / (printed["step_ms"] / 1e3)) <= 0.01 * printed["tokens_per_sec"] + 1
     assert abs(printed["tokens_per_sec_per_device"] * 8 - printed["tokens_per_sec"]) <= 8
-    cfg = config.load("jaxdist/recipes/tiny.yaml", overrides)
+    cfg = config.load("configs/tiny.yaml", overrides)
     peak = peak_flops(printed["device_kind"])
     if peak is None:  # CPU
         assert printed["mfu"] is None

@@ -18,11 +18,11 @@ from data_helpers import prepared, random_documents
 from jax.sharding import NamedSharding, PartitionSpec
 from safetensors.numpy import load_file
 
-from jaxdist import cli, loop
+from jaxdist import cli, loop, models
 from jaxdist.checkpoint import (
     Checkpoints,
     DamagedCheckpoint,
-    RunCheckpoints,
+    plan_resume,
     abstract_state,
     array_digests,
     export_params,
@@ -34,11 +34,17 @@ from jaxdist.data import loader, sources
 from jaxdist.errors import UserError
 from jaxdist.parallel.feed import BatchRows
 from jaxdist.parallel.mesh import make_mesh
+from jaxdist.train.state import abstract_model
 from jaxdist.train.trainer import Trainer
 
 # Failed reads leave TensorStore callbacks that fire after Orbax's asyncio loop closed ("Event loop
 # is closed", raised inside the library and ignored there): not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+def plan(cfg):
+    """Where a start with `cfg` resumes from (the checkpoints' metadata only)."""
+    return plan_resume(cfg, abstract_model(models.get(cfg.model.name).create(cfg), cfg.seed).params, print).position
 
 
 def state_on(mesh, scale: float):
@@ -500,7 +506,7 @@ def test_processes_agree_on_the_metadata_before_resuming(saved_run, tmp_path, mo
         integrity.agree(err, gather=lambda code: [code, next(others, integrity.OK)])
 
     monkeypatch.setattr("jaxdist.checkpoint.store.agree", with_another_process)
-    position = RunCheckpoints(make_config(run_dir), log=print).prepare()
+    position = plan(make_config(run_dir))
     assert position.step == 1
     assert "process 1 found it damaged" in capsys.readouterr().err
     assert (run_dir / "checkpoints" / "unreadable-2").is_dir()
@@ -532,5 +538,5 @@ def test_failing_to_read_metadata_for_other_reasons_sets_nothing_aside(saved_run
     shutil.copytree(saved_run[0], run_dir)
     monkeypatch.setattr(ocp.CheckpointManager, "item_metadata", fail)
     with pytest.raises(type(error)):
-        RunCheckpoints(make_config(run_dir), log=print).prepare()
+        plan(make_config(run_dir))
     assert not list((run_dir / "checkpoints").glob("unreadable-*"))

@@ -18,7 +18,7 @@ from conftest import TINY_GPT, make_config
 
 from jaxdist import cli, loop
 from jaxdist.checkpoint import Checkpoints, abstract_state
-from jaxdist.data import pipeline
+from jaxdist.data import stream
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 12
@@ -111,8 +111,8 @@ def test_a_resume_on_a_host_of_other_cores_resolves_its_own_workers_and_reads_th
         raise OSError("disk full")
 
     at_log_of_step(6, fail)
-    monkeypatch.setattr(pipeline, "SOURCES_WITH_WORKERS", ("stdlib",))  # as an image folder would be read
-    monkeypatch.setattr(pipeline, "usable_cores", lambda: 4)  # -> 2 worker processes
+    monkeypatch.setattr(stream, "SOURCES_WITH_WORKERS", ("stdlib",))  # as an image folder would be read
+    monkeypatch.setattr(stream, "usable_cores", lambda: 4)  # -> 2 worker processes
     with pytest.raises(OSError, match="disk full"):
         loop.train(config(tmp_path, checkpoint={"every": 4}))
     assert "read in 2 worker processes" in capsys.readouterr().out
@@ -121,8 +121,8 @@ def test_a_resume_on_a_host_of_other_cores_resolves_its_own_workers_and_reads_th
         assert store.meta(6)["config"]["data"]["workers"] == 2
 
     monkeypatch.undo()
-    monkeypatch.setattr(pipeline, "SOURCES_WITH_WORKERS", ("stdlib",))
-    monkeypatch.setattr(pipeline, "usable_cores", lambda: 2)  # -> read in the training process
+    monkeypatch.setattr(stream, "SOURCES_WITH_WORKERS", ("stdlib",))
+    monkeypatch.setattr(stream, "usable_cores", lambda: 2)  # -> read in the training process
     loop.train(config(tmp_path, checkpoint={"every": 4}))
     out = capsys.readouterr().out
     assert ("; config changed: data.workers=2->0; data.workers only spreads the reading over processes: the "

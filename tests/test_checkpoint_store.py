@@ -14,20 +14,26 @@ from conftest import TINY_GPT, make_config
 from jax.sharding import NamedSharding, PartitionSpec
 from safetensors.numpy import load_file
 
-from jaxdist import cli
+from jaxdist import cli, models
 from jaxdist.checkpoint import (
     CheckpointMismatch,
     Checkpoints,
     DamagedCheckpoint,
     DataPosition,
-    RunCheckpoints,
+    plan_resume,
     abstract_state,
     run_meta,
 )
 from jaxdist.observe.metrics import drop_after
 from jaxdist.parallel.mesh import make_mesh
 from jaxdist.train.preemption import StopSignals
+from jaxdist.train.state import abstract_model
 from jaxdist.train.trainer import Trainer
+
+
+def plan(cfg):
+    """Where a start with `cfg` resumes from (the checkpoints' metadata only)."""
+    return plan_resume(cfg, abstract_model(models.get(cfg.model.name).create(cfg), cfg.seed).params, print).position
 
 
 def sharded_tree(mesh, scale: float):
@@ -215,7 +221,7 @@ def test_prepare_skips_unreadable_metadata(tiny_checkpoint, capsys):
     run_dir, _ = tiny_checkpoint
     (run_dir / "checkpoints" / "5" / "meta" / "metadata").write_text("{not json")
     cfg = make_config(run_dir, mesh={"data": 2, "fsdp": 2, "tensor": 2})
-    assert RunCheckpoints(cfg, print).prepare() == DataPosition(step=3, example=48)
+    assert plan(cfg) == DataPosition(step=3, example=48)
     assert "checkpoint" in capsys.readouterr().err and (run_dir / "checkpoints" / "unreadable-5").is_dir()
 
 
@@ -234,7 +240,7 @@ def test_set_aside_checkpoints_are_counted_with_the_space_they_hold(tiny_checkpo
     def size_of(folder) -> int:
         return sum(file.stat().st_size for file in folder.rglob("*") if file.is_file())
 
-    RunCheckpoints(cfg, print).prepare()
+    plan(cfg)
     first = size_of(checkpoints / "unreadable-5")
     assert first > 10_000  # the whole checkpoint, arrays and all
     lines = capsys.readouterr().err.splitlines()
@@ -243,7 +249,7 @@ def test_set_aside_checkpoints_are_counted_with_the_space_they_hold(tiny_checkpo
 
     (checkpoints / "unreadable-9").mkdir()
     (checkpoints / "unreadable-9" / "data").write_bytes(bytes(2_500_000))
-    RunCheckpoints(cfg, print).prepare()  # nothing more to set aside: the run starts with two present
+    plan(cfg)  # nothing more to set aside: the run starts with two present
     assert capsys.readouterr().err.splitlines() == [summary("2 set-aside checkpoints", first + 2_500_000)]
 
 

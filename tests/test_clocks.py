@@ -1,4 +1,4 @@
-"""`jaxdist bench` reports the SM clock and power its steps ran at (observe/clocks.py, through NVML).
+"""`jaxdist bench` reports the SM clock and power its steps ran at (commands/clocks.py, through NVML).
 
 NVML is played by a fake `pynvml` module with three GPUs, the first held at the power limit; the
 last test reads a real GPU where one is present.
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxdist import cli
-from jaxdist.observe import clocks
+from jaxdist.commands import clocks
 
 # In NVML index order: PCI bus id, UUID, SM MHz, power in mW, clock event reasons.
 GPUS = [
@@ -149,7 +149,7 @@ def test_without_nvml_one_line_and_nothing_reported(monkeypatch):
 
 def _bench(capsys) -> tuple[dict, str]:
     overrides = ["model.layers=1", "train.global_batch=8", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "--devices", "1"]
-    assert cli.main(["bench", "jaxdist/recipes/tiny.yaml", *overrides, "--steps", "2", "--warmup", "1"]) == 0
+    assert cli.main(["bench", "configs/tiny.yaml", *overrides, "--steps", "2", "--warmup", "1"]) == 0
     out, err = capsys.readouterr()
     return json.loads(out.strip().splitlines()[-1]), err
 

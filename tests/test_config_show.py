@@ -56,7 +56,7 @@ def test_show_applies_the_config_and_overrides(capsys, tmp_path):
 
 def test_a_recipe_loads_by_name(monkeypatch):
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
-    assert config.load("gpt_406m") == config.load("jaxdist/recipes/gpt_406m.yaml")
+    assert config.load("gpt_406m") == config.load("configs/gpt_406m.yaml")
     assert {"tiny", "gpt_406m", "gpt_1b4"} <= set(config.recipes())
 
 

@@ -16,7 +16,7 @@ from jaxdist import cli
 from jaxdist.data import loader, prepare, sources
 from jaxdist.data import tokenizer as tokenizer_lib
 from jaxdist.errors import UserError
-from jaxdist.observe import bench
+from jaxdist.commands import bench
 
 TEXT = "def f(x):\n    return x  # é\n"
 JSONL_DOCS = ["first line", "second, with a \"quote\"", "ünïcode"]

@@ -9,7 +9,7 @@ import pytest
 from conftest import make_config
 
 from jaxdist import cli, config
-from jaxdist.data import loader, pipeline
+from jaxdist.data import loader, stream
 from jaxdist.errors import UserError
 from jaxdist.parallel import distributed
 from jaxdist.parallel.feed import BatchRows
@@ -21,12 +21,12 @@ from jaxdist.parallel.feed import BatchRows
     (16, 8, 0), (16, 4, 2), (128, 8, 14), (130, 8, 14),  # a host's processes share its cores
 ])
 def test_auto_gives_each_process_reading_images_its_share_of_the_cores_but_two(cores, processes, workers):
-    assert pipeline.auto_workers("images", cores, processes) == workers
+    assert stream.auto_workers("images", cores, processes) == workers
 
 
 @pytest.mark.parametrize("source", ["stdlib", "arrayrecord", "arrays", "digits"])
 def test_auto_reads_tokens_and_in_memory_arrays_in_the_training_process(source):
-    assert pipeline.auto_workers(source, 128, 1) == 0
+    assert stream.auto_workers(source, 128, 1) == 0
 
 
 @pytest.fixture
@@ -47,16 +47,16 @@ def test_usable_cores_are_the_affinity_capped_by_a_container_cpu_limit(tmp_path,
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text + "\n")
-    assert pipeline.usable_cores(tmp_path) == cores
+    assert stream.usable_cores(tmp_path) == cores
 
 
 def test_usable_cores_of_this_process_are_its_affinity_at_most():
-    assert 1 <= pipeline.usable_cores() <= len(os.sched_getaffinity(0))
+    assert 1 <= stream.usable_cores() <= len(os.sched_getaffinity(0))
 
 
 def test_auto_is_the_default_and_resolves_to_a_count(tmp_path, monkeypatch):
     assert make_config(tmp_path).data.workers == "auto"
-    monkeypatch.setattr(pipeline, "usable_cores", lambda: 16)
+    monkeypatch.setattr(stream, "usable_cores", lambda: 16)
     assert loader.resolve_workers(make_config(tmp_path)).data.workers == 0  # stdlib tokens
     cfg = make_config(tmp_path, data={"source": "images", "path": "photos"})
     resolved = loader.resolve_workers(cfg)
@@ -69,8 +69,8 @@ def test_auto_is_the_default_and_resolves_to_a_count(tmp_path, monkeypatch):
 
 def test_a_single_process_resolves_auto_where_it_reads(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(pipeline, "auto_workers", lambda source, cores, processes: (source, processes))
-    monkeypatch.setattr(pipeline, "train_batches", lambda *args, **kwargs: calls.append(kwargs["workers"]))
+    monkeypatch.setattr(stream, "auto_workers", lambda source, cores, processes: (source, processes))
+    monkeypatch.setattr(stream, "train_batches", lambda *args, **kwargs: calls.append(kwargs["workers"]))
     loader.train_iterator(make_config(tmp_path), BatchRows(16, tuple(range(16))))
     assert calls == [("stdlib", 1)]
 

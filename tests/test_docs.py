@@ -25,7 +25,7 @@ from jaxdist.parallel import rules as rules_lib
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKDOWN = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
-RECIPES = sorted(config.RECIPES.glob("*.yaml"))
+RECIPES = sorted(config.recipes_folder().glob("*.yaml"))
 LAUNCH_TEMPLATES = sorted((ROOT / "scripts").glob("*/*"))  # SLURM and Kubernetes: their commands' overrides
 
 # Options that were removed: only benchmarks/HISTORY.md may name them.
@@ -43,7 +43,7 @@ PLACEHOLDER = re.compile(r"^(?:[A-Za-z]|[A-Z][A-Z_]+)$")
 def _doc_text(path: Path) -> str:
     """A markdown file or a launch template, or the comments of a recipe (its YAML is the config itself)."""
     text = path.read_text()
-    if path.parent == config.RECIPES:
+    if path.parent == config.recipes_folder():
         return "\n".join(line.split("#", 1)[1] for line in text.splitlines() if "#" in line)
     return text
 

@@ -13,7 +13,6 @@ from conftest import make_config
 from jaxdist import cli, loop
 from jaxdist.checkpoint import Checkpoints, abstract_state
 from jaxdist.checkpoint.store import HOST_COPIES
-from jaxdist.observe import checkpoint_cost
 from jaxdist.observe.goodput import RunTime
 from jaxdist.parallel.mesh import make_mesh
 from jax.sharding import NamedSharding, PartitionSpec

@@ -36,16 +36,16 @@ for module in pkgutil.walk_packages(jaxdist.__path__, "jaxdist."):
 report["imported"] = state()
 if sys.argv[1:] == ["use"]:
     jaxdist.use_cpu_devices()
-from jaxdist.data import pipeline
+from jaxdist.data import stream
 mesh = jaxdist.make_mesh(fsdp=-1)
 rules.check_mesh_axes(rules.preset("fsdp"), mesh)
 sharding = jax.sharding.NamedSharding(mesh, rules.preset("fsdp").param_spec(("embed", "mlp")))
 assert float(jax.device_put(np.ones((6, 4), np.float32), sharding).sum()) == 24
-windows = pipeline.TokenWindows(np.arange(64, dtype=np.int32), seq_len=4)
+windows = stream.TokenWindows(np.arange(64, dtype=np.int32), seq_len=4)
 from flax import nnx
 from jaxdist.parallel.feed import BatchRows
 rules.place(lambda rngs: nnx.Linear(4, 6, rngs=rngs), rules.preset("dp"), mesh).create()
-next(pipeline.train_batches(windows, BatchRows(4, (0, 1)), seed=0))
+next(stream.train_batches(windows, BatchRows(4, (0, 1)), seed=0))
 assert jaxdist.Trainer is not None
 report["used"] = state()
 report["device_count"] = jax.device_count()
@@ -145,7 +145,7 @@ def test_gpu_defaults_add_jaxdist_flags_and_keep_the_users(monkeypatch):
 
 def test_the_cli_applies_gpu_defaults(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", USER_FLAGS)
-    assert cli.main(["scale", str(ROOT / "jaxdist/recipes/gpt_406m.yaml"), "--hosts", "2"]) == 0
+    assert cli.main(["scale", str(ROOT / "configs/gpt_406m.yaml"), "--hosts", "2"]) == 0
     assert os.environ["XLA_FLAGS"].split() == [*USER_FLAGS.split(), "--xla_gpu_dot_merger_threshold_mb=0"]
 
 
@@ -160,7 +160,7 @@ def test_a_bad_device_count_is_a_user_error(monkeypatch, value):
 
 def test_the_cli_exits_2_with_one_line_on_a_bad_device_count():
     env = {**os.environ, "JAXDIST_CPU_DEVICES": "eight", "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, "-m", "jaxdist.cli", "rules", "jaxdist/recipes/tiny.yaml"], cwd=ROOT, env=env,
+    run = subprocess.run([sys.executable, "-m", "jaxdist.cli", "rules", "configs/tiny.yaml"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert run.stderr.splitlines() == ["jaxdist: error: JAXDIST_CPU_DEVICES='eight' must be a positive integer"]

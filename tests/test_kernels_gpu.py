@@ -17,7 +17,7 @@ from conftest import make_config
 
 from jaxdist import kernels
 from jaxdist.kernels import fused_norm, fused_norm_mosaic, fused_norm_triton, gelu_matmul
-from jaxdist.observe import bench, hlo
+from jaxdist.commands import bench, hlo
 from jaxdist.train.trainer import Trainer
 
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")

@@ -1,5 +1,5 @@
 """The package's layers: imports go one way, config <- parallel <- data, kernels <- models <- train
-<- checkpoint, observe <- the commands; and no module imports itself back through others."""
+<- checkpoint, observe <- commands <- the command line; and no module imports itself back through others."""
 
 import ast
 from pathlib import Path
@@ -14,6 +14,7 @@ LAYERS = (
     {"models"},
     {"train"},
     {"checkpoint", "observe"},
+    {"commands"},
     {"loop", "cli", "launch", ""},  # "": the package's own __init__, the public surface
 )
 

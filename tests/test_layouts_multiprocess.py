@@ -224,7 +224,7 @@ def test_bench_feeds_each_process_its_rows(capsys, tmp_path):
     from jaxdist import cli
     from test_multihost import run_jaxdist
 
-    program = ["bench", "jaxdist/recipes/tiny.yaml", "model.d_model=32", "model.layers=4", "model.heads=8", "model.seq_len=16",
+    program = ["bench", "configs/tiny.yaml", "model.d_model=32", "model.layers=4", "model.heads=8", "model.seq_len=16",
                "mesh.stage=2", "mesh.fsdp=4", "mesh.tensor=1", "pipeline.microbatches=2", "train.global_batch=16",
                "--steps", "1", "--warmup", "0"]
     assert cli.main(program) == 0

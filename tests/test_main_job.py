@@ -1,4 +1,4 @@
-"""The main job: `jaxdist train jaxdist/recipes/tiny.yaml` on 8 simulated devices really learns, then samples."""
+"""The main job: `jaxdist train configs/tiny.yaml` on 8 simulated devices really learns, then samples."""
 
 import json
 import os
@@ -13,7 +13,7 @@ def test_default_config_trains_the_stdlib_gpt_and_prints_a_sample(tmp_path):
     # XLA's full optimisation, as a user's run has: the steps take twice as long without it.
     env = {**os.environ, "JAXDIST_CPU_DEVICES": "8", "PYTHONPATH": str(ROOT), "XLA_FLAGS": ""}
     run = subprocess.run(
-        [sys.executable, "-m", "jaxdist.cli", "train", str(ROOT / "jaxdist/recipes/tiny.yaml"), f"run_dir={tmp_path}"],
+        [sys.executable, "-m", "jaxdist.cli", "train", str(ROOT / "configs/tiny.yaml"), f"run_dir={tmp_path}"],
         capture_output=True, text=True, env=env, timeout=900,
     )
     assert run.returncode == 0, run.stderr[-2000:]

@@ -11,7 +11,7 @@ from flax import nnx
 
 from jaxdist import cli, models
 from jaxdist.kernels import fused_norm, fused_norm_triton
-from jaxdist.observe import hlo
+from jaxdist.commands import hlo
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel.feed import batch_sharding
 from jaxdist.parallel import mesh as mesh_lib

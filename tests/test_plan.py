@@ -8,9 +8,9 @@ from conftest import make_config
 
 from jaxdist import cli, config, models
 from jaxdist.errors import UserError
-from jaxdist.observe import plan
+from jaxdist.commands import plan
 from jaxdist.models.gpt import flops_per_token
-from jaxdist.observe.scaling import model_size
+from jaxdist.commands.scale import model_size
 from jaxdist.train.state import abstract_model
 
 SMALL = {"model": {"d_model": 64, "layers": 2, "heads": 4, "seq_len": 64, "vocab": 256},
@@ -19,7 +19,7 @@ SMALL = {"model": {"d_model": 64, "layers": 2, "heads": 4, "seq_len": 64, "vocab
 
 def test_gpt_1b4_under_fsdp8_holds_an_eighth_of_the_parameters_per_device(devices):
     # Scanned layers: the same parameters as the recipe's unrolled ones, compiled much faster here.
-    cfg = config.load("jaxdist/recipes/gpt_1b4.yaml", ["mesh.fsdp=8", "impl.scan_layers=true", "precision.compute=float32"])
+    cfg = config.load("configs/gpt_1b4.yaml", ["mesh.fsdp=8", "impl.scan_layers=true", "precision.compute=float32"])
     result = plan.make_plan(cfg, devices)
     params = model_size(cfg).params
     assert result.mesh == "data=1 x stage=1 x fsdp=8 x tensor=1" and result.devices == 8
@@ -93,7 +93,7 @@ def test_a_wider_fsdp_is_tried_on_the_resolved_mesh(devices):
     filled = config.load("digits_mlp", ["model.hidden=[2048,2048]"])
     assert plan.savings(filled)[-1] == ["mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp"]
     # Under tp the weights stay split over tensor and are split over fsdp too.
-    tensor = config.load("jaxdist/recipes/tiny.yaml", ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4",
+    tensor = config.load("configs/tiny.yaml", ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4",
                                                        "rules.preset=tp"])
     assert plan.savings(tensor)[-1] == ["mesh.data=1", "mesh.fsdp=2", "rules.preset=fsdp_tp"]
     # One replica: nothing to widen fsdp with.

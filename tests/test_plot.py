@@ -98,7 +98,7 @@ def test_metrics_without_values_or_not_json_are_one_line_and_exit_2(tmp_path, ca
 
 
 def test_legend_names_runs_briefly_and_tokens_per_sec_starts_at_zero(tmp_path):
-    from jaxdist.observe import plot
+    from jaxdist.commands import plot
 
     assert plot.labels(["/tmp/x/run"]) == {"/tmp/x/run": ""}
     assert plot.labels(["runs/a", "other/b"]) == {"runs/a": "a ", "other/b": "b "}
@@ -110,7 +110,7 @@ def test_legend_names_runs_briefly_and_tokens_per_sec_starts_at_zero(tmp_path):
 
 
 def test_a_classifiers_plot_shows_examples_per_second_and_accuracy(tmp_path):
-    from jaxdist.observe import plot
+    from jaxdist.commands import plot
 
     (tmp_path / "c").mkdir()
     records = [{"step": step, "loss": 2.0 / step, "accuracy": 1 - 1 / (step + 1), "examples_per_sec": 500.0}

@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import yaml
 from conftest import TINY_GPT, make_config
 
 from jaxdist import cli, loop
-from jaxdist.checkpoint import Checkpoints, rundir
+from jaxdist.checkpoint import Checkpoints
 from jaxdist.checkpoint.rundir import LOCK_FILE, RunDirLock
 from jaxdist.errors import UserError
 

@@ -1,11 +1,13 @@
-"""Checkpoints: the Orbax store (`store`), the training run's policy (`run`) and export (`export`).
+"""Checkpoints: the Orbax store (`store`), where a run resumes from (`resume`), the training run's
+policy (`run`), one run per run directory (`rundir`) and export (`export`).
 
 See docs/checkpoints.md for what a checkpoint holds and how resuming and falling back behave.
 """
 
 from jaxdist.checkpoint.export import export_params
 from jaxdist.checkpoint.integrity import DamagedCheckpoint, array_digests, is_damage
-from jaxdist.checkpoint.run import DataPosition, RunCheckpoints, changed_keys, library_versions, run_meta
+from jaxdist.checkpoint.resume import DataPosition, ResumePlan, changed_keys, plan_resume
+from jaxdist.checkpoint.run import RunCheckpoints, library_versions, run_meta
 from jaxdist.checkpoint.store import (
     UNREADABLE_PREFIX,
     CheckpointMismatch,
@@ -25,6 +27,7 @@ __all__ = [
     "DamagedCheckpoint",
     "DataPosition",
     "Restored",
+    "ResumePlan",
     "RunCheckpoints",
     "abstract_state",
     "array_digests",
@@ -36,5 +39,6 @@ __all__ = [
     "leaf_shapes",
     "library_versions",
     "named_arrays",
+    "plan_resume",
     "run_meta",
 ]

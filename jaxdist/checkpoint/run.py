@@ -1,14 +1,13 @@
-"""The training run's checkpoint policy: what to resume from, when to save, and the run's meta.
+"""The training run's checkpoint policy: restoring, when to save, rotation, and the run's meta.
 
-`RunCheckpoints` drives the store (`jaxdist.checkpoint.store`) for `jaxdist train`: it resumes from
-the newest checkpoint that reads back and holds this model, saves on schedule, at a preemption and
-after an error, and records the data position, so a resumed run reads on where it stopped.
+`RunCheckpoints` drives the store (`jaxdist.checkpoint.store`) for `jaxdist train`: it restores the
+checkpoint `checkpoint.resume.plan_resume` chose, saves on schedule, at a preemption and after an
+error, and records the data position, so a resumed run reads on where it stopped.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import functools
 import importlib.metadata
@@ -19,54 +18,25 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import pydantic
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxdist import models
-from jaxdist.checkpoint.integrity import DamagedCheckpoint, is_damage
+from jaxdist.checkpoint.resume import (DataPosition, ResumePlan, changed_keys, check_meta, explaining_mismatch,
+                                       position_of)
 from jaxdist.checkpoint.store import (
     DIVERGED_PREFIX,
     SUPERSEDED_PREFIX,
     UNREADABLE_PREFIX,
-    CheckpointMismatch,
     Checkpoints,
     CheckpointWriteError,
     Restored,
     abstract_state,
     first_line,
     is_intact,
-    set_aside_summary,
 )
 from jaxdist.config import Config
 from jaxdist.errors import NonFiniteError, UserError, warn
-from jaxdist.train.state import abstract_model
 
 _VERSIONED_PACKAGES = ("jaxdist", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain")
-
-
-@dataclasses.dataclass(frozen=True)
-class DataPosition:
-    """Where training stands: `step` optimizer steps done, having consumed the first `example`
-    examples of the global data stream (see jaxdist.data.pipeline); the same under any process count."""
-
-    step: int = 0
-    example: int = 0
-
-    def advanced(self, steps: int, global_batch: int) -> DataPosition:
-        """The position `steps` more steps of `global_batch` examples on."""
-        return dataclasses.replace(self, step=self.step + steps, example=self.example + steps * global_batch)
-
-
-def changed_keys(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two nested config dicts, as `key=saved->current`."""
-    changes = []
-    for key in sorted(saved.keys() | current.keys()):
-        old, new = saved.get(key), current.get(key)
-        if isinstance(old, dict) and isinstance(new, dict):
-            changes += changed_keys(old, new, f"{prefix}{key}.")
-        elif old != new:
-            changes.append(f"{prefix}{key}={old}->{new}")
-    return changes
 
 
 @functools.cache
@@ -100,44 +70,11 @@ def run_meta(cfg: Config, mesh: Mesh, position: DataPosition, bad_steps_in_a_row
     }
 
 
-class _SavedData(pydantic.BaseModel):
-    example: int
-
-
-class _SavedTrain(pydantic.BaseModel):
-    steps: int
-
-
-class _SavedConfig(pydantic.BaseModel):
-    train: _SavedTrain
-
-
-class _SavedMeta(pydantic.BaseModel):
-    """What resuming reads of a checkpoint's meta (see `run_meta`; other keys are not read)."""
-
-    data: _SavedData
-    config: _SavedConfig
-    mesh: dict[str, int]
-    process_count: int
-    bad_steps_in_a_row: int = 0  # absent from checkpoints saved before it was counted
-
-
-def _check_meta(meta: dict[str, Any]) -> None:
-    """Raises `DamagedCheckpoint` if a checkpoint's meta lacks what resuming reads from it: its
-    file decodes as JSON, but it is not what `run_meta` wrote."""
-    try:
-        _SavedMeta.model_validate(meta)
-    except pydantic.ValidationError as err:
-        problem = err.errors()[0]
-        where = ".".join(map(str, problem["loc"]))
-        raise DamagedCheckpoint(f"its meta is malformed ({where}: {problem['msg']})") from None
-
-
 class RunCheckpoints:
     """The training loop's checkpoint policy for one run directory.
 
-    `prepare` (before building anything) picks the checkpoint to resume from and checks it holds
-    this model; `resume` restores it into the trainer's shardings. Saves: every `checkpoint.every`
+    `resume` restores the checkpoint `plan` names (`checkpoint.resume.plan_resume`) into the
+    trainer's shardings. Saves: every `checkpoint.every`
     steps and at the last step, at a preemption, and (one process) after an error if the state is
     intact. `checkpoint.every=0` turns saving off; existing checkpoints are still resumed from.
 
@@ -148,7 +85,7 @@ class RunCheckpoints:
     aside those of the diverging steps.
     """
 
-    def __init__(self, cfg: Config, log: Callable[[str], None]):
+    def __init__(self, cfg: Config, plan: ResumePlan, log: Callable[[str], None]):
         self.cfg = cfg
         self.log = log
         self.enabled = cfg.checkpoint.every > 0
@@ -156,66 +93,12 @@ class RunCheckpoints:
         self.start = DataPosition()
         # The guard's count of bad steps in a row where the restored checkpoint was saved.
         self.resumed_bad_steps_in_a_row = 0
-        self._planned: int | None = None
-        self._newer_than_planned: list[int] = []  # set aside at `resume`: a resume from an older step
+        self._planned = plan.step
+        self._newer_than_planned = plan.superseded  # set aside at `resume`: a resume from an older step
         self._store: Checkpoints | None = None
         self._mesh: Mesh | None = None
         self._unconfirmed: list[int] = []  # checkpoints whose next step is not judged yet
         self._prune_through: int | None = None  # rotation due through this step
-
-    def prepare(self) -> DataPosition:
-        """Picks the checkpoint to resume from (`checkpoint.resume_step`, else the newest whose
-        metadata reads back) and checks that its params fit this model. Reads metadata and abstract
-        shapes only: creates nothing, compiles nothing. Returns its data position (step 0 without
-        checkpoints)."""
-        if self.directory.exists() and not self.directory.is_dir():
-            raise UserError(f"run_dir={self.cfg.run_dir}: {self.directory} is a file, where the checkpoints go; "
-                            f"move it away or use another run_dir")
-        wanted = self.cfg.checkpoint.resume_step
-        if not self.directory.is_dir():
-            if wanted is not None:
-                raise UserError(f"checkpoint.resume_step={wanted}: {self.directory} holds no checkpoints; drop "
-                                f"checkpoint.resume_step to start from scratch")
-            return self.start
-        if note := set_aside_summary(self.directory):
-            warn(note)
-        with Checkpoints(self.directory, create=False) as store:
-            candidates = self._candidates(store, wanted)
-            for step in reversed(candidates):
-                try:
-                    saved, meta = store.read_metadata(step, meta_check=_check_meta)
-                except Exception as err:
-                    if not is_damage(err):
-                        raise
-                    store.set_aside(step, err)
-                    continue
-                if any(name.startswith("params.") for name in saved):
-                    params = abstract_model(models.get(self.cfg.model.name).create(self.cfg), self.cfg.seed).params
-                    with self._explaining_mismatch(store):
-                        store.check_fits(step, params, part="params")
-                self._planned = step
-                self._newer_than_planned = [newer for newer in store.steps() if newer > step] if wanted else []
-                return _position(step, meta)
-        if wanted is not None:
-            raise UserError(f"checkpoint.resume_step={wanted}: that checkpoint is unreadable (set aside); pick "
-                            f"another step, or drop checkpoint.resume_step")
-        return self.start
-
-    def _candidates(self, store: Checkpoints, wanted: int | None) -> list[int]:
-        """The steps to try, oldest first: all, or just `wanted`, unless a run that resumed from
-        `wanted` has saved newer ones since (a requeued command goes on from those)."""
-        steps = store.steps()
-        if wanted is None:
-            return steps
-        if steps and steps[-1] > wanted and _resumed_from(store, steps[-1]) == wanted:
-            self.log(f"checkpoint.resume_step={wanted} was taken by an earlier start: going on from its newest "
-                     f"checkpoint, step {steps[-1]}")
-            return steps
-        if wanted not in steps:
-            listed = ", ".join(map(str, steps)) or "none"
-            raise UserError(f"checkpoint.resume_step={wanted}: there is no checkpoint of step {wanted} in "
-                            f"{self.directory} (complete checkpoints: {listed}); pick one of those")
-        return [wanted]
 
     def resume(self, trainer) -> DataPosition:
         """Restores the prepared checkpoint (or, if its arrays fail to read, the newest one before
@@ -241,8 +124,8 @@ class RunCheckpoints:
         for leaf in jax.tree.leaves(jax.block_until_ready(trainer.state)):
             if not any(leaf is fresh for fresh in kept):
                 leaf.delete()
-        with self._explaining_mismatch(self._store):
-            restored = self._store.restore_latest(target, newest=self._planned, meta_check=_check_meta)
+        with explaining_mismatch(self._store, self.cfg):
+            restored = self._store.restore_latest(target, newest=self._planned, meta_check=check_meta)
         if restored is None:
             self._store.close()
             raise UserError(
@@ -251,7 +134,7 @@ class RunCheckpoints:
             )
         trainer.state = complete.state(restored.state, trainer.state)
         self._store.start_warm_up(trainer.state)
-        self.start = _position(restored.step, restored.meta)
+        self.start = position_of(restored.step, restored.meta)
         self._unconfirmed = [restored.step]
         # Checkpoints written before the count was saved hold none: their runs start from 0.
         self.resumed_bad_steps_in_a_row = int(restored.meta.get("bad_steps_in_a_row", 0))
@@ -268,18 +151,6 @@ class RunCheckpoints:
             return target.replace(loss_stats=None), _Completion(
                 "loss_stats", "the loss statistics of the loss-spike guard start fresh (the checkpoint has none)")
         return target, _Completion()
-
-    @contextlib.contextmanager
-    def _explaining_mismatch(self, store: Checkpoints) -> Iterator[None]:
-        """Adds to a `CheckpointMismatch` the config keys that changed since the checkpoint was saved."""
-        try:
-            yield
-        except CheckpointMismatch as err:
-            changes = changed_keys(store.meta(err.step)["config"], self.cfg.model_dump(mode="json"))
-            hint = f"config changed since: {', '.join(changes)}" if changes else "same config"
-            raise CheckpointMismatch(
-                f"{err} ({hint}); resume with the config it was saved with, or use another run_dir", err.step
-            ) from None
 
     def _resume_line(self, restored: Restored, note: str | None) -> str:
         meta = restored.meta
@@ -453,19 +324,3 @@ def _all_finite(params: Any, replicated: NamedSharding) -> jax.Array:
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(params)
                                 if jnp.issubdtype(leaf.dtype, jnp.inexact)] or [jnp.bool_(True)]))
     return jax.lax.with_sharding_constraint(finite, replicated)  # every process reads the answer
-
-
-def _resumed_from(store: Checkpoints, step: int) -> int | None:
-    """The `checkpoint.resume_step` of the run that saved checkpoint `step` (None: none, or its meta is damaged)."""
-    try:
-        meta = store.meta(step)
-    except Exception as err:
-        if not is_damage(err):
-            raise
-        return None
-    config = meta.get("config") if isinstance(meta, dict) else None
-    return ((config or {}).get("checkpoint") or {}).get("resume_step")
-
-
-def _position(step: int, meta: dict[str, Any]) -> DataPosition:
-    return DataPosition(step=step, example=int(meta["data"]["example"]))

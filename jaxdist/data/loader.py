@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from jaxdist.config import ClassifierSection, Config
-from jaxdist.data import corpus, digits, pipeline, sources
+from jaxdist.data import corpus, digits, sources, stream
 from jaxdist.data.augment import Augment
 from jaxdist.data import tokenizer as tokenizer_lib
 from jaxdist.errors import UserError, warn
@@ -150,7 +150,7 @@ def _check_ids(arrays: dict[str, np.ndarray], cfg: Config, name: str) -> None:
                             f"{size - 1}); set model.{size_key}={high + 1} or auto, or fix the data")
 
 
-def _windows(tokens, cfg: Config, name: str, vocab: int, vocab_of: str, empty: str) -> pipeline.TokenWindows:
+def _windows(tokens, cfg: Config, name: str, vocab: int, vocab_of: str, empty: str) -> stream.TokenWindows:
     """`tokens` as windows of model.seq_len; `empty` says what to do where there are none."""
     if cfg.model.vocab < vocab:
         raise UserError(
@@ -159,7 +159,7 @@ def _windows(tokens, cfg: Config, name: str, vocab: int, vocab_of: str, empty: s
         )
     if not len(tokens):
         raise UserError(f"{name} is empty; {empty}")
-    return pipeline.TokenWindows(tokens, cfg.model.seq_len, name)
+    return stream.TokenWindows(tokens, cfg.model.seq_len, name)
 
 
 def _images(cfg: Config, split: str, keys: tuple[str, ...]) -> sources.ArrayRecordImages:
@@ -375,14 +375,14 @@ def resolve_model(cfg: Config) -> Config:
 
 
 def resolve_workers(cfg: Config) -> Config:
-    """`cfg` with `data.workers: auto` set to a count (`pipeline.auto_workers`) from its data source,
+    """`cfg` with `data.workers: auto` set to a count (`stream.auto_workers`) from its data source,
     this process's usable cores and the processes that share them. Any count gives the same
     batches, so a resumed run may resolve another one on another host. Collective where several
     processes run: every process must call it (`jaxdist train` does, where it takes the model's
     sizes from the data)."""
     if cfg.data.workers != "auto":
         return cfg
-    workers = pipeline.auto_workers(cfg.data.source, pipeline.usable_cores(), distributed.processes_sharing_cores())
+    workers = stream.auto_workers(cfg.data.source, stream.usable_cores(), distributed.processes_sharing_cores())
     return cfg.model_copy(update={"data": cfg.data.model_copy(update={"workers": workers})})
 
 
@@ -440,7 +440,7 @@ def train_iterator(cfg: Config, rows: BatchRows, start_example: int = 0, source=
             f"data.augment changes images, but data.source={cfg.data.source} yields {', '.join(source[0])}; "
             f"set data.augment.crop_padding=0 and data.augment.flip=false"
         )
-    return pipeline.train_batches(
+    return stream.train_batches(
         source, rows, cfg.seed, start_example=start_example,
         read_threads=cfg.data.read_threads, prefetch=cfg.data.prefetch, workers=cfg.data.workers, augment=augment,
     )
@@ -450,6 +450,6 @@ def eval_iterator(cfg: Config, rows: BatchRows, source=None) -> Iterator[Batch]:
     """This process's batches (its `rows` of each) of one pass over the eval split, with `weights`
     (0 on padding rows)."""
     source = open_split(cfg, "eval") if source is None else source
-    return pipeline.eval_batches(
+    return stream.eval_batches(
         source, rows, max_batches=cfg.eval.batches, read_threads=cfg.data.read_threads, prefetch=cfg.data.prefetch,
     )

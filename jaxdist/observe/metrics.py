@@ -21,14 +21,11 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from jax.sharding import Mesh
 
 from jaxdist.errors import UserError
-
-if TYPE_CHECKING:
-    from jaxdist.observe.wandb_log import WandbRun
 
 # Dense bf16 peak FLOP/s per device from the datasheets, matched on substrings of `device_kind`.
 PEAK_FLOPS_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -39,6 +36,14 @@ CLOSE_WAIT_S = 10.0
 _EVENT_FILES = itertools.count()
 
 
+class StepLog(Protocol):
+    """Another place a run's logged steps go (a W&B run: observe/wandb_log.py)."""
+
+    def log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class MetricsWriter:
     """Appends one JSON object per logged step to `metrics.jsonl` (non-finite values as null), adds
     each value to TensorBoard's event files in `run_dir/tb` and, given one, to a W&B run; does
@@ -47,7 +52,7 @@ class MetricsWriter:
     `resumed_at`: the step a resumed run restarts after; TensorBoard is told to drop the events of
     later steps that earlier runs wrote (its purge), as `metrics.jsonl` drops their lines."""
 
-    def __init__(self, run_dir: Path | None, wandb: WandbRun | None = None, resumed_at: int | None = None):
+    def __init__(self, run_dir: Path | None, wandb: StepLog | None = None, resumed_at: int | None = None):
         self._path = None if run_dir is None else run_dir / "metrics.jsonl"
         self._wandb = wandb
         self._pending: queue.SimpleQueue = queue.SimpleQueue()

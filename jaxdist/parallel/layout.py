@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from jaxdist.config import Config, ParamSize, resolve_mesh_shape
+from jaxdist.config import Config, ParamSize
 from jaxdist.errors import UserError
 from jaxdist.parallel import feed, pipeline
 from jaxdist.parallel import mesh as mesh_lib
@@ -49,9 +49,9 @@ def from_config(cfg: Config, devices: list | None = None, activations: Sequence[
     the layers above pass in), so that rules their specs would refuse stop the run before it starts.
     """
     devices = list(jax.devices() if devices is None else devices)
-    shape = resolve_mesh_shape(cfg.mesh, len(devices))
+    shape = mesh_lib.resolve_mesh_shape(cfg.mesh, len(devices))
     mesh = mesh_lib.build_mesh(shape, devices)
-    layout = Layout(mesh, pipeline.rules_from_config(cfg.rules, shape))
+    layout = Layout(mesh, rules_lib.from_config(cfg.rules, shape))
     rules_lib.check_mesh_axes(layout.rules, mesh)
     check(cfg, layout, activations)
     return layout
@@ -80,8 +80,28 @@ def check(cfg: Config, layout: Layout, activations: Sequence[tuple[str, ...]] = 
         axes = layout.rules.params.get(size.name, ())
         if size.size % rules_lib.axes_size(layout.mesh, axes):
             raise UserError(_not_divisible(cfg, layout, size, axes))
-    pipeline.check_config(cfg, layout.mesh, layout.rules)
+    _check_pipeline(cfg, layout)
     _check_activations(cfg, layout.rules, activations)
+
+
+def _check_pipeline(cfg: Config, layout: Layout) -> None:
+    """A pipeline's stack of layers, its schedule and its microbatches against the config."""
+    stages = layout.mesh.shape["stage"]
+    if stages == 1:
+        return
+    if cfg.model.layer_stack is None:
+        raise UserError(
+            f"mesh.stage={stages} pipelines a stack of identical layers, and model.name={cfg.model.name} "
+            f"has none; use mesh.stage=1"
+        )
+    if not cfg.impl.scan_layers:
+        raise UserError(
+            f"mesh.stage={stages} pipelines the stacked layer stack, but impl.scan_layers=false "
+            f"gives each layer its own parameters; set impl.scan_layers=true"
+        )
+    shards = rules_lib.axes_size(layout.mesh, rules_lib.data_parallel_axes(layout.rules))
+    rows = cfg.train.global_batch // shards // cfg.train.microbatches
+    pipeline.Schedule(stages, cfg.pipeline.microbatches, cfg.pipeline.repeats).check(cfg.model.layer_stack, rows)
 
 
 # What makes each mesh axis do its part, for the error about an axis no rule uses.
@@ -113,10 +133,10 @@ def _check_axes_used(cfg: Config, layout: Layout) -> None:
 def _check_activations(cfg: Config, rules: rules_lib.Rules, activations: Sequence[tuple[str, ...]]) -> None:
     """The errors the activations' specs would raise only as the step is traced, after the run has begun:
     the batch's, the model's activations' and the pipeline's buffers' under these rules."""
-    for names in [(pipeline.BATCH,), *activations]:
+    for names in [(rules_lib.BATCH,), *activations]:
         rules.activation_spec(names, f"an activation ({', '.join(map(str, names))})")
     if cfg.impl.scan_layers and cfg.model.layer_stack is not None:
-        pipeline.check_rules(rules)
+        rules_lib.check_pipeline_buffer(rules)
 
 
 def _not_divisible(cfg: Config, layout: Layout, size: ParamSize, axes: tuple[str, ...]) -> str:

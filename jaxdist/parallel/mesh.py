@@ -14,8 +14,30 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from jaxdist.config import MESH_AXES, MeshConfig, resolve_mesh_shape
+from jaxdist.config import MESH_AXES, MeshConfig
 from jaxdist.errors import UserError
+
+
+def resolve_mesh_shape(mesh: MeshConfig, device_count: int) -> dict[str, int]:
+    """Mesh axis sizes with the -1 filled in; a `UserError` if they cannot cover the devices."""
+    sizes = {axis: getattr(mesh, axis) for axis in MESH_AXES}
+    fixed = math.prod(size for size in sizes.values() if size != -1)
+    fill = [axis for axis, size in sizes.items() if size == -1]
+    if fill:
+        if device_count % fixed:
+            shown = " x ".join(f"mesh.{axis}={size}" for axis, size in sizes.items() if size != -1)
+            raise UserError(
+                f"mesh: the fixed axes {shown} multiply to {fixed}, which does not divide the "
+                f"{device_count} devices; change them or mesh.{fill[0]}"
+            )
+        sizes[fill[0]] = device_count // fixed
+    elif fixed != device_count:
+        shown = " x ".join(f"mesh.{axis}={size}" for axis, size in sizes.items())
+        raise UserError(
+            f"mesh: {shown} = {fixed} devices, but {device_count} are present; make the product "
+            f"{device_count} or set one axis to -1"
+        )
+    return sizes
 
 
 def split_across_hosts(shape: dict[str, int], hosts: int) -> tuple[dict[str, int], dict[str, int]]:

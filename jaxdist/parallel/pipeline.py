@@ -19,7 +19,7 @@ several times faster. Either way the stages' layers are traced once (a nested ji
 iteration calls). Each layer's parameters are split from the stack once, before the iterations
 (`_layer_groups`), so that each layer's gradient adds up its own iterations.
 
-Outside the pipeline the stage axis splits the batch like the data axes (`rules_from_config` adds
+Outside the pipeline the stage axis splits the batch like the data axes (`rules.from_config` adds
 it to the `batch` rule), so the embedding, the final norm, the head and the loss each run on
 1 / S of the rows per stage device. Inside, the microbatches keep the batch axes less the stage
 axes (`data_parallel_axes`), and the buffers that cross iterations put their stage dim on the
@@ -55,17 +55,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.errors import UserError
 from jaxdist.parallel import rules as rules_lib
+from jaxdist.parallel.rules import STAGE, data_parallel_axes
 from jaxdist.parallel.microbatches import merge_microbatches, split_microbatches
 
 if TYPE_CHECKING:
-    from jaxdist.config import Config, PipelineConfig, RulesConfig
+    from jaxdist.config import PipelineConfig
 
-# Logical name of the stage dim of pipeline buffers (an activation rule maps it to mesh axes).
-STAGE = "stage"
-# Logical name of the stacked-layer dim of layer parameters.
-LAYERS = "layers"
-# Logical name of the batch dim of activations.
-BATCH = "batch"
 
 
 class ApplyLayers(Protocol):
@@ -115,56 +110,6 @@ class Schedule:
             )
 
 
-def data_parallel_axes(rules: rules_lib.Rules, name: str = BATCH) -> tuple[str, ...]:
-    """The mesh axes of the `name` activation rule less the stage axes.
-
-    Along these every device runs the whole model on its own rows: the pipeline's microbatches are
-    split over them, and a device's gradients over its rows are complete along them (the stages
-    split the rows of the embedding, head and loss, but each stage's layer gradients sum them all).
-    """
-    stage = set(rules.activations.get(STAGE, ()))
-    return tuple(axis for axis in rules.activations.get(name, ()) if axis not in stage)
-
-
-def check_config(cfg: Config, mesh: Mesh, rules: rules_lib.Rules) -> None:
-    """The pipeline checks `layout.check` runs before anything compiles."""
-    stages = mesh.shape["stage"]
-    if stages == 1:
-        return
-    if cfg.model.layer_stack is None:
-        raise UserError(
-            f"mesh.stage={stages} pipelines a stack of identical layers, and model.name={cfg.model.name} "
-            f"has none; use mesh.stage=1"
-        )
-    if not cfg.impl.scan_layers:
-        raise UserError(
-            f"mesh.stage={stages} pipelines the stacked layer stack, but impl.scan_layers=false "
-            f"gives each layer its own parameters; set impl.scan_layers=true"
-        )
-    shards = rules_lib.axes_size(mesh, data_parallel_axes(rules))
-    rows = cfg.train.global_batch // shards // cfg.train.microbatches
-    Schedule(stages, cfg.pipeline.microbatches, cfg.pipeline.repeats).check(cfg.model.layer_stack, rows)
-
-
-def rules_from_config(rules_cfg: RulesConfig, mesh_shape: dict[str, int]) -> rules_lib.Rules:
-    """The configured rules; with a stage axis, the `layers` dim of parameters split over it and the
-    batch split over it too, outside the pipeline (innermost, after the data axes).
-
-    An explicit rule in the config wins: `rules.params.layers: null` keeps every layer on every
-    stage (more memory, no regrouping); a `rules.activations.batch` without the stage axis runs the
-    embedding, head and loss on every row on every stage.
-    """
-    rules = rules_lib.from_config(rules_cfg)
-    if mesh_shape["stage"] == 1:
-        return rules
-    if LAYERS not in rules_cfg.params:
-        rules = rules.override(params={LAYERS: "stage"})
-    if BATCH not in rules_cfg.activations:
-        stage = rules.activations.get(STAGE, ())
-        rules = rules.override(activations={BATCH: [*data_parallel_axes(rules), *stage]})
-    return rules
-
-
 def run_layers(
     apply_layers: ApplyLayers,
     layers: Any,
@@ -184,7 +129,7 @@ def run_layers(
     if settings is None or active is None:
         return apply_layers(x, layers, unroll=False)
     mesh, rules = active
-    check_rules(rules, names[0])
+    rules_lib.check_pipeline_buffer(rules, names[0])
     stages = rules_lib.axes_size(mesh, rules.activations[STAGE])
     shards = rules_lib.axes_size(mesh, data_parallel_axes(rules, names[0]))
     if stages == 1 or x.shape[0] % (settings.microbatches * shards):
@@ -210,7 +155,7 @@ def pipeline(
     mesh, rules = rules_lib.active()
     stage_axes = rules.activations[STAGE]
     weights = jax.tree.map(lambda w: _by_stage(w, schedule, mesh, stage_axes), layers)
-    with rules_lib.activation_rules(mesh, _within_stages(rules, names[0])):
+    with rules_lib.activation_rules(mesh, rules_lib.within_stages(rules, names[0])):
         outputs = _run_iterations(apply_layers, weights, x, schedule, names, stage_axes, remat, unroll)
     return rules_lib.constrain(outputs, names)
 
@@ -291,18 +236,6 @@ def _run_iterations(apply_layers, weights, x, schedule, names, stage_axes, remat
     # devices): one of its terms is not zero, so it is exact.
     outputs = jax.lax.reduce(finished, jnp.zeros((), x.dtype), jax.lax.add, (1,))
     return merge_microbatches(outputs)
-
-
-def check_rules(rules: rules_lib.Rules, batch: str = BATCH) -> None:
-    """The `UserError` a pipeline buffer's spec (stage, batch) raises under `rules`, if any: a rule missing,
-    or both dims on one mesh axis."""
-    _within_stages(rules, batch).activation_spec((STAGE, batch), "a pipeline buffer")
-
-
-def _within_stages(rules: rules_lib.Rules, batch: str) -> rules_lib.Rules:
-    """The rules inside the pipeline: the batch less the stage axes (a UserError if it has no rule)."""
-    rules.activation_spec((batch,), "the pipelined activations")
-    return rules.override(activations={batch: data_parallel_axes(rules, batch)})
 
 
 def _by_stage(w: jax.Array, schedule: Schedule, mesh: Mesh, stage_axes: tuple[str, ...]) -> jax.Array:

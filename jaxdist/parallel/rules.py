@@ -32,6 +32,10 @@ from jaxdist.errors import UserError, warn
 MeshAxes = tuple[str, ...]
 RuleValue = str | Sequence[str] | None
 
+# Logical names the package itself places by: the batch dim of activations, the stacked-layer dim
+# of layer parameters, the stage dim of pipeline buffers.
+BATCH, LAYERS, STAGE = "batch", "layers", "stage"
+
 
 def _axes(value: RuleValue) -> MeshAxes:
     if value is None:
@@ -150,7 +154,30 @@ def padded_spec(spec: PartitionSpec, rank: int) -> PartitionSpec:
 
 def batch_axes(rules: Rules) -> tuple[str, ...]:
     """The mesh axes the batch is split over (the activation rule for `batch`)."""
-    return tuple(rules.activations.get("batch", ()))
+    return tuple(rules.activations.get(BATCH, ()))
+
+
+def data_parallel_axes(rules: Rules, name: str = BATCH) -> tuple[str, ...]:
+    """The mesh axes of the `name` activation rule less the stage axes.
+
+    Along these every device runs the whole model on its own rows: the pipeline's microbatches are
+    split over them, and a device's gradients over its rows are complete along them (the stages
+    split the rows of the embedding, head and loss, but each stage's layer gradients sum them all).
+    """
+    stage = set(rules.activations.get(STAGE, ()))
+    return tuple(axis for axis in rules.activations.get(name, ()) if axis not in stage)
+
+
+def within_stages(rules: Rules, batch: str = BATCH) -> Rules:
+    """The rules inside a pipeline: the batch less the stage axes (a UserError if it has no rule)."""
+    rules.activation_spec((batch,), "the pipelined activations")
+    return rules.override(activations={batch: data_parallel_axes(rules, batch)})
+
+
+def check_pipeline_buffer(rules: Rules, batch: str = BATCH) -> None:
+    """The `UserError` a pipeline buffer's spec (stage, batch) raises under `rules`, if any: a rule
+    missing, or both dims on one mesh axis."""
+    within_stages(rules, batch).activation_spec((STAGE, batch), "a pipeline buffer")
 
 
 def check_divisible(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, where: str) -> None:
@@ -224,12 +251,27 @@ def preset(name: str) -> Rules:
     return PRESETS[name]
 
 
-def from_config(rules_cfg) -> Rules:
+def from_config(rules_cfg, mesh_shape: Mapping[str, int] | None = None) -> Rules:
     """Rules from the `rules:` config section (a preset plus YAML overrides); a `UserError` for an
-    override of a logical name that no preset has."""
+    override of a logical name that no preset has.
+
+    With a stage axis in `mesh_shape`, the `layers` dim of parameters is split over it and the batch
+    over it too, outside the pipeline (innermost, after the data axes). An explicit rule in the
+    config wins: `rules.params.layers: null` keeps every layer on every stage (more memory, no
+    regrouping); a `rules.activations.batch` without the stage axis runs the embedding, head and
+    loss on every row on every stage.
+    """
     _check_names("params", "a parameter", rules_cfg.params)
     _check_names("activations", "an activation", rules_cfg.activations)
-    return preset(rules_cfg.preset).override(rules_cfg.params, rules_cfg.activations)
+    rules = preset(rules_cfg.preset).override(rules_cfg.params, rules_cfg.activations)
+    if mesh_shape is None or mesh_shape.get(STAGE, 1) == 1:
+        return rules
+    if LAYERS not in rules_cfg.params:
+        rules = rules.override(params={LAYERS: STAGE})
+    if BATCH not in rules_cfg.activations:
+        stage = rules.activations.get(STAGE, ())
+        rules = rules.override(activations={BATCH: [*data_parallel_axes(rules), *stage]})
+    return rules
 
 
 def _check_names(kind: str, what: str, overrides: Mapping[str, RuleValue]) -> None:

@@ -42,7 +42,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxdist.parallel import batch_stats
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.parallel.microbatches import split_microbatches
-from jaxdist.parallel.pipeline import data_parallel_axes
 from jaxdist.train import copies
 from jaxdist.train import state as state_lib
 
@@ -115,7 +114,7 @@ def _reduce_per_step(
 ):
     """(Sum over microbatches of (loss, aux, float32 grads), reduced across devices once, after the
     scan; the model state after the last microbatch)."""
-    axes = data_parallel_axes(rules)
+    axes = rules_lib.data_parallel_axes(rules)
     shards = rules_lib.axes_size(mesh, axes)
     # Inside the vmap each shard sees its own rows: the vmapped shard axis carries the
     # data-parallel axes (spmd_axis_name), and `batch` keeps only the others (a pipeline's stages).
@@ -187,7 +186,7 @@ def loss_and_grads(
     """
     if reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"reduction={reduction!r}: use one of {GRAD_REDUCTIONS}")
-    shards = rules_lib.axes_size(mesh, data_parallel_axes(rules))
+    shards = rules_lib.axes_size(mesh, rules_lib.data_parallel_axes(rules))
     if reduction == "per_step" and microbatches > 1 and shards > 1:
         # Each shard's gradients stay unreduced until after the scan: none reduce-scattered inside.
         per_shard_gather = None if copies_gather is None else dataclasses.replace(copies_gather, split=None)

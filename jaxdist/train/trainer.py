@@ -25,7 +25,6 @@ from jaxdist.config import Config
 from jaxdist.errors import UserError
 from jaxdist.parallel import feed
 from jaxdist.parallel import layout as layout_lib
-from jaxdist.parallel.pipeline import data_parallel_axes
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.train import copies as copies_lib
 from jaxdist.models import dtypes as dtypes_lib
@@ -83,7 +82,7 @@ class Trainer:
         self.state = jax.block_until_ready(self.state) if materialize else self.state
         self.materialized = materialize
         self.batch_sharding = feed.batch_sharding(mesh, rules)
-        shards = rules_lib.axes_size(mesh, data_parallel_axes(rules))  # as train/accumulate.py splits them
+        shards = rules_lib.axes_size(mesh, rules_lib.data_parallel_axes(rules))  # as train/accumulate.py splits them
         if microbatches > 1 and grad_reduction == "per_step" and shards > 1 and self._has_flax_batch_norm():
             raise ValueError(
                 "flax's nnx.BatchNorm would take its statistics from one batch shard inside grad_reduction="
@@ -100,7 +99,7 @@ class Trainer:
             if fsdp_gather == "per_step":
                 # ZeRO-2: each copy whole along the data-parallel axes (data, fsdp), still split
                 # along the others (tensor, stage).
-                batch_axes = data_parallel_axes(rules)
+                batch_axes = rules_lib.data_parallel_axes(rules)
                 whole = jax.tree.map(lambda s: NamedSharding(s.mesh, rules_lib.spec_without(s.spec, batch_axes)),
                                      copy_shardings)
                 copies_gather = copies_lib.Gather(whole=whole, split=copy_shardings)
@@ -124,12 +123,13 @@ class Trainer:
 
     @classmethod
     def from_config(cls, cfg: Config, devices: list | None = None, layout: layout_lib.Layout | None = None,
-                    materialize: bool = True) -> Trainer:
+                    materialize: bool = True, abstract: AbstractModel | None = None) -> Trainer:
         """Checks the config against the devices, then builds the mesh, the sharded state and the step
         for the registered model `cfg.model.name`.
 
         `layout`: `jaxdist.parallel.layout.from_config(cfg, devices)`, where the caller already has it.
-        `materialize` False: the state is described, not allocated (see `__init__`).
+        `materialize` False: the state is described, not allocated (see `__init__`). `abstract`: the
+        model's `state.abstract_model`, where the caller already has it.
         """
         entry = models.get(cfg.model.name)
         layout = layout or layout_lib.from_config(cfg, devices, entry.activations)
@@ -137,7 +137,7 @@ class Trainer:
         platform = mesh.devices.flat[0].platform
         dtypes_lib.check_backend(cfg.precision, platform)
         create_model = entry.create(cfg)
-        abstract = abstract_model(create_model, cfg.seed)
+        abstract = abstract or abstract_model(create_model, cfg.seed)
         tx, schedule = build_optimizer(cfg.optim, cfg.train, abstract.names)
         make_copies = None
         dtypes = dtypes_lib.policy(cfg.precision, platform)

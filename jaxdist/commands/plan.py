@@ -24,7 +24,8 @@ import jax
 import numpy as np
 
 from jaxdist import models
-from jaxdist.config import Config, resolve_mesh_shape, with_overrides
+from jaxdist.config import Config, with_overrides
+from jaxdist.parallel.mesh import resolve_mesh_shape
 from jaxdist.errors import UserError
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.train.trainer import Trainer

@@ -19,7 +19,8 @@ from typing import Any
 
 import jax
 
-from jaxdist.checkpoint.run import DataPosition, run_meta
+from jaxdist.checkpoint.resume import DataPosition
+from jaxdist.checkpoint.run import run_meta
 from jaxdist.checkpoint.store import Checkpoints, HostCopy, abstract_state, default_host_copy
 
 

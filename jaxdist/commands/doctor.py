@@ -245,7 +245,7 @@ def report(mesh: Mesh, hosts: list[str], checks: list[CheckResult], bandwidth: l
 
 def run(cfg: Config, megabytes: float) -> int:
     """Checks and times the collectives of `cfg`'s mesh on all devices; 0 if all passed, else 1."""
-    shape = config_lib.resolve_mesh_shape(cfg.mesh, jax.device_count())
+    shape = mesh_lib.resolve_mesh_shape(cfg.mesh, jax.device_count())
     mesh = mesh_lib.build_mesh(shape)
     hosts = hostnames()
     checks = run_checks(mesh)
