@@ -17,7 +17,7 @@ import sys
 
 LAYOUTS = {
     # Each stage on its own GPU: the batch is split over the stages too, so each process feeds its half.
-    "stage": ["mesh.stage=-1", "mesh.fsdp=1", "impl.scan_layers=true", "pipeline.microbatches=8"],
+    "stage": ["mesh.stage=-1", "mesh.fsdp=1", "model.impl.scan_layers=true", "pipeline.microbatches=8"],
     # The batch split over fsdp: each process feeds its own rows.
     "fsdp": ["mesh.fsdp=-1"],
 }

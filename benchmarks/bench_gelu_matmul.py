@@ -4,7 +4,7 @@
 
 Backward through `gelu(pre) @ down`, XLA runs `d_post = d_out @ down.T` and then a pass over memory
 for `d_pre = d_post * gelu'(pre)`; the model runs one cuBLASLt matmul with a DGELU epilogue instead
-(kernels/gelu_matmul.py, `impl.gelu_grad_impl`). For the 406M and 1.4B recipes' shapes this prints
+(kernels/gelu_matmul.py, `model.impl.gelu_grad_impl`). For the 406M and 1.4B recipes' shapes this prints
 XLA's matmul alone, XLA's matmul and pass, and the cuBLASLt call with its largest difference from
 XLA's result (the log prints each cuBLASLt algorithm's time, timed once per shape).
 """

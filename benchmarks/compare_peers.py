@@ -48,10 +48,10 @@ def suites(peers: str) -> dict[str, list[tuple[str, list[str]]]]:
         "one_gpu": [
             ("torch 406m b16", torch_gpt + ["--batch", "16"]),
             ("jaxdist 406m", JAXDIST + GPT_406M),
-            ("jaxdist 406m loss_impl=xla", JAXDIST + GPT_406M + ["impl.loss_impl=xla"]),
+            ("jaxdist 406m loss_impl=xla", JAXDIST + GPT_406M + ["model.impl.loss_impl=xla"]),
             ("torch 1b4 b8", torch_gpt + ["--d", "2048", "--batch", "8"]),
             ("jaxdist 1b4", JAXDIST + GPT_1B4),
-            ("jaxdist 1b4 loss_impl=xla", JAXDIST + GPT_1B4 + ["impl.loss_impl=xla"]),
+            ("jaxdist 1b4 loss_impl=xla", JAXDIST + GPT_1B4 + ["model.impl.loss_impl=xla"]),
         ],
         # The 406M model at 4,096 tokens per sequence, batch 4 (the same tokens per step).
         "long_sequences": [

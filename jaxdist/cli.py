@@ -260,7 +260,7 @@ def _plan(args) -> None:
     limit = plan.parse_bytes(args.device_memory) if args.device_memory else None
     devices = _first_devices(args)
     cfg = _config_with_data_sizes(args)
-    built = kernels.build_for(cfg.model, cfg.impl)  # the kernels the step will load, as train builds them
+    built = kernels.build_for(cfg.model)  # the kernels the step will load, as train builds them
     text = plan.report(cfg, devices, limit)
     if built and jax.process_index() == 0:
         print(built)
@@ -307,13 +307,13 @@ _TOP_LEVEL = "top level"
 
 
 def _config_markdown(cfg, given: list[str]) -> str:
-    """`cfg`'s keys as markdown: a heading and a table per section; after the configured model's
-    section, each other model's (`model.name` picks the model, and each has its own keys) with the
-    defaults of its keys. Built from `config.describe` and `config.load` alone."""
+    """`cfg`'s keys as markdown: a heading and a table per section; after the configured model's and
+    optimizer's sections, each other registered one's (`model.name` and `optim.name` pick one, and
+    each has its own keys) with the defaults of its keys. Built from `config.describe` and
+    `config.load` alone."""
     from jaxdist import config
 
     rows = config.describe(cfg)
-    name_row = next(row for row in rows if row[0] == "model.name")
     sections: dict[str, list] = {}
     for row in rows:
         sections.setdefault(row[0].split(".")[0] if "." in row[0] else _TOP_LEVEL, []).append(row)
@@ -326,17 +326,18 @@ def _config_markdown(cfg, given: list[str]) -> str:
                   f"`{command} > docs/config.md`.", ""]
     lines += ["Every key with its value (the defaults, where no config is given), its type and what it means, one",
               "table per section. `jaxdist config show [CONFIG.yaml] [dotted.key=value ...]` prints the same for",
-              "a config; `model.name` picks the model, and each model has its own keys.", ""]
+              "a config; `model.name` picks the model and `optim.name` the optimizer, and each has its own keys.", ""]
     for section, section_rows in sections.items():
-        if section != "model":
+        if section not in ("model", "optim"):
             lines += _markdown_section(section, section_rows)
             continue
-        lines += _markdown_section(f"model (model.name={name_row[1]})", section_rows)
+        name_row = next(row for row in rows if row[0] == f"{section}.name")
+        lines += _markdown_section(f"{section} ({section}.name={name_row[1]})", section_rows)
         for other in name_row[2].split("|"):
             if other != name_row[1]:
-                other_rows = [row for row in config.describe(config.load(None, [f"model.name={other}"]))
-                              if row[0].startswith("model.")]
-                lines += _markdown_section(f"model (model.name={other}, its defaults)", other_rows)
+                other_rows = [row for row in config.describe(config.load(None, [f"{section}.name={other}"]))
+                              if row[0].startswith(f"{section}.")]
+                lines += _markdown_section(f"{section} ({section}.name={other}, its defaults)", other_rows)
     return "\n".join(lines)
 
 

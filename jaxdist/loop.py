@@ -62,11 +62,12 @@ def train(cfg: Config, devices: list | None = None, restart: bool = False, start
     """
     clock = RunTime(started)
     clock.add("process", time.perf_counter() - clock.started)
+    run = prepare(cfg, devices, clock)
     run_dir = Path(cfg.run_dir)
     # Every process checks: each writes its checkpoint shards there.
     check_writable(run_dir, f"run_dir={run_dir}", directory=True)
     with RunDirLock(run_dir):
-        run = prepare(cfg, devices, restart, clock)
+        run = plan(run, restart, clock)
         try:
             return _run(run, clock)
         finally:
@@ -89,18 +90,14 @@ class Run:
     train_source: Any
     eval_source: Any
     tokenizer: Tokenizer | None
-    resume: ResumePlan
+    resume: ResumePlan = ResumePlan()
 
 
-def prepare(cfg: Config, devices: list | None = None, restart: bool = False,
-            clock: RunTime | None = None) -> Run:
-    """Resolves and checks `cfg` against its data, the devices and the run directory's checkpoints,
-    before anything is built or compiled: bad data, a layout the devices cannot carry, a checkpoint
-    of another model and a fresh start over an earlier run's history all stop here (`UserError`).
-    `restart` first moves an earlier run's files aside. Call it holding the run directory's lock."""
+def prepare(cfg: Config, devices: list | None = None, clock: RunTime | None = None) -> Run:
+    """Resolves and checks `cfg` against its data and the devices, before anything is built, compiled
+    or written: bad data and a layout the devices cannot carry stop here (`UserError`)."""
     clock = clock or RunTime()
-    # Opening the data and reading a first batch report bad data before anything compiles; so
-    # does a checkpoint of another model in run_dir.
+    # Opening the data and reading a first batch report bad data before anything compiles.
     wandb_log.check_installed(cfg)
     with clock.part("data"):
         cfg = loader.resolve_workers(loader.resolve_model(cfg))  # resolved, so config.yaml and checkpoints hold them
@@ -117,19 +114,30 @@ def prepare(cfg: Config, devices: list | None = None, restart: bool = False,
         splits = {"the train split": train_source, "the eval split": eval_source}
         feed.check_sources_agree({name: loader.fingerprint(source) for name, source in splits.items()
                                   if source is not None})
-        run_dir = Path(cfg.run_dir)
+        abstract = abstract_model(entry.create(cfg), cfg.seed)
+    return Run(cfg, entry, abstract, layout, rows, train_source, eval_source, tokenizer)
+
+
+def plan(run: Run, restart: bool = False, clock: RunTime | None = None) -> Run:
+    """`run` with where it resumes from in its run directory, and its length resolved from there: a
+    checkpoint of another model and a fresh start over an earlier run's history stop here
+    (`UserError`); `restart` first moves an earlier run's files aside. Call it holding the run
+    directory's lock (`RunDirLock`): it may set damaged checkpoints aside."""
+    clock = clock or RunTime()
+    cfg = run.cfg
+    run_dir = Path(cfg.run_dir)
+    with clock.part("checks"):
         if restart and jax.process_index() == 0 and (moved := rundir.set_history_aside(run_dir)):
             log(f"--restart: moved the earlier run's files to {moved}")
         if restart and jax.process_count() > 1:
             multihost_utils.sync_global_devices("jaxdist_restart")  # before anyone reads checkpoints/
-        abstract = abstract_model(entry.create(cfg), cfg.seed)
-        plan = plan_resume(cfg, abstract.params, log)
-        if plan.step is None:
+        resume = plan_resume(cfg, run.abstract.params, log)
+        if resume.step is None:
             rundir.check_history(run_dir)
     # data.epochs ends the run where a resumed one counts the examples left from its checkpoint.
-    cfg = loader.resolve_steps(cfg, len(train_source), plan.position.step, plan.position.example, log)
+    cfg = loader.resolve_steps(cfg, len(run.train_source), resume.position.step, resume.position.example, log)
     _warn_if_warmup_outlasts_the_run(cfg)
-    return Run(cfg, entry, abstract, layout, rows, train_source, eval_source, tokenizer, plan)
+    return dataclasses.replace(run, cfg=cfg, resume=resume)
 
 
 def _run(run: Run, clock: RunTime) -> Trainer:
@@ -145,7 +153,7 @@ def _run(run: Run, clock: RunTime) -> Trainer:
     with clock.part("checks"):
         feed.check_replicas_agree(first_local, layout.batch_sharding, rows)
     with clock.part("kernels"):
-        built = kernels.build_for(cfg.model, cfg.impl)  # the model only loads them while it is traced
+        built = kernels.build_for(cfg.model)  # the model only loads them while it is traced
     if built:
         log(built)
     with clock.part("init"):

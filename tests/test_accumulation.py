@@ -18,6 +18,8 @@ from jaxdist.train.optim import build_optimizer
 from jaxdist.train.state import TrainState, abstract_model, opt_state_shardings, param_dict
 from jaxdist.train.step import make_train_step
 
+pytestmark = pytest.mark.slow
+
 LAYOUTS = {
     "data8": ({"data": 8, "fsdp": 1, "tensor": 1}, "dp"),
     "fsdp8": ({"data": 1, "fsdp": 8, "tensor": 1}, "fsdp"),

@@ -11,6 +11,8 @@ from jaxdist.models.gpt import flops_per_token
 from jaxdist.commands import bench
 from jaxdist.observe.metrics import peak_flops
 
+pytestmark = pytest.mark.slow
+
 
 def test_bench_reports_consistent_throughput_and_its_setup(tmp_path, capsys):
     out = tmp_path / "bench.jsonl"
@@ -68,7 +70,7 @@ def test_bench_bubble_times_one_device_on_its_share_of_the_batch(capsys):
     """`--bubble`: beside the pipelined step, one device runs the model unpipelined on the batch's
     per-device share, and the measured bubble is one minus its step time over the pipeline's."""
     overrides = ["model.d_model=32", "model.layers=4", "model.heads=4", "model.seq_len=16", "model.vocab=128",
-                 "impl.loss_chunk=0", "mesh.stage=2", "mesh.fsdp=1", "mesh.tensor=1", "impl.scan_layers=true",
+                 "model.impl.loss_chunk=0", "mesh.stage=2", "mesh.fsdp=1", "mesh.tensor=1", "model.impl.scan_layers=true",
                  "pipeline.microbatches=2", "train.global_batch=8"]
     assert cli.main(["bench", "tiny", *overrides, "--devices", "2", "--steps", "2", "--warmup", "1", "--bubble"]) == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -82,7 +84,7 @@ def test_bench_bubble_with_accumulation_accumulates_the_one_device_share_as_far_
     """Accumulating 4 microbatches of the whole batch of 8 (held whole by the stage and tensor
     devices), the pipeline splits it; one device's share is 2 rows, run as 2 microbatches of 1."""
     overrides = ["model.d_model=32", "model.layers=2", "model.heads=4", "model.seq_len=16", "model.vocab=128",
-                 "impl.loss_chunk=0", "mesh.stage=2", "mesh.fsdp=1", "mesh.tensor=2", "impl.scan_layers=true",
+                 "model.impl.loss_chunk=0", "mesh.stage=2", "mesh.fsdp=1", "mesh.tensor=2", "model.impl.scan_layers=true",
                  "pipeline.microbatches=2", "train.global_batch=8", "train.microbatches=4"]
     assert cli.main(["bench", "tiny", *overrides, "--devices", "4", "--steps", "1", "--warmup", "0", "--bubble"]) == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -20,6 +20,8 @@ from jaxdist import cli, loop
 from jaxdist.checkpoint import Checkpoints, abstract_state
 from jaxdist.data import stream
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 12
 SAVED_LAYOUT = {"mesh": {"data": 2, "fsdp": 2, "tensor": 2}, "rules": {"preset": "fsdp_tp"}}

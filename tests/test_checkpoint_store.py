@@ -284,11 +284,13 @@ def test_export_of_a_damaged_checkpoint_names_the_older_ones(tiny_checkpoint, tm
     run_dir, _ = tiny_checkpoint
     newest = run_dir / "checkpoints" / "5"
     if damage == "bytes_flipped":
-        largest = max((path for path in (newest / "state").rglob("*") if path.is_file()), key=lambda p: p.stat().st_size)
-        data = bytearray(largest.read_bytes())
-        for i in range(len(data) // 2, len(data), 4096):  # every array in its second half, the params among them
-            data[i] ^= 0xFF
-        largest.write_bytes(bytes(data))
+        # Every array's bytes, wherever Orbax put the params: the data files, not their small indexes.
+        for path in (newest / "state").rglob("d/*"):
+            if path.stat().st_size > 4096:
+                data = bytearray(path.read_bytes())
+                for i in range(0, len(data), 512):
+                    data[i] ^= 0xFF
+                path.write_bytes(bytes(data))
     else:
         (newest / "meta" / "metadata").unlink()
     out = tmp_path / "params.safetensors"

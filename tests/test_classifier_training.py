@@ -17,6 +17,8 @@ from conftest import SMALL_RESNET, make_classifier_config
 from jaxdist import config, loop
 from jaxdist.checkpoint import export_params
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
 LAYOUTS = {

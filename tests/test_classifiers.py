@@ -10,7 +10,7 @@ from conftest import SMALL_RESNET, make_classifier_config
 from flax import nnx
 
 from jaxdist import cli, config, models
-from jaxdist.config import MODEL_CONFIGS
+from jaxdist.config import model_sections
 from jaxdist.data import digits, loader
 from jaxdist.errors import UserError
 from jaxdist.models import classifier
@@ -58,9 +58,9 @@ def test_gpt_flops_per_example_is_palms_model_flops_per_token_times_tokens():
 
 
 def test_every_registered_model_has_a_config_section():
-    assert set(models.MODELS) == set(MODEL_CONFIGS)
-    for name, section in MODEL_CONFIGS.items():
-        assert section().name == name
+    assert set(models.MODELS) == set(model_sections()) == {"gpt", "mlp", "resnet"}
+    for name, section in model_sections().items():
+        assert section().name == name and models.get(name).section is section
 
 
 def test_8_bit_pixels_are_scaled_on_the_device_to_the_floats_the_host_would_feed():
@@ -124,13 +124,13 @@ MLP = {"name": "mlp"}
     (MLP, ["model.d_model=64"],
      "config: unknown key 'model.d_model' for model.name=mlp; its keys: name, classes, image_shape, hidden "
      "(other models: gpt, resnet)"),
-    (MLP, ["model.name=vit"], "config: model.name='vit' is not a model; use model.name: one of gpt, mlp, resnet"),
+    (MLP, ["model.name=vit"], "config: model.name='vit' is not a registered model; use model.name: one of gpt, mlp, resnet"),
     (SMALL_RESNET, ["model.depth=34"], "config: model.depth=34: input should be 18 or 50"),
     (SMALL_RESNET, ["model.image_shape=[8,8]"],
      "config: model.image_shape=[8, 8]: use [height, width, channels] (three positive sizes), or auto (the data's)"),
-    (SMALL_RESNET, ["impl.remat=full"],
-     "config: impl.remat=full: the impl section says how model.name=gpt runs, and model.name=resnet reads none of "
-     "it; drop it"),
+    (SMALL_RESNET, ["model.impl.remat=full"],
+     "config: unknown key 'model.impl' for model.name=resnet; its keys: name, classes, image_shape, depth, width, stem, "
+     "bn_momentum (other models: gpt, mlp)"),
     (SMALL_RESNET, ["mesh.stage=2", "mesh.fsdp=4"],
      "mesh.stage=2 pipelines a stack of identical layers, and model.name=resnet has none; use mesh.stage=1"),
     ({**MLP, "classes": 10, "image_shape": [8, 8, 1]}, ["data.source=stdlib"],

@@ -30,7 +30,7 @@ def config_file(tmp_path):
         ("train.stepz=5", ["train.stepz", "unknown key", "steps"]),
         ("train.steps=abc", ["train.steps", "'abc'", "integer"]),
         ("model.nrom=rmsnorm", ["model.nrom", "unknown key"]),
-        ("model.scan_layers=false", ["model.scan_layers", "unknown key", "impl.scan_layers"]),
+        ("model.scan_layers=false", ["model.scan_layers", "unknown key", "model.impl.scan_layers"]),
         ("mesh.fsdp=3", ["mesh.fsdp=3", "6 devices", "8 are present"]),
         ("train.global_batch=10", ["train.global_batch=10", "4 batch shards (the batch is split over mesh.data x mesh.fsdp)", "multiple of 4"]),
         ("mesh.tensor=8", ["mesh", "mesh.tensor=8"]),
@@ -91,9 +91,9 @@ def test_a_boolean_is_not_a_number(config_file, capsys, compiles, overrides, mes
 
 
 def test_booleans_and_numbers_still_load():
-    cfg = config.load(None, ["impl.scan_layers=no", "optim.nesterov=yes", "data.augment.flip=on", "train.steps=3",
-                             "optim.lr=1e-3", "optim.clip_norm=2", "model.mlp_ratio=3"])
-    assert (cfg.impl.scan_layers, cfg.optim.nesterov, cfg.data.augment.flip) == (False, True, True)
+    cfg = config.load(None, ["model.impl.scan_layers=no", "optim.name=sgd", "optim.nesterov=yes", "data.augment.flip=on",
+                             "train.steps=3", "optim.lr=1e-3", "optim.clip_norm=2", "model.mlp_ratio=3"])
+    assert (cfg.model.impl.scan_layers, cfg.optim.nesterov, cfg.data.augment.flip) == (False, True, True)
     assert (cfg.train.steps, cfg.optim.lr, cfg.optim.clip_norm, cfg.model.mlp_ratio) == (3, 1e-3, 2.0, 3.0)
 
 
@@ -298,10 +298,12 @@ _AXIS_RULE = "use a mesh axis (data, stage, fsdp, tensor), a list of them, or nu
     ("data: {augment: }", [], "config: data.augment is empty; give its keys (crop_padding, flip) or leave the section "
                               "out for its defaults"),
     ("train: 5", [], f"config: train=5: train is a section: give it a mapping of its keys ({_TRAIN_KEYS})"),
-    ("model:\n", [], "config: model is empty; give its keys (model.name: gpt, mlp or resnet, and that model's) or "
+    ("model:\n", [], "config: model is empty; give its keys (model.name: gpt, mlp or resnet, and that one's) or "
                      "leave the section out for its defaults"),
+    ("optim: 3", [], "config: optim=3: optim is a section: give it a mapping of its keys (optim.name: adafactor, "
+                     "adamw, lamb, lars or sgd, and that one's)"),
     ("1: 2", [], "config: key 1 at the top level is not a name (keys are text); known keys here: seed, run_dir, mesh, "
-                 "rules, model, impl, data, train, optim, precision, log, eval, checkpoint, pipeline, sample, profile"),
+                 "rules, model, data, train, optim, precision, log, eval, checkpoint, pipeline, sample, profile"),
     ("train: {1: 2}", [], f"config: key 1 in train is not a name (keys are text); known keys here: {_TRAIN_KEYS}"),
     ("train: {on: 2}", [], f"config: key true in train is not a name (keys are text); known keys here: {_TRAIN_KEYS}"),
     ("model: {name: mlp, 2.5: 1}", [], "config: key 2.5 in model is not a name (keys are text); known keys here: "

@@ -16,6 +16,8 @@ import pytest
 from jaxdist import cli
 from jaxdist.commands import clocks
 
+pytestmark = pytest.mark.slow
+
 # In NVML index order: PCI bus id, UUID, SM MHz, power in mW, clock event reasons.
 GPUS = [
     ("00000000:1B:00.0", "GPU-aaaa1111-0000", 1650, 689_500, 0x4),

@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.d_model=64", "model.layers=2", "model.seq_len=32", "train.steps=1", "train.global_batch=16",
         "log.every=1", "checkpoint.every=0", "sample.tokens=0"]

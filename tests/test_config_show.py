@@ -6,7 +6,7 @@ import pytest
 from pydantic import BaseModel
 
 from jaxdist import cli, config
-from jaxdist.config import MODEL_CONFIGS, Config
+from jaxdist.config import Config, model_sections, optimizer_sections
 from jaxdist.errors import UserError
 
 
@@ -22,8 +22,10 @@ def _fields_without_description(model: type[BaseModel], prefix: str = "") -> lis
 
 def test_every_config_field_has_a_description():
     assert _fields_without_description(Config) == []
-    for name, section in MODEL_CONFIGS.items():  # `model:` is one of these, by model.name
+    for name, section in model_sections().items():  # `model:` is one of these, by model.name
         assert _fields_without_description(section, f"model[{name}].") == []
+    for name, section in optimizer_sections().items():  # and `optim:` one of these, by optim.name
+        assert _fields_without_description(section, f"optim[{name}].") == []
 
 
 def _shown(capsys, *argv: str) -> dict[str, list[str]]:
@@ -41,9 +43,9 @@ def test_show_lists_defaults_with_types_and_meanings(capsys):
     assert "all processes together" in rows["train.global_batch"][2]
     assert rows["mesh.fsdp"][:2] == ["-1", "int"]
     assert "sharded" in rows["mesh.fsdp"][2]
-    assert rows["impl.loss_chunk"][:2] == ["0", "int"]
-    assert "positions at a time" in rows["impl.loss_chunk"][2]
-    assert rows["impl.remat"][1] == "none|mlp|full|dots"
+    assert rows["model.impl.loss_chunk"][:2] == ["0", "int"]
+    assert "positions at a time" in rows["model.impl.loss_chunk"][2]
+    assert rows["model.impl.remat"][1] == "none|mlp|full|dots"
 
 
 def test_show_applies_the_config_and_overrides(capsys, tmp_path):
@@ -51,7 +53,7 @@ def test_show_applies_the_config_and_overrides(capsys, tmp_path):
     path.write_text("train:\n  global_batch: 64\n")
     assert _shown(capsys, str(path), "mesh.fsdp=4")["train.global_batch"][0] == "64"
     assert _shown(capsys, str(path), "mesh.fsdp=4")["mesh.fsdp"][0] == "4"
-    assert _shown(capsys, "impl.loss_chunk=64")["impl.loss_chunk"][0] == "64"  # overrides without a file
+    assert _shown(capsys, "model.impl.loss_chunk=64")["model.impl.loss_chunk"][0] == "64"  # overrides without a file
 
 
 def test_a_recipe_loads_by_name(monkeypatch):
@@ -71,7 +73,7 @@ def test_an_unknown_recipe_is_one_line_listing_the_recipes(capsys, tmp_path, mon
 
 
 def test_show_names_a_recipe(capsys):
-    assert _shown(capsys, "gpt_406m")["impl.loss_chunk"][0] == "256"
+    assert _shown(capsys, "gpt_406m")["model.impl.loss_chunk"][0] == "256"
 
 
 def test_show_lists_the_configured_models_keys_and_names_the_models(capsys):
@@ -100,7 +102,11 @@ def test_markdown_has_a_table_per_section_and_every_models_keys(capsys):
     sections = _markdown_sections(capsys)
     assert list(sections)[:7] == ["top level", "mesh", "rules", "model (model.name=gpt)",
                                   "model (model.name=mlp, its defaults)",
-                                  "model (model.name=resnet, its defaults)", "impl"]
+                                  "model (model.name=resnet, its defaults)", "data"]
+    assert [name for name in sections if name.startswith("optim")] == [
+        "optim (optim.name=adamw)", *(f"optim (optim.name={other}, its defaults)"
+                                      for other in ("adafactor", "lamb", "lars", "sgd"))]
+    assert ["`model.impl.scan_layers`", "`true`", "bool"] in [row[:3] for row in sections["model (model.name=gpt)"]]
     assert sections["top level"][0] == ["`seed`", "`0`", "int", "seed of parameter init, data order and sampling"]
     assert ["`mesh.fsdp`", "`-1`", "int"] == sections["mesh"][2][:3]
     # A | inside a cell is escaped, so the row keeps four cells.

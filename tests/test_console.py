@@ -5,11 +5,14 @@ import io
 import re
 import sys
 
+import pytest
 from conftest import make_config
 from rich.console import Console
 
 from jaxdist import loop
 from jaxdist.observe import console
+
+pytestmark = pytest.mark.slow
 
 
 def test_plain_lines_when_stdout_is_not_a_terminal(tmp_path, capsys):

@@ -9,6 +9,8 @@ from conftest import make_config
 
 from jaxdist.train.trainer import Trainer
 
+pytestmark = pytest.mark.slow
+
 
 def _trainer(tmp_path, compute_copies: bool, **sections):
     cfg = make_config(tmp_path, precision={"compute": "bfloat16", "compute_copies": compute_copies},

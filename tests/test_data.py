@@ -10,7 +10,8 @@ from conftest import make_classifier_config, make_config
 from data_helpers import prepared, random_documents, window_ids
 
 from jaxdist.config import TrainConfig
-from jaxdist.data import loader, prepare, sources, stream
+from jaxdist.data import loader, prepare, sources
+from jaxdist.data import stream as data_stream
 from jaxdist.data.tokenizer import ByteTokenizer
 from jaxdist.errors import UserError
 from jaxdist.parallel import feed
@@ -43,7 +44,7 @@ def expected_tokens(docs: list[str], split: str, eval_fraction: float) -> np.nda
     return np.concatenate([np.append(np.frombuffer(doc.encode(), np.uint8), 0) for doc in chosen])
 
 
-def window_index(source: stream.TokenWindows) -> dict[bytes, int]:
+def window_index(source: data_stream.TokenWindows) -> dict[bytes, int]:
     index = {source[i]["inputs"].tobytes(): i for i in range(len(source))}
     assert len(index) == len(source), "test data must have unique windows"
     return index
@@ -59,7 +60,7 @@ def global_stream(source, process_count: int, steps: int, seed: int = 0, start_e
     """Window ids in global stream order, reassembled from what each simulated process read."""
     order = [0] * (steps * GLOBAL_BATCH)
     for rows in shares(process_count):
-        batches = stream.train_batches(source, rows, seed, start_example)
+        batches = data_stream.train_batches(source, rows, seed, start_example)
         for step, ids in enumerate(window_ids([batch], window_index(source)) for batch in islice(batches, steps)):
             for row, window in zip(rows.rows, ids, strict=True):  # row r of batch s: stream position s * G + r
                 order[step * GLOBAL_BATCH + row] = window
@@ -108,10 +109,10 @@ def test_processes_that_hold_the_same_rows_read_the_same_examples(tmp_path, data
     source = loader.open_split(data_config(tmp_path, dataset[0]), "train")
     index = window_index(source)
     stream = global_stream(source, 1, 6, start_example=5)
-    replica = [window_ids(list(islice(stream.train_batches(source, shares(2)[1], 0, 5), 6)), index) for _ in range(2)]
+    replica = [window_ids(list(islice(data_stream.train_batches(source, shares(2)[1], 0, 5), 6)), index) for _ in range(2)]
     assert replica[0] == replica[1] == [w for s in range(6) for w in stream[s * 8 + 4 : s * 8 + 8]]
     scattered = BatchRows(GLOBAL_BATCH, (0, 1, 6, 7))
-    ids = window_ids(list(islice(stream.train_batches(source, scattered, 0, 5), 6)), index)
+    ids = window_ids(list(islice(data_stream.train_batches(source, scattered, 0, 5), 6)), index)
     assert ids == [stream[s * 8 + r] for s in range(6) for r in scattered.rows]
 
 
@@ -153,7 +154,7 @@ def test_eval_pass_covers_the_split_once_with_padding_weighted_zero(tmp_path, da
     index = window_index(source)
     real, padding, batches = [], 0, 0
     for rows in shares(process_count):
-        for batch in stream.eval_batches(source, rows):
+        for batch in data_stream.eval_batches(source, rows):
             assert batch["inputs"].shape == (GLOBAL_BATCH // process_count, SEQ_LEN)
             ids = window_ids([batch], index)
             real += [i for i, w in zip(ids, batch["weights"]) if w == 1]
@@ -237,8 +238,8 @@ def test_train_steps_given_with_epochs_end_the_run_at_the_earlier_and_a_line_say
 def test_worker_processes_yield_the_same_batches(dataset, tmp_path):
     source = loader.open_split(data_config(tmp_path, dataset[0]), "train")
     rows = BatchRows(GLOBAL_BATCH, (1, 2, 5, 6))
-    threads = list(islice(stream.train_batches(source, rows, seed=3, start_example=11), 6))
-    workers = list(islice(stream.train_batches(source, rows, seed=3, start_example=11, workers=2), 6))
+    threads = list(islice(data_stream.train_batches(source, rows, seed=3, start_example=11), 6))
+    workers = list(islice(data_stream.train_batches(source, rows, seed=3, start_example=11, workers=2), 6))
     for a, b in zip(threads, workers, strict=True):
         np.testing.assert_array_equal(a["inputs"], b["inputs"])
 
@@ -312,7 +313,7 @@ class Unreadable:
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_read_error_surfaces_as_itself_from_read_threads_and_workers(tmp_path, dataset, workers):
     source = Unreadable(loader.open_split(data_config(tmp_path, dataset[0]), "train"), bad=5)
-    batches = stream.train_batches(source, BatchRows(GLOBAL_BATCH, tuple(range(GLOBAL_BATCH))), 0, workers=workers)
+    batches = data_stream.train_batches(source, BatchRows(GLOBAL_BATCH, tuple(range(GLOBAL_BATCH))), 0, workers=workers)
     with pytest.raises(UserError) as caught:
         for _ in range(len(source) // GLOBAL_BATCH + 1):  # one epoch reads every example
             next(batches)

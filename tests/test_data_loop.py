@@ -10,6 +10,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import optax
+import pytest
 import yaml
 from conftest import TINY_GPT, make_config
 from data_helpers import huggingface_tokenizer, prepared, random_documents
@@ -18,6 +19,8 @@ from flax import nnx
 from jaxdist import loop
 from jaxdist.config import TrainConfig
 from jaxdist.data import loader, sources
+
+pytestmark = pytest.mark.slow
 
 
 def test_epochs_and_exact_eval_loss(tmp_path):

@@ -9,10 +9,13 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import make_config
 from data_helpers import prepared, random_documents
 
 from jaxdist.data import loader
+
+pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).parent
 

@@ -17,6 +17,8 @@ from jaxdist.errors import NonFiniteError, UserError
 from jaxdist.train.spikes import ARMED_AFTER, LossStats
 from jaxdist.train.trainer import Trainer
 
+pytestmark = pytest.mark.slow
+
 ONE_DEVICE = {"mesh": {"data": 1, "fsdp": 1, "tensor": 1}, "rules": {"preset": "fsdp"}}
 
 

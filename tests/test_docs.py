@@ -18,7 +18,8 @@ import yaml
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from jaxdist import cli, config
-from jaxdist.config import MODEL_CONFIGS, Config
+from jaxdist.config import Config, model_sections, optimizer_sections
+from jaxdist.errors import UserError
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.parallel import pipeline as pipeline_lib
 from jaxdist.parallel import rules as rules_lib
@@ -58,27 +59,29 @@ def _inline_spans(text: str) -> list[str]:
 
 
 def _field_types(key: str) -> list[Any]:
-    """The types a config key's values may have, with their constraints (one per model section that
-    has a `model.` key); KeyError if no such key."""
-    section: Any = Config
+    """The types a config key's values may have, with their constraints (one per registered model or
+    optimizer section that has a `model.` or `optim.` key); KeyError if no such key."""
+    sections: list[Any] = [Config]
     *parents, leaf = key.split(".")
     for part in parents:
-        if section is Config and part == "model":
-            section = None  # one of the models' sections: the leaf decides which
-            continue
-        field = section.model_fields.get(part) if section is not None else None
-        annotation = field.annotation if field else None
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            section = annotation
-        elif get_origin(annotation) is dict:  # rules.params.NAME, rules.activations.NAME
-            if part == "activations" and not PLACEHOLDER.match(leaf) and not any(
-                    leaf in preset.activations for preset in rules_lib.PRESETS.values()):
-                raise KeyError(key)
-            return [get_args(annotation)[1]]
-        else:
+        found: list[Any] = []
+        for section in sections:
+            if section is Config and part in ("model", "optim"):
+                found += (model_sections() if part == "model" else optimizer_sections()).values()
+                continue
+            field = section.model_fields.get(part)
+            annotation = field.annotation if field else None
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                found.append(annotation)
+            elif get_origin(annotation) is dict:  # rules.params.NAME, rules.activations.NAME
+                if part == "activations" and not PLACEHOLDER.match(leaf) and not any(
+                        leaf in preset.activations for preset in rules_lib.PRESETS.values()):
+                    raise KeyError(key)
+                return [get_args(annotation)[1]]
+        if not found:
             raise KeyError(key)
-    fields = [model.model_fields[leaf] for model in (MODEL_CONFIGS.values() if section is None else [section])
-              if leaf in model.model_fields]
+        sections = found
+    fields = [section.model_fields[leaf] for section in sections if leaf in section.model_fields]
     if not fields:
         raise KeyError(key)
     return [Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation for field in fields]
@@ -142,10 +145,10 @@ def test_the_docs_check_finds_what_they_name():
     """The check above reads the docs: the mentions it must see are seen, and wrong ones would fail."""
     assert ("mesh.fsdp", "8") in _mentions(ROOT / "scripts" / "k8s" / "jaxdist-job.yaml")
     assert ("train.fsdp_gather", "per_step") in set(_mentions(ROOT / "README.md"))
-    assert {("log.wandb", "true"), ("impl.loss_chunk", None)} <= set(_mentions(ROOT / "docs" / "running.md"))
+    assert {("log.wandb", "true"), ("model.impl.loss_chunk", None)} <= set(_mentions(ROOT / "docs" / "running.md"))
     assert ("rules.activations.seq", "tensor") in set(_mentions(ROOT / "docs" / "performance.md"))  # a whole span
     assert _value_error("train.fsdp_gather", "per_block") and _value_error("rules.preset", "zero3")
-    assert _value_error("impl.remat", "all") and _value_error("mesh.data", "two")
+    assert _value_error("model.impl.remat", "all") and _value_error("mesh.data", "two")
     assert _value_error("model.classes", "auto") is None and _value_error("rules.activations.seq", "tensor") is None
     for key in (*REMOVED, "model.loss_impl", "rules.activations.sequence"):
         with pytest.raises(KeyError):
@@ -220,7 +223,7 @@ def _parse_error(argv: list[str], whole: bool) -> str | None:
     if named and ((ROOT / named).is_file() or named in config.recipes()):
         try:
             config.load(ROOT / named if (ROOT / named).is_file() else named, [*args.overrides, *extra])
-        except config.UserError as err:
+        except UserError as err:
             return str(err)
     return None
 

@@ -12,6 +12,8 @@ from jaxdist.train.trainer import Trainer
 
 from test_copies import _batches
 
+pytestmark = pytest.mark.slow
+
 
 def _specs(tree) -> dict[str, tuple]:
     """The partition spec of each leaf, by its path."""

@@ -17,9 +17,11 @@ from conftest import make_config
 from flax import nnx
 
 from jaxdist import loop, models
-from jaxdist.config import GPTConfig, ImplConfig
 from jaxdist.kernels import fused_norm, fused_norm_mosaic, fused_norm_triton, switch
-from jaxdist.models.gpt import GPT, RESIDUAL
+from jaxdist.models import gpt
+from jaxdist.models.gpt import GPT, RESIDUAL, GPTConfig, ImplConfig
+
+pytestmark = pytest.mark.slow
 
 
 def _unfused(x, delta, scale, bias, rms):
@@ -109,7 +111,7 @@ def _model_loss_and_grads(norm_impl: str, norm: str):
         graphdef, params = nnx.split(GPT(cfg, impl, rngs=nnx.Rngs(0)))
     tokens = jax.random.randint(jax.random.key(2), (2, 17), 0, 64)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    return jax.jit(jax.value_and_grad(lambda p: models.lm_loss(nnx.merge(graphdef, p), batch)))(params)
+    return jax.jit(jax.value_and_grad(lambda p: gpt.loss(nnx.merge(graphdef, p), batch)))(params)
 
 
 @pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])

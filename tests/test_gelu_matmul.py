@@ -22,6 +22,8 @@ from jaxdist.parallel import rules as rules_lib
 
 from test_fused_norm import _losses
 
+pytestmark = pytest.mark.slow
+
 # A CPU stand-in for the cuBLASLt handler: the same operands and results, float32.
 STAND_IN = build.Handler("gelu_grad_reference", Path(__file__).with_name("native") / "gelu_grad_reference.cc",
                          "JaxdistTestGeluGrad", "jaxdist_test_gelu_grad", platform="cpu")

@@ -7,8 +7,10 @@ import pytest
 from flax import nnx
 from jaxpr_walk import equations
 
-from jaxdist.config import GPTConfig, ImplConfig
-from jaxdist.models.gpt import GPT
+from jaxdist.models import gpt
+from jaxdist.models.gpt import GPT, GPTConfig, ImplConfig
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize(("variant", "remat"), [
@@ -59,7 +61,7 @@ def _loss_grads_and_temp_bytes(remat: str, activation: str):
         graphdef, params = nnx.split(GPT(cfg, ImplConfig(scan_layers=False, remat=remat), rngs=nnx.Rngs(0)))
     tokens = jax.random.randint(jax.random.key(2), (8, 65), 0, 64)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    compiled = jax.jit(jax.value_and_grad(lambda p: models.lm_loss(nnx.merge(graphdef, p), batch))).lower(params).compile()
+    compiled = jax.jit(jax.value_and_grad(lambda p: gpt.loss(nnx.merge(graphdef, p), batch))).lower(params).compile()
     loss, grads = compiled(params)
     return float(loss), grads, compiled.memory_analysis().temp_size_in_bytes
 
@@ -97,7 +99,7 @@ def test_unrolled_blocks_are_traced_once_not_once_per_layer(monkeypatch, impl):
         graphdef, params = nnx.split(GPT(cfg, ImplConfig(scan_layers=False, **impl), rngs=nnx.Rngs(0)))
     tokens = jnp.zeros((4, 17), jnp.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    jax.make_jaxpr(jax.value_and_grad(lambda p: models.lm_loss(nnx.merge(graphdef, p), batch)))(params)
+    jax.make_jaxpr(jax.value_and_grad(lambda p: gpt.loss(nnx.merge(graphdef, p), batch)))(params)
     assert sorted(traces) == [False, True]
 
 

@@ -15,10 +15,12 @@ import numpy as np
 import pytest
 
 from jaxdist import cli, kernels
-from jaxdist.config import GPTConfig, ImplConfig
 from jaxdist.kernels import build, gelu_matmul, switch
+from jaxdist.models.gpt import GPTConfig, ImplConfig
 
 from test_gelu_matmul import STAND_IN
+
+pytestmark = pytest.mark.slow
 
 CUDA_FILES = ("include/cublasLt.h", "include/cuda_runtime_api.h", "include/driver_types.h",
               "include/crt/host_defines.h", "lib/libcublasLt.so.13", "lib/libcudart.so.13")
@@ -144,14 +146,14 @@ def test_tracing_with_nothing_built_never_compiles_and_falls_back(cache, fake_cu
 
 def test_train_and_bench_build_only_on_a_gpu_when_the_model_asks(monkeypatch):
     monkeypatch.setattr(kernels, "build_kernels", lambda: [kernels.Status("gelu_matmul", "built", "/x.so")])
-    gelu, unrolled = GPTConfig(), ImplConfig(scan_layers=False)
-    assert kernels.build_for(gelu, unrolled) is None  # this CPU
+    unrolled = GPTConfig(impl=ImplConfig(scan_layers=False))
+    assert kernels.build_for(unrolled) is None  # this CPU
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert kernels.build_for(gelu, unrolled) == "kernels: gelu_matmul: built (/x.so)"
-    assert kernels.build_for(gelu, ImplConfig(scan_layers=True)) == "kernels: gelu_matmul: built (/x.so)"
-    for model, impl in ((gelu, ImplConfig(scan_layers=False, gelu_grad_impl="xla")),
-                        (GPTConfig(activation="swiglu"), unrolled)):
-        assert kernels.build_for(model, impl) is None
+    assert kernels.build_for(unrolled) == "kernels: gelu_matmul: built (/x.so)"
+    assert kernels.build_for(GPTConfig(impl=ImplConfig(scan_layers=True))) == "kernels: gelu_matmul: built (/x.so)"
+    for model in (GPTConfig(impl=ImplConfig(scan_layers=False, gelu_grad_impl="xla")),
+                  GPTConfig(activation="swiglu", impl=ImplConfig(scan_layers=False))):
+        assert kernels.build_for(model) is None
 
 
 def test_build_kernels_command_prints_a_line_per_kernel_and_exits_0_off_a_gpu(cache, capsys):

@@ -43,7 +43,7 @@ def _small_step(tmp_path, kernel: str, gelu_kernel: str, d_model: int = 256) -> 
         precision={"compute": "bfloat16"},
     )
     if kernel != "xla":
-        assert "unavailable" not in kernels.build_for(cfg.model, cfg.impl)
+        assert "unavailable" not in kernels.build_for(cfg.model)
         gelu_matmul.unavailable_reason.cache_clear()
     trainer = Trainer.from_config(cfg, jax.devices()[:1])
     batch = trainer.global_batch(bench.random_batch(cfg))

@@ -11,6 +11,8 @@ from conftest import make_config
 from jaxdist import loop
 from jaxdist.train.trainer import Trainer, state_bytes_per_device
 
+pytestmark = pytest.mark.slow
+
 
 def losses(run_dir) -> list[float]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()

@@ -23,6 +23,8 @@ from jaxdist import loop
 from jaxdist.launch import free_port
 from jaxdist.parallel import feed
 
+pytestmark = pytest.mark.slow
+
 HERE = Path(__file__).parent
 STEPS = 4
 # Eight heads, so that tensor parallelism can span all 8 devices (the only way tensor crosses

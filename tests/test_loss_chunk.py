@@ -1,6 +1,6 @@
-"""`impl.loss_chunk`: the fused, chunked cross-entropy is the plain loss with less memory.
+"""`model.impl.loss_chunk`: the fused, chunked cross-entropy is the plain loss with less memory.
 
-Same loss and gradients as the unchunked `lm_loss` (float32) under tensor-sharded vocabulary and
+Same loss and gradients as the unchunked `gpt.loss` (float32) under tensor-sharded vocabulary and
 data parallelism, with and without eval weights, tied and untied head; a smaller compiled step;
 the same training run; bad chunk sizes rejected before anything compiles. The one-pass logsumexp
 is the two-pass one on extreme logits, and reads the logits in one reduction.
@@ -19,6 +19,7 @@ from jaxpr_walk import equations
 from flax import nnx
 
 from jaxdist import cli, loop, models
+from jaxdist.models import gpt
 from jaxdist.models.cross_entropy import fused_linear_cross_entropy, reduce_logits
 from jaxdist.commands import hlo
 from jaxdist.parallel import feed
@@ -28,6 +29,8 @@ from jaxdist.parallel import rules as rules_lib
 from jaxdist.train.accumulate import loss_and_grads
 from jaxdist.train.state import abstract_model, init_state, param_dict
 from jaxdist.train.step import make_train_step
+
+pytestmark = pytest.mark.slow
 
 CHUNK = 8
 VOCAB = 512  # divisible by tensor=2; the chunked scan then runs 32 / 8 = 4 chunks
@@ -56,13 +59,13 @@ def _losses_and_grads(cfg, params, batch, microbatches):
         with rules_lib.activation_rules(mesh, rules):
             results = {
                 name: loss_and_grads(
-                    graphdef, models.lm_loss, p, inputs, microbatches=microbatches, reduction="per_step",
+                    graphdef, gpt.loss, p, inputs, microbatches=microbatches, reduction="per_step",
                     mesh=mesh, rules=rules, param_shardings=param_shardings,
                 )[::2]
                 for name, inputs in (("weighted", b), ("unweighted", unweighted))
             }
             # As the evaluator scores a batch: the weighted loss alone, not differentiated.
-            results["eval"] = models.lm_loss(nnx.merge(graphdef, p), b)
+            results["eval"] = gpt.loss(nnx.merge(graphdef, p), b)
             return results
 
     params = jax.device_put(params, param_shardings)
@@ -164,7 +167,7 @@ def _step_temp_bytes(cfg) -> int:
     rules = rules_lib.from_config(cfg.rules)
     tx = optax.adamw(1e-3)
     state, shardings, graphdef, _ = init_state(models.get("gpt").create(cfg), tx, mesh, rules, cfg.seed)
-    step = make_train_step(graphdef, models.lm_loss, tx, None, mesh, rules, shardings)
+    step = make_train_step(graphdef, gpt.loss, tx, None, mesh, rules, shardings)
     tokens = np.zeros((cfg.train.global_batch, cfg.model.seq_len), np.int32)
     batch = feed.assemble({"inputs": tokens, "targets": tokens}, feed.batch_sharding(mesh, rules))
     return step.lower(state, None, batch).compile().memory_analysis().temp_size_in_bytes
@@ -219,9 +222,9 @@ def config_file(tmp_path):
 @pytest.mark.parametrize(
     "override, must_mention",
     [
-        ("impl.loss_chunk=5", ["impl.loss_chunk=5", "model.seq_len=32", "divisor of 32"]),
-        ("impl.loss_chunk=-8", ["impl.loss_chunk=-8", "greater than or equal to 0"]),
-        ("impl.loss_impl=pallas", ["impl.loss_impl=pallas", "impl.loss_chunk > 0"]),
+        ("model.impl.loss_chunk=5", ["model.impl.loss_chunk=5", "model.seq_len=32", "divisor of 32"]),
+        ("model.impl.loss_chunk=-8", ["model.impl.loss_chunk=-8", "greater than or equal to 0"]),
+        ("model.impl.loss_impl=pallas", ["model.impl.loss_impl=pallas", "model.impl.loss_chunk > 0"]),
     ],
 )
 def test_bad_chunk_exits_2_before_compiling(config_file, capsys, compiles, override, must_mention):

@@ -25,6 +25,8 @@ from jaxdist import loop
 from jaxdist.errors import UserError
 from jaxdist.launch import free_port
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 240
 

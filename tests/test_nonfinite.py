@@ -27,6 +27,8 @@ from jaxdist.train.state import abstract_model, init_state
 from jaxdist.train.step import make_train_step
 from jaxdist.train.trainer import Trainer
 
+pytestmark = pytest.mark.slow
+
 # Linear warmup from 0 to a learning rate of 1e30: step 1 (rate 0) changes nothing, step 2 (5e29)
 # makes the weights huge but finite, and step 3's loss is not finite.
 EXPLODES_AT_STEP_3 = {"lr": 1e30, "clip_norm": None, "warmup_steps": 2, "schedule": "linear"}

@@ -13,6 +13,7 @@ from jaxdist import cli, models
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.train import optim as optim_lib
+from jaxdist.train.optimizers import parts
 from jaxdist.train.state import abstract_model, opt_state_shardings
 
 LR, WEIGHT_DECAY = 0.01, 0.1
@@ -33,7 +34,7 @@ def gpt(tmp_path_factory):
 
     def random_like(leaf, names):
         x = rng.normal(size=leaf.shape).astype(np.float32)
-        if optim_lib.is_stacked(names):
+        if parts.is_stacked(names):
             x *= layer_scale.reshape((-1,) + (1,) * (x.ndim - 1))
         return x
 
@@ -56,21 +57,21 @@ def _optim(name: str, **keys):
 
 def test_default_masks_spare_norms_biases_and_embeddings(gpt):
     names = gpt[0]
-    decayed = _paths(optim_lib.weight_decay_mask(_optim("adamw").optim, names))
+    decayed = _paths(parts.weight_decay_mask(_optim("adamw").optim, names))
     assert {path for path, on in decayed.items() if on} == {
         "blocks/attn/qkv", "blocks/attn/out", "blocks/mlp/up", "blocks/mlp/down", "head",
     }
-    asked = _paths(optim_lib.weight_decay_mask(_optim("adamw", decay_embeddings=True).optim, names))
+    asked = _paths(parts.weight_decay_mask(_optim("adamw", decay_embeddings=True).optim, names))
     assert asked["embed"] and asked["positions"] and not asked["final_norm/scale"]
-    asked = _paths(optim_lib.weight_decay_mask(_optim("adamw", decay_norms_and_biases=True).optim, names))
+    asked = _paths(parts.weight_decay_mask(_optim("adamw", decay_norms_and_biases=True).optim, names))
     assert asked["blocks/norm1/bias"] and asked["final_norm/scale"] and not asked["embed"]
 
-    trusted = _paths(optim_lib.trust_ratio_mask(_optim("lamb").optim, names))
+    trusted = _paths(parts.trust_ratio_mask(_optim("lamb").optim.trust_ratio_norms_and_biases, names))
     assert {path for path, on in trusted.items() if not on} == {
         "blocks/norm1/scale", "blocks/norm1/bias", "blocks/norm2/scale", "blocks/norm2/bias",
         "final_norm/scale", "final_norm/bias",
     }
-    assert all(_paths(optim_lib.trust_ratio_mask(_optim("lamb", trust_ratio_norms_and_biases=True).optim, names)).values())
+    assert all(_paths(parts.trust_ratio_mask(True, names)).values())
 
 
 def _run(tx, params, grads):
@@ -85,19 +86,19 @@ def _run(tx, params, grads):
 def _layers(tree, names):
     """Stacked leaves split into one leaf per layer: the model as optax sees an unstacked one."""
     return jax.tree.map(
-        lambda x, n: list(x) if optim_lib.is_stacked(n) else x, tree, names, is_leaf=_is_names
+        lambda x, n: list(x) if parts.is_stacked(n) else x, tree, names, is_leaf=_is_names
     )
 
 
 def _restack(tree, names):
     return jax.tree.map(
-        lambda x, n: np.stack(x) if optim_lib.is_stacked(n) else x, tree, names,
+        lambda x, n: np.stack(x) if parts.is_stacked(n) else x, tree, names,
         is_leaf=lambda x: isinstance(x, list) or _is_names(x),
     )
 
 
 def _broadcast_mask(mask, names):
-    return jax.tree.map(lambda m, n: [m] * 2 if optim_lib.is_stacked(n) else m, mask, names, is_leaf=_is_names)
+    return jax.tree.map(lambda m, n: [m] * 2 if parts.is_stacked(n) else m, mask, names, is_leaf=_is_names)
 
 
 def _jit_run(tx, params, grads):
@@ -116,8 +117,8 @@ def test_lars_equals_optax_lars_per_layer_with_masks(gpt):
 
     reference = optax.lars(
         LR, weight_decay=WEIGHT_DECAY, trust_coefficient=0.002, momentum=0.9, nesterov=True,
-        weight_decay_mask=_broadcast_mask(optim_lib.weight_decay_mask(cfg.optim, names), names),
-        trust_ratio_mask=_broadcast_mask(optim_lib.trust_ratio_mask(cfg.optim, names), names),
+        weight_decay_mask=_broadcast_mask(parts.weight_decay_mask(cfg.optim, names), names),
+        trust_ratio_mask=_broadcast_mask(parts.trust_ratio_mask(cfg.optim.trust_ratio_norms_and_biases, names), names),
     )
     expected = _restack(_jit_run(reference, _layers(params, names), [_layers(g, names) for g in grads]), names)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7), ours, expected)
@@ -135,7 +136,8 @@ def test_lamb_equals_optax_lamb_per_layer_with_masks(gpt):
         return ("lamb" if trusted else "adamw") + ("_decay" if decayed else "")
 
     labels = jax.tree.map(
-        label, optim_lib.weight_decay_mask(cfg.optim, names), optim_lib.trust_ratio_mask(cfg.optim, names)
+        label, parts.weight_decay_mask(cfg.optim, names),
+        parts.trust_ratio_mask(cfg.optim.trust_ratio_norms_and_biases, names),
     )
     reference = optax.multi_transform(
         {
@@ -162,7 +164,7 @@ def test_adafactor_weight_decay_is_scaled_by_the_learning_rate(gpt):
 
     expected = jax.tree.map(
         lambda p, on: -LR * WEIGHT_DECAY * p if on else np.zeros_like(p),
-        params, optim_lib.weight_decay_mask(_optim("adamw").optim, names),
+        params, parts.weight_decay_mask(_optim("adamw").optim, names),
     )
     for name in ("adafactor", "adamw", "sgd"):
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9), first_update(name), expected)
@@ -183,7 +185,7 @@ def test_adafactor_stacked_equals_per_layer(gpt):
     cfg = _optim("adafactor")
     ours = _ours(cfg, names, params, grads)
 
-    per_layer_names = jax.tree.map(lambda n: [n[1:]] * 2 if optim_lib.is_stacked(n) else n, names, is_leaf=_is_names)
+    per_layer_names = jax.tree.map(lambda n: [n[1:]] * 2 if parts.is_stacked(n) else n, names, is_leaf=_is_names)
     expected = _restack(
         _ours(cfg, per_layer_names, _layers(params, names), [_layers(g, names) for g in grads]), names)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7), ours, expected)
@@ -261,7 +263,8 @@ def test_lr_scaling_rules_from_base_batch():
 @pytest.mark.parametrize(
     "override, expected",
     [
-        ("optim.name=adam", "optim.name='adam': input should be 'adamw', 'sgd', 'lamb', 'lars' or 'adafactor'"),
+        ("optim.name=adam", "optim.name='adam' is not a registered optimizer; use optim.name: one of adafactor, adamw, lamb, "
+         "lars, sgd"),
         ("optim.lr=-0.1", "optim.lr=-0.1: input should be greater than 0"),
         ("optim.lr_scaling=linear", "optim.lr_scaling=linear needs optim.base_batch"),
         ("optim.min_lr_ratio=2", "optim.min_lr_ratio=2: input should be less than or equal to 1"),

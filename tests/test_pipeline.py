@@ -20,6 +20,8 @@ from jaxdist.parallel import rules as rules_lib
 from jaxdist.train.state import abstract_model, param_dict
 from jaxdist.train.trainer import Trainer
 
+pytestmark = pytest.mark.slow
+
 # 8 layers so that stages x repeats in {2, 4, 8} divide them; small enough to compile in seconds.
 PIPE_GPT = {"d_model": 32, "layers": 8, "heads": 4, "seq_len": 16, "vocab": 256}
 BATCH = 16

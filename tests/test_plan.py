@@ -13,13 +13,15 @@ from jaxdist.models.gpt import flops_per_token
 from jaxdist.commands.scale import model_size
 from jaxdist.train.state import abstract_model
 
+pytestmark = pytest.mark.slow
+
 SMALL = {"model": {"d_model": 64, "layers": 2, "heads": 4, "seq_len": 64, "vocab": 256},
          "train": {"global_batch": 16}, "mesh": {"data": 2, "fsdp": 4, "tensor": 1}, "rules": {"preset": "fsdp"}}
 
 
 def test_gpt_1b4_under_fsdp8_holds_an_eighth_of_the_parameters_per_device(devices):
     # Scanned layers: the same parameters as the recipe's unrolled ones, compiled much faster here.
-    cfg = config.load("configs/gpt_1b4.yaml", ["mesh.fsdp=8", "impl.scan_layers=true", "precision.compute=float32"])
+    cfg = config.load("configs/gpt_1b4.yaml", ["mesh.fsdp=8", "model.impl.scan_layers=true", "precision.compute=float32"])
     result = plan.make_plan(cfg, devices)
     params = model_size(cfg).params
     assert result.mesh == "data=1 x stage=1 x fsdp=8 x tensor=1" and result.devices == 8
@@ -33,11 +35,11 @@ def test_gpt_1b4_under_fsdp8_holds_an_eighth_of_the_parameters_per_device(device
 def test_over_the_device_memory_a_compiled_suggestion_fits(tmp_path, devices):
     cfg = make_config(tmp_path, **SMALL)
     whole = plan.make_plan(cfg, devices)
-    remat = plan.make_plan(config.with_overrides(cfg, ["impl.remat=full"]), devices)
+    remat = plan.make_plan(config.with_overrides(cfg, ["model.impl.remat=full"]), devices)
     assert remat.temporaries < whole.temporaries and remat.params == whole.params
     limit = (whole.total + remat.total) // 2
     overrides, fitted = plan.suggest(cfg, limit, devices)
-    assert overrides == ["impl.remat=full"] and fitted.total <= limit
+    assert overrides == ["model.impl.remat=full"] and fitted.total <= limit
     # Compiled for CPU, only the state and batch are judged: the temporaries are not a GPU's.
     verdict = plan.report(cfg, devices, limit).splitlines()[-1]
     assert verdict == (f"the state and batch take {plan._gb(whole.held)} of {plan._gb(limit)} per device "

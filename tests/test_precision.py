@@ -20,6 +20,8 @@ from jaxdist.models import dtypes
 from jaxdist.train import precision
 from jaxdist.train.trainer import Trainer
 
+pytestmark = pytest.mark.slow
+
 
 def test_policy_defaults_and_loss_scaling_switch():
     auto = PrecisionConfig()

@@ -1,9 +1,12 @@
 """`profile.start_step` / `profile.steps`: the train loop traces those steps into run_dir/profile."""
 
 import jax
+import pytest
 from conftest import make_config
 
 from jaxdist import loop
+
+pytestmark = pytest.mark.slow
 
 
 def test_a_profiled_window_leaves_a_trace(tmp_path):

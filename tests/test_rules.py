@@ -188,7 +188,7 @@ def test_every_activation_a_model_constrains_is_one_the_layout_check_checks(tmp_
     spec = rules.Rules.activation_spec
     monkeypatch.setattr(rules.Rules, "activation_spec",
                         lambda self, names, where="an activation": traced.add(tuple(names)) or spec(self, names, where))
-    cfg = make_classifier_config(tmp_path, model, impl=impl) if model else make_config(tmp_path, impl=impl)
+    cfg = make_classifier_config(tmp_path, model) if model else make_config(tmp_path, impl=impl)
     entry, placed = models.get(cfg.model.name), layout.from_config(cfg)
     with nnx.use_eager_sharding(False):
         graphdef, state = nnx.split(nnx.eval_shape(lambda: entry.create(cfg)(nnx.Rngs(0))))

@@ -15,6 +15,8 @@ from jaxdist import loop
 from jaxdist.observe.metrics import MetricsWriter, mfu, peak_flops
 from jaxdist.train.trainer import Trainer
 
+pytestmark = pytest.mark.slow
+
 NAMED = ("loss", "learning_rate", "grad_norm", "tokens_per_sec", "step_time_s", "param_norm", "data_wait_s")
 
 

@@ -59,7 +59,7 @@ def test_auto_and_pallas_under_a_split_vocabulary(monkeypatch):
         assert softmax_grad.unsupported(shape, jnp.bfloat16) == "it needs the vocabulary whole on each device; " \
                                                                 "the rules split it"
         assert not softmax_grad.use_kernel("auto", shape, jnp.bfloat16)
-        with pytest.raises(ValueError, match="impl.loss_impl=pallas: it needs the vocabulary whole on each device"):
+        with pytest.raises(ValueError, match="model.impl.loss_impl=pallas: it needs the vocabulary whole on each device"):
             softmax_grad.use_kernel("pallas", shape, jnp.bfloat16)
     with rules_lib.activation_rules(mesh, rules_lib.preset("fsdp")):
         assert softmax_grad.unsupported(shape, jnp.bfloat16) is None

@@ -15,6 +15,8 @@ from jaxdist.errors import UserError
 from jaxdist.observe import wandb_log
 from jaxdist.observe.metrics import tensorboard_tag
 
+pytestmark = pytest.mark.slow
+
 wandb_internal = pytest.importorskip("wandb.proto.wandb_internal_pb2")  # the `wandb` extra, in the `test` extra
 
 OFFLINE = {"every": 1, "wandb": True, "wandb_mode": "offline", "wandb_project": "jaxdist-test"}

@@ -124,7 +124,7 @@ def measured_bubble(cfg: Config, pipelined: dict, steps: int, warmup: int, devic
     pipelined step time. It is the fraction of each device's time the pipeline spends beyond that
     device's share of the work: its idle iterations, transfers and whatever else it costs.
 
-    The one-device run is the same config with `impl.scan_layers=false` (per-layer parameters, the
+    The one-device run is the same config with `model.impl.scan_layers=false` (per-layer parameters, the
     fastest form without a pipeline) on the first device, so the model must fit on one device. It
     accumulates over the greatest common divisor of `train.microbatches` and its share of the batch:
     the pipeline accumulates over each batch shard, which the stage and tensor devices hold whole,
@@ -134,7 +134,7 @@ def measured_bubble(cfg: Config, pipelined: dict, steps: int, warmup: int, devic
     microbatches = math.gcd(share, cfg.train.microbatches)
     one_device = with_overrides(cfg, ["mesh.data=1", "mesh.stage=1", "mesh.fsdp=1", "mesh.tensor=1",
                                        f"train.global_batch={share}", f"train.microbatches={microbatches}",
-                                       "impl.scan_layers=false"])
+                                       "model.impl.scan_layers=false"])
     baseline = _measure(one_device, steps, warmup, (devices or jax.devices())[:1])
     return {
         "one_device_global_batch": share,
@@ -166,7 +166,7 @@ def _measure(cfg: Config, steps: int, warmup: int, devices: list | None, profile
                         f"set {'it' if len(auto) == 1 else 'them'}, or resolve the config with "
                         f"jaxdist.data.loader.resolve_model first")
     start = time.perf_counter()
-    if (built := kernels.build_for(cfg.model, cfg.impl)) and jax.process_index() == 0:
+    if (built := kernels.build_for(cfg.model)) and jax.process_index() == 0:
         print(built, flush=True)  # before compiling: the model only loads the kernels while traced
     trainer = Trainer.from_config(cfg, devices)
     batch = trainer.global_batch(random_batch(cfg, trainer.process_rows(cfg.train.global_batch).rows))
@@ -205,8 +205,8 @@ def _measure(cfg: Config, steps: int, warmup: int, devices: list | None, profile
         **cfg.model.summary(),
         "global_batch": cfg.train.global_batch,
         "microbatches": cfg.train.microbatches,
-        "scan_layers": cfg.impl.scan_layers,
-        "remat": cfg.impl.remat,
+        "scan_layers": cfg.model.stacked_layers,
+        "remat": getattr(getattr(cfg.model, "impl", None), "remat", "none"),
         **pipeline_schedule(cfg, trainer.mesh.shape["stage"]),
         "step_ms": round(step_s * 1e3, 2),
         "step_ms_min_window": round(min(times) * 1e3, 2),

@@ -134,8 +134,8 @@ _WITH_FSDP = {"dp": "fsdp", "tp": "fsdp_tp"}
 def savings(cfg: Config, devices: list | None = None) -> list[list[str]]:
     """Overrides that need less memory per device, in the order they are tried (cheapest first)."""
     candidates = []
-    if cfg.impl.remat != "full":
-        candidates.append(["impl.remat=full"])
+    if getattr(getattr(cfg.model, "impl", None), "remat", "full") != "full":  # a model that can recompute
+        candidates.append(["model.impl.remat=full"])
     for factor in (2, 4, 8):
         candidates.append([f"train.microbatches={cfg.train.microbatches * factor}"])
     # The mesh as resolved on these devices: mesh.data=-1 (fill) replicates too.
@@ -180,7 +180,7 @@ def report(cfg: Config, devices: list | None = None, device_memory: int | None =
             lines.append(f"does not fit in {_gb(device_memory)} per device: needs {_gb(plan.total)}")
             found = suggest(cfg, device_memory, devices)
             if found is None:
-                lines.append("no single change tried (impl.remat=full, more train.microbatches, a wider fsdp) fits; "
+                lines.append("no single change tried (model.impl.remat=full, more train.microbatches, a wider fsdp) fits; "
                              "use more devices or a smaller model")
             else:
                 overrides, fitted = found

@@ -27,9 +27,9 @@ import math
 import jax
 
 from jaxdist import models
-from jaxdist.config import MESH_AXES, Config, GPTConfig
+from jaxdist.config import MESH_AXES, Config
 from jaxdist.errors import UserError
-from jaxdist.models.gpt import flops_per_token
+from jaxdist.models.gpt import GPTConfig, flops_per_token
 from jaxdist.observe.metrics import PEAK_FLOPS_BF16
 from jaxdist.parallel.mesh import split_across_hosts
 from jaxdist.train.state import abstract_model
@@ -67,7 +67,7 @@ class ModelSize:
     copied_params: int = 0  # parameters also kept as compute-dtype copies (precision.compute_copies)
     matmul_params: int = 0  # parameters the model reads in the compute dtype (their gradients come out in it)
     fsdp_gathers: int = 2  # all-gathers of each weight per step over fsdp (train.fsdp_gather)
-    moments: int = 2  # optimizer state per parameter, in parameters' worth (`optimizer_moments`)
+    moments: int = 2  # optimizer state per parameter, in parameters' worth (the optimizer section's `moments`)
     microbatches: int = 1  # train.microbatches: activations are kept for one microbatch at a time
 
     @property
@@ -99,22 +99,11 @@ def model_size(cfg: Config) -> ModelSize:
     return ModelSize(
         params=params, layers=m.layers, d_model=m.d_model, heads=m.heads, seq_len=m.seq_len, vocab=m.vocab,
         param_bytes=param_bytes, compute_bytes=compute_bytes,
-        remat=cfg.impl.remat, flops_per_token=flops_per_token(cfg), loss_chunk=cfg.impl.loss_chunk, copied_params=copied,
+        remat=cfg.model.impl.remat, flops_per_token=flops_per_token(cfg), loss_chunk=cfg.model.impl.loss_chunk, copied_params=copied,
         matmul_params=matmul,
         fsdp_gathers=1 if cfg.train.fsdp_gather == "per_step" else 2,
-        moments=optimizer_moments(cfg.optim.name, cfg.optim.momentum), microbatches=cfg.train.microbatches,
+        moments=cfg.optim.moments, microbatches=cfg.train.microbatches,
     )
-
-
-def optimizer_moments(name: str, momentum: float) -> int:
-    """Full-size arrays of optimizer state per parameter (jaxdist/train/optim.py): AdamW and LAMB keep
-    two moments; LARS a momentum trace; SGD one only with momentum; Adafactor factored second-moment
-    statistics (a row and a column per matrix), which this arithmetic counts as none."""
-    if name in ("adamw", "lamb"):
-        return 2
-    if name == "lars" or (name == "sgd" and momentum):
-        return 1
-    return 0
 
 
 def _dtype_bytes(name: str) -> int:
@@ -331,7 +320,7 @@ def report(cfg: Config, hosts: int, gpus_per_host: int = 8, batch_per_gpu: int |
             f"{cost.compute_s * 1e3:>10.1f}  {verdict}"
         )
     if chosen is None:
-        lines.append("no candidate layout fits: use pipeline stages, remat (impl.remat=full) or a smaller batch")
+        lines.append("no candidate layout fits: use pipeline stages, remat (model.impl.remat=full) or a smaller batch")
         accumulated = with_accumulation(model, hw, hosts, gpus_per_host, global_batch)
         if accumulated is not None:
             count, cost = accumulated

@@ -42,18 +42,12 @@ def build_kernels(handlers: tuple[build.Handler, ...] = NATIVE) -> list[Status]:
     return statuses
 
 
-def wants_native(model, impl) -> bool:
-    """Whether a model (a `model:` section, `ImplConfig`) runs a C++ handler where one is available: the
-    GPT's GELU-gradient epilogue (`gelu_grad_impl` auto or cublaslt, with GELU, as the model takes it)."""
-    return model.name == "gpt" and impl.gelu_grad_impl != "xla" and model.activation == "gelu"
-
-
-def build_for(model, impl) -> str | None:
-    """On a GPU, builds the C++ handlers that a model (a `model:` section, `ImplConfig`) asks for, before
-    its step compiles.
+def build_for(model) -> str | None:
+    """On a GPU, builds the C++ handlers that a model (a `model:` section: `wants_native_kernels`) asks
+    for, before its step compiles.
 
     Returns one status line, or None where there is nothing to build (not a GPU, or not asked).
     """
-    if jax.default_backend() != "gpu" or not wants_native(model, impl):
+    if jax.default_backend() != "gpu" or not model.wants_native_kernels:
         return None
     return "kernels: " + "; ".join(map(str, build_kernels()))

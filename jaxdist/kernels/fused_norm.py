@@ -60,7 +60,7 @@ def supported(shape: tuple[int, ...], names, dtype=jnp.bfloat16) -> bool:
 
 
 def use_kernel(impl: str, x: jax.Array, names) -> bool:
-    """Whether `impl.norm_impl` = `impl` runs the kernels on the activation `x` here (kernels/switch.py)."""
+    """Whether `model.impl.norm_impl` = `impl` runs the kernels on the activation `x` here (kernels/switch.py)."""
     return switch.wanted(impl) and switch.decide(
         "norm_impl", impl, unsupported(x.shape, x.dtype, names), "the residual adds and norms run as XLA's fusions")
 

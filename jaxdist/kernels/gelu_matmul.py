@@ -70,7 +70,7 @@ def unavailable_reason() -> str | None:
 
 
 def use_kernel(impl: str, pre: jax.Array, down: jax.Array) -> bool:
-    """Whether `impl.gelu_grad_impl` = `impl` runs the cuBLASLt kernel for `gelu(pre) @ down` here.
+    """Whether `model.impl.gelu_grad_impl` = `impl` runs the cuBLASLt kernel for `gelu(pre) @ down` here.
 
     `auto` takes it on a GPU where it is built and the operands suit it, warning once where it isn't
     built; `cublaslt` insists, raising with the reason.
@@ -80,11 +80,11 @@ def use_kernel(impl: str, pre: jax.Array, down: jax.Array) -> bool:
     reason = _unsuited(pre, down)
     if reason is not None:
         if impl == "cublaslt":
-            raise ValueError(f"impl.gelu_grad_impl=cublaslt: {reason}")
+            raise ValueError(f"model.impl.gelu_grad_impl=cublaslt: {reason}")
         return False
     reason = unavailable_reason()
     if reason is not None and impl == "cublaslt":
-        raise RuntimeError(f"impl.gelu_grad_impl=cublaslt: the cuBLASLt handler is unavailable: {reason}")
+        raise RuntimeError(f"model.impl.gelu_grad_impl=cublaslt: the cuBLASLt handler is unavailable: {reason}")
     return switch.decide("gelu_grad_impl", impl, reason, "the MLP's GELU gradient runs as a separate XLA pass")
 
 

@@ -55,7 +55,7 @@ def unsupported(shape: tuple[int, int, int], dtype) -> str | None:
 
 
 def use_kernel(impl: str, shape: tuple[int, int, int], dtype) -> bool:
-    """Whether `impl.loss_impl` = `impl` runs the kernel on a chunk's (batch, length, vocab) logits
+    """Whether `model.impl.loss_impl` = `impl` runs the kernel on a chunk's (batch, length, vocab) logits
     (kernels/switch.py)."""
     return switch.wanted(impl) and switch.decide(
         "loss_impl", impl, unsupported(shape, dtype), "the loss's softmax runs as XLA's two passes")

@@ -1,4 +1,4 @@
-"""The rule the Pallas kernels' `impl.*` switches follow: `auto`, `xla`, or the kernel's own name."""
+"""The rule the Pallas kernels' `model.impl.*` switches follow: `auto`, `xla`, or the kernel's own name."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def decide(key: str, impl: str, reason: str | None, fallback: str) -> bool:
     if reason is None:
         return True
     if impl != "auto":
-        raise ValueError(f"impl.{key}={impl}: {reason}; use auto or xla")
+        raise ValueError(f"model.impl.{key}={impl}: {reason}; use auto or xla")
     warn_once(f"{fallback} (slower): {reason}")
     return False
 

@@ -9,14 +9,18 @@ images to logits `[B, classes]`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
 
-from jaxdist.config import ClassifierSection
+from jaxdist.config import ClassifierSection, Config
 from jaxdist.errors import UserError
+from jaxdist.models import dtypes as dtypes_lib
+from jaxdist.models.registry import ModelEntry
 
 Batch = dict[str, jax.Array]
 BATCH_KEYS = ("images", "labels")
@@ -78,3 +82,18 @@ def random_batch(model_cfg: ClassifierSection, rng: np.random.Generator, rows: i
         "images": rng.random((rows, *image_shape), dtype=np.float32),
         "labels": rng.integers(0, classes, (rows,), dtype=np.int32),
     }
+
+
+def entry(section: type[ClassifierSection], module: type[nnx.Module], flops_per_example: Callable[[Config], float],
+          activations: tuple[tuple[str | None, ...], ...]) -> ModelEntry:
+    """The `ModelEntry` of an image classifier: `module(cfg.model, rngs=..., param_dtype=...,
+    compute_dtype=...)` trained by this module's loss."""
+    def create(cfg: Config) -> Callable[[nnx.Rngs], nnx.Module]:
+        sizes(cfg.model)  # `auto` resolved, or one line saying so
+        dtypes = dtypes_lib.policy(cfg.precision)
+        return lambda rngs: module(cfg.model, rngs=rngs, param_dtype=dtypes.param_dtype,
+                                   compute_dtype=dtypes.compute_dtype)
+
+    return ModelEntry(section=section, create=create, loss=loss, eval_sums=eval_sums,
+                      flops_per_example=flops_per_example, batch_keys=BATCH_KEYS, activations=activations,
+                      random_batch=lambda cfg, rng, rows: random_batch(cfg.model, rng, rows))

@@ -51,7 +51,7 @@ def fused_linear_cross_entropy(
     targets: (batch, length) integers; weights: optional (batch,) per-sequence weights, giving
     the weighted mean (eval batches: 0 marks padding). `chunk` positions of every sequence are
     projected at a time and must divide `length`; logits are written in `logits_dtype`, the
-    softmax is float32. `impl` (`impl.loss_impl`) says where the softmax and the logits' gradient
+    softmax is float32. `impl` (`model.impl.loss_impl`) says where the softmax and the logits' gradient
     are computed when differentiated: "xla" (a reduction and a gradient pass), "pallas" (one
     kernel per chunk, kernels/softmax_grad.py; needs the vocabulary whole on each device), or
     "auto" (the kernel on GPU where it applies).

@@ -11,17 +11,141 @@ or split into a block per layer and run unrolled (often faster on GPU), with opt
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
+from pydantic import Field, field_validator, model_validator
 
-from jaxdist.config import Config, GPTConfig, ImplConfig, PipelineConfig
-from jaxdist.kernels import fused_norm, gelu_matmul
+from jaxdist.config import MODEL_NAME, Config, ModelSection, ParamSize, PipelineConfig, Section
+from jaxdist.config.base import positive_or_auto
+from jaxdist.errors import UserError
+from jaxdist.kernels import fused_norm, gelu_matmul, softmax_grad
+from jaxdist.models import dtypes as dtypes_lib
+from jaxdist.models.cross_entropy import fused_linear_cross_entropy
+from jaxdist.models.registry import ModelEntry, register
 from jaxdist.parallel import pipeline as pipeline_lib
 from jaxdist.parallel.rules import constrain
+
+class ImplConfig(Section):
+    """How the model runs: layer stacking, recomputation, kernels and loss chunking.
+
+    None of these changes the math beyond float rounding; they trade compile time, memory and speed
+    (docs/performance.md says what each was measured to do). For a kernel switch, auto uses it where
+    it is possible and known to be faster, xla never, the explicit value always (or errors).
+    """
+
+    scan_layers: bool = Field(
+        True, description="true: layers stacked in a lax.scan (fast compile, needed by pipelines); false: unrolled")
+    remat: Literal["none", "mlp", "full", "dots"] = Field(
+        "none", description="recomputed in the backward: nothing, the MLP activation, whole blocks, or all but matmuls")
+    attention: Literal["auto", "xla", "cudnn"] = Field("auto", description="attention implementation")
+    norm_impl: Literal["auto", "xla", "pallas"] = Field(
+        "auto", description="residual add + norm as one Pallas kernel (kernels/fused_norm.py)")
+    gelu_grad_impl: Literal["auto", "xla", "cublaslt"] = Field(
+        "auto", description="GELU's gradient in the MLP backward matmul's cuBLASLt epilogue (kernels/gelu_matmul.py)")
+    logits_dtype: Literal["float32", "compute"] = Field(
+        "float32", description="dtype of the output projection's logits (the softmax is float32 either way)")
+    loss_chunk: int = Field(
+        0, ge=0, description="> 0: the loss projects this many positions at a time, never the full logits")
+    loss_impl: Literal["auto", "xla", "pallas"] = Field(
+        "auto", description="the chunked loss's softmax and gradient as one Pallas kernel (needs loss_chunk > 0)")
+
+    @model_validator(mode="after")
+    def _combinations(self) -> ImplConfig:
+        if self.loss_impl == "pallas" and not self.loss_chunk:
+            raise ValueError("model.impl.loss_impl=pallas needs model.impl.loss_chunk > 0 (the kernel runs inside the "
+                             "chunked loss)")
+        return self
+
+
+class GPTConfig(ModelSection):
+    """The `model:` section of a decoder-only transformer language model (`model.name=gpt`)."""
+
+    name: Literal["gpt"] = Field("gpt", description=MODEL_NAME)
+    vocab: int | Literal["auto"] = Field(
+        256, description="vocabulary size; auto: the configured data's (resolved before the model is built)")
+    d_model: int = Field(256, gt=0, description="width of the residual stream")
+    layers: int = Field(4, gt=0, description="number of transformer blocks")
+    heads: int = Field(8, gt=0, description="attention heads (must divide d_model)")
+    mlp_ratio: float = Field(4.0, gt=0, description="MLP hidden width as a multiple of d_model")
+    seq_len: int = Field(256, gt=0, description="tokens per sequence")
+    norm: Literal["layernorm", "rmsnorm"] = Field("layernorm", description="normalization layer")
+    positions: Literal["learned", "rope"] = Field("learned", description="position encoding")
+    activation: Literal["gelu", "swiglu"] = Field("gelu", description="MLP activation")
+    tied_embeddings: bool = Field(False, description="the output projection reuses the token embedding")
+    impl: ImplConfig = Field(ImplConfig(), description="how the model runs (the same math)")
+
+    @field_validator("vocab", mode="before")
+    @classmethod
+    def _vocab(cls, value: Any) -> Any:
+        return positive_or_auto("model.vocab", value, "ids", "vocabulary")
+
+    @model_validator(mode="after")
+    def _shapes(self) -> GPTConfig:
+        if self.d_model % self.heads:
+            raise ValueError(f"model.d_model={self.d_model} is not divisible by model.heads={self.heads}")
+        if self.positions == "rope" and (self.d_model // self.heads) % 2:
+            raise ValueError("model.positions=rope needs an even head dimension (d_model / heads)")
+        if self.mlp_dim < 1:
+            raise ValueError(f"model.mlp_ratio={self.mlp_ratio} makes the MLP's hidden width int(model.d_model x "
+                             f"model.mlp_ratio) = {self.mlp_dim}; it needs at least 1: model.mlp_ratio >= "
+                             f"1/{self.d_model}")
+        chunk = self.impl.loss_chunk
+        if chunk and self.seq_len % chunk:
+            raise ValueError(f"model.impl.loss_chunk={chunk} does not divide model.seq_len={self.seq_len}; use a "
+                             f"divisor of {self.seq_len}, or 0 for the unchunked loss")
+        if self.impl.gelu_grad_impl == "cublaslt" and self.activation != "gelu":
+            raise ValueError(f"model.impl.gelu_grad_impl=cublaslt needs model.activation=gelu, not {self.activation}")
+        return self
+
+    @property
+    def mlp_dim(self) -> int:
+        return int(self.d_model * self.mlp_ratio)
+
+    @property
+    def layer_stack(self) -> int:
+        return self.layers
+
+    @property
+    def stacked_layers(self) -> bool:
+        return self.impl.scan_layers
+
+    @property
+    def wants_native_kernels(self) -> bool:
+        """The MLP's GELU gradient in cuBLASLt's epilogue (`model.impl.gelu_grad_impl` auto or cublaslt, with GELU)."""
+        return self.impl.gelu_grad_impl != "xla" and self.activation == "gelu"
+
+    @property
+    def tokens_per_example(self) -> int:
+        return self.seq_len
+
+    def param_sizes(self) -> list[ParamSize]:
+        # Not the stacked `layers`: that dim exists only with model.impl.scan_layers, and the layout's pipeline
+        # check checks model.layers against mesh.stage.
+        sizes = [
+            ParamSize("embed", "model.d_model", self.d_model, self.d_model, "the embedding dimension of every weight"),
+            ParamSize("heads", "model.heads", self.heads, self.heads, "the attention heads of every attention weight"),
+            ParamSize("mlp", "model.mlp_ratio", self.mlp_ratio, self.mlp_dim,
+                      "the MLP's hidden width int(model.d_model x model.mlp_ratio)"),
+            ParamSize("head_dim", "model.d_model", self.d_model, self.d_model // self.heads,
+                      "the head dimension model.d_model / model.heads"),
+        ]
+        if self.vocab != "auto":
+            sizes.append(ParamSize("vocab", "model.vocab", self.vocab, self.vocab,
+                                   "the vocabulary of the token embedding and the output head"))
+        if self.positions == "learned":
+            sizes.append(ParamSize("length", "model.seq_len", self.seq_len, self.seq_len,
+                                   "the positions of the learned position embedding"))
+        return sizes
+
+    def summary(self) -> dict[str, Any]:
+        return {"d": self.d_model, "layers": self.layers, "seq": self.seq_len}
+
 
 Names = tuple[str | None, ...]
 
@@ -63,7 +187,7 @@ class Norm(nnx.Module):
     """LayerNorm (scale and bias) or RMSNorm (scale), computed in float32.
 
     `add(x, delta)` also adds a residual branch first; on GPU both run as fused Pallas kernels
-    (`impl.norm_impl`, kernels/fused_norm.py), elsewhere as plain XLA.
+    (`model.impl.norm_impl`, kernels/fused_norm.py), elsewhere as plain XLA.
     """
 
     def __init__(self, cfg: GPTConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
@@ -248,19 +372,21 @@ class GPT(nnx.Module):
     never form the full logits (models/cross_entropy.py).
 
     `cfg` is the architecture, `impl` how it runs (scanned or unrolled layers, remat, kernels, loss
-    chunks). With `pipeline` settings and a stage axis in the mesh, the blocks run as a pipeline.
+    chunks; default `cfg.impl`). With `pipeline` settings and a stage axis in the mesh, the blocks run
+    as a pipeline.
     """
 
     def __init__(
         self,
         cfg: GPTConfig,
-        impl: ImplConfig = ImplConfig(),
+        impl: ImplConfig | None = None,
         *,
         rngs: nnx.Rngs,
         param_dtype=jnp.float32,
         compute_dtype=jnp.float32,
         pipeline: PipelineConfig | None = None,
     ):
+        impl = cfg.impl if impl is None else impl
         self.cfg = cfg
         self.impl = impl
         self.compute_dtype = compute_dtype
@@ -313,7 +439,7 @@ class GPT(nnx.Module):
 
     @property
     def logits_dtype(self):
-        """The dtype the output projection writes its logits in (`impl.logits_dtype`)."""
+        """The dtype the output projection writes its logits in (`model.impl.logits_dtype`)."""
         return jnp.float32 if self.impl.logits_dtype == "float32" else self.compute_dtype
 
     def _run_blocks(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
@@ -374,3 +500,50 @@ def random_tokens(cfg: Config, rng: np.random.Generator, rows: int) -> dict[str,
     """`rows` sequences of uniform random tokens: inputs and the same tokens shifted by one as targets."""
     tokens = rng.integers(0, cfg.model.vocab, (rows, cfg.model.seq_len + 1), dtype=np.int32)
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def loss(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
+    """Mean next-token cross-entropy (float32) over every target in the batch.
+
+    With per-sequence `weights` (eval batches: 0 marks padding) it is the weighted mean. A model
+    with `model.impl.loss_chunk` > 0 is scored chunk by chunk, never forming the full logits.
+    """
+    impl = getattr(model, "impl", None)
+    chunk = getattr(impl, "loss_chunk", 0)
+    if chunk:
+        hidden, head = model.features(batch["inputs"])
+        return fused_linear_cross_entropy(
+            hidden, head, batch["targets"], batch.get("weights"), chunk=chunk, logits_dtype=model.logits_dtype,
+            impl=impl.loss_impl,
+        )
+    logits = model(batch["inputs"]).astype(jnp.float32)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    if "weights" not in batch:
+        return losses.mean()
+    weights = jnp.broadcast_to(batch["weights"][:, None], losses.shape)
+    return (losses * weights).sum() / weights.sum()
+
+
+def eval_sums(model: nnx.Module, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The eval batch's summed loss: `loss` (the weighted mean) times the real sequences' weight."""
+    return {"loss": loss(model, batch) * batch["weights"].sum()}
+
+
+def create(cfg: Config) -> Callable[[nnx.Rngs], nnx.Module]:
+    """The GPT `cfg` describes, as a function of its random keys (in the configured dtypes)."""
+    if cfg.model.vocab == "auto":
+        raise UserError("model.vocab=auto is not resolved; pass the config through "
+                        "jaxdist.data.loader.resolve_model, or set model.vocab to a number")
+    dtypes = dtypes_lib.policy(cfg.precision)
+    return lambda rngs: GPT(cfg.model, rngs=rngs, param_dtype=dtypes.param_dtype, compute_dtype=dtypes.compute_dtype,
+                            pipeline=cfg.pipeline)
+
+
+ENTRY = register(ModelEntry(
+    section=GPTConfig, create=create, loss=loss, eval_sums=eval_sums,
+    flops_per_example=lambda cfg: flops_per_token(cfg) * cfg.model.seq_len,
+    random_batch=random_tokens, batch_keys=("inputs", "targets"), read_in_compute_dtype=read_in_compute_dtype,
+    samples_text=True,
+    activations=(RESIDUAL, HEADS, gelu_matmul.PRE_NAMES, gelu_matmul.OUT_NAMES, softmax_grad.LOGITS,
+                 ("vocab", "embed"), ("embed", "vocab"), ("batch", "embed", "vocab")),
+))

@@ -9,14 +9,44 @@ is (`embed`, `classes`). No batch statistics: its train state has no model state
 from __future__ import annotations
 
 import math
+from typing import Annotated, Any, Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from pydantic import Field
 
-from jaxdist.config import Config, MLPConfig
+from jaxdist.config import MODEL_NAME, ClassCount, ClassifierSection, Config, ImageShape, ParamSize
 from jaxdist.models import classifier
+from jaxdist.models.registry import register
 from jaxdist.parallel.rules import constrain
+
+
+class MLPConfig(ClassifierSection):
+    """The `model:` section of a multilayer perceptron classifier (`model.name=mlp`): the flattened image
+    through ReLU layers."""
+
+    name: Literal["mlp"] = Field("mlp", description=MODEL_NAME)
+    classes: ClassCount = "auto"
+    image_shape: ImageShape = "auto"
+    hidden: list[Annotated[int, Field(gt=0)]] = Field(
+        [256, 256], description="width of each hidden layer, first to last (its length is the depth)")
+
+    def param_sizes(self) -> list[ParamSize]:
+        sizes = []
+        if self.image_shape != "auto":
+            sizes.append(ParamSize("embed", "model.image_shape", self.image_shape, math.prod(self.image_shape),
+                                   "the first layer's inputs height x width x channels"))
+        for i, width in enumerate(self.hidden):
+            # A hidden layer's outputs (mlp) are the next layer's inputs (embed).
+            what = f"the width of hidden layer {i + 1} (model.hidden[{i}])"
+            sizes += [ParamSize(name, "model.hidden", self.hidden, width, what) for name in ("mlp", "embed")]
+        if self.classes != "auto":
+            sizes.append(ParamSize("classes", "model.classes", self.classes, self.classes, "the head's outputs"))
+        return sizes
+
+    def summary(self) -> dict[str, Any]:
+        return {"hidden": list(self.hidden)}
 
 
 def _linear(features_in: int, features_out: int, names: tuple[str, str], rngs: nnx.Rngs, param_dtype, compute_dtype):
@@ -54,3 +84,7 @@ def flops_per_example(cfg: Config) -> int:
     """Training FLOPs of one example: every layer's multiply-adds (`classifier.training_flops`)."""
     sizes = widths(cfg.model)
     return classifier.training_flops(sum(a * b for a, b in zip(sizes, sizes[1:])))
+
+
+ENTRY = register(classifier.entry(MLPConfig, MLP, flops_per_example,
+                                  (("batch", "embed"), ("batch", "mlp"), ("batch", "classes"))))

@@ -16,14 +16,49 @@ differ in shape from stage to stage, so they are no layer stack for a pipeline.
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from pydantic import Field
 
-from jaxdist.config import Config, ResNetConfig
+from jaxdist.config import MODEL_NAME, ClassCount, ClassifierSection, Config, ImageShape, ParamSize
 from jaxdist.models import classifier
 from jaxdist.models.batchnorm import BatchNorm
+from jaxdist.models.registry import register
 from jaxdist.parallel.rules import constrain
+
+class ResNetConfig(ClassifierSection):
+    """The `model:` section of a residual convolutional network with BatchNorm (`model.name=resnet`;
+    He et al. 2016)."""
+
+    name: Literal["resnet"] = Field("resnet", description=MODEL_NAME)
+    classes: ClassCount = "auto"
+    image_shape: ImageShape = "auto"
+    depth: Literal[18, 50] = Field(
+        18, description="18: basic blocks [2, 2, 2, 2]; 50: bottleneck blocks [3, 4, 6, 3]")
+    width: int = Field(64, gt=0, description="channels of the first stage (doubled at each later stage; 64 published)")
+    stem: Literal["imagenet", "small"] = Field(
+        "imagenet", description="imagenet: 7x7 stride-2 conv + 3x3 max-pool; small: one 3x3 stride-1 conv (small images)")
+    bn_momentum: float = Field(0.9, gt=0, lt=1, description="decay of BatchNorm's running averages per update")
+
+    def param_sizes(self) -> list[ParamSize]:
+        # Stage 3 has width x 8 channels, x 4 out of ResNet-50's bottleneck blocks: the head's inputs.
+        last = self.width * 8 * (4 if self.depth == 50 else 1)
+        sizes = [
+            ParamSize("conv_out", "model.width", self.width, self.width,
+                      "the output channels of every convolution (each a multiple of model.width)"),
+            ParamSize("embed", "model.width", self.width, last,
+                      f"the head's inputs, the last stage's channels model.width x {last // self.width}"),
+        ]
+        if self.classes != "auto":
+            sizes.append(ParamSize("classes", "model.classes", self.classes, self.classes, "the head's outputs"))
+        return sizes
+
+    def summary(self) -> dict[str, Any]:
+        return {"depth": self.depth, "width": self.width, "stem": self.stem}
+
 
 FEATURE_MAP = ("batch", "height", "width", "channels")
 KERNEL = ("kernel_h", "kernel_w", "conv_in", "conv_out")
@@ -147,3 +182,7 @@ def flops_per_example(cfg: Config) -> int:
     with nnx.use_eager_sharding(False):
         model = nnx.eval_shape(lambda: ResNet(cfg.model, rngs=nnx.Rngs(0)))
     return classifier.training_flops(model.forward_macs())
+
+
+ENTRY = register(classifier.entry(ResNetConfig, ResNet, flops_per_example,
+                                  (FEATURE_MAP, ("batch", "embed"), ("batch", "classes"))))

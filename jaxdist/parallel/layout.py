@@ -94,10 +94,10 @@ def _check_pipeline(cfg: Config, layout: Layout) -> None:
             f"mesh.stage={stages} pipelines a stack of identical layers, and model.name={cfg.model.name} "
             f"has none; use mesh.stage=1"
         )
-    if not cfg.impl.scan_layers:
+    if not cfg.model.stacked_layers:
         raise UserError(
-            f"mesh.stage={stages} pipelines the stacked layer stack, but impl.scan_layers=false "
-            f"gives each layer its own parameters; set impl.scan_layers=true"
+            f"mesh.stage={stages} pipelines the stacked layer stack, but model.impl.scan_layers=false "
+            f"gives each layer its own parameters; set model.impl.scan_layers=true"
         )
     shards = rules_lib.axes_size(layout.mesh, rules_lib.data_parallel_axes(layout.rules))
     rows = cfg.train.global_batch // shards // cfg.train.microbatches
@@ -135,7 +135,7 @@ def _check_activations(cfg: Config, rules: rules_lib.Rules, activations: Sequenc
     the batch's, the model's activations' and the pipeline's buffers' under these rules."""
     for names in [(rules_lib.BATCH,), *activations]:
         rules.activation_spec(names, f"an activation ({', '.join(map(str, names))})")
-    if cfg.impl.scan_layers and cfg.model.layer_stack is not None:
+    if cfg.model.stacked_layers and cfg.model.layer_stack is not None:
         rules_lib.check_pipeline_buffer(rules)
 
 

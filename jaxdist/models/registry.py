@@ -1,0 +1,68 @@
+"""Models registered by name, with what the run needs of each besides its module: its config section,
+its loss, its eval sums, its FLOPs per example, a random batch and the arrays a batch holds.
+
+A model is one file: its config section (a `ModelSection` subclass whose `name` defaults to the
+model's name), its flax NNX module (logical axis names only), and one registration line,
+`register(ModelEntry(...))`. docs/architecture.md walks through one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxdist.config import Config, ModelSection, register_model
+from jaxdist.errors import UserError
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """How to build a registered model from the config, train it, evaluate it and count its work."""
+
+    # The model's `model:` section (its `name` field's default is the model's name).
+    section: type[ModelSection]
+    create: Callable[[Config], Callable[[nnx.Rngs], nnx.Module]]
+    # The training loss: the mean over the batch, or (mean, {name: mean metric}) (e.g. accuracy).
+    loss: Callable[[nnx.Module, dict[str, jax.Array]], jax.Array | tuple[jax.Array, dict[str, jax.Array]]]
+    # Over one eval batch (with `weights`, 0 on padding): {metric: its sum over the real examples};
+    # the evaluator divides the totals over the split by the total weight (train/evaluate.py).
+    eval_sums: Callable[[nnx.Module, dict[str, jax.Array]], dict[str, jax.Array]]
+    # Training FLOPs of one example (MFU, `jaxdist bench` and `plan`).
+    flops_per_example: Callable[[Config], float]
+    # `random_batch(cfg, rng, rows)`: `rows` random examples, numpy (`jaxdist bench`; `plan` takes its shapes).
+    random_batch: Callable[[Config, np.random.Generator, int], dict[str, np.ndarray]]
+    # The arrays each batch holds (checked against a data source before compiling).
+    batch_keys: tuple[str, ...]
+    # Which parameters (by pytree path) the model reads only in the compute dtype: these may be
+    # kept as compute-dtype copies between steps (`precision.compute_copies`, train/copies.py).
+    read_in_compute_dtype: Callable[[tuple], bool] | None = None
+    # A language model: `sample:` continues a prompt after training.
+    samples_text: bool = False
+    # The logical names of every activation the model's loss constrains, checked against the activation
+    # rules before compiling (an activation's spec is made only as the step is traced).
+    activations: tuple[tuple[str | None, ...], ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.section.model_fields["name"].default
+
+
+MODELS: dict[str, ModelEntry] = {}
+
+
+def register(entry: ModelEntry) -> ModelEntry:
+    """Makes `entry` the model `model.name=<entry.name>` builds, and its section that name's `model:` keys."""
+    register_model(entry.section)
+    MODELS[entry.name] = entry
+    return entry
+
+
+def get(name: str) -> ModelEntry:
+    """The registered model called `name` (`model.name`); a `UserError` naming the choices otherwise."""
+    if name not in MODELS:
+        raise UserError(f"model.name={name!r} is not a registered model; choose one of {', '.join(MODELS)}")
+    return MODELS[name]
