@@ -463,6 +463,7 @@ def _run(argv: list[str] | None, started: float) -> int:
 
     if args.command == "plan" and args.devices and not os.environ.get("JAXDIST_CPU_DEVICES"):
         runtime.use_cpu_devices(args.devices)  # simulated where there is no accelerator
+    runtime.remember_interrupts()
     runtime.use_cpu_devices()
     runtime.gpu_defaults()
     runtime.compilation_cache()
@@ -475,7 +476,10 @@ def _run(argv: list[str] | None, started: float) -> int:
         "launch": _launch, "doctor": _doctor, "scale": _scale, "data": _data_prepare, "export": _export,
         "plot": _plot, "config": _config_show,
     }
-    return commands[args.command](args) or 0
+    code = commands[args.command](args) or 0
+    if runtime.interrupted():
+        raise KeyboardInterrupt  # one that a garbage-collector callback dropped
+    return code
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Process-wide settings jaxdist offers but never applies on import: simulated CPU devices
-(`JAXDIST_CPU_DEVICES`), jaxdist's default XLA GPU flags and JAX's persistent compilation cache.
+(`JAXDIST_CPU_DEVICES`), jaxdist's default XLA GPU flags, JAX's persistent compilation cache and a
+Ctrl-C that cannot be lost.
 
 The first two take effect only before JAX starts its backend (the first computation or device
 query), the cache before the first compile, so a program calls them first thing; the `jaxdist`
@@ -7,6 +8,9 @@ command does.
 """
 
 import os
+import signal
+import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -76,3 +80,30 @@ def compilation_cache() -> None:
     loads its compiled step instead of compiling it. The `jaxdist` command calls it."""
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "jax"))
+
+
+_INTERRUPTED = threading.Event()
+
+
+def remember_interrupts() -> None:
+    """Ctrl-C (SIGINT) raises KeyboardInterrupt as Python's own handler does, and is remembered.
+
+    A KeyboardInterrupt raised while Python runs a garbage-collector callback (JAX registers one) is
+    printed and dropped, and the program would go on as if no key was pressed; `interrupted()` still
+    tells, and such a dropped interrupt prints nothing. The `jaxdist` command calls it from the main
+    thread; the training loop's own handlers (train/preemption.py) take over while it steps.
+    """
+    signal.signal(signal.SIGINT, _interrupt)
+    report = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: (
+        None if isinstance(unraisable.exc_value, KeyboardInterrupt) else report(unraisable))
+
+
+def _interrupt(signum, frame) -> None:
+    _INTERRUPTED.set()
+    raise KeyboardInterrupt
+
+
+def interrupted() -> bool:
+    """Whether a Ctrl-C arrived since `remember_interrupts()`."""
+    return _INTERRUPTED.is_set()

@@ -461,6 +461,32 @@ def test_ctrl_c_before_the_step_compiled_exits_130(config_file, tmp_path):
     assert "ready to train" not in out
 
 
+_DROPPED_INTERRUPT = """
+import gc, os, signal
+from jaxdist import runtime
+from jaxdist.train.preemption import StopSignals
+
+runtime.remember_interrupts()
+gc.callbacks.append(lambda phase, info: phase == "start" and os.kill(os.getpid(), signal.SIGINT))
+gc.collect()  # the KeyboardInterrupt is raised inside the callback, where Python drops it
+gc.callbacks.clear()
+print("went on", runtime.interrupted())
+try:
+    with StopSignals():
+        print("stepped")
+except KeyboardInterrupt:
+    print("stopped before the steps")
+"""
+
+
+def test_a_ctrl_c_that_python_drops_still_stops_the_run_before_its_steps():
+    """A KeyboardInterrupt raised inside a garbage-collector callback (JAX registers one) is dropped
+    by Python; the interrupt is remembered, the loop refuses to start its steps, nothing is printed."""
+    run = subprocess.run([sys.executable, "-c", _DROPPED_INTERRUPT], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert (run.returncode, run.stdout, run.stderr) == (0, "went on True\nstopped before the steps\n", "")
+
+
 _HALF_BUILT = """
 import sys
 from jaxdist import cli

@@ -15,6 +15,8 @@ import threading
 import jax
 from jax.experimental import multihost_utils
 
+from jaxdist import runtime
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -26,6 +28,8 @@ class StopSignals:
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopSignals:
+        if runtime.interrupted():
+            raise KeyboardInterrupt  # a Ctrl-C before the steps that was dropped (runtime.remember_interrupts)
         # Handlers can only be installed from the main thread; with several processes JAX's own
         # SIGTERM notifier must stay in place (a Python handler would replace it).
         if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
