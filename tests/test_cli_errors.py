@@ -1,5 +1,6 @@
 """Bad input exits with code 2 and one line naming the key and the fix, before any compile."""
 
+import errno
 import os
 import signal
 import subprocess
@@ -374,10 +375,18 @@ def _unwritable_run_dirs(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["is_a_file", "under_a_file", "in_proc", "read_only"])
-def test_unwritable_run_dir(config_file, tmp_path, capsys, compiles, case):
-    if case == "read_only" and os.geteuid() == 0:
-        pytest.skip("root writes into a read-only (0o555) directory; in_proc covers a path nobody can create")
+def test_unwritable_run_dir(config_file, tmp_path, capsys, compiles, monkeypatch, case):
     run_dir, message = _unwritable_run_dirs(tmp_path)[case]
+    if case == "read_only" and os.geteuid() == 0:
+        # Root writes into a 0o555 directory: the kernel's answer to anyone else is given here instead.
+        mkdir = Path.mkdir
+
+        def refuse_under_read_only(path, *args, **kwargs):
+            if run_dir.parent in (path, *path.parents) and path != run_dir.parent:
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+            return mkdir(path, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "mkdir", refuse_under_read_only)
     assert cli.main(["train", str(config_file), f"run_dir={run_dir}"]) == 2
     err = one_line_error(capsys)
     assert f"run_dir={run_dir} " in err and message in err, err
