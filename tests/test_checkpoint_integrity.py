@@ -18,10 +18,12 @@ from data_helpers import prepared, random_documents
 from jax.sharding import NamedSharding, PartitionSpec
 from safetensors.numpy import load_file
 
-from jaxdist import cli, loop, models
+from jaxdist import cli, config, loop, models
 from jaxdist.checkpoint import (
     Checkpoints,
     DamagedCheckpoint,
+    DataPosition,
+    RunCheckpoints,
     plan_resume,
     abstract_state,
     array_digests,
@@ -39,7 +41,8 @@ from jaxdist.train.trainer import Trainer
 
 # Failed reads leave TensorStore callbacks that fire after Orbax's asyncio loop closed ("Event loop
 # is closed", raised inside the library and ignored there): not ours to fix.
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
 
 
 def plan(cfg):
@@ -412,11 +415,53 @@ def damaged_copy(saved_run, directory: Path, relative: str, damage) -> Path:
     return run_dir
 
 
-def assert_set_aside_and_resumed_from_step_1(run_dir: Path, relative: str, out: str, err: str) -> None:
+def resume(run_dir: Path) -> tuple[DataPosition, dict]:
+    """What `jaxdist train` on `run_dir` restores before its first step, without training: where it
+    resumes from and the state (host arrays), through the loop's own plan and restore."""
+    cfg = config.load(str(write_config(run_dir)))
+    abstract = abstract_model(models.get(cfg.model.name).create(cfg), cfg.seed)
+    checkpoints = RunCheckpoints(cfg, plan_resume(cfg, abstract.params, print), print)
+    trainer = Trainer.from_config(cfg, abstract=abstract)
+    position = checkpoints.resume(trainer)
+    checkpoints.close()
+    return position, jax.tree.map(np.asarray, trainer.state)
+
+
+@pytest.fixture(scope="module")
+def saved_states(saved_run, tmp_path_factory):
+    """The states that resuming the undamaged run restores, from checkpoint 2 and from checkpoint 1."""
+    states = {}
+    for step in (2, 1):
+        run_dir = tmp_path_factory.mktemp("intact") / "run"
+        shutil.copytree(saved_run[0], run_dir)
+        for newer in range(step + 1, 3):
+            shutil.rmtree(run_dir / "checkpoints" / str(newer))
+        states[step] = resume(run_dir)
+        assert states[step][0].step == step
+    return states
+
+
+def assert_resumed(run_dir: Path, relative: str, file_role: str, saved_states, capsys) -> str:
+    """A restart of the run with file `relative` (of `file_role`) of checkpoint 2 damaged: checkpoint 2
+    set aside and step 1's position and state restored bit for bit if something reads the file, else
+    step 2's. Returns what was printed to stderr."""
+    capsys.readouterr()
+    position, state = resume(run_dir)
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err, (relative, err)
     checkpoints = run_dir / "checkpoints"
-    assert f"checkpoint {checkpoints / '2'} is unreadable" in err, (relative, err)
-    assert "resuming from step 1 (" in out, (relative, out)
-    assert (checkpoints / "unreadable-2" / relative).is_file() and saved_steps(checkpoints) == [1, 2, 3]
+    if ROLES[file_role] == MATTERS:
+        assert position.step == 1, relative
+        assert f"checkpoint {checkpoints / '2'} is unreadable" in err, (relative, err)
+        assert (checkpoints / "unreadable-2" / relative).is_file() and saved_steps(checkpoints) == [1]
+    else:
+        assert position.step == 2 and "is unreadable" not in err and "not verified" not in err, (relative, err)
+        assert not list(checkpoints.glob("unreadable-*"))
+    assert f"resuming from step {position.step} (" in out, (relative, out)
+    saved_position, saved_state = saved_states[position.step]
+    assert position == saved_position, relative
+    jax.tree.map(lambda got, saved: np.testing.assert_array_equal(got, saved, err_msg=relative), state, saved_state)
+    return err
 
 
 def test_every_file_of_a_checkpoint_has_a_known_role(saved_run):
@@ -428,40 +473,39 @@ def test_every_file_of_a_checkpoint_has_a_known_role(saved_run):
 
 @pytest.mark.parametrize("damage", DAMAGE)
 @pytest.mark.parametrize("file_role", ROLES)
-def test_damage_to_any_file_is_set_aside_or_does_not_matter(saved_run, tmp_path, capsys, file_role, damage):
-    """Each file of checkpoint 2 that has `file_role`, damaged in turn, and `jaxdist train` started
-    again: no traceback; the checkpoint is set aside and the run resumes from step 1, or, for the
-    files nothing reads, it resumes from step 2 with every array matching its digest. Either way
-    the losses are those of the uninterrupted run, bit for bit."""
+def test_damage_to_any_file_is_set_aside_or_does_not_matter(saved_run, saved_states, tmp_path, capsys,
+                                                           file_role, damage):
+    """Each file of checkpoint 2 that has `file_role`, damaged in turn, and the run started again:
+    no traceback; the checkpoint is set aside and step 1's state restored, or, for the files nothing
+    reads, step 2's with every array matching its digest. Either way bit for bit what was saved."""
     step_dir = saved_run[0] / "checkpoints" / "2"
     for relative in checkpoint_files(step_dir, file_role):
         run_dir = damaged_copy(saved_run, tmp_path, relative, DAMAGE[damage])
-        capsys.readouterr()
-        assert cli.main(["train", str(write_config(run_dir))]) == 0, relative
-        out, err = capsys.readouterr()
-        assert "Traceback" not in err, (relative, err)
-        if ROLES[file_role] == MATTERS:
-            assert_set_aside_and_resumed_from_step_1(run_dir, relative, out, err)
-        else:
-            assert "resuming from step 2 (" in out and "is unreadable" not in err, (relative, err)
-            assert "not verified" not in err and not list((run_dir / "checkpoints").glob("unreadable-*"))
-        assert losses(run_dir) == saved_run[1], relative
+        assert_resumed(run_dir, relative, file_role, saved_states, capsys)
+
+
+@pytest.mark.parametrize("relative, damage", [("state/manifest.ocdbt", "garbage"), ("commit_success.txt", "flip")])
+def test_a_damaged_checkpoint_and_the_run_goes_on_as_uninterrupted(saved_run, tmp_path, capsys, relative, damage):
+    """`jaxdist train` itself, with a file that matters and one that does not damaged: the losses
+    after the restart are those of the uninterrupted run, bit for bit."""
+    run_dir = damaged_copy(saved_run, tmp_path, relative, DAMAGE[damage])
+    capsys.readouterr()
+    assert cli.main(["train", str(write_config(run_dir))]) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    assert f"resuming from step {1 if ROLES[relative] == MATTERS else 2} (" in out, out
+    assert losses(run_dir) == saved_run[1]
 
 
 @pytest.mark.parametrize(("relative", "content"), [
     ("meta/metadata", "[]"), ("meta/metadata", '{"step": 2, "data": {"example": "many"}}'),
     ("digests/metadata", "null"), ("state/_METADATA", "{}"), ("state/_METADATA", '{"tree_metadata": [7]}'),
 ])
-def test_metadata_that_decodes_but_is_malformed_is_set_aside(saved_run, tmp_path, capsys, relative, content):
+def test_metadata_that_decodes_but_is_malformed_is_set_aside(saved_run, saved_states, tmp_path, capsys,
+                                                             relative, content):
     """JSON that parses, in place of what was written: what it lacks is damage, not a traceback."""
     run_dir = damaged_copy(saved_run, tmp_path, relative, lambda path: path.write_text(content))
-    capsys.readouterr()
-    assert cli.main(["train", str(write_config(run_dir))]) == 0
-    out, err = capsys.readouterr()
-    assert "Traceback" not in err
-    assert_set_aside_and_resumed_from_step_1(run_dir, relative, out, err)
-    assert "is malformed" in err
-    assert losses(run_dir) == saved_run[1]
+    assert "is malformed" in assert_resumed(run_dir, relative, relative, saved_states, capsys)
 
 
 @pytest.fixture(scope="module")
