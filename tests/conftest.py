@@ -1,8 +1,8 @@
 """Every test sees 8 simulated CPU devices (the project's JAXDIST_CPU_DEVICES switch).
 
 Two tiers: `make test` runs everything (what CI runs); `make test-fast` (`pytest -m "not slow"`)
-skips the modules below, which train, compile many programs or start processes, and runs in a few
-minutes on 2 cores.
+skips the modules marked slow (`pytestmark = pytest.mark.slow` at their top: they train, compile many
+programs or start processes) and runs in about two minutes on 2 cores.
 """
 
 import os
@@ -26,10 +26,13 @@ from jaxdist import config as config_lib  # noqa: E402
 jaxdist.use_cpu_devices()  # before any computation
 
 # Tests build the same tiny programs many times (and in subprocesses: pass them
-# jax.config.jax_compilation_cache_dir): compile each once per session, through JAX's persistent cache.
-_JAX_CACHE = tempfile.mkdtemp(prefix="jaxdist-test-jax-cache-")
-atexit.register(shutil.rmtree, _JAX_CACHE, ignore_errors=True)
-jax.config.update("jax_compilation_cache_dir", _JAX_CACHE)
+# jax.config.jax_compilation_cache_dir): compile each once per session, through JAX's persistent
+# cache. The first process to import this file (pytest itself) makes the folder and removes it when
+# it exits; xdist's workers, started later, inherit its path and share it.
+if "JAXDIST_TEST_JAX_CACHE" not in os.environ:
+    os.environ["JAXDIST_TEST_JAX_CACHE"] = tempfile.mkdtemp(prefix="jaxdist-test-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAXDIST_TEST_JAX_CACHE"], ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", os.environ["JAXDIST_TEST_JAX_CACHE"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 # A GPT small enough that a 10-step run compiles and trains in seconds on 2 cores.
@@ -43,8 +46,12 @@ TINY_GPT = {
 
 
 def make_config(run_dir, base: dict | None = None, **sections) -> config_lib.Config:
-    """The tiny GPT config (or `base`) with some sections (or keys within them) replaced."""
+    """The tiny GPT config (or `base`) with some sections (or keys within them) replaced; `impl=`
+    stands for the GPT's `model.impl` keys."""
     raw = {key: dict(value) for key, value in (TINY_GPT if base is None else base).items()}
+    if "impl" in sections:
+        raw.setdefault("model", {})
+        raw["model"] = {**raw["model"], "impl": {**raw["model"].get("impl", {}), **sections.pop("impl")}}
     for key, value in sections.items():
         if isinstance(value, dict):
             raw.setdefault(key, {}).update(value)
@@ -95,24 +102,11 @@ def compiles():
     _COUNTER.active = False
 
 
-SLOW_MODULES = {
-    "test_accumulation", "test_bench", "test_checkpoint_integrity", "test_checkpoint_resume", "test_classifier_training",
-    "test_clocks", "test_compile_cache", "test_console", "test_copies", "test_data_loop", "test_data_multiprocess",
-    "test_fsdp_gather", "test_fused_norm", "test_gelu_matmul", "test_gpt", "test_kernel_build", "test_layouts",
-    "test_layouts_multiprocess",
-    "test_loss_chunk", "test_main_job", "test_multihost", "test_nonfinite", "test_pipeline", "test_plan",
-    "test_precision", "test_profile", "test_run_metrics", "test_wandb",
-}
-
-
 # The modules of the longest tests, run first: xdist hands out tests in collection order, and a
 # worker that draws one of these last keeps the run going for minutes after the other is done.
 LONGEST_FIRST = ("test_main_job", "test_layouts_multiprocess", "test_multihost")
 
 
 def pytest_collection_modifyitems(items):
-    for item in items:
-        if item.module.__name__ in SLOW_MODULES:
-            item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: LONGEST_FIRST.index(item.module.__name__)
                if item.module.__name__ in LONGEST_FIRST else len(LONGEST_FIRST))
