@@ -4,25 +4,20 @@ and computed per layer of stacked parameters."""
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Literal
 
 import optax
 from pydantic import Field
 
-from jaxdist.config import OPTIMIZER_NAME, OptimizerSection
-from jaxdist.train.optimizers.parts import Masks
-from jaxdist.train.optimizers.parts import scale_by_layerwise_trust_ratio, trust_ratio_mask
+from jaxdist.config import OPTIMIZER_NAME
+from jaxdist.train.optimizers.parts import AdamMoments, Masks, scale_by_layerwise_trust_ratio, trust_ratio_mask
 from jaxdist.train.optimizers.registry import register
 
 
-class LAMBConfig(OptimizerSection):
+class LAMBConfig(AdamMoments):
     """The `optim:` section of LAMB (`optim.name=lamb`)."""
 
     name: Literal["lamb"] = Field("lamb", description=OPTIMIZER_NAME)
-    moments: ClassVar[int] = 2
-    b1: float = Field(0.9, ge=0, lt=1, description="first-moment decay")
-    b2: float = Field(0.95, ge=0, lt=1, description="second-moment decay")
-    eps: float = Field(1e-8, gt=0, description="denominator epsilon")
     trust_ratio_norms_and_biases: bool = Field(False, description="apply the trust ratio to norms and biases too")
 
 

@@ -1,5 +1,6 @@
-"""What the optimizers share: which parameters get weight decay (and the trust ratio), by their
-logical axis names, and the per-layer forms of optax's transformations for stacked layers.
+"""What the optimizers share: the keys of Adam's moments, which parameters get weight decay (and
+the trust ratio) by their logical axis names, and the per-layer forms of optax's transformations
+for stacked layers.
 
 Masks are decided from each parameter's logical axis names, so they hold for any model that names
 its dimensions:
@@ -14,12 +15,22 @@ per-parameter statistics are likewise per layer: `per_layer` vmaps them over the
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import optax
+from pydantic import Field
 
 from jaxdist.config import OptimizerSection
+
+
+class AdamMoments(OptimizerSection):
+    """The keys of Adam's two moments, for the optimizers built on Adam's update (AdamW, LAMB)."""
+
+    moments: ClassVar[int] = 2
+    b1: float = Field(0.9, ge=0, lt=1, description="first-moment decay")
+    b2: float = Field(0.95, ge=0, lt=1, description="second-moment decay")
+    eps: float = Field(1e-8, gt=0, description="denominator epsilon")
 
 
 class Masks(NamedTuple):
