@@ -2,6 +2,7 @@
 `jaxdist.configs`) and the kernels' C++ sources; `jaxdist train tiny` runs from it in another folder."""
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -15,8 +16,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_an_installed_wheel_trains_a_recipe_by_name_outside_the_clone(tmp_path):
+    # Built from a copy: setuptools leaves build/ and *.egg-info/ beside the sources it builds.
+    source = tmp_path / "source"
+    for name in ("jaxdist", "configs"):
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--wheel-dir", str(tmp_path / "dist"), str(ROOT)], check=True, capture_output=True)
+                    "--wheel-dir", str(tmp_path / "dist"), str(source)], check=True, capture_output=True)
     [wheel] = (tmp_path / "dist").glob("jaxdist-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     recipes = {path.name for path in (ROOT / "configs").glob("*.yaml")}
