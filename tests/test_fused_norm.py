@@ -16,7 +16,7 @@ import pytest
 from conftest import make_config
 from flax import nnx
 
-from jaxdist import loop, models
+from jaxdist import loop
 from jaxdist.kernels import fused_norm, fused_norm_mosaic, fused_norm_triton, switch
 from jaxdist.models import gpt
 from jaxdist.models.gpt import GPT, RESIDUAL, GPTConfig, ImplConfig

@@ -54,8 +54,6 @@ def test_the_init_programs_random_draws_do_not_grow_with_depth(scan_layers):
 
 def _loss_grads_and_temp_bytes(remat: str, activation: str):
     """(loss, gradients, temp bytes of the compiled value-and-grad) of a small unrolled GPT."""
-    from jaxdist import models
-
     cfg = GPTConfig(vocab=64, d_model=32, layers=4, heads=4, seq_len=64, mlp_ratio=8, activation=activation)
     with nnx.use_eager_sharding(False):
         graphdef, params = nnx.split(GPT(cfg, ImplConfig(scan_layers=False, remat=remat), rngs=nnx.Rngs(0)))
@@ -83,7 +81,6 @@ def test_remat_mlp_recomputes_the_activation_with_the_same_gradients(activation)
 def test_unrolled_blocks_are_traced_once_not_once_per_layer(monkeypatch, impl):
     """The blocks share shapes: a 6-layer step traces a block twice (the first without a pending
     residual add, then the rest), forward and gradient, so start-up does not grow with depth."""
-    from jaxdist import models
     from jaxdist.models import gpt
 
     traces = []
