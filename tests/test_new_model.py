@@ -12,6 +12,7 @@ from conftest import make_classifier_config
 
 from jaxdist import loop, models
 from jaxdist.config import model_sections
+from jaxdist.config import registry as config_registry
 
 pytestmark = pytest.mark.slow
 
@@ -24,8 +25,13 @@ def softmax():
     match = re.search(r"<!-- model-example:[^>]*-->\s*```python\n(.*?)```", DOCS.read_text(), re.S)
     assert match, "docs/architecture.md lost its worked example"
     namespace = {"__name__": "softmax_model"}
+    registered = dict(models.MODELS), dict(config_registry._MODELS)
     exec(compile(match.group(1), "softmax_model.py", "exec"), namespace)  # noqa: S102  (the docs' own code)
-    return namespace
+    yield namespace
+    # Registered for this module only: other tests in this process see the built-in models alone.
+    for table, before in zip((models.MODELS, config_registry._MODELS), registered):
+        table.clear()
+        table.update(before)
 
 
 def losses(run_dir: Path) -> list[float]:
