@@ -18,7 +18,7 @@ train: install
 	$(BIN)/jaxdist train configs/tiny.yaml $(ARGS)
 
 test: install
-	$(BIN)/pytest -n 2 --durations=15 $(ARGS)
+	$(BIN)/pytest -n 2 --dist worksteal --durations=15 $(ARGS)
 
 test-fast: install
-	$(BIN)/pytest -n 2 -m "not slow" $(ARGS)
+	$(BIN)/pytest -n 2 --dist worksteal -m "not slow" $(ARGS)
