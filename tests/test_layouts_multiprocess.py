@@ -130,7 +130,7 @@ def test_classifier_eval_is_exact_across_processes(tmp_path):
                                       rules={"preset": "fsdp"}, train={"steps": 2, "global_batch": 32},
                                       eval={"every": 2})
 
-    run_processes([case("one")], 1, tmp_path)
+    loop.train(case("one"))  # in this process, all 8 devices
     run_processes([case("two")], 2, tmp_path)
     one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     np.testing.assert_allclose([m["loss"] for m in two], [m["loss"] for m in one], rtol=1e-5, atol=0)
