@@ -98,13 +98,23 @@ def _is_layout(x) -> bool:
     return isinstance(x, rules_lib.ParamLayout)
 
 
+class _Steps(dict):
+    """One step per (layout, microbatches), compiled when a test first asks for it and kept for the
+    others: a test process compiles only the layouts of the tests it runs (xdist splits a module)."""
+
+    def __init__(self, tmp_path_factory, initial_params):
+        super().__init__()
+        self._tmp_path_factory, self._initial_params = tmp_path_factory, initial_params
+
+    def __missing__(self, key: tuple[str, int]) -> Step:
+        layout, k = key
+        self[key] = _one_step(_config(self._tmp_path_factory.mktemp(f"{layout}_{k}"), layout, k), self._initial_params)
+        return self[key]
+
+
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory, initial_params):
-    """One step per (layout, microbatches), compiled once for all tests in this file."""
-    return {
-        (layout, k): _one_step(_config(tmp_path_factory.mktemp(f"{layout}_{k}"), layout, k), initial_params)
-        for layout in LAYOUTS for k in MICROBATCHES
-    }
+    return _Steps(tmp_path_factory, initial_params)
 
 
 def _relative_error(a, b) -> float:
