@@ -83,20 +83,29 @@ def compilation_cache() -> None:
 
 
 _INTERRUPTED = threading.Event()
+# The hook that reports what `_drop_interrupts` lets through: the one in place when it was installed.
+_report_unraisable = sys.unraisablehook
 
 
 def remember_interrupts() -> None:
-    """Ctrl-C (SIGINT) raises KeyboardInterrupt as Python's own handler does, and is remembered.
+    """Ctrl-C (SIGINT) raises KeyboardInterrupt as Python's own handler does, and is remembered
+    from now on (an earlier command's interrupt is forgotten).
 
     A KeyboardInterrupt raised while Python runs a garbage-collector callback (JAX registers one) is
     printed and dropped, and the program would go on as if no key was pressed; `interrupted()` still
     tells, and such a dropped interrupt prints nothing. The `jaxdist` command calls it from the main
     thread; the training loop's own handlers (train/preemption.py) take over while it steps.
     """
+    global _report_unraisable
+    _INTERRUPTED.clear()
     signal.signal(signal.SIGINT, _interrupt)
-    report = sys.unraisablehook
-    sys.unraisablehook = lambda unraisable: (
-        None if isinstance(unraisable.exc_value, KeyboardInterrupt) else report(unraisable))
+    if sys.unraisablehook is not _drop_interrupts:  # installed once, however many commands run
+        _report_unraisable, sys.unraisablehook = sys.unraisablehook, _drop_interrupts
+
+
+def _drop_interrupts(unraisable) -> None:
+    if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+        _report_unraisable(unraisable)
 
 
 def _interrupt(signum, frame) -> None:

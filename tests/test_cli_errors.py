@@ -12,7 +12,7 @@ import pytest
 import yaml
 from conftest import SMALL_RESNET, TINY_GPT, make_classifier_config
 
-from jaxdist import cli, config
+from jaxdist import cli, config, runtime
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -613,3 +613,15 @@ def test_a_closed_stdout_ends_the_command_quietly(argv):
     finally:
         os.close(write_end)
     assert (run.returncode, run.stderr) == (cli.STDOUT_CLOSED_EXIT, "")
+
+
+def test_the_next_command_in_a_process_forgets_an_earlier_interrupt():
+    """A program that runs several commands (a notebook, a sweep) starts each one uninterrupted, and the
+    hook that drops garbage-collector interrupts wraps Python's once, not once per command."""
+    runtime.remember_interrupts()
+    with pytest.raises(KeyboardInterrupt):
+        runtime._interrupt(signal.SIGINT, None)  # what Ctrl-C runs
+    assert runtime.interrupted()
+    hook = sys.unraisablehook
+    runtime.remember_interrupts()
+    assert not runtime.interrupted() and sys.unraisablehook is hook
