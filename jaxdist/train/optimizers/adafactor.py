@@ -10,8 +10,7 @@ import optax
 from pydantic import Field
 
 from jaxdist.config import OPTIMIZER_NAME, OptimizerSection
-from jaxdist.train.optimizers.parts import Masks
-from jaxdist.train.optimizers.parts import per_layer
+from jaxdist.train.optimizers.parts import Masks, per_layer
 from jaxdist.train.optimizers.registry import register
 
 

@@ -9,8 +9,7 @@ import optax
 from pydantic import Field
 
 from jaxdist.config import OPTIMIZER_NAME, OptimizerSection
-from jaxdist.train.optimizers.parts import Masks
-from jaxdist.train.optimizers.parts import scale_by_layerwise_trust_ratio, trust_ratio_mask
+from jaxdist.train.optimizers.parts import Masks, scale_by_layerwise_trust_ratio, trust_ratio_mask
 from jaxdist.train.optimizers.registry import register
 
 
