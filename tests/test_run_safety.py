@@ -216,6 +216,8 @@ def tensorboard_scalars(tb_dir: Path, tag: str) -> dict[int, float]:
 
     events = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
     events.Reload()
+    if tag not in events.Tags()["scalars"]:
+        return {}  # no event of it written yet (the writer thread may be on its first)
     steps = [event.step for event in events.Scalars(tag)]
     assert len(steps) == len(set(steps)), f"{tag}: a step shown twice: {steps}"
     return {event.step: event.value for event in events.Scalars(tag)}
