@@ -159,10 +159,13 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", help="image file, .png, .pdf, .svg or another format matplotlib writes "
                                     "(default: RUN_DIR/plot.png for one run, ./plot.png for several)")
     export = commands.add_parser("export", help="write a run's checkpointed params (and BatchNorm statistics) as one "
-                                 ".safetensors or .npz file")
+                                 ".safetensors or .npz file, or as a Hugging Face model folder")
     export.add_argument("run_dir", help="run directory with checkpoints/")
-    export.add_argument("out", help="output file, ending in .safetensors or .npz")
+    export.add_argument("out", help="output file, ending in .safetensors or .npz; with --format hf, a new folder")
     export.add_argument("--step", type=_INDEX, help="checkpoint step (default: the newest)")
+    export.add_argument("--format", choices=("file", "hf"), default="file",
+                        help="file: jaxdist's own names in one file; hf: config.json, safetensors and tokenizer files "
+                             "that transformers loads (GPT-2 and Llama-family models)")
     return parser
 
 
@@ -388,6 +391,12 @@ def _scale(args) -> None:
 def _export(args) -> None:
     from jaxdist import checkpoint
 
+    if args.format == "hf":
+        from jaxdist.checkpoint import hf
+
+        step, files = hf.export(args.run_dir, args.out, args.step)
+        print(f"wrote a Hugging Face folder (params at step {step}) to {args.out}: {', '.join(files)}")
+        return
     step, count = checkpoint.export_params(args.run_dir, args.out, args.step)
     print(f"wrote {count} arrays (params at step {step}) to {args.out}")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import math
 import time
@@ -20,7 +21,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxdist import kernels, models
-from jaxdist.checkpoint import ResumePlan, RunCheckpoints, plan_resume, rundir
+from jaxdist.checkpoint import ResumePlan, RunCheckpoints, hf, plan_resume, rundir
 from jaxdist.checkpoint.rundir import RunDirLock
 from jaxdist.config import Config, TrainConfig
 from jaxdist.data import loader
@@ -100,7 +101,8 @@ def prepare(cfg: Config, devices: list | None = None, clock: RunTime | None = No
     # Opening the data and reading a first batch report bad data before anything compiles.
     wandb_log.check_installed(cfg)
     with clock.part("data"):
-        cfg = loader.resolve_workers(loader.resolve_model(cfg))  # resolved, so config.yaml and checkpoints hold them
+        # Resolved, so config.yaml and checkpoints hold them.
+        cfg = loader.resolve_workers(loader.resolve_model(hf.resolve(cfg)))
         entry = models.get(cfg.model.name)
         train_source = loader.open_split(cfg, "train", entry.batch_keys)
         eval_source = loader.open_split(cfg, "eval", entry.batch_keys) if cfg.eval.every else None
@@ -157,7 +159,11 @@ def _run(run: Run, clock: RunTime) -> Trainer:
     if built:
         log(built)
     with clock.part("init"):
-        trainer = Trainer.from_config(cfg, layout=layout, abstract=run.abstract)
+        params = None
+        if getattr(cfg.model, "init_from", None) and run.resume.step is None:
+            params = functools.partial(hf.load_params, cfg, run.abstract.params)
+            log(f"starting from the weights of {cfg.model.init_from}")
+        trainer = Trainer.from_config(cfg, layout=layout, abstract=run.abstract, params=params)
     is_writer = jax.process_index() == 0
     reads = "" if jax.process_count() == 1 else (
         f"; process 0 feeds rows {_ranges(rows.rows)} of each global batch of {rows.global_batch}")

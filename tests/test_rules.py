@@ -93,8 +93,8 @@ def test_rule_naming_a_missing_mesh_axis(tmp_path):
         param_layouts(cfg)
 
 
-_PARAM_NAMES = "layers, vocab, embed, mlp, heads, head_dim, length, qkv, classes, kernel_h, kernel_w, conv_in, conv_out"
-_ACTIVATION_NAMES = "batch, seq, length, embed, mlp, heads, head_dim, vocab, stage, classes, height, width, channels"
+_PARAM_NAMES = "layers, vocab, embed, mlp, heads, kv_heads, head_dim, length, qkv, classes, kernel_h, kernel_w, conv_in, conv_out"
+_ACTIVATION_NAMES = "batch, seq, length, embed, mlp, heads, kv_heads, head_dim, vocab, stage, classes, height, width, channels"
 
 
 @pytest.mark.parametrize("table, message", [

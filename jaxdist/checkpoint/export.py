@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +35,31 @@ def export_params(run_dir: str | Path, out: str | Path, step: int | None = None)
     if out.suffix not in (".safetensors", ".npz"):
         raise UserError(f"export: OUT={out} must end in .safetensors or .npz")
     check_writable(out, f"export: OUT={out}")  # before reading the params: an unwritable OUT fails fast
+    check = (lambda saved: _check_npz_dtypes(out, saved)) if out.suffix == ".npz" else None
+    step, parts, meta = read_parts(run_dir, step, check)
+    arrays = {dotted_name(path): np.ascontiguousarray(leaf)
+              for part in parts.values() for path, leaf in jax.tree_util.tree_flatten_with_path(part)[0]}
+    if out.suffix == ".npz":
+        np.savez(out, **arrays)
+    else:
+        from safetensors.numpy import save_file
+
+        save_file(arrays, str(out), metadata={"step": str(step), "config": json.dumps(meta.get("config", {}))})
+    return step, len(arrays)
+
+
+def read_params(run_dir: str | Path, step: int | None = None) -> tuple[int, Any, dict]:
+    """(step, params as a pure dict of numpy arrays, the checkpoint's metadata) of a run's checkpoint
+    (default: the newest), read into this host's memory."""
+    step, parts, meta = read_parts(run_dir, step, parts=("params",))
+    return step, jax.tree.map(np.asarray, parts["params"]), meta
+
+
+def read_parts(run_dir: str | Path, step: int | None = None, check: Callable[[dict], None] | None = None,
+               parts: tuple[str, ...] = PARTS) -> tuple[int, dict, dict]:
+    """(step, {part: pure dict}, metadata) of a run's checkpoint (default: the newest); `check(saved
+    shapes)` runs on the metadata before any array is read. A damaged checkpoint is a `UserError`
+    naming the older steps to pass instead."""
     directory = Path(run_dir) / "checkpoints"
     if not directory.is_dir():
         raise UserError(f"export: RUN_DIR={run_dir} holds no checkpoints (no directory {directory})")
@@ -45,24 +72,16 @@ def export_params(run_dir: str | Path, out: str | Path, step: int | None = None)
         elif step not in steps:
             raise UserError(f"export: --step {step} is not in {directory}; available: {', '.join(map(str, steps))}")
         try:
-            if out.suffix == ".npz":
-                _check_npz_dtypes(out, store.saved_shapes(step))  # from the metadata, before reading
-            parts, meta = store.read_parts(step, PARTS)
+            if check is not None:
+                check(store.saved_shapes(step))
+            read, meta = store.read_parts(step, parts)
         except Exception as err:
             if not is_damage(err):
                 raise
             older = [str(other) for other in steps if other < step]
             instead = f"pass --step with an older one: {', '.join(older)}" if older else "there is no older one"
             raise UserError(f"export: checkpoint {store.path(step)} is damaged ({first_line(err)}); {instead}") from None
-    arrays = {dotted_name(path): np.ascontiguousarray(leaf)
-              for part in parts.values() for path, leaf in jax.tree_util.tree_flatten_with_path(part)[0]}
-    if out.suffix == ".npz":
-        np.savez(out, **arrays)
-    else:
-        from safetensors.numpy import save_file
-
-        save_file(arrays, str(out), metadata={"step": str(step), "config": json.dumps(meta.get("config", {}))})
-    return step, len(arrays)
+    return step, read, meta
 
 
 def _check_npz_dtypes(out: Path, saved: dict[str, tuple]) -> None:

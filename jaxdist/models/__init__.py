@@ -1,7 +1,8 @@
-"""Models, registered by name (`registry`): the GPT (gpt.py), and the image classifiers MLP (mlp.py)
-and ResNet (resnet.py). Importing the package registers them; `model.name` picks one."""
+"""Models, registered by name (`registry`): the GPT (gpt.py) and the Llama family (llama.py, the same
+decoder), and the image classifiers MLP (mlp.py) and ResNet (resnet.py). Importing the package
+registers them; `model.name` picks one. hf.py maps Hugging Face configs and weights onto the decoder."""
 
-from jaxdist.models import gpt, mlp, resnet  # noqa: F401  (each registers itself)
+from jaxdist.models import gpt, llama, mlp, resnet  # noqa: F401  (each registers itself)
 from jaxdist.models.registry import MODELS, ModelEntry, get, register
 
 __all__ = ["MODELS", "ModelEntry", "get", "register"]

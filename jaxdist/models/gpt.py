@@ -63,8 +63,31 @@ class ImplConfig(Section):
         return self
 
 
+class RopeScaling(Section):
+    """Llama 3's stretch of RoPE's low frequencies to a longer context (`rope_type: llama3` in a
+    Hugging Face config): wavelengths above `original_length / low_freq_factor` are divided by
+    `factor`, those below `original_length / high_freq_factor` kept, those between blended."""
+
+    kind: Literal["none", "llama3"] = Field("none", description="none: plain RoPE; llama3: Llama 3.1's scaling")
+    factor: float = Field(8.0, gt=0, description="how much the low frequencies are slowed")
+    low_freq_factor: float = Field(1.0, gt=0, description="original_length / this: the longest kept wavelength's bound")
+    high_freq_factor: float = Field(4.0, gt=0, description="original_length / this: the shortest scaled wavelength's bound")
+    original_length: int = Field(8192, gt=0, description="the context length the model was first trained at")
+
+    @model_validator(mode="after")
+    def _factors(self) -> RopeScaling:
+        if self.kind == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"model.rope_scaling.high_freq_factor={self.high_freq_factor} must exceed "
+                             f"model.rope_scaling.low_freq_factor={self.low_freq_factor}")
+        return self
+
+
 class GPTConfig(ModelSection):
-    """The `model:` section of a decoder-only transformer language model (`model.name=gpt`)."""
+    """The `model:` section of a decoder-only transformer language model (`model.name=gpt`).
+
+    The same decoder covers GPT-2 (learned positions, LayerNorm, GELU, biases, tied embeddings) and,
+    as `model.name=llama`, the Llama family (RMSNorm, RoPE, SwiGLU, grouped-query attention).
+    """
 
     name: Literal["gpt"] = Field("gpt", description=MODEL_NAME)
     vocab: int | Literal["auto"] = Field(
@@ -72,12 +95,26 @@ class GPTConfig(ModelSection):
     d_model: int = Field(256, gt=0, description="width of the residual stream")
     layers: int = Field(4, gt=0, description="number of transformer blocks")
     heads: int = Field(8, gt=0, description="attention heads (must divide d_model)")
+    kv_heads: int | None = Field(
+        None, gt=0, description="key and value heads, shared by groups of query heads (must divide heads); "
+                                "null: as many as heads")
     mlp_ratio: float = Field(4.0, gt=0, description="MLP hidden width as a multiple of d_model")
+    mlp_hidden: int | None = Field(None, gt=0, description="MLP hidden width; null: int(d_model x mlp_ratio)")
     seq_len: int = Field(256, gt=0, description="tokens per sequence")
+    max_positions: int | None = Field(
+        None, gt=0, description="rows of the learned position table (at least seq_len); null: seq_len")
     norm: Literal["layernorm", "rmsnorm"] = Field("layernorm", description="normalization layer")
+    norm_eps: float = Field(1e-5, gt=0, description="the norms' epsilon")
     positions: Literal["learned", "rope"] = Field("learned", description="position encoding")
-    activation: Literal["gelu", "swiglu"] = Field("gelu", description="MLP activation")
+    rope_base: float = Field(10000.0, gt=0, description="RoPE's base period (rope_theta)")
+    rope_scaling: RopeScaling = Field(RopeScaling(), description="RoPE's frequency scaling")
+    activation: Literal["gelu", "swiglu"] = Field("gelu", description="MLP activation (gelu: its tanh form)")
+    biases: Literal["none", "qkv", "all"] = Field(
+        "none", description="additive biases: none; on the q, k and v projections (Qwen2); on every projection (GPT-2)")
     tied_embeddings: bool = Field(False, description="the output projection reuses the token embedding")
+    init_from: str | None = Field(
+        None, description="hf:FOLDER: a fresh run starts from a Hugging Face model's weights, and takes the "
+                          "architecture from its config.json")
     impl: ImplConfig = Field(ImplConfig(), description="how the model runs (the same math)")
 
     @field_validator("vocab", mode="before")
@@ -89,6 +126,13 @@ class GPTConfig(ModelSection):
     def _shapes(self) -> GPTConfig:
         if self.d_model % self.heads:
             raise ValueError(f"model.d_model={self.d_model} is not divisible by model.heads={self.heads}")
+        if self.heads % self.key_value_heads:
+            raise ValueError(f"model.kv_heads={self.kv_heads} does not divide model.heads={self.heads}")
+        if self.positions == "learned" and self.position_rows < self.seq_len:
+            raise ValueError(f"model.max_positions={self.max_positions} is below model.seq_len={self.seq_len}: the "
+                             f"learned position table needs a row per position")
+        if self.init_from is not None and not self.init_from.startswith("hf:"):
+            raise ValueError(f"model.init_from={self.init_from!r}: write hf:FOLDER, a Hugging Face model folder")
         if self.positions == "rope" and (self.d_model // self.heads) % 2:
             raise ValueError("model.positions=rope needs an even head dimension (d_model / heads)")
         if self.mlp_dim < 1:
@@ -105,7 +149,15 @@ class GPTConfig(ModelSection):
 
     @property
     def mlp_dim(self) -> int:
-        return int(self.d_model * self.mlp_ratio)
+        return self.mlp_hidden or int(self.d_model * self.mlp_ratio)
+
+    @property
+    def key_value_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def position_rows(self) -> int:
+        return self.max_positions or self.seq_len
 
     @property
     def layer_stack(self) -> int:
@@ -130,16 +182,21 @@ class GPTConfig(ModelSection):
         sizes = [
             ParamSize("embed", "model.d_model", self.d_model, self.d_model, "the embedding dimension of every weight"),
             ParamSize("heads", "model.heads", self.heads, self.heads, "the attention heads of every attention weight"),
-            ParamSize("mlp", "model.mlp_ratio", self.mlp_ratio, self.mlp_dim,
-                      "the MLP's hidden width int(model.d_model x model.mlp_ratio)"),
+            ParamSize("mlp", "model.mlp_hidden", self.mlp_hidden, self.mlp_dim, "the MLP's hidden width")
+            if self.mlp_hidden else ParamSize("mlp", "model.mlp_ratio", self.mlp_ratio, self.mlp_dim,
+                                              "the MLP's hidden width int(model.d_model x model.mlp_ratio)"),
             ParamSize("head_dim", "model.d_model", self.d_model, self.d_model // self.heads,
                       "the head dimension model.d_model / model.heads"),
         ]
         if self.vocab != "auto":
             sizes.append(ParamSize("vocab", "model.vocab", self.vocab, self.vocab,
                                    "the vocabulary of the token embedding and the output head"))
+        if self.key_value_heads != self.heads:
+            sizes.append(ParamSize("kv_heads", "model.kv_heads", self.kv_heads, self.key_value_heads,
+                                   "the key and value heads of grouped-query attention"))
         if self.positions == "learned":
-            sizes.append(ParamSize("length", "model.seq_len", self.seq_len, self.seq_len,
+            key, value = ("model.max_positions", self.max_positions) if self.max_positions else ("model.seq_len", self.seq_len)
+            sizes.append(ParamSize("length", key, value, self.position_rows,
                                    "the positions of the learned position embedding"))
         return sizes
 
@@ -157,13 +214,13 @@ RESIDUAL: Names = ("batch", "seq", "embed")
 HEADS: Names = ("batch", "length", "heads", "head_dim")  # q, k, v and attention's output
 
 _normal = nnx.initializers.normal(0.02)
-EPS = 1e-5  # the norms' epsilon
+_zeros = nnx.initializers.zeros_init()
 
 # The parameters the model reads only cast to the compute dtype: the blocks' matmul weights. A copy
 # kept in that dtype can stand in for each (train/copies.py). Not the embedding (its rows are
 # added to the positions before the cast), the norms, or the head (the chunked loss sums its
 # gradient in float32 and hands it back in the head's own dtype).
-COMPUTE_DTYPE_PARAMS = frozenset({"qkv", "out", "up", "gate", "down"})
+COMPUTE_DTYPE_PARAMS = frozenset({"qkv", "q", "kv", "out", "up", "gate", "down"})
 
 
 def read_in_compute_dtype(path: tuple) -> bool:
@@ -192,6 +249,7 @@ class Norm(nnx.Module):
 
     def __init__(self, cfg: GPTConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
         self.kind = cfg.norm
+        self.eps = cfg.norm_eps
         self.impl = impl.norm_impl
         self.scale = _param(rngs, nnx.initializers.ones_init(), (cfg.d_model,), ("embed",), param_dtype)
         if cfg.norm == "layernorm":
@@ -199,7 +257,7 @@ class Norm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self._fused(x):
-            return fused_norm.norm(x, self.scale[...], self._bias(), rms=self.kind == "rmsnorm", eps=EPS, names=RESIDUAL)
+            return fused_norm.norm(x, self.scale[...], self._bias(), rms=self.kind == "rmsnorm", eps=self.eps, names=RESIDUAL)
         return self._xla(x)
 
     def add(self, x: jax.Array, delta: jax.Array | None) -> tuple[jax.Array, jax.Array]:
@@ -208,7 +266,7 @@ class Norm(nnx.Module):
             return x, self(x)
         if self._fused(x):
             return fused_norm.add_norm(x, delta, self.scale[...], self._bias(), rms=self.kind == "rmsnorm",
-                                       eps=EPS, names=RESIDUAL)
+                                       eps=self.eps, names=RESIDUAL)
         total = x + delta
         return total, self._xla(total)
 
@@ -219,46 +277,99 @@ class Norm(nnx.Module):
         return self.bias[...] if self.kind == "layernorm" else None
 
     def _xla(self, x: jax.Array) -> jax.Array:
-        y = fused_norm.normalize(x.astype(jnp.float32), self.kind == "rmsnorm", EPS)[0] * self.scale[...]
+        y = fused_norm.normalize(x.astype(jnp.float32), self.kind == "rmsnorm", self.eps)[0] * self.scale[...]
         if self.kind == "layernorm":
             y = y + self.bias[...]
         return y.astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array) -> jax.Array:
-    """Rotary position embedding over the last dim of (batch, length, heads, head_dim)."""
-    half = x.shape[-1] // 2
-    freqs = 1.0 / (10000.0 ** (jnp.arange(half, dtype=jnp.float32) / half))
-    angles = positions[:, None].astype(jnp.float32) * freqs[None, :]
+def rope_frequencies(head_dim: int, base: float = 10000.0, scaling: RopeScaling | None = None) -> np.ndarray:
+    """RoPE's angular frequency for each pair of a head's dims (float32), as Hugging Face computes them."""
+    freqs = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim)
+    if scaling is None or scaling.kind == "none":
+        return freqs.astype(np.float32)
+    wavelengths = 2 * np.pi / freqs
+    slowed = np.where(wavelengths > scaling.original_length / scaling.low_freq_factor, freqs / scaling.factor, freqs)
+    blend = ((scaling.original_length / wavelengths - scaling.low_freq_factor)
+             / (scaling.high_freq_factor - scaling.low_freq_factor))
+    medium = ((wavelengths >= scaling.original_length / scaling.high_freq_factor)
+              & (wavelengths <= scaling.original_length / scaling.low_freq_factor))
+    return np.where(medium, (1 - blend) * slowed / scaling.factor + blend * slowed, slowed).astype(np.float32)
+
+
+def rope(x: jax.Array, positions: jax.Array, freqs: Sequence[float] | None = None) -> jax.Array:
+    """Rotary position embedding over the last dim of (batch, length, heads, head_dim), its two
+    halves rotated as pairs (Hugging Face's `rotate_half`); `freqs` from `rope_frequencies`."""
+    freqs = rope_frequencies(x.shape[-1]) if freqs is None else freqs
+    angles = positions[:, None].astype(jnp.float32) * jnp.asarray(freqs, jnp.float32)[None, :]
     sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+KV_HEADS: Names = ("batch", "length", "kv_heads", "head_dim")  # grouped-query attention's k and v
+
+
 class Attention(nnx.Module):
+    """Causal self-attention. With as many key/value heads as query heads, q, k and v are stacked on
+    a leading axis (`qkv`): each is a contiguous slice, so the three projections need no activation
+    transposes or concatenations. With fewer (grouped-query attention), `q` and the stacked `kv`."""
+
     def __init__(self, cfg: GPTConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
         head_dim = cfg.d_model // cfg.heads
-        self.rope = cfg.positions == "rope"
+        self.grouped = cfg.key_value_heads != cfg.heads
+        # A tuple, not an array: static to NNX, no variable of the model.
+        self.freqs = (tuple(rope_frequencies(head_dim, cfg.rope_base, cfg.rope_scaling).tolist())
+                      if cfg.positions == "rope" else None)
         self.implementation = impl.attention
-        # q, k and v stacked on a leading axis: each is a contiguous slice, so the three
-        # projections need no activation transposes or concatenations.
-        self.qkv = _param(rngs, _normal, (3, cfg.d_model, cfg.heads, head_dim),
-                          ("qkv", "embed", "heads", "head_dim"), param_dtype)
+        d, h, kv = cfg.d_model, cfg.heads, cfg.key_value_heads
+        if self.grouped:
+            self.q = _param(rngs, _normal, (d, h, head_dim), ("embed", "heads", "head_dim"), param_dtype)
+            self.kv = _param(rngs, _normal, (2, d, kv, head_dim), ("qkv", "embed", "kv_heads", "head_dim"), param_dtype)
+        else:
+            self.qkv = _param(rngs, _normal, (3, d, h, head_dim), ("qkv", "embed", "heads", "head_dim"), param_dtype)
+        if cfg.biases != "none":
+            if self.grouped:
+                self.q_bias = _param(rngs, _zeros, (h, head_dim), ("heads", "head_dim"), param_dtype)
+                self.kv_bias = _param(rngs, _zeros, (2, kv, head_dim), ("qkv", "kv_heads", "head_dim"), param_dtype)
+            else:
+                self.qkv_bias = _param(rngs, _zeros, (3, h, head_dim), ("qkv", "heads", "head_dim"), param_dtype)
         out_init = nnx.initializers.normal(0.02 / (2 * cfg.layers) ** 0.5)
-        self.out = _param(rngs, out_init, (cfg.heads, head_dim, cfg.d_model),
-                          ("heads", "head_dim", "embed"), param_dtype)
+        self.out = _param(rngs, out_init, (h, head_dim, d), ("heads", "head_dim", "embed"), param_dtype)
+        if cfg.biases == "all":
+            self.out_bias = _param(rngs, _zeros, (d,), ("embed",), param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        qkv = _cast(self.qkv[...], x.dtype)
-        uses = _fan_out(x, 3)  # x itself, three times: their gradients are summed in an order XLA folds
-        q, k, v = (constrain(jnp.einsum("btd,dhk->bthk", uses[i], qkv[i]), HEADS) for i in range(3))
-        if self.rope:
+        q, k, v = self._project(x)
+        if self.freqs is not None:
             positions = jnp.arange(x.shape[1])
-            q, k = rope(q, positions), rope(k, positions)
+            q, k = rope(q, positions, self.freqs), rope(k, positions, self.freqs)
         y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=_attention_impl(self.implementation, x.dtype))
         y = constrain(y, HEADS)
         out = jnp.einsum("bthk,hkd->btd", y, _cast(self.out[...], x.dtype))
+        if hasattr(self, "out_bias"):
+            out = out + _cast(self.out_bias[...], x.dtype)
         return constrain(out, RESIDUAL)
+
+    def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        uses = _fan_out(x, 3)  # x itself, three times: their gradients are summed in an order XLA folds
+        if not self.grouped:
+            qkv = _cast(self.qkv[...], x.dtype)
+            bias = _cast(self.qkv_bias[...], x.dtype) if hasattr(self, "qkv_bias") else None
+            return tuple(constrain(_biased(jnp.einsum("btd,dhk->bthk", uses[i], qkv[i]), bias, i), HEADS)
+                         for i in range(3))
+        kv = _cast(self.kv[...], x.dtype)
+        q_bias = _cast(self.q_bias[...], x.dtype) if hasattr(self, "q_bias") else None
+        kv_bias = _cast(self.kv_bias[...], x.dtype) if hasattr(self, "kv_bias") else None
+        q = jnp.einsum("btd,dhk->bthk", uses[0], _cast(self.q[...], x.dtype))
+        q = constrain(q if q_bias is None else q + q_bias, HEADS)
+        k, v = (constrain(_biased(jnp.einsum("btd,dhk->bthk", uses[1 + i], kv[i]), kv_bias, i), KV_HEADS)
+                for i in range(2))
+        return q, k, v
+
+
+def _biased(x: jax.Array, stacked_bias: jax.Array | None, i: int) -> jax.Array:
+    return x if stacked_bias is None else x + stacked_bias[i]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -302,18 +413,26 @@ class Mlp(nnx.Module):
             self.gate = _param(rngs, _normal, (cfg.d_model, cfg.mlp_dim), ("embed", "mlp"), param_dtype)
         down_init = nnx.initializers.normal(0.02 / (2 * cfg.layers) ** 0.5)
         self.down = _param(rngs, down_init, (cfg.mlp_dim, cfg.d_model), ("mlp", "embed"), param_dtype)
+        if cfg.biases == "all":
+            self.up_bias = _param(rngs, _zeros, (cfg.mlp_dim,), ("mlp",), param_dtype)
+            if cfg.activation == "swiglu":
+                self.gate_bias = _param(rngs, _zeros, (cfg.mlp_dim,), ("mlp",), param_dtype)
+            self.down_bias = _param(rngs, _zeros, (cfg.d_model,), ("embed",), param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = constrain(x @ _cast(self.up[...], x.dtype), ("batch", "length", "mlp"))
+        h = constrain(self._bias("up_bias", x @ _cast(self.up[...], x.dtype)), ("batch", "length", "mlp"))
         gate = None
         if self.activation == "swiglu":
-            gate = constrain(x @ _cast(self.gate[...], x.dtype), ("batch", "length", "mlp"))
+            gate = constrain(self._bias("gate_bias", x @ _cast(self.gate[...], x.dtype)), ("batch", "length", "mlp"))
         project = self._activate_and_project
         if self.recompute_activation:
             # The backward pass recomputes the activation from the saved up-projection (one
             # elementwise pass) instead of keeping its output: batch x length x mlp per layer less.
             project = jax.checkpoint(project, policy=jax.checkpoint_policies.nothing_saveable)
-        return constrain(project(h, gate, _cast(self.down[...], x.dtype)), RESIDUAL)
+        return constrain(self._bias("down_bias", project(h, gate, _cast(self.down[...], x.dtype))), RESIDUAL)
+
+    def _bias(self, name: str, y: jax.Array) -> jax.Array:
+        return y + _cast(getattr(self, name)[...], y.dtype) if hasattr(self, name) else y
 
     def _activate_and_project(self, h: jax.Array, gate: jax.Array | None, down: jax.Array) -> jax.Array:
         if self.activation == "swiglu":
@@ -393,7 +512,7 @@ class GPT(nnx.Module):
         self.pipeline = pipeline
         self.embed = _param(rngs, _normal, (cfg.vocab, cfg.d_model), ("vocab", "embed"), param_dtype)
         if cfg.positions == "learned":
-            self.positions = _param(rngs, _normal, (cfg.seq_len, cfg.d_model), ("length", "embed"), param_dtype)
+            self.positions = _param(rngs, _normal, (cfg.position_rows, cfg.d_model), ("length", "embed"), param_dtype)
 
         # The blocks are drawn stacked either way: one random draw per kind of parameter, not one per
         # layer, keeps the init program small (each draw compiles to kernels of its own: see
@@ -489,10 +608,13 @@ class GPT(nnx.Module):
 
 def flops_per_token(cfg: Config) -> int:
     """Training FLOPs per token as the PaLM paper counts them for model FLOPs utilization
-    (Chowdhery et al. 2022, appendix B): 6N + 12 x layers x d x seq, N = 12 x layers x d^2 + vocab x d
-    the parameters of the matmuls (the output projection included), 12 x layers x d x seq for attention."""
+    (Chowdhery et al. 2022, appendix B): 6N + 12 x layers x d x seq, N the parameters of the matmuls
+    (the output projection included; 12 x layers x d^2 + vocab x d for a GELU MLP of 4 x d without
+    grouped-query attention), 12 x layers x d x seq for attention."""
     m = cfg.model
-    matmul_params = 12 * m.layers * m.d_model**2 + m.vocab * m.d_model
+    attention = m.d_model**2 * (2 + 2 * m.key_value_heads / m.heads)
+    mlp = (3 if m.activation == "swiglu" else 2) * m.d_model * m.mlp_dim
+    matmul_params = int(m.layers * (attention + mlp)) + m.vocab * m.d_model
     return 6 * matmul_params + 12 * m.layers * m.d_model * m.seq_len
 
 
@@ -544,6 +666,6 @@ ENTRY = register(ModelEntry(
     flops_per_example=lambda cfg: flops_per_token(cfg) * cfg.model.seq_len,
     random_batch=random_tokens, batch_keys=("inputs", "targets"), read_in_compute_dtype=read_in_compute_dtype,
     samples_text=True,
-    activations=(RESIDUAL, HEADS, gelu_matmul.PRE_NAMES, gelu_matmul.OUT_NAMES, softmax_grad.LOGITS,
+    activations=(RESIDUAL, HEADS, KV_HEADS, gelu_matmul.PRE_NAMES, gelu_matmul.OUT_NAMES, softmax_grad.LOGITS,
                  ("vocab", "embed"), ("embed", "vocab"), ("batch", "embed", "vocab")),
 ))

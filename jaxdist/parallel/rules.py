@@ -207,17 +207,18 @@ def check_mesh_axes(rules: Rules, mesh: Mesh) -> None:
                     )
 
 
-# Transformers name `embed`, `mlp`, `heads`, ...; image classifiers add `classes` (logits), the
+# Transformers name `embed`, `mlp`, `heads`, ... (`kv_heads`: grouped-query attention's key and value
+# heads, split over tensor as the query heads are); image classifiers add `classes` (logits), the
 # convolution kernels' `kernel_h`, `kernel_w`, `conv_in`, `conv_out` (BatchNorm's scale, offset and
 # statistics are per `conv_out` channel) and feature maps' `height`, `width`, `channels`.
 _COMMON_PARAMS: dict[str, RuleValue] = {
-    "layers": None, "vocab": None, "embed": None, "mlp": None, "heads": None,
+    "layers": None, "vocab": None, "embed": None, "mlp": None, "heads": None, "kv_heads": None,
     "head_dim": None, "length": None, "qkv": None,
     "classes": None, "kernel_h": None, "kernel_w": None, "conv_in": None, "conv_out": None,
 }
 _COMMON_ACTIVATIONS: dict[str, RuleValue] = {
     "batch": ["data", "fsdp"], "seq": None, "length": None, "embed": None, "mlp": None, "heads": None,
-    "head_dim": None, "vocab": None, "stage": "stage",
+    "kv_heads": None, "head_dim": None, "vocab": None, "stage": "stage",
     "classes": None, "height": None, "width": None, "channels": None,
 }
 # A convolution's output channels: the dimension every kernel has in a size the mesh can split (a
@@ -225,8 +226,10 @@ _COMMON_ACTIVATIONS: dict[str, RuleValue] = {
 _FSDP_PARAMS: dict[str, RuleValue] = {"embed": "fsdp", "conv_out": "fsdp"}
 # Column-parallel convolutions: each device computes its slice of the output channels (and their
 # BatchNorm, which needs no other device's channels) from all input channels.
-_TP_PARAMS: dict[str, RuleValue] = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor", "conv_out": "tensor"}
-_TP_ACTIVATIONS: dict[str, RuleValue] = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor", "channels": "tensor"}
+_TP_PARAMS: dict[str, RuleValue] = {
+    "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor", "conv_out": "tensor"}
+_TP_ACTIVATIONS: dict[str, RuleValue] = {
+    "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor", "channels": "tensor"}
 # Both: output channels split over tensor first, so that gathering a kernel over fsdp yields the
 # contiguous slice of channels the device's tensor rank computes.
 _FSDP_TP_PARAMS: dict[str, RuleValue] = {"conv_out": ["tensor", "fsdp"]}

@@ -130,12 +130,15 @@ def init_state(
     loss_scale: LossScale | None = None,
     abstract: AbstractModel | None = None,
     materialize: bool = True,
+    params: Callable[[Any], Any] | None = None,
 ) -> tuple[TrainState, TrainState, nnx.GraphDef, Any]:
     """Creates the sharded train state; returns (state, state shardings, graphdef, layouts).
 
     `abstract` is `abstract_model(create_model, seed)` where the caller already has it. With
     `materialize` False the state is only described (`jax.ShapeDtypeStruct`s with their shardings),
-    to compile for it without allocating it (`jaxdist plan`).
+    to compile for it without allocating it (`jaxdist plan`). `params(param_shardings)`: the
+    parameters to start from (e.g. published weights, made in those shardings) instead of the
+    model's random init; the optimizer state starts as ever.
     """
     abstract = abstract or abstract_model(create_model, seed)
     rules_lib.warn_unnamed(abstract.unnamed)
@@ -155,15 +158,21 @@ def init_state(
         loss_stats=jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), LossStats.create()),
     )
 
-    def init() -> TrainState:
-        params, model_state = model_variables(create_model, seed)
+    def init(params: Any = None) -> TrainState:
+        model_state = abstract.state
+        if params is None:
+            params, model_state = model_variables(create_model, seed)
         return TrainState(
             step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
             skipped_steps=jnp.zeros((), jnp.int32), loss_scale=loss_scale, model_state=model_state,
             loss_stats=LossStats.create(),
         )
 
-    if materialize:
+    if materialize and params is not None:
+        if abstract.state is not None:
+            raise ValueError("starting from given parameters needs a model without other variables (BatchNorm's)")
+        state = jax.jit(init, out_shardings=shardings, donate_argnums=0)(params(param_shardings))
+    elif materialize:
         state = jax.jit(init, out_shardings=shardings)()
     else:
         state = with_shardings(jax.eval_shape(init), shardings)

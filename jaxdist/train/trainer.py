@@ -59,6 +59,7 @@ class Trainer:
         fsdp_gather: str = "per_layer",
         materialize: bool = True,
         loss_spike: float | None = None,
+        params: Callable[[Any], Any] | None = None,
     ):
         """`abstract`: `state.abstract_model(create_model, seed)`, if already computed (saves a trace).
 
@@ -70,12 +71,13 @@ class Trainer:
         backward (ZeRO-2; needs `compute_copies`). `materialize` False describes the state without
         allocating it: the step can then be compiled (`compile` with an abstract batch) but not run.
         `loss_spike`: a loss above this factor times the running average of the applied steps'
-        losses is dropped like a non-finite step (train/spikes.py); None: off.
+        losses is dropped like a non-finite step (train/spikes.py); None: off. `params(param_shardings)`:
+        the parameters to start from instead of the random init (`state.init_state`).
         """
         self.mesh = mesh
         self.rules = rules
         self.state, self.state_shardings, self.graphdef, self.layouts = init_state(
-            create_model, optimizer, mesh, rules, seed, loss_scale, abstract, materialize
+            create_model, optimizer, mesh, rules, seed, loss_scale, abstract, materialize, params
         )
         # The first step donates these buffers; let their init finish first (an in-flight
         # donated init aborted the XLA CPU runtime under load).
@@ -123,13 +125,14 @@ class Trainer:
 
     @classmethod
     def from_config(cls, cfg: Config, devices: list | None = None, layout: layout_lib.Layout | None = None,
-                    materialize: bool = True, abstract: AbstractModel | None = None) -> Trainer:
+                    materialize: bool = True, abstract: AbstractModel | None = None,
+                    params: Callable[[Any], Any] | None = None) -> Trainer:
         """Checks the config against the devices, then builds the mesh, the sharded state and the step
         for the registered model `cfg.model.name`.
 
         `layout`: `jaxdist.parallel.layout.from_config(cfg, devices)`, where the caller already has it.
         `materialize` False: the state is described, not allocated (see `__init__`). `abstract`: the
-        model's `state.abstract_model`, where the caller already has it.
+        model's `state.abstract_model`, where the caller already has it. `params`: as `__init__`'s.
         """
         entry = models.get(cfg.model.name)
         layout = layout or layout_lib.from_config(cfg, devices, entry.activations)
@@ -155,7 +158,7 @@ class Trainer:
             seed=cfg.seed, microbatches=cfg.train.microbatches, grad_reduction=cfg.train.grad_reduction,
             schedule=schedule, loss_scale=precision.initial_loss_scale(cfg.precision), abstract=abstract,
             compute_copies=make_copies, fsdp_gather=cfg.train.fsdp_gather, materialize=materialize,
-            loss_spike=cfg.train.loss_spike,
+            loss_spike=cfg.train.loss_spike, params=params,
         )
 
     def _has_flax_batch_norm(self) -> bool:

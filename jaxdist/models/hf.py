@@ -1,0 +1,342 @@
+"""Hugging Face's decoders in jaxdist's terms: a config.json as `model:` keys, and each published
+tensor as the jaxdist parameter it becomes, both ways.
+
+Covered: `LlamaForCausalLM`, `MistralForCausalLM` (no sliding window) and `Qwen2ForCausalLM` as
+`model.name=llama`; `GPT2LMHeadModel` as `model.name=gpt`. Pure functions on dicts and numpy
+arrays; reading and writing the files is checkpoint/hf.py's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from jaxdist.errors import UserError
+
+LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+GPT2 = "GPT2LMHeadModel"
+ARCHITECTURES = (*LLAMA_FAMILY, GPT2)
+
+
+def architecture(hf_config: dict, where: str) -> str:
+    """The one architecture a config.json names, if jaxdist covers it; a `UserError` otherwise."""
+    named = hf_config.get("architectures") or []
+    if len(named) != 1 or named[0] not in ARCHITECTURES:
+        raise UserError(f"{where}: architectures={named} is not one jaxdist imports; it reads "
+                        f"{', '.join(ARCHITECTURES)}")
+    return named[0]
+
+
+def model_keys(hf_config: dict, where: str) -> dict[str, Any]:
+    """The `model:` keys (name included) that describe the model of a Hugging Face config.json.
+
+    Every setting that would change the math and that the decoder does not have is refused with one
+    line (`UserError`) rather than ignored.
+    """
+    arch = architecture(hf_config, where)
+    get = _Reader(hf_config, where)
+    if arch == GPT2:
+        return _gpt2_keys(get)
+    d, heads = get.int("hidden_size"), get.int("num_attention_heads")
+    head_dim = hf_config.get("head_dim") or d // heads
+    get.require(head_dim * heads == d, f"head_dim={head_dim} x num_attention_heads={heads} != hidden_size={d}; "
+                                       f"jaxdist's heads are hidden_size / num_attention_heads wide")
+    get.require(hf_config.get("hidden_act", "silu") == "silu", f"hidden_act={hf_config.get('hidden_act')!r} (SwiGLU "
+                                                               f"needs silu)")
+    get.require(not hf_config.get("mlp_bias") and not hf_config.get("attention_bias"),
+                "attention_bias or mlp_bias set (jaxdist's Llama has Qwen2's q/k/v biases only)")
+    get.require(not hf_config.get("use_sliding_window") and (arch != "MistralForCausalLM"
+                                                             or hf_config.get("sliding_window") is None),
+                f"sliding_window={hf_config.get('sliding_window')} (jaxdist attends to the whole sequence)")
+    keys = {
+        "name": "llama", "vocab": get.int("vocab_size"), "d_model": d, "layers": get.int("num_hidden_layers"),
+        "heads": heads, "kv_heads": get.int("num_key_value_heads", heads), "mlp_hidden": get.int("intermediate_size"),
+        "max_positions": get.int("max_position_embeddings"), "norm": "rmsnorm",
+        "norm_eps": float(get.value("rms_norm_eps", 1e-6)), "positions": "rope", "activation": "swiglu",
+        "biases": "qkv" if arch == "Qwen2ForCausalLM" else "none",
+        "tied_embeddings": bool(hf_config.get("tie_word_embeddings", False)),
+    }
+    keys.update(_rope_keys(hf_config, get))
+    return keys
+
+
+def _gpt2_keys(get: _Reader) -> dict[str, Any]:
+    config = get.config
+    get.require(config.get("activation_function", "gelu_new") in ("gelu_new", "gelu_pytorch_tanh"),
+                f"activation_function={config.get('activation_function')!r} (jaxdist's GELU is the tanh form, gelu_new)")
+    get.require(not config.get("scale_attn_by_inverse_layer_idx") and config.get("scale_attn_weights", True),
+                "attention scaled other than by 1/sqrt(head_dim)")
+    d = get.int("n_embd")
+    return {
+        "name": "gpt", "vocab": get.int("vocab_size"), "d_model": d, "layers": get.int("n_layer"),
+        "heads": get.int("n_head"), "mlp_hidden": config.get("n_inner") or 4 * d,
+        "max_positions": get.int("n_positions"), "norm": "layernorm",
+        "norm_eps": float(get.value("layer_norm_epsilon", 1e-5)), "positions": "learned", "activation": "gelu",
+        "biases": "all", "tied_embeddings": bool(config.get("tie_word_embeddings", True)),
+    }
+
+
+def _rope_keys(config: dict, get: _Reader) -> dict[str, Any]:
+    # transformers 5 writes `rope_parameters`; published folders (and transformers 4) `rope_theta` and
+    # `rope_scaling`.
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    base = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return {"rope_base": float(base)}
+    get.require(kind == "llama3", f"rope type {kind!r} (jaxdist has default and llama3)")
+    return {"rope_base": float(base), "rope_scaling": {
+        "kind": "llama3", "factor": float(rope["factor"]), "low_freq_factor": float(rope["low_freq_factor"]),
+        "high_freq_factor": float(rope["high_freq_factor"]),
+        "original_length": int(rope["original_max_position_embeddings"])}}
+
+
+class _Reader:
+    def __init__(self, config: dict, where: str):
+        self.config, self.where = config, where
+
+    def value(self, key: str, default: Any = None) -> Any:
+        if key not in self.config and default is None:
+            raise UserError(f"{self.where}: has no {key!r}, which a {self.config['architectures'][0]} config needs")
+        return self.config.get(key, default)
+
+    def int(self, key: str, default: int | None = None) -> int:
+        value = self.value(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UserError(f"{self.where}: {key}={value!r} is not a positive integer")
+        return value
+
+    def require(self, holds: bool, what: str) -> None:
+        if not holds:
+            raise UserError(f"{self.where}: {what}: jaxdist cannot reproduce this model")
+
+
+# -- config.json out ---------------------------------------------------------------------------------
+
+# The keys transformers 5 writes for each architecture, with the values that the model section does
+# not decide (an imported folder's own values win where the export has them).
+_COMMON_OUT = {"dtype": "float32", "pad_token_id": None, "use_cache": True, "initializer_range": 0.02}
+_LLAMA_OUT = {**_COMMON_OUT, "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu"}
+_TEMPLATES = {
+    "LlamaForCausalLM": {**_LLAMA_OUT, "model_type": "llama", "attention_bias": False, "mlp_bias": False,
+                         "pretraining_tp": 1},
+    "Qwen2ForCausalLM": {**_LLAMA_OUT, "model_type": "qwen2", "bos_token_id": None, "eos_token_id": None,
+                         "max_window_layers": 28, "sliding_window": None, "use_sliding_window": False},
+    GPT2: {**_COMMON_OUT, "model_type": "gpt2", "activation_function": "gelu_new", "add_cross_attention": False,
+           "attn_pdrop": 0.1, "bos_token_id": 50256, "embd_pdrop": 0.1, "eos_token_id": 50256,
+           "reorder_and_upcast_attn": False, "resid_pdrop": 0.1, "scale_attn_by_inverse_layer_idx": False,
+           "scale_attn_weights": True, "summary_activation": None, "summary_first_dropout": 0.1,
+           "summary_proj_to_labels": True, "summary_type": "cls_index", "summary_use_proj": True},
+}
+
+
+def export_architecture(model) -> str:
+    """The Hugging Face architecture that computes what `model` (a decoder's section) computes; a
+    `UserError` where none does."""
+    if model.positions == "learned" and model.norm == "layernorm" and model.activation == "gelu" \
+            and model.key_value_heads == model.heads and model.biases != "qkv":
+        return GPT2  # jaxdist's own GPT too: GPT-2 with zero biases (and an untied head where it has one)
+    if model.positions == "rope" and model.norm == "rmsnorm" and model.activation == "swiglu" and model.biases != "all":
+        return "Qwen2ForCausalLM" if model.biases == "qkv" else "LlamaForCausalLM"
+    raise UserError(f"export --format hf: no Hugging Face architecture computes this model (positions="
+                    f"{model.positions}, norm={model.norm}, activation={model.activation}, biases={model.biases}); "
+                    f"GPT-2 is learned+layernorm+gelu, the Llama family rope+rmsnorm+swiglu")
+
+
+def hf_config(model, source: dict | None = None) -> dict[str, Any]:
+    """The config.json `transformers` loads `model` (a decoder's section) from; values of `source` (the
+    imported folder's config.json, if any) kept where the section does not decide them (token ids)."""
+    arch = export_architecture(model)
+    out = {**_TEMPLATES[arch]}
+    if source and architecture_or_none(source) == arch:
+        out.update({key: source[key] for key in out if key in source and key != "dtype"})
+    if arch == GPT2:
+        out.update(n_embd=model.d_model, n_head=model.heads, n_layer=model.layers, n_positions=model.position_rows,
+                   n_inner=None if model.mlp_dim == 4 * model.d_model else model.mlp_dim,
+                   layer_norm_epsilon=model.norm_eps, tie_word_embeddings=model.tied_embeddings)
+    else:
+        out.update(hidden_size=model.d_model, num_attention_heads=model.heads, num_hidden_layers=model.layers,
+                   num_key_value_heads=model.key_value_heads, intermediate_size=model.mlp_dim,
+                   head_dim=model.d_model // model.heads, rms_norm_eps=model.norm_eps,
+                   max_position_embeddings=model.position_rows, tie_word_embeddings=model.tied_embeddings,
+                   rope_parameters=_rope_out(model))
+        if arch == "Qwen2ForCausalLM":
+            out.pop("head_dim")
+            out["layer_types"] = ["full_attention"] * model.layers
+    out.update(architectures=[arch], vocab_size=model.vocab)
+    return dict(sorted(out.items()))
+
+
+def architecture_or_none(config: dict) -> str | None:
+    named = config.get("architectures") or []
+    return named[0] if len(named) == 1 else None
+
+
+def _rope_out(model) -> dict[str, Any]:
+    scaling = model.rope_scaling
+    if scaling.kind == "none":
+        return {"rope_theta": model.rope_base, "rope_type": "default"}
+    return {"rope_theta": model.rope_base, "rope_type": "llama3", "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor, "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_length}
+
+
+# -- tensors -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Tensor:
+    """One jaxdist parameter and the Hugging Face tensors it is made of.
+
+    `path`: its keys in the params dict, below `blocks` (and the layer, where unstacked) for a block's;
+    `names`: the Hugging Face names, `{layer}` standing for the layer's index; `read(arrays)` makes
+    the parameter (one layer's, for a block's) from those tensors, `write(array)` the tensors back.
+    `zero_in_hf`: a tensor the Hugging Face model has and jaxdist's lacks (GPT-2's biases, written as
+    zeros for a model without them); then `path` is None.
+    """
+
+    path: tuple[str, ...] | None
+    names: tuple[str, ...]
+    read: Callable[[list[np.ndarray]], np.ndarray]
+    write: Callable[[np.ndarray], list[np.ndarray]]
+    in_block: bool
+    zero_shape: tuple[int, ...] | None = None
+
+
+def tensors(model) -> list[Tensor]:
+    """Every tensor of `model`'s (a decoder section's) Hugging Face form, in jaxdist's terms."""
+    if export_architecture(model) == GPT2:
+        return _gpt2_tensors(model)
+    return _llama_tensors(model)
+
+
+def _linear(shape: tuple[int, ...]) -> tuple[Callable, Callable]:
+    """A torch Linear's (out, in) weight as jaxdist's (in, *out) and back (the q projection)."""
+    def read(arrays):
+        return arrays[0].T.reshape(shape)
+
+    def write(array):
+        return [array.reshape(shape[0], -1).T]
+
+    return read, write
+
+
+def _stacked_linears(count: int, shape: tuple[int, ...]) -> tuple[Callable, Callable]:
+    """`count` Linear weights stacked on a leading axis (q, k, v as qkv)."""
+    def read(arrays):
+        return np.stack([a.T.reshape(shape) for a in arrays])
+
+    def write(array):
+        return [part.reshape(shape[0], -1).T for part in array]
+
+    return read, write
+
+
+def _reshaped(shape: tuple[int, ...], count: int = 1) -> tuple[Callable, Callable]:
+    def read(arrays):
+        return np.stack([a.reshape(shape) for a in arrays]) if count > 1 else arrays[0].reshape(shape)
+
+    def write(array):
+        return [part.reshape(-1) for part in array] if count > 1 else [array.reshape(-1)]
+
+    return read, write
+
+
+def _same() -> tuple[Callable, Callable]:
+    return (lambda arrays: arrays[0]), (lambda array: [array])
+
+
+def _transposed() -> tuple[Callable, Callable]:
+    return (lambda arrays: arrays[0].T), (lambda array: [array.T])
+
+
+def _llama_tensors(model) -> list[Tensor]:
+    d, h, kv = model.d_model, model.heads, model.key_value_heads
+    hd = d // h
+    layer = "model.layers.{layer}."
+    attn, mlp = layer + "self_attn.", layer + "mlp."
+    out = [
+        Tensor(("embed",), ("model.embed_tokens.weight",), *_same(), in_block=False),
+        Tensor(("final_norm", "scale"), ("model.norm.weight",), *_same(), in_block=False),
+        Tensor(("norm1", "scale"), (layer + "input_layernorm.weight",), *_same(), in_block=True),
+        Tensor(("norm2", "scale"), (layer + "post_attention_layernorm.weight",), *_same(), in_block=True),
+        Tensor(("attn", "out"), (attn + "o_proj.weight",), *_out_proj(h, hd, d), in_block=True),
+        Tensor(("mlp", "up"), (mlp + "up_proj.weight",), *_transposed(), in_block=True),
+        Tensor(("mlp", "gate"), (mlp + "gate_proj.weight",), *_transposed(), in_block=True),
+        Tensor(("mlp", "down"), (mlp + "down_proj.weight",), *_transposed(), in_block=True),
+    ]
+    qkv_names = tuple(attn + f"{x}_proj.weight" for x in "qkv")
+    bias_names = tuple(attn + f"{x}_proj.bias" for x in "qkv")
+    if kv == h:
+        out.append(Tensor(("attn", "qkv"), qkv_names, *_stacked_linears(3, (d, h, hd)), in_block=True))
+        if model.biases == "qkv":
+            out.append(Tensor(("attn", "qkv_bias"), bias_names, *_reshaped((h, hd), 3), in_block=True))
+    else:
+        out.append(Tensor(("attn", "q"), qkv_names[:1], *_linear((d, h, hd)), in_block=True))
+        out.append(Tensor(("attn", "kv"), qkv_names[1:], *_stacked_linears(2, (d, kv, hd)), in_block=True))
+        if model.biases == "qkv":
+            out.append(Tensor(("attn", "q_bias"), bias_names[:1], *_reshaped((h, hd)), in_block=True))
+            out.append(Tensor(("attn", "kv_bias"), bias_names[1:], *_reshaped((kv, hd), 2), in_block=True))
+    if not model.tied_embeddings:
+        out.append(Tensor(("head",), ("lm_head.weight",), *_transposed(), in_block=False))
+    return out
+
+
+def _out_proj(h: int, hd: int, d: int) -> tuple[Callable, Callable]:
+    """o_proj's (d, h x hd) weight as jaxdist's (h, hd, d) and back."""
+    def read(arrays):
+        return arrays[0].T.reshape(h, hd, d)
+
+    def write(array):
+        return [array.reshape(h * hd, d).T]
+
+    return read, write
+
+
+def _gpt2_tensors(model) -> list[Tensor]:
+    d, h = model.d_model, model.heads
+    hd, m = d // h, model.mlp_dim
+    layer = "transformer.h.{layer}."
+    biased = model.biases == "all"
+
+    def qkv_read(arrays):  # Conv1D weights are (in, out): c_attn's out is q, k, v side by side
+        return arrays[0].reshape(d, 3, h, hd).transpose(1, 0, 2, 3)
+
+    def qkv_write(array):
+        return [array.transpose(1, 0, 2, 3).reshape(d, 3 * d)]
+
+    out = [
+        Tensor(("embed",), ("transformer.wte.weight",), *_same(), in_block=False),
+        Tensor(("positions",), ("transformer.wpe.weight",), *_same(), in_block=False),
+        Tensor(("final_norm", "scale"), ("transformer.ln_f.weight",), *_same(), in_block=False),
+        Tensor(("final_norm", "bias"), ("transformer.ln_f.bias",), *_same(), in_block=False),
+        Tensor(("norm1", "scale"), (layer + "ln_1.weight",), *_same(), in_block=True),
+        Tensor(("norm1", "bias"), (layer + "ln_1.bias",), *_same(), in_block=True),
+        Tensor(("norm2", "scale"), (layer + "ln_2.weight",), *_same(), in_block=True),
+        Tensor(("norm2", "bias"), (layer + "ln_2.bias",), *_same(), in_block=True),
+        Tensor(("attn", "qkv"), (layer + "attn.c_attn.weight",), qkv_read, qkv_write, in_block=True),
+        Tensor(("attn", "out"), (layer + "attn.c_proj.weight",),
+               lambda arrays: arrays[0].reshape(h, hd, d), lambda array: [array.reshape(d, d)], in_block=True),
+        Tensor(("mlp", "up"), (layer + "mlp.c_fc.weight",), *_same(), in_block=True),
+        Tensor(("mlp", "down"), (layer + "mlp.c_proj.weight",), *_same(), in_block=True),
+    ]
+    biases = [(("attn", "qkv_bias"), "attn.c_attn.bias", 3 * d, _reshaped((3, h, hd))),
+              (("attn", "out_bias"), "attn.c_proj.bias", d, _same()),
+              (("mlp", "up_bias"), "mlp.c_fc.bias", m, _same()),
+              (("mlp", "down_bias"), "mlp.c_proj.bias", d, _same())]
+    for path, name, size, (read, write) in biases:
+        if biased:
+            out.append(Tensor(path, (layer + name,), read, write, in_block=True))
+        else:
+            out.append(Tensor(None, (layer + name,), read, write, in_block=True, zero_shape=(size,)))
+    if not model.tied_embeddings:
+        out.append(Tensor(("head",), ("lm_head.weight",), *_transposed(), in_block=False))
+    return out
+
+
+def layer_names(tensor: Tensor, layer: int) -> list[str]:
+    """The Hugging Face names of `tensor` in block `layer` (its names as they are outside a block)."""
+    return [name.format(layer=layer) for name in tensor.names]
+

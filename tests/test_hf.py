@@ -1,0 +1,225 @@
+"""Hugging Face folders in and out, checked against models that the real `transformers` made.
+
+tests/fixtures/hf holds tiny random Llama (grouped-query attention, Llama 3's RoPE scaling), Qwen2
+(q/k/v biases, tied embeddings) and GPT-2 models as `save_pretrained` wrote them, each with the
+logits transformers computed for fixed tokens (tests/fixtures/hf/make.py made them).
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_config
+from safetensors.numpy import load_file
+
+from jaxdist import cli, models
+from jaxdist.checkpoint import export, hf
+from jaxdist.config import Config
+from jaxdist.parallel import layout as layout_lib
+from jaxdist.parallel import rules as rules_lib
+from jaxdist.train.state import abstract_model, merge
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+FAMILIES = ("llama", "qwen2", "gpt2")
+LAYOUTS = {
+    "data8": {"mesh": {"data": 8, "fsdp": 1, "tensor": 1}, "rules": {"preset": "dp"}},
+    "fsdp2_tensor2_data2": {"mesh": {"data": 2, "fsdp": 2, "tensor": 2}, "rules": {"preset": "fsdp_tp"},
+                            "model": {"impl": {"scan_layers": False}}},
+    "stage2_fsdp4": {"mesh": {"data": 1, "fsdp": 4, "tensor": 1, "stage": 2}, "rules": {"preset": "fsdp"},
+                     "pipeline": {"microbatches": 2}},
+}
+
+
+def imported(folder: Path, layout: dict | None = None, seq_len: int = 12):
+    """(config, graphdef, params made in their shardings, layout) of a model folder under `layout`."""
+    layout = layout or LAYOUTS["data8"]
+    raw = {key: value for key, value in layout.items() if key != "model"}
+    raw["model"] = {"init_from": f"hf:{folder}", "seq_len": seq_len, **layout.get("model", {})}
+    cfg = hf.resolve(Config.model_validate(raw))
+    entry = models.get(cfg.model.name)
+    placed = layout_lib.from_config(cfg, None, entry.activations)
+    abstract = abstract_model(entry.create(cfg), 0)
+    shardings = rules_lib.layout_shardings(
+        rules_lib.param_layouts(abstract.params, abstract.names, placed.rules, placed.mesh), placed.mesh)
+    return cfg, abstract.graphdef, hf.load_params(cfg, abstract.params, shardings), placed
+
+
+def logits_of(graphdef, params, placed, tokens: np.ndarray) -> np.ndarray:
+    with rules_lib.activation_rules(placed.mesh, placed.rules):
+        out = jax.jit(lambda p, t: merge(graphdef, p)(t))(params, jnp.asarray(tokens))
+    return np.asarray(out)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_imported_models_give_the_logits_transformers_gave(family, layout):
+    reference = np.load(FIXTURES / family / "reference.npz")
+    cfg, graphdef, params, placed = imported(FIXTURES / family, LAYOUTS[layout])
+    logits = logits_of(graphdef, params, placed, reference["input_ids"])
+    assert logits.shape == reference["logits"].shape
+    np.testing.assert_allclose(logits, reference["logits"], atol=1e-4, rtol=0)
+    # A check that can fail: the logits vary, and the model is the family's.
+    assert reference["logits"].std() > 0.5
+    assert cfg.model.name == ("gpt" if family == "gpt2" else "llama")
+
+
+def test_the_fixtures_cover_what_the_families_differ_in():
+    llama, qwen2, gpt2 = (hf.resolve(Config.model_validate({"model": {"init_from": f"hf:{FIXTURES / f}",
+                                                                      "seq_len": 64}})).model for f in FAMILIES)
+    assert (llama.kv_heads, llama.heads, llama.rope_scaling.kind, llama.tied_embeddings) == (2, 4, "llama3", False)
+    assert (llama.mlp_dim, llama.norm_eps, llama.rope_base) == (96, 1e-6, 500000.0)
+    assert (qwen2.biases, qwen2.tied_embeddings, qwen2.rope_base) == ("qkv", True, 1e6)
+    assert (gpt2.biases, gpt2.positions, gpt2.norm, gpt2.max_positions) == ("all", "learned", "layernorm", 64)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_export_holds_the_fixture_tensors_and_config_keys_and_reimports_bitwise(family, tmp_path):
+    source = FIXTURES / family
+    cfg, _, params, _ = imported(source)
+    params = jax.tree.map(np.asarray, params)
+    out = tmp_path / "export"
+    written = hf.write_folder(out, cfg.model, params, source, max_shard_bytes=150_000)
+    assert "model.safetensors.index.json" in written and "tokenizer.json" in written
+
+    exported, published = _tensors(out), _tensors(source)
+    assert {name: a.shape for name, a in exported.items()} == {name: a.shape for name, a in published.items()}
+    for name, array in published.items():
+        np.testing.assert_array_equal(exported[name], array, err_msg=name)
+    ours, theirs = (json.loads((folder / "config.json").read_text()) for folder in (out, source))
+    assert set(ours) == set(theirs) - {"transformers_version"}
+    for key in ("architectures", "vocab_size", "tie_word_embeddings", "rope_parameters", "num_key_value_heads",
+                "intermediate_size", "n_embd", "n_positions", "rms_norm_eps", "layer_norm_epsilon"):
+        assert ours.get(key) == theirs.get(key), key
+    assert (out / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
+
+    _, _, again, _ = imported(out)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def _tensors(folder: Path) -> dict[str, np.ndarray]:
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(file)))
+    return out
+
+
+def test_a_run_starts_from_the_weights_trains_and_exports_what_it_trained(tmp_path, capsys):
+    from jaxdist import loop
+
+    folder = FIXTURES / "llama"
+    run_dir = tmp_path / "run"
+    # A learning rate so small that the trained weights stay within 1e-5 of where they started.
+    raw = make_config(run_dir, train={"steps": 3, "global_batch": 8}, checkpoint={"every": 3},
+                      optim={"lr": 1e-7, "weight_decay": 0.0}, mesh={"data": 2, "fsdp": 2, "tensor": 2})
+    raw = raw.model_dump(mode="json")
+    raw["model"] = {"init_from": f"hf:{folder}", "seq_len": 16}  # the folder decides the rest
+    trainer = loop.train(Config.model_validate(raw))
+    assert "starting from the weights of hf:" in capsys.readouterr().out
+
+    out = tmp_path / "hf"
+    assert cli.main(["export", str(run_dir), str(out), "--format", "hf"]) == 0
+    _, trained, _ = export.read_params(run_dir)
+    _, _, again, _ = imported(out, seq_len=16)
+    for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(again), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    published = jax.tree.leaves(imported(folder, seq_len=16)[2])
+    moved = [np.abs(np.asarray(a) - b).max() for a, b in zip(published, jax.tree.leaves(trained), strict=True)]
+    assert 0 < max(moved) < 1e-5
+    assert trainer.state.step == 3
+
+
+def _broken(tmp_path: Path, family: str, damage) -> Path:
+    folder = tmp_path / family
+    shutil.copytree(FIXTURES / family, folder)
+    damage(folder)
+    return folder
+
+
+def _edit_config(**changes):
+    def edit(folder):
+        config = json.loads((folder / "config.json").read_text())
+        config.update(changes)
+        (folder / "config.json").write_text(json.dumps(config))
+    return edit
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda f: (f / "config.json").unlink(), "the folder has no config.json"),
+    (_edit_config(architectures=["T5ForConditionalGeneration"]), "architectures=['T5ForConditionalGeneration'] is not "
+                                                                 "one jaxdist imports"),
+    (_edit_config(hidden_act="gelu"), "hidden_act='gelu' (SwiGLU needs silu): jaxdist cannot reproduce this model"),
+    (_edit_config(intermediate_size=128), "does not fit the model config.json describes"),
+    (lambda f: (f / "model-00002-of-00003.safetensors").unlink(), "1 shard(s) the index names are missing: "
+                                                                  "model-00002-of-00003.safetensors"),
+    (lambda f: (f / "config.json").write_text("{not json"), "config.json is not valid JSON"),
+], ids=["no-config", "architecture", "activation", "shape", "missing-shard", "bad-json"])
+def test_a_bad_folder_is_one_line_and_exit_2(tmp_path, capsys, damage, message):
+    folder = _broken(tmp_path, "llama", damage)
+    code = cli.main(["train", str(_config_file(tmp_path, folder)), "mesh.fsdp=-1"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith("jaxdist: error: "), err
+    assert message in err, err
+
+
+def _config_file(tmp_path: Path, folder: Path) -> Path:
+    """A run of the tiny GPT's settings whose model section is only `init_from` and `seq_len`."""
+    raw = make_config(tmp_path / "run", train={"steps": 1}).model_dump(mode="json")
+    raw["model"] = {"init_from": f"hf:{folder}", "seq_len": 16}
+    path = tmp_path / "run.yaml"
+    path.write_text(json.dumps(raw))
+    return path
+
+
+def test_a_key_that_disagrees_with_the_folder_is_named(tmp_path, capsys):
+    code = cli.main(["train", "tiny", f"model.init_from=hf:{FIXTURES / 'llama'}", f"run_dir={tmp_path / 'run'}",
+                     "model.seq_len=16"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "model.d_model=128 disagrees with" in err and "makes it 64; leave model.d_model out" in err, err
+
+
+def test_export_of_a_model_no_hugging_face_architecture_computes_is_refused(tmp_path, capsys):
+    from jaxdist import loop
+
+    run_dir = tmp_path / "run"
+    loop.train(make_config(run_dir, model={"positions": "rope"}, train={"steps": 1}, checkpoint={"every": 1}))
+    code = cli.main(["export", str(run_dir), str(tmp_path / "out"), "--format", "hf"])
+    err = capsys.readouterr().err
+    assert code == 2 and "no Hugging Face architecture computes this model (positions=rope" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_safetensors_files_round_trip_bfloat16_and_agree_with_the_safetensors_package(tmp_path):
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    from jaxdist.checkpoint import safetensors_file
+
+    rng = np.random.default_rng(0)
+    ours = {"w": rng.standard_normal((3, 5)).astype(ml_dtypes.bfloat16), "b": np.arange(7, dtype=np.int64),
+            "x": rng.standard_normal((2, 2, 2)).astype(np.float32)}
+    safetensors_file.write(tmp_path / "ours.safetensors", ours, {"format": "pt"})
+    back = safetensors_file.File(tmp_path / "ours.safetensors")
+    assert back.metadata == {"format": "pt"} and sorted(back.keys()) == ["b", "w", "x"]
+    for name, array in ours.items():
+        assert back.get(name).dtype == array.dtype
+        np.testing.assert_array_equal(back.get(name), array)
+    # The package reads what we write, and we read what it writes (the dtypes numpy has).
+    plain = {k: v for k, v in ours.items() if k != "w"}
+    safetensors_file.write(tmp_path / "plain.safetensors", plain)
+    for name, array in load_file(str(tmp_path / "plain.safetensors")).items():
+        np.testing.assert_array_equal(array, plain[name])
+    save_file(plain, str(tmp_path / "theirs.safetensors"))
+    theirs = safetensors_file.File(tmp_path / "theirs.safetensors")
+    for name, array in plain.items():
+        np.testing.assert_array_equal(theirs.get(name), array)
+    truncated = tmp_path / "cut.safetensors"
+    truncated.write_bytes((tmp_path / "ours.safetensors").read_bytes()[:-4])
+    with pytest.raises(safetensors_file.SafetensorsError, match="do not match its shape"):
+        safetensors_file.File(truncated).get("x")

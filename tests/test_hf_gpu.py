@@ -1,0 +1,58 @@
+"""On a GPU host with `transformers` installed, the real library loads jaxdist's Hugging Face exports
+and computes jaxdist's logits: float32 within 1e-3, bfloat16 within 1e-2 of the logits' scale.
+
+Skipped where JAX finds no GPU or transformers is missing (CI's machines); run it on a GPU host with
+`pytest tests/test_hf_gpu.py -s` (it prints each difference).
+"""
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdist import models
+from jaxdist.checkpoint import hf
+from jaxdist.config import Config
+from jaxdist.parallel import layout as layout_lib
+from jaxdist.parallel import rules as rules_lib
+from jaxdist.train.state import abstract_model, merge
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+
+
+def _jaxdist_logits(folder: Path, compute: str, tokens: np.ndarray) -> tuple[Config, dict, np.ndarray]:
+    cfg = hf.resolve(Config.model_validate({
+        "model": {"init_from": f"hf:{folder}", "seq_len": tokens.shape[1]}, "mesh": {"data": -1},
+        "rules": {"preset": "dp"}, "precision": {"compute": compute}}))
+    entry = models.get(cfg.model.name)
+    placed = layout_lib.from_config(cfg, None, entry.activations)
+    abstract = abstract_model(entry.create(cfg), 0)
+    shardings = rules_lib.layout_shardings(
+        rules_lib.param_layouts(abstract.params, abstract.names, placed.rules, placed.mesh), placed.mesh)
+    params = hf.load_params(cfg, abstract.params, shardings)
+    with rules_lib.activation_rules(placed.mesh, placed.rules), jax.default_matmul_precision("highest"):
+        logits = jax.jit(lambda p, t: merge(abstract.graphdef, p)(t))(params, jnp.asarray(tokens))
+    return cfg, jax.tree.map(np.asarray, params), np.asarray(logits, np.float32)
+
+
+@pytest.mark.parametrize("compute, tolerance", [("float32", 1e-3), ("bfloat16", 1e-2)])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+def test_transformers_loads_the_export_and_gives_jaxdist_logits(family, compute, tolerance, tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    tokens = np.load(FIXTURES / family / "reference.npz")["input_ids"]
+    cfg, params, ours = _jaxdist_logits(FIXTURES / family, compute, tokens)
+    hf.write_folder(tmp_path / "export", cfg.model, params, FIXTURES / family)
+    dtype = torch.float32 if compute == "float32" else torch.bfloat16
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=dtype,
+                                                              attn_implementation="eager").cuda().eval()
+    with torch.no_grad():
+        theirs = model(torch.from_numpy(tokens.astype(np.int64)).cuda()).logits.float().cpu().numpy()
+    difference = float(np.abs(ours - theirs).max())
+    scale = float(np.abs(theirs).max())
+    print(f"{family} {compute}: max |jaxdist - transformers| = {difference:.2e}, logits up to {scale:.2f}")
+    assert difference <= tolerance * max(1.0, scale if compute == "bfloat16" else 1.0)
