@@ -30,7 +30,7 @@ SIZES = {  # Llama 3.2 1B's shapes; "tiny" for trying the script on a CPU
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512),
 }
-TOKENS = np.arange(32, dtype=np.int64)[None] * 37 % 500
+TOKENS = np.arange(64, dtype=np.int64).reshape(2, 32) * 37 % 500  # two rows: one per GPU of fsdp=2
 
 
 def save(folder: Path, size: str) -> None:

@@ -86,9 +86,9 @@ def test_unrolled_blocks_are_traced_once_not_once_per_layer(monkeypatch, impl):
     traces = []
     block_call = gpt.Block.__call__
 
-    def counted(self, x, delta=None):
+    def counted(self, x, delta=None, docs=None):
         traces.append(delta is None)
-        return block_call(self, x, delta)
+        return block_call(self, x, delta, docs)
 
     monkeypatch.setattr(gpt.Block, "__call__", counted)
     cfg = GPTConfig(vocab=64, d_model=32, layers=6, heads=4, seq_len=16)

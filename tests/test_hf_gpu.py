@@ -25,7 +25,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
 def _jaxdist_logits(folder: Path, compute: str, tokens: np.ndarray) -> tuple[Config, dict, np.ndarray]:
     cfg = hf.resolve(Config.model_validate({
-        "model": {"init_from": f"hf:{folder}", "seq_len": tokens.shape[1]}, "mesh": {"data": -1},
+        "model": {"init_from": f"hf:{folder}", "seq_len": tokens.shape[1]}, "mesh": {"data": -1, "fsdp": 1, "tensor": 1},
         "rules": {"preset": "dp"}, "precision": {"compute": compute}}))
     entry = models.get(cfg.model.name)
     placed = layout_lib.from_config(cfg, None, entry.activations)

@@ -12,14 +12,16 @@ Out: `jaxdist export RUN_DIR OUT --format hf` (`export`) writes a folder `transf
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Sharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdist.checkpoint import safetensors_file
 from jaxdist.config import Config
@@ -189,29 +191,49 @@ def _read(shards: Shards, tensor: hf_models.Tensor, layer: int | None) -> np.nda
                         f"describes ({err})") from None
 
 
-def _placed(read_layer, abstract: jax.ShapeDtypeStruct, sharding: Sharding, layers: int | None,
+def _placed(read_layer, abstract: jax.ShapeDtypeStruct, sharding: NamedSharding, layers: int | None,
             tensor: hf_models.Tensor) -> jax.Array:
-    """One parameter made in `sharding`: each local device's slice cut from the layers it holds,
-    each layer read once (`read_layer(layer)`; `layers` None: a parameter without a layer axis)."""
-    cache: dict[int | None, np.ndarray] = {}
+    """One parameter made in `sharding` from `read_layer(layer)` (`layers` None: a parameter without
+    a layer axis, `read_layer(None)`). The host holds one layer of it at a time: each is placed on
+    the devices as it is read and the layers are stacked there, unless the layer axis itself is split
+    (over pipeline stages), where each device's slice is cut from the layers it holds."""
     expected = abstract.shape if layers is None else abstract.shape[1:]
 
     def layer_array(layer: int | None) -> np.ndarray:
-        if layer not in cache:
-            array = read_layer(layer)
-            if array.shape != expected:
-                raise UserError(f"model.init_from: the tensor(s) {', '.join(tensor.names)} make a parameter of shape "
-                                f"{array.shape}, which does not fit the model config.json describes: "
-                                f"{'.'.join(map(str, tensor.path))} is {expected} there")
-            cache[layer] = array.astype(abstract.dtype)
-        return cache[layer]
+        array = read_layer(layer)
+        if array.shape != expected:
+            raise UserError(f"model.init_from: the tensor(s) {', '.join(tensor.names)} make a parameter of shape "
+                            f"{array.shape}, which does not fit the model config.json describes: "
+                            f"{'.'.join(map(str, tensor.path))} is {expected} there")
+        return array.astype(abstract.dtype)
+
+    if layers is None:
+        whole = layer_array(None)
+        return jax.make_array_from_callback(abstract.shape, sharding, lambda index: whole[index])
+    spec = tuple(sharding.spec) + (None,) * (len(abstract.shape) - len(sharding.spec))
+    if spec[0] is None:
+        layer_sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec[1:]))
+        placed = []
+        for layer in range(layers):
+            array = layer_array(layer)
+            placed.append(jax.make_array_from_callback(expected, layer_sharding, lambda index, a=array: a[index]))
+            del array
+        return _stack(len(placed), sharding)(*placed)
+    cache: dict[int, np.ndarray] = {}
 
     def piece(index: tuple[slice, ...]) -> np.ndarray:
-        if layers is None:
-            return layer_array(None)[index]
-        return np.stack([layer_array(layer)[index[1:]] for layer in range(layers)[index[0]]])
+        held = range(layers)[index[0]]
+        for layer in held:
+            if layer not in cache:
+                cache[layer] = layer_array(layer)
+        return np.stack([cache[layer][index[1:]] for layer in held])
 
     return jax.make_array_from_callback(abstract.shape, sharding, piece)
+
+
+@functools.lru_cache(maxsize=None)
+def _stack(count: int, sharding: NamedSharding):
+    return jax.jit(lambda *layers: jnp.stack(layers), out_shardings=sharding)
 
 
 def _at(tree: Any, path: tuple) -> Any:

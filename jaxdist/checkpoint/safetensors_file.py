@@ -3,8 +3,9 @@
 The `safetensors` package's numpy API refuses bfloat16 (numpy has no such type), and published
 models are mostly stored in it; its other APIs hand tensors to torch or to a JAX device. The format
 is an 8-byte header length, a JSON header (each tensor's dtype, shape and byte range) and the bytes:
-here a file is memory-mapped, so reading a tensor touches only its own pages, and its numpy dtype
-comes from ml_dtypes (which JAX ships) where numpy lacks it.
+here a tensor is read alone, into memory of its own that goes when the caller drops it (a mapped
+file would keep every page read so far counted against the process), and its numpy dtype comes
+from ml_dtypes (which JAX ships) where numpy lacks it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class SafetensorsError(ValueError):
 
 
 class File:
-    """One safetensors file's tensors by name, memory-mapped."""
+    """One safetensors file's tensors by name."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -46,7 +47,7 @@ class File:
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
         self._entries: dict = header
         self._start = 8 + size
-        self._data: np.memmap | None = None
+        self._size = self.path.stat().st_size
 
     def keys(self) -> list[str]:
         return list(self._entries)
@@ -55,17 +56,15 @@ class File:
         return tuple(self._entries[name]["shape"])
 
     def get(self, name: str) -> np.ndarray:
-        """The tensor `name` (a read-only view of the mapped file)."""
+        """The tensor `name`, read from the file."""
         entry = self._entries[name]
         if entry["dtype"] not in DTYPES:
             raise SafetensorsError(f"{self.path.name}: {name} has dtype {entry['dtype']}, which jaxdist does not read")
-        if self._data is None:
-            self._data = np.memmap(self.path, np.uint8, mode="r")
         begin, end = (self._start + offset for offset in entry["data_offsets"])
         dtype, shape = DTYPES[entry["dtype"]], tuple(entry["shape"])
-        if end - begin != dtype.itemsize * int(np.prod(shape)) or end > self._data.size:
+        if end - begin != dtype.itemsize * int(np.prod(shape)) or end > self._size:
             raise SafetensorsError(f"{self.path.name}: {name}'s bytes do not match its shape {shape} (a truncated file?)")
-        return self._data[begin:end].view(dtype).reshape(shape)
+        return np.fromfile(self.path, dtype, count=int(np.prod(shape)), offset=begin).reshape(shape)
 
 
 def write(path: str | Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:

@@ -93,6 +93,9 @@ class DataConfig(Section):
                             "batches); auto: from the host's cores per training process")
     read_threads: int = Field(2, ge=0, description="grain read threads")
     prefetch: int = Field(4, ge=0, description="grain read-ahead buffer, in elements")
+    packing: bool = Field(
+        False, description="token sources: rows of whole documents, attention kept within each and positions "
+                           "restarted (padding left out of the loss); false: windows across document boundaries")
     augment: AugmentConfig = Field(AugmentConfig(), description="random crops and flips of train images")
 
     @field_validator("workers", mode="before")
@@ -109,6 +112,9 @@ class DataConfig(Section):
             raise ValueError(f"data.path={self.path} is set but data.source={self.source} reads no path; drop data.path")
         if self.source not in ("stdlib", "digits") and not self.path:
             raise ValueError(f"data.source={self.source} needs data.path (a prepared directory or a .npz file)")
+        if self.packing and self.source not in ("stdlib", "arrayrecord"):
+            raise ValueError(f"data.packing packs the documents of a token stream; data.source={self.source} holds "
+                             f"none (use stdlib or arrayrecord)")
         return self
 
 

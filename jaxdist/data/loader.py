@@ -45,7 +45,8 @@ def open_split(cfg: Config, split: str, keys: tuple[str, ...] = ()):
         name = f"the {split} split of the stdlib corpus (data.eval_fraction={data.eval_fraction})"
         tokens = corpus.stdlib_tokens(split, data.eval_fraction)
         empty = "change data.eval_fraction or set eval.every=0" if split == "eval" else "lower data.eval_fraction"
-        return _windows(tokens, cfg, name, tokenizer_lib.ByteTokenizer.vocab_size, "the stdlib corpus", empty)
+        return _windows(tokens, cfg, name, tokenizer_lib.ByteTokenizer.vocab_size, "the stdlib corpus", empty,
+                        corpus.SEPARATOR)
     if data.source == "arrayrecord":
         directory = Path(data.path)
         manifest = sources.read_manifest(directory)
@@ -53,7 +54,8 @@ def open_split(cfg: Config, split: str, keys: tuple[str, ...] = ()):
         name = f"the {split} split of data.path={data.path}"
         empty = ("prepare the data again with `jaxdist data prepare --eval-fraction` above 0, or set eval.every=0"
                  if split == "eval" else "prepare the data again with more documents")
-        return _windows(tokens, cfg, name, manifest["tokenizer"]["vocab_size"], f"data.path={data.path}", empty)
+        return _windows(tokens, cfg, name, manifest["tokenizer"]["vocab_size"], f"data.path={data.path}", empty,
+                        manifest["tokenizer"].get("separator"))
     if data.source == "images":
         return _images(cfg, split, keys)
     if data.source == "digits":
@@ -150,8 +152,9 @@ def _check_ids(arrays: dict[str, np.ndarray], cfg: Config, name: str) -> None:
                             f"{size - 1}); set model.{size_key}={high + 1} or auto, or fix the data")
 
 
-def _windows(tokens, cfg: Config, name: str, vocab: int, vocab_of: str, empty: str) -> stream.TokenWindows:
-    """`tokens` as windows of model.seq_len; `empty` says what to do where there are none."""
+def _windows(tokens, cfg: Config, name: str, vocab: int, vocab_of: str, empty: str, separator: int | None):
+    """`tokens` as windows of model.seq_len, or with data.packing as rows of whole documents (split at
+    `separator`); `empty` says what to do where there are none."""
     if cfg.model.vocab < vocab:
         raise UserError(
             f"model.vocab={cfg.model.vocab} is smaller than the vocabulary of {vocab_of} ({vocab} ids); "
@@ -159,6 +162,10 @@ def _windows(tokens, cfg: Config, name: str, vocab: int, vocab_of: str, empty: s
         )
     if not len(tokens):
         raise UserError(f"{name} is empty; {empty}")
+    if cfg.data.packing:
+        if separator is None:
+            raise UserError(f"data.packing: {vocab_of} records no document separator; prepare the data again")
+        return stream.PackedDocuments(tokens, cfg.model.seq_len, separator, name)
     return stream.TokenWindows(tokens, cfg.model.seq_len, name)
 
 

@@ -63,6 +63,74 @@ class TokenWindows:
         return {"inputs": window[:-1], "targets": window[1:]}
 
 
+class PackedDocuments:
+    """Random-access source of rows packed whole documents, as many as fit, in stream order.
+
+    A document is the tokens up to and including a `separator` (the stream's document boundary);
+    its n tokens give n - 1 (input, target) pairs, and those pairs are what a row of `seq_len` holds.
+    Documents go into the current row while they fit, the next starts a new row, and the row's rest
+    is padding (segment 0, target 0, weight 0 in the loss); a document longer than a row fills rows
+    of its own, each piece counted from position 0. Each row carries `segments` (1, 2, ... per
+    document in the row) and `positions` (each token's place in its document), which the model turns
+    into attention within each document. The plan is fixed by the stream alone, so row i is the
+    same under any process count, worker count or resume: the data position stays one row index.
+
+    The plan keeps the start and length of every piece: 16 bytes a document, computed when the
+    source opens from one pass over the stream for its separators.
+    """
+
+    def __init__(self, tokens, seq_len: int, separator: int, name: str = "the whole token stream"):
+        stream_tokens = np.asarray(tokens[:])
+        ends = np.flatnonzero(stream_tokens == separator) + 1
+        if not len(ends) or ends[-1] != len(stream_tokens):
+            ends = np.append(ends, len(stream_tokens))  # a last document without its separator
+        starts = np.concatenate([[0], ends[:-1]])
+        pairs = ends - starts - 1
+        keep = pairs > 0  # a lone separator predicts nothing
+        starts, pairs = starts[keep], pairs[keep]
+        if not len(starts):
+            raise UserError(f"{name} holds no document of two or more tokens to pack")
+        # Documents longer than a row become pieces of seq_len pairs (each a document of its own).
+        pieces = -(-pairs // seq_len)
+        piece_doc = np.repeat(np.arange(len(starts)), pieces)
+        piece_index = np.arange(len(piece_doc)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+        self.starts = starts[piece_doc] + piece_index * seq_len
+        self.lengths = np.minimum(pairs[piece_doc] - piece_index * seq_len, seq_len)
+        self.rows = _first_rows(self.lengths, seq_len)
+        self.tokens, self.seq_len = tokens, seq_len
+        self.documents = int(len(starts))
+        self.padding = 1 - float(self.lengths.sum()) / (len(self) * seq_len)
+
+    def __len__(self) -> int:
+        return len(self.rows) - 1
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        row = {key: np.zeros(self.seq_len, np.int32) for key in ("inputs", "targets", "segments", "positions")}
+        at = 0
+        for segment, piece in enumerate(range(self.rows[index], self.rows[index + 1]), 1):
+            start, length = int(self.starts[piece]), int(self.lengths[piece])
+            window = np.asarray(self.tokens[start : start + length + 1], np.int32)
+            row["inputs"][at : at + length] = window[:-1]
+            row["targets"][at : at + length] = window[1:]
+            row["segments"][at : at + length] = segment
+            row["positions"][at : at + length] = np.arange(length)
+            at += length
+        return row
+
+
+def _first_rows(lengths: np.ndarray, seq_len: int) -> np.ndarray:
+    """The first piece of every row when pieces of `lengths` fill rows of `seq_len` in order (a
+    piece that does not fit the row's rest starts the next), and the piece count last."""
+    firsts, used = [0], 0
+    for piece, length in enumerate(lengths.tolist()):
+        if used + length > seq_len:
+            firsts.append(piece)
+            used = 0
+        used += length
+    firsts.append(len(lengths))
+    return np.asarray(firsts, np.int64)
+
+
 class _RowsOf(grain.transforms.DatasetSelectionMap):
     """Local index -> (0, the stream index of that row of this process's batches)."""
 

@@ -49,7 +49,8 @@ def fused_linear_cross_entropy(
     hidden: (batch, length, embed) in the compute dtype; head: (embed, vocab), cast to the
     compute dtype for the matmuls (its gradient comes back in its own dtype, summed in float32);
     targets: (batch, length) integers; weights: optional (batch,) per-sequence weights, giving
-    the weighted mean (eval batches: 0 marks padding). `chunk` positions of every sequence are
+    the weighted mean (eval batches: 0 marks padding), or (batch, length) per-token ones (packed
+    documents: 0 marks padding). `chunk` positions of every sequence are
     projected at a time and must divide `length`; logits are written in `logits_dtype`, the
     softmax is float32. `impl` (`model.impl.loss_impl`) says where the softmax and the logits' gradient
     are computed when differentiated: "xla" (a reduction and a gradient pass), "pallas" (one
@@ -97,8 +98,8 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def _total_weight(hidden: jax.Array, weights: jax.Array) -> jax.Array:
-    """The loss's denominator: every position of a sequence carries its sequence's weight."""
-    return weights.sum() * hidden.shape[1]
+    """The loss's denominator: every position carries its own weight, or its sequence's."""
+    return weights.sum() if weights.ndim == 2 else weights.sum() * hidden.shape[1]
 
 
 def _chunks(x: jax.Array, chunk: int) -> jax.Array:
@@ -177,15 +178,24 @@ def _scan_chunks(chunk, logits_dtype, hidden, head, targets, weights, *, with_gr
     def by_shard(x: jax.Array) -> jax.Array:
         return x.reshape(shards, batch // shards, *x.shape[1:])
 
+    # Per-token weights ride with their chunk and scale its losses and gradient after the softmax,
+    # which itself sees weight 1 per sequence.
+    per_token = weights.ndim == 2
+    sequence_weights = jnp.ones((batch,), jnp.float32) if per_token else weights
+
     def body(carry, xs):
-        hidden_c, targets_c = xs
+        hidden_c, targets_c, *token_weights = xs
         logits = jnp.einsum("bcd,dv->bcv", hidden_c, head_c, preferred_element_type=logits_dtype)
         logits = constrain(logits, LOGITS)
         if kernel:
-            row_losses, d_logits = softmax_grad.loss_and_grad(logits, targets_c, weights, grad_dtype=hidden.dtype)
+            row_losses, d_logits = softmax_grad.loss_and_grad(logits, targets_c, sequence_weights,
+                                                              grad_dtype=hidden.dtype)
         else:
-            row_losses, d_logits = xla_loss_and_grad(logits, targets_c, weights, grad_dtype=hidden.dtype,
+            row_losses, d_logits = xla_loss_and_grad(logits, targets_c, sequence_weights, grad_dtype=hidden.dtype,
                                                      one_pass=not vocab_sharded)
+        if per_token:
+            row_losses = row_losses * token_weights[0]
+            d_logits = d_logits * token_weights[0][..., None].astype(d_logits.dtype)
         sequence_losses = carry[0] + row_losses.sum(-1)
         if not with_grads:
             return (sequence_losses,), None
@@ -198,8 +208,9 @@ def _scan_chunks(chunk, logits_dtype, hidden, head, targets, weights, *, with_gr
     init = (jnp.zeros((batch,), jnp.float32),)
     if with_grads:
         init += (constrain(jnp.zeros((shards, embed, vocab), jnp.float32), ("batch", "embed", "vocab")),)
-    carry, d_hidden = jax.lax.scan(body, init, (_chunks(hidden, chunk), _chunks(targets, chunk)))
-    loss_sum = (carry[0] * weights).sum()
+    xs = (_chunks(hidden, chunk), _chunks(targets, chunk)) + ((_chunks(weights, chunk),) if per_token else ())
+    carry, d_hidden = jax.lax.scan(body, init, xs)
+    loss_sum = (carry[0] * sequence_weights).sum()
     if not with_grads:
         return loss_sum, None
     d_hidden = jnp.moveaxis(d_hidden, 0, 1).reshape(hidden.shape)

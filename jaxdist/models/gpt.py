@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -206,6 +206,25 @@ class GPTConfig(ModelSection):
 
 Names = tuple[str | None, ...]
 
+
+class Documents(NamedTuple):
+    """Where the documents of packed rows lie: `mask` (batch, 1, length, length), true where a query
+    may attend to a key (the same document, not later), and each token's `positions` (batch,
+    length) within its document. None where every row is one stream (attention causal, positions
+    0, 1, ...)."""
+
+    mask: jax.Array
+    positions: jax.Array
+
+
+def documents(segments: jax.Array, positions: jax.Array) -> Documents:
+    """The `Documents` of packed rows: `segments` (batch, length) numbers each token's document
+    within its row (0: padding), `positions` its place in that document."""
+    length = segments.shape[1]
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    same = segments[:, :, None] == segments[:, None, :]
+    return Documents((same & causal)[:, None], positions)
+
 # The residual stream between blocks (and through the norms) names its length axis `seq`, apart
 # from `length` inside attention and the MLP: rules may split `seq` over `tensor` (sequence
 # parallelism), so that norms and residual adds are not repeated on every tensor-parallel device
@@ -299,10 +318,11 @@ def rope_frequencies(head_dim: int, base: float = 10000.0, scaling: RopeScaling 
 
 def rope(x: jax.Array, positions: jax.Array, freqs: Sequence[float] | None = None) -> jax.Array:
     """Rotary position embedding over the last dim of (batch, length, heads, head_dim), its two
-    halves rotated as pairs (Hugging Face's `rotate_half`); `freqs` from `rope_frequencies`."""
+    halves rotated as pairs (Hugging Face's `rotate_half`); `positions` (length,) or (batch,
+    length); `freqs` from `rope_frequencies`."""
     freqs = rope_frequencies(x.shape[-1]) if freqs is None else freqs
-    angles = positions[:, None].astype(jnp.float32) * jnp.asarray(freqs, jnp.float32)[None, :]
-    sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
+    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(freqs, jnp.float32)
+    sin, cos = jnp.sin(angles)[..., None, :], jnp.cos(angles)[..., None, :]  # over the heads
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -339,12 +359,13 @@ class Attention(nnx.Module):
         if cfg.biases == "all":
             self.out_bias = _param(rngs, _zeros, (d,), ("embed",), param_dtype)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, docs: Documents | None = None) -> jax.Array:
         q, k, v = self._project(x)
         if self.freqs is not None:
-            positions = jnp.arange(x.shape[1])
+            positions = jnp.arange(x.shape[1]) if docs is None else docs.positions
             q, k = rope(q, positions, self.freqs), rope(k, positions, self.freqs)
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=_attention_impl(self.implementation, x.dtype))
+        y = jax.nn.dot_product_attention(q, k, v, mask=None if docs is None else docs.mask, is_causal=True,
+                                         implementation=_attention_impl(self.implementation, x.dtype))
         y = constrain(y, HEADS)
         out = jnp.einsum("bthk,hkd->btd", y, _cast(self.out[...], x.dtype))
         if hasattr(self, "out_bias"):
@@ -445,9 +466,10 @@ class Mlp(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
 
-    `__call__(x, delta)` takes the residual and the previous block's pending MLP output and returns
+    `__call__(x, delta, docs)` takes the residual and the previous block's pending MLP output and returns
     the same pair: each residual add happens inside the norm that follows it (one fused kernel on
-    GPU), so the last block's add is done by the caller's final norm. `delta` None: nothing pending.
+    GPU), so the last block's add is done by the caller's final norm. `delta` None: nothing pending;
+    `docs`: the packed documents' attention mask and positions (None: one stream per row).
     """
 
     def __init__(self, cfg: GPTConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
@@ -456,9 +478,10 @@ class Block(nnx.Module):
         self.norm2 = Norm(cfg, impl, param_dtype, rngs)
         self.mlp = Mlp(cfg, impl, param_dtype, rngs)
 
-    def __call__(self, x: jax.Array, delta: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, delta: jax.Array | None = None,
+                 docs: Documents | None = None) -> tuple[jax.Array, jax.Array]:
         x, h = self.norm1.add(x, delta)
-        x, h = self.norm2.add(x, self.attn(h))
+        x, h = self.norm2.add(x, self.attn(h, docs))
         return x, self.mlp(h)
 
 
@@ -531,14 +554,18 @@ class GPT(nnx.Module):
         if not cfg.tied_embeddings:
             self.head = _param(rngs, _normal, (cfg.d_model, cfg.vocab), ("embed", "vocab"), param_dtype)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        x, head = self.features(tokens)
+    def __call__(self, tokens: jax.Array, segments: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        x, head = self.features(tokens, segments, positions)
         logits = jnp.einsum("btd,dv->btv", x, _cast(head, x.dtype), preferred_element_type=self.logits_dtype)
         return constrain(logits, ("batch", "length", "vocab"))
 
-    def features(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def features(self, tokens: jax.Array, segments: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """The output projection's two inputs: the final normed hidden states (batch, length, embed)
-        in the compute dtype, and `head_weights()`."""
+        in the compute dtype, and `head_weights()`. Packed rows pass `segments` (each token's
+        document in its row, 0 for padding) and `positions` (its place in the document): attention
+        stays within a document and positions restart with each."""
         # The table gathered to the activations' layout first (its `embed` dim whole, as FSDP
         # gathers any weight before use): left split, the lookup's output would have to be split
         # along `embed` and the batch at once, which XLA can only do by replicating it when the
@@ -546,10 +573,14 @@ class GPT(nnx.Module):
         # Looked up in float32 at least: the lookup's gradient adds every occurrence of a token into
         # its row, which in bfloat16 parameters would lose most of a frequent token's sum.
         x = jnp.take(constrain(_at_least_float32(self.embed[...]), ("vocab", "embed")), tokens, axis=0)
+        docs = None if segments is None else documents(segments, positions)
         if self.cfg.positions == "learned":
-            x = x + _at_least_float32(self.positions[: tokens.shape[1]])
+            if docs is None:
+                x = x + _at_least_float32(self.positions[: tokens.shape[1]])
+            else:
+                x = x + jnp.take(_at_least_float32(self.positions[...]), docs.positions, axis=0)
         x = constrain(_cast(x, self.compute_dtype), RESIDUAL)
-        x, delta = self._run_blocks(x)
+        x, delta = self._run_blocks(x, docs)
         return self.final_norm.add(x, delta)[1], self.head_weights()
 
     def head_weights(self) -> jax.Array:
@@ -561,19 +592,22 @@ class GPT(nnx.Module):
         """The dtype the output projection writes its logits in (`model.impl.logits_dtype`)."""
         return jnp.float32 if self.impl.logits_dtype == "float32" else self.compute_dtype
 
-    def _run_blocks(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    def _run_blocks(self, x: jax.Array, docs: Documents | None) -> tuple[jax.Array, jax.Array | None]:
         """The residual after the blocks and the last block's output not yet added to it."""
         if not self.impl.scan_layers:
             delta = None
             run_block = self._block_runner(nnx.graphdef(self.blocks[0]))
             for block in self.blocks:
-                x, delta = run_block(nnx.state(block), x, delta)
+                x, delta = run_block(nnx.state(block), x, delta, docs)
             return x, delta
         graphdef, stacked = nnx.split(self.blocks)
+        if docs is not None:  # packed rows (data.packing refuses mesh.stage > 1): the pipeline carries no masks
+            return self._run_layers(graphdef, x, stacked, unroll=False, docs=docs), None
         run = functools.partial(self._run_layers, graphdef)
         return pipeline_lib.run_layers(run, stacked, x, self.pipeline, RESIDUAL), None
 
-    def _run_layers(self, graphdef: nnx.GraphDef, x: jax.Array, layers, *, unroll: bool) -> jax.Array:
+    def _run_layers(self, graphdef: nnx.GraphDef, x: jax.Array, layers, *, unroll: bool,
+                    docs: Documents | None = None) -> jax.Array:
         """Runs the blocks in order: `layers` stacked (one nnx.State, a leading layer dim) scanned, or
         with `unroll` (a pipeline stage's layers) a sequence of per-layer states, one call each,
         passing the pending residual add as unrolled blocks do."""
@@ -585,18 +619,19 @@ class GPT(nnx.Module):
             return x + delta
 
         def body(carry, layer_state):
-            x, delta = nnx.merge(graphdef, layer_state)(carry)
+            x, delta = nnx.merge(graphdef, layer_state)(carry, None, docs)
             return x + delta, None
 
         x, _ = jax.lax.scan(self._remat(body), x, layers)
         return x
 
     def _block_runner(self, graphdef: nnx.GraphDef):
-        """`run(block_state, x, pending_delta)`: one block's call, a jit of its own. The blocks have
+        """`run(block_state, x, pending_delta, docs)`: one block's call, a jit of its own. The blocks have
         the same shapes, so it is traced (and its kernels lowered) once, or twice with the first
         block's missing residual, not once per layer; XLA inlines the calls: the program is the same."""
-        def block(state: nnx.State, carry: jax.Array, pending: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-            return nnx.merge(graphdef, state)(carry, pending)
+        def block(state: nnx.State, carry: jax.Array, pending: jax.Array | None,
+                  docs: Documents | None) -> tuple[jax.Array, jax.Array]:
+            return nnx.merge(graphdef, state)(carry, pending, docs)
 
         return jax.jit(self._remat(block))  # named: profiles and HLO read jit(block)
 
@@ -627,22 +662,28 @@ def random_tokens(cfg: Config, rng: np.random.Generator, rows: int) -> dict[str,
 def loss(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
     """Mean next-token cross-entropy (float32) over every target in the batch.
 
-    With per-sequence `weights` (eval batches: 0 marks padding) it is the weighted mean. A model
-    with `model.impl.loss_chunk` > 0 is scored chunk by chunk, never forming the full logits.
+    With per-sequence `weights` (eval batches: 0 marks padding) it is the weighted mean. Packed rows
+    (`segments` and `positions`, data.packing) are scored per document, their padding (segment 0)
+    left out. A model with `model.impl.loss_chunk` > 0 is scored chunk by chunk, never forming the
+    full logits.
     """
     impl = getattr(model, "impl", None)
     chunk = getattr(impl, "loss_chunk", 0)
+    segments, positions = batch.get("segments"), batch.get("positions")
+    weights = batch.get("weights")
+    if segments is not None:  # per token: real tokens of real rows
+        weights = (segments > 0).astype(jnp.float32) * (1.0 if weights is None else weights[:, None])
     if chunk:
-        hidden, head = model.features(batch["inputs"])
+        hidden, head = model.features(batch["inputs"], segments, positions)
         return fused_linear_cross_entropy(
-            hidden, head, batch["targets"], batch.get("weights"), chunk=chunk, logits_dtype=model.logits_dtype,
+            hidden, head, batch["targets"], weights, chunk=chunk, logits_dtype=model.logits_dtype,
             impl=impl.loss_impl,
         )
-    logits = model(batch["inputs"]).astype(jnp.float32)
+    logits = model(batch["inputs"], segments, positions).astype(jnp.float32)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    if "weights" not in batch:
+    if weights is None:
         return losses.mean()
-    weights = jnp.broadcast_to(batch["weights"][:, None], losses.shape)
+    weights = jnp.broadcast_to(weights if weights.ndim == 2 else weights[:, None], losses.shape)
     return (losses * weights).sum() / weights.sum()
 
 
