@@ -1,5 +1,5 @@
 """`jaxdist train | rules | bench | plan | config show | build-kernels | data prepare | launch | doctor | scale | export |
-plot`: the command line.
+sample | plot`: the command line.
 
 Exit codes: 0 done, 1 crash, 2 user error, 3 `train` stopped at a non-finite loss or gradients
 (nothing of that step saved; the last checkpoint is intact), 130 interrupted (Ctrl-C) outside the
@@ -163,6 +163,17 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("run_dir", help="run directory with checkpoints/")
     export.add_argument("out", help="output file, ending in .safetensors or .npz; with --format hf, a new folder")
     export.add_argument("--step", type=_INDEX, help="checkpoint step (default: the newest)")
+    sample = commands.add_parser("sample", help="continue a prompt with a run's checkpointed language model (KV cache)")
+    sample.add_argument("run_dir", help="run directory with checkpoints/")
+    sample.add_argument("overrides", nargs="*", help="dotted overrides of the run's config, e.g. mesh.fsdp=8")
+    sample.add_argument("--prompt", required=True, help="text to continue")
+    sample.add_argument("--tokens", type=_COUNT, default=100, help="tokens to generate (at most up to model.seq_len)")
+    sample.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    sample.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the likeliest tokens up to "
+                                                                 "this probability (1: all)")
+    sample.add_argument("--rows", type=_COUNT, default=1, help="continuations to sample")
+    sample.add_argument("--seed", type=_INDEX, default=0)
+    sample.add_argument("--step", type=_INDEX, help="checkpoint step (default: the newest)")
     export.add_argument("--format", choices=("file", "hf"), default="file",
                         help="file: jaxdist's own names in one file; hf: config.json, safetensors and tokenizer files "
                              "that transformers loads (GPT-2 and Llama-family models)")
@@ -226,9 +237,10 @@ def _train(args) -> None:
 def _config_with_data_sizes(args):
     """The command's config with the model's `auto` sizes taken from its data, as `train` takes them."""
     from jaxdist import config
+    from jaxdist.checkpoint import hf
     from jaxdist.data import loader
 
-    return loader.resolve_model(config.load(args.config, args.overrides))
+    return loader.resolve_model(hf.resolve(config.load(args.config, args.overrides)))
 
 
 def _rules(args) -> None:
@@ -401,6 +413,17 @@ def _export(args) -> None:
     print(f"wrote {count} arrays (params at step {step}) to {args.out}")
 
 
+def _sample(args) -> None:
+    import jax
+
+    from jaxdist.commands import sample
+
+    text = sample.run(args.run_dir, args.prompt, args.tokens, args.temperature, args.top_p, args.rows, args.seed,
+                      args.step, args.overrides)
+    if jax.process_index() == 0:
+        print(text)
+
+
 def _plot(args) -> None:
     from jaxdist.commands import plot
 
@@ -483,7 +506,7 @@ def _run(argv: list[str] | None, started: float) -> int:
     commands = {
         "train": _train, "rules": _rules, "bench": _bench, "plan": _plan, "build-kernels": _build_kernels,
         "launch": _launch, "doctor": _doctor, "scale": _scale, "data": _data_prepare, "export": _export,
-        "plot": _plot, "config": _config_show,
+        "plot": _plot, "config": _config_show, "sample": _sample,
     }
     code = commands[args.command](args) or 0
     if runtime.interrupted():

@@ -330,6 +330,14 @@ def rope(x: jax.Array, positions: jax.Array, freqs: Sequence[float] | None = Non
 KV_HEADS: Names = ("batch", "length", "kv_heads", "head_dim")  # grouped-query attention's k and v
 
 
+class KVCache(NamedTuple):
+    """The keys and values of the positions sampled so far, (batch, length, kv heads, head_dim) per
+    layer (a leading layer axis where the layers are stacked), for sampling one token at a time."""
+
+    keys: jax.Array
+    values: jax.Array
+
+
 class Attention(nnx.Module):
     """Causal self-attention. With as many key/value heads as query heads, q, k and v are stacked on
     a leading axis (`qkv`): each is a contiguous slice, so the three projections need no activation
@@ -371,6 +379,23 @@ class Attention(nnx.Module):
         if hasattr(self, "out_bias"):
             out = out + _cast(self.out_bias[...], x.dtype)
         return constrain(out, RESIDUAL)
+
+    def decode(self, x: jax.Array, cache: KVCache, start: jax.Array) -> tuple[jax.Array, KVCache]:
+        """Attention of `x` (batch, new, embed), at positions `start`, `start + 1`, ..., over the keys
+        and values of every earlier position in `cache` and its own, which it writes into the cache."""
+        q, k, v = self._project(x)
+        positions = start + jnp.arange(x.shape[1])
+        if self.freqs is not None:
+            q, k = rope(q, positions, self.freqs), rope(k, positions, self.freqs)
+        keys = jax.lax.dynamic_update_slice(cache.keys, k.astype(cache.keys.dtype), (0, start, 0, 0))
+        values = jax.lax.dynamic_update_slice(cache.values, v.astype(cache.values.dtype), (0, start, 0, 0))
+        visible = (jnp.arange(keys.shape[1])[None, :] <= positions[:, None])[None, None]
+        y = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=visible,
+                                         implementation="xla")
+        out = jnp.einsum("bthk,hkd->btd", constrain(y, HEADS), _cast(self.out[...], x.dtype))
+        if hasattr(self, "out_bias"):
+            out = out + _cast(self.out_bias[...], x.dtype)
+        return constrain(out, RESIDUAL), KVCache(keys, values)
 
     def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         uses = _fan_out(x, 3)  # x itself, three times: their gradients are summed in an order XLA folds
@@ -485,6 +510,13 @@ class Block(nnx.Module):
         return x, self.mlp(h)
 
 
+def _decode_block(block: Block, x: jax.Array, cache: KVCache, start: jax.Array) -> tuple[jax.Array, KVCache]:
+    """One block's step of sampling: `x` the new positions' residual (see `Attention.decode`)."""
+    attended, cache = block.attn.decode(block.norm1(x), cache, start)
+    x = x + attended
+    return x + block.mlp(block.norm2(x)), cache
+
+
 def _unstack(stacked: Block, create_block) -> list[Block]:
     """The layers of a stacked block as blocks of their own (built as `create_block()` builds one)."""
     with nnx.use_eager_sharding(False):
@@ -582,6 +614,44 @@ class GPT(nnx.Module):
         x = constrain(_cast(x, self.compute_dtype), RESIDUAL)
         x, delta = self._run_blocks(x, docs)
         return self.final_norm.add(x, delta)[1], self.head_weights()
+
+    def init_cache(self, batch: int, length: int) -> KVCache:
+        """An empty `KVCache` for `batch` rows of up to `length` positions, in the compute dtype."""
+        cfg = self.cfg
+        shape = (cfg.layers, batch, length, cfg.key_value_heads, cfg.d_model // cfg.heads)
+        zeros = jnp.zeros(shape, self.compute_dtype)
+        return KVCache(zeros, zeros)
+
+    def decode(self, tokens: jax.Array, cache: KVCache, start: jax.Array) -> tuple[jax.Array, KVCache]:
+        """Logits (batch, new, vocab) of `tokens` (batch, new) at positions `start`, `start + 1`, ...,
+        attending to the earlier positions held in `cache` (from `init_cache`), and the cache with
+        these positions' keys and values added. Sampling calls it once on the prompt, then once per
+        token: each position's keys and values are computed once, not again for every later token."""
+        x = jnp.take(_at_least_float32(self.embed[...]), tokens, axis=0)
+        if self.cfg.positions == "learned":
+            rows = jax.lax.dynamic_slice_in_dim(self.positions[...], start, tokens.shape[1])
+            x = x + _at_least_float32(rows)
+        x = constrain(_cast(x, self.compute_dtype), RESIDUAL)
+        if self.impl.scan_layers:
+            graphdef, stacked = nnx.split(self.blocks)
+
+            def body(x, layer):
+                state, keys, values = layer
+                x, layer_cache = _decode_block(nnx.merge(graphdef, state), x, KVCache(keys, values), start)
+                return x, layer_cache
+
+            x, cache = jax.lax.scan(body, x, (stacked, cache.keys, cache.values))
+            cache = KVCache(*cache)
+        else:
+            layers = []
+            for i, block in enumerate(self.blocks):
+                x, layer_cache = _decode_block(block, x, KVCache(cache.keys[i], cache.values[i]), start)
+                layers.append(layer_cache)
+            cache = KVCache(jnp.stack([c.keys for c in layers]), jnp.stack([c.values for c in layers]))
+        hidden = self.final_norm(x)
+        logits = jnp.einsum("btd,dv->btv", hidden, _cast(self.head_weights(), hidden.dtype),
+                            preferred_element_type=self.logits_dtype)
+        return logits, cache
 
     def head_weights(self) -> jax.Array:
         """The output projection (embed, vocab) in the parameter dtype; the embedding transposed when tied."""

@@ -1,9 +1,11 @@
-"""Sampling from a trained language model: one compiled loop over positions."""
+"""Sampling from a trained language model with a KV cache: the prompt in one pass, then one compiled
+step per new token that computes only that token's keys and values (`GPT.decode`)."""
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+import time
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -14,23 +16,48 @@ from jax.experimental import multihost_utils
 from jaxdist.parallel import rules as rules_lib
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "length", "temperature"))
-def _generate(graphdef, params, tokens, key, start, length, temperature):
+def choose(logits: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:
+    """The next token of each row of `logits` (batch, vocab): the most likely at temperature 0, else
+    drawn from softmax(logits / temperature) cut to the smallest set of tokens whose probability
+    reaches `top_p` (nucleus sampling; 1: every token)."""
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1)
+    logits = logits.astype(jnp.float32) / temperature
+    if top_p < 1:
+        ranked = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(ranked, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # the probability of the tokens ranked above each
+        cutoff = jnp.min(jnp.where(before < top_p, ranked, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits >= cutoff, logits, -jnp.inf)
+    return jax.random.categorical(key, logits, axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "prompt_length", "length", "temperature", "top_p"))
+def _generate(graphdef, params, prompt, key, prompt_length, length, temperature, top_p):
     model = nnx.merge(graphdef, params)
+    rows = prompt.shape[0]
+    tokens = jnp.zeros((rows, length), prompt.dtype).at[:, :prompt_length].set(prompt)
+    logits, cache = model.decode(prompt, model.init_cache(rows, length), jnp.int32(0))
+    key, sub = jax.random.split(key)
+    tokens = tokens.at[:, prompt_length].set(choose(logits[:, -1], sub, temperature, top_p).astype(tokens.dtype))
 
     def next_token(position, carry):
-        tokens, key = carry
-        logits = model(tokens)[:, position - 1]
+        tokens, cache, key = carry
+        last = jax.lax.dynamic_slice_in_dim(tokens, position - 1, 1, axis=1)
+        logits, cache = model.decode(last, cache, position - 1)
         key, sub = jax.random.split(key)
-        if temperature == 0:
-            chosen = jnp.argmax(logits, axis=-1)
-        else:
-            chosen = jax.random.categorical(sub, logits / temperature, axis=-1)
-        tokens = tokens.at[:, position].set(chosen.astype(tokens.dtype))
-        return tokens, key
+        chosen = choose(logits[:, -1], sub, temperature, top_p).astype(tokens.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(tokens, chosen[:, None], position, axis=1), cache, key
 
-    tokens, _ = jax.lax.fori_loop(start, length, next_token, (tokens, key))
+    tokens, _, _ = jax.lax.fori_loop(prompt_length + 1, length, next_token, (tokens, cache, key))
     return tokens
+
+
+class Sampled(NamedTuple):
+    """Sampled rows (prompt included) and the generation's seconds, compile excluded."""
+
+    tokens: np.ndarray
+    seconds: float
 
 
 def sample(
@@ -44,13 +71,27 @@ def sample(
     mesh,
     rules: rules_lib.Rules,
     rows: int = 1,
+    top_p: float = 1.0,
 ) -> np.ndarray:
     """`rows` continuations of `prompt` (token ids), at most `seq_len` tokens each, prompt included."""
+    return timed_sample(graphdef, params, prompt, new_tokens, seq_len, temperature, seed, mesh, rules, rows,
+                        top_p).tokens
+
+
+def timed_sample(graphdef, params, prompt, new_tokens: int, seq_len: int, temperature: float, seed: int, mesh,
+                 rules: rules_lib.Rules, rows: int = 1, top_p: float = 1.0) -> Sampled:
+    """`sample`, with the seconds the generation took once compiled (for tokens/s)."""
     prompt = np.asarray(prompt, np.int32)[: seq_len - 1]
+    if not len(prompt):
+        raise ValueError("sampling needs a prompt of at least one token")
     length = min(seq_len, len(prompt) + new_tokens)
-    tokens = np.zeros((rows, seq_len), np.int32)
-    tokens[:, : len(prompt)] = prompt
+    prompts = jnp.asarray(np.tile(prompt, (rows, 1)))
+    key = jax.random.key(seed)
+    static = dict(prompt_length=len(prompt), length=length, temperature=temperature, top_p=top_p)
     with rules_lib.activation_rules(mesh, rules):
-        out = _generate(graphdef, params, jnp.asarray(tokens), jax.random.key(seed), len(prompt), length, temperature)
+        compiled = _generate.lower(graphdef, params, prompts, key, **static).compile()
+        start = time.perf_counter()
+        out = jax.block_until_ready(compiled(params, prompts, key))
+        seconds = time.perf_counter() - start
     # On several processes the rows live on other hosts' devices too: gather them everywhere.
-    return np.asarray(multihost_utils.process_allgather(out, tiled=True))[:, :length]
+    return Sampled(np.asarray(multihost_utils.process_allgather(out, tiled=True))[:, :length], seconds)
