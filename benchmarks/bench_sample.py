@@ -22,6 +22,8 @@ from flax import nnx
 
 import jaxdist
 from jaxdist import config as config_lib
+from jaxdist import models
+from jaxdist.models import dtypes
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.train import generate
 from jaxdist.train.trainer import Trainer
@@ -51,8 +53,10 @@ def main(argv: list[str]) -> None:
     length = len(prompt) + args.new
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
+        cast = generate.compute_dtype_params(models.get(cfg.model.name).read_in_compute_dtype,
+                                             dtypes.policy(cfg.precision).compute_dtype)
         cached = generate.timed_sample(trainer.graphdef, trainer.params, prompt, args.new, cfg.model.seq_len, 0.0, 0,
-                                       trainer.mesh, trainer.rules, rows=rows)
+                                       trainer.mesh, trainer.rules, rows=rows, cast=cast)
         tokens = np.zeros((rows, cfg.model.seq_len), np.int32)
         tokens[:, : len(prompt)] = prompt
         with rules_lib.activation_rules(trainer.mesh, trainer.rules):

@@ -7,7 +7,7 @@
 `save` writes a random Llama-3.2-1B-shaped model (grouped-query attention, Llama 3's RoPE scaling,
 tied embeddings) in bfloat16 with `save_pretrained`. `load` runs in a process of its own: it places
 the weights with `model.init_from` under the config's layout (default: fsdp over every GPU),
-in float32, and prints one JSON line: the seconds from the folder to the arrays on the devices, the
+in float32, computes in float32, and prints one JSON line: the seconds from the folder to the arrays on the devices, the
 process's peak resident memory before and after, the folder's bytes, and the largest difference
 between jaxdist's logits and the ones `save` stored for fixed tokens.
 """
@@ -45,8 +45,11 @@ def save(folder: Path, size: str) -> None:
     start = time.perf_counter()
     model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
     model.save_pretrained(folder)
-    with torch.no_grad():  # the reference in float32, from the bfloat16 weights jaxdist reads
-        logits = model.float()(torch.from_numpy(TOKENS)).logits.numpy()
+    # The reference in float32 from the bfloat16 weights jaxdist reads, loaded afresh: the model cast
+    # with .float() would keep RoPE's frequencies rounded to bfloat16 by the cast before saving.
+    model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.from_numpy(TOKENS)).logits.numpy()
     np.save(folder / "reference_logits.npy", logits)
     params = sum(p.numel() for p in model.parameters())
     print(json.dumps({"saved": str(folder), "params": params, "seconds": round(time.perf_counter() - start, 1)}))
@@ -70,7 +73,8 @@ def load(folder: Path, overrides: list[str]) -> None:
     jax.devices()  # the runtime up first: its memory is not the import's
     before = _peak_rss_gib()
     raw = {"model": {"init_from": f"hf:{folder}", "seq_len": TOKENS.shape[1], "impl": {"scan_layers": True}},
-           "mesh": {"data": 1, "fsdp": -1}, "rules": {"preset": "fsdp"}}
+           "mesh": {"data": 1, "fsdp": -1}, "rules": {"preset": "fsdp"},
+           "precision": {"compute": "float32"}}  # the logits check compares float32 with float32
     recipe = Path(tempfile.mkdtemp()) / "import.yaml"  # loaded as a file, so overrides count as set keys
     recipe.write_text(json.dumps(raw))
     cfg = config_lib.load(recipe, overrides)

@@ -27,6 +27,7 @@ from jaxdist.config import Config, TrainConfig
 from jaxdist.data import loader
 from jaxdist.data.tokenizer import Tokenizer
 from jaxdist.errors import NonFiniteError, check_writable, warn
+from jaxdist.models import dtypes
 from jaxdist.observe import console, wandb_log
 from jaxdist.observe.goodput import STARTUP, RunTime
 from jaxdist.observe.metrics import MetricsWriter, device_metrics, drop_after, throughput
@@ -35,7 +36,7 @@ from jaxdist.parallel import feed
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.train.evaluate import Evaluator
-from jaxdist.train.generate import sample
+from jaxdist.train.generate import compute_dtype_params, sample
 from jaxdist.train.preemption import StopSignals
 from jaxdist.train.state import AbstractModel, abstract_model
 from jaxdist.train.trainer import Trainer, state_bytes_per_device
@@ -451,9 +452,12 @@ def _ranges(rows: tuple[int, ...]) -> str:
 def write_sample(cfg: Config, trainer: Trainer, rows: int, tokenizer: Tokenizer) -> None:
     """Prints a continuation of `sample.prompt` in `tokenizer`'s tokens; `rows` continuations are
     drawn, one per batch shard."""
+    picks = models.get(cfg.model.name).read_in_compute_dtype
+    cast = None if picks is None else compute_dtype_params(picks, dtypes.policy(cfg.precision).compute_dtype)
     tokens = sample(
         trainer.graphdef, trainer.params, tokenizer.encode(cfg.sample.prompt), cfg.sample.tokens,
         cfg.model.seq_len, cfg.sample.temperature, cfg.seed, trainer.mesh, trainer.rules, rows=rows,
+        top_p=cfg.sample.top_p, cast=cast,
     )
     text = tokenizer.decode(np.asarray(tokens[0]))
     log("--- sample ---\n" + text + "\n--------------")

@@ -1,5 +1,6 @@
 """On a GPU host with `transformers` installed, the real library loads jaxdist's Hugging Face exports
-and computes jaxdist's logits: float32 within 1e-3, bfloat16 within 1e-2 of the logits' scale.
+and computes jaxdist's logits: float32 within 1e-3; in bfloat16, jaxdist is no further from the float32
+logits than transformers' own bfloat16 is (or within 1e-2).
 
 Skipped where JAX finds no GPU or transformers is missing (CI's machines); run it on a GPU host with
 `pytest tests/test_hf_gpu.py -s` (it prints each difference).
@@ -38,21 +39,32 @@ def _jaxdist_logits(folder: Path, compute: str, tokens: np.ndarray) -> tuple[Con
     return cfg, jax.tree.map(np.asarray, params), np.asarray(logits, np.float32)
 
 
-@pytest.mark.parametrize("compute, tolerance", [("float32", 1e-3), ("bfloat16", 1e-2)])
+@pytest.mark.parametrize("compute", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
-def test_transformers_loads_the_export_and_gives_jaxdist_logits(family, compute, tolerance, tmp_path):
+def test_transformers_loads_the_export_and_gives_jaxdist_logits(family, compute, tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     torch.backends.cuda.matmul.allow_tf32 = False
     tokens = np.load(FIXTURES / family / "reference.npz")["input_ids"]
     cfg, params, ours = _jaxdist_logits(FIXTURES / family, compute, tokens)
     hf.write_folder(tmp_path / "export", cfg.model, params, FIXTURES / family)
-    dtype = torch.float32 if compute == "float32" else torch.bfloat16
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=dtype,
-                                                              attn_implementation="eager").cuda().eval()
-    with torch.no_grad():
-        theirs = model(torch.from_numpy(tokens.astype(np.int64)).cuda()).logits.float().cpu().numpy()
-    difference = float(np.abs(ours - theirs).max())
-    scale = float(np.abs(theirs).max())
-    print(f"{family} {compute}: max |jaxdist - transformers| = {difference:.2e}, logits up to {scale:.2f}")
-    assert difference <= tolerance * max(1.0, scale if compute == "bfloat16" else 1.0)
+
+    def logits(dtype) -> np.ndarray:
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=dtype,
+                                                                  attn_implementation="eager").cuda().eval()
+        with torch.no_grad():
+            return model(torch.from_numpy(tokens.astype(np.int64)).cuda()).logits.float().cpu().numpy()
+
+    truth = logits(torch.float32)
+    if compute == "float32":
+        difference = float(np.abs(ours - truth).max())
+        print(f"{family} float32: max |jaxdist - transformers| = {difference:.2e}")
+        assert difference <= 1e-3
+        return
+    # In bfloat16 neither program computes the float32 logits; jaxdist must miss them by no more than
+    # transformers' own bfloat16 does.
+    theirs = logits(torch.bfloat16)
+    ours_off, theirs_off = float(np.abs(ours - truth).max()), float(np.abs(theirs - truth).max())
+    print(f"{family} bfloat16: max |jaxdist - transformers| = {np.abs(ours - theirs).max():.2e}; from the float32 "
+          f"logits (up to {np.abs(truth).max():.2f}): jaxdist {ours_off:.2e}, transformers {theirs_off:.2e}")
+    assert ours_off <= max(1e-2, 1.25 * theirs_off)

@@ -18,6 +18,7 @@ from jaxdist.checkpoint.export import read_params
 from jaxdist.config import Config
 from jaxdist.data import loader
 from jaxdist.errors import UserError
+from jaxdist.models import dtypes
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.train import generate
@@ -49,8 +50,10 @@ def run(run_dir: str, prompt: str, tokens: int, temperature: float, top_p: float
         array.shape, sharding, lambda index: array[index]), params, shardings)
     # Rows are split over the batch shards: a mesh of more shards than rows samples some rows it drops.
     computed = -(-rows // layout.batch_shards) * layout.batch_shards
+    cast = None if entry.read_in_compute_dtype is None else generate.compute_dtype_params(
+        entry.read_in_compute_dtype, dtypes.policy(cfg.precision).compute_dtype)
     out = generate.timed_sample(abstract.graphdef, placed, ids, tokens, cfg.model.seq_len, temperature, seed,
-                                layout.mesh, layout.rules, rows=computed, top_p=top_p)
+                                layout.mesh, layout.rules, rows=computed, top_p=top_p, cast=cast)
     kept = out.tokens[:rows]
     made = (kept.shape[1] - len(ids)) * rows
     texts = [tokenizer.decode(row) for row in kept]

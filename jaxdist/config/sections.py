@@ -220,6 +220,8 @@ class SampleConfig(Section):
     prompt: str = Field("def ", description="prompt the sample continues")
     tokens: int = Field(200, ge=0, description="tokens to generate (0: no sample)")
     temperature: float = Field(0.8, ge=0, description="sampling temperature (0: greedy)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: the likeliest tokens up to this "
+                                                      "probability (1: every token)")
 
 
 class ProfileConfig(Section):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -32,9 +33,12 @@ def choose(logits: jax.Array, key: jax.Array, temperature: float, top_p: float) 
     return jax.random.categorical(key, logits, axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "prompt_length", "length", "temperature", "top_p"))
-def _generate(graphdef, params, prompt, key, prompt_length, length, temperature, top_p):
-    model = nnx.merge(graphdef, params)
+@functools.partial(jax.jit, static_argnames=("graphdef", "prompt_length", "length", "temperature", "top_p",
+                                             "cast"))
+def _generate(graphdef, params, prompt, key, prompt_length, length, temperature, top_p, cast):
+    # The weights the model reads only in the compute dtype are cast once, not at every token: a
+    # token's step then reads each weight once, in the smaller dtype.
+    model = nnx.merge(graphdef, params if cast is None else cast(params))
     rows = prompt.shape[0]
     tokens = jnp.zeros((rows, length), prompt.dtype).at[:, :prompt_length].set(prompt)
     logits, cache = model.decode(prompt, model.init_cache(rows, length), jnp.int32(0))
@@ -72,14 +76,26 @@ def sample(
     rules: rules_lib.Rules,
     rows: int = 1,
     top_p: float = 1.0,
+    cast: Callable[[Any], Any] | None = None,
 ) -> np.ndarray:
-    """`rows` continuations of `prompt` (token ids), at most `seq_len` tokens each, prompt included."""
+    """`rows` continuations of `prompt` (token ids), at most `seq_len` tokens each, prompt included.
+    `cast(params)`: the parameters as the model reads them (`compute_dtype_params`); None: as they are."""
     return timed_sample(graphdef, params, prompt, new_tokens, seq_len, temperature, seed, mesh, rules, rows,
-                        top_p).tokens
+                        top_p, cast).tokens
+
+
+def compute_dtype_params(picks: Callable[[tuple], bool], dtype) -> Callable[[Any], Any]:
+    """A `cast` for `sample`: the parameters `picks(path)` names (a model's `read_in_compute_dtype`) in `dtype`."""
+    return functools.partial(_cast_picked, picks, jnp.dtype(dtype))
+
+
+def _cast_picked(picks, dtype, params):
+    return jax.tree_util.tree_map_with_path(lambda path, leaf: leaf.astype(dtype) if picks(path) else leaf, params)
 
 
 def timed_sample(graphdef, params, prompt, new_tokens: int, seq_len: int, temperature: float, seed: int, mesh,
-                 rules: rules_lib.Rules, rows: int = 1, top_p: float = 1.0) -> Sampled:
+                 rules: rules_lib.Rules, rows: int = 1, top_p: float = 1.0,
+                 cast: Callable[[Any], Any] | None = None) -> Sampled:
     """`sample`, with the seconds the generation took once compiled (for tokens/s)."""
     prompt = np.asarray(prompt, np.int32)[: seq_len - 1]
     if not len(prompt):
@@ -87,7 +103,7 @@ def timed_sample(graphdef, params, prompt, new_tokens: int, seq_len: int, temper
     length = min(seq_len, len(prompt) + new_tokens)
     prompts = jnp.asarray(np.tile(prompt, (rows, 1)))
     key = jax.random.key(seed)
-    static = dict(prompt_length=len(prompt), length=length, temperature=temperature, top_p=top_p)
+    static = dict(prompt_length=len(prompt), length=length, temperature=temperature, top_p=top_p, cast=cast)
     with rules_lib.activation_rules(mesh, rules):
         compiled = _generate.lower(graphdef, params, prompts, key, **static).compile()
         start = time.perf_counter()
