@@ -35,7 +35,7 @@ from jaxdist.observe.profile import StepProfiler
 from jaxdist.parallel import feed
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import mesh as mesh_lib
-from jaxdist.train.evaluate import Evaluator
+from jaxdist.train.evaluate import Evaluator, MixtureEvaluator
 from jaxdist.train.generate import compute_dtype_params, sample
 from jaxdist.train.preemption import StopSignals
 from jaxdist.train.state import AbstractModel, abstract_model
@@ -106,7 +106,10 @@ def prepare(cfg: Config, devices: list | None = None, clock: RunTime | None = No
         cfg = loader.resolve_workers(loader.resolve_model(hf.resolve(cfg)))
         entry = models.get(cfg.model.name)
         train_source = loader.open_split(cfg, "train", entry.batch_keys)
-        eval_source = loader.open_split(cfg, "eval", entry.batch_keys) if cfg.eval.every else None
+        eval_source = None
+        if cfg.eval.every:  # a mixture's sources are evaluated apart
+            eval_source = (loader.mixture_splits(cfg, "eval") if cfg.data.mixture
+                           else loader.open_split(cfg, "eval", entry.batch_keys))
         # Read now, so a missing or corrupt tokenizer file stops the run before it trains, not after.
         tokenizer = loader.tokenizer(cfg) if cfg.sample.tokens and entry.samples_text else None
     with clock.part("checks"):
@@ -114,7 +117,9 @@ def prepare(cfg: Config, devices: list | None = None, clock: RunTime | None = No
         rows = layout.process_rows(cfg.train.global_batch)
         # Every process indexes one global stream, so all must hold the same data: the replica check
         # compares only rows that several processes hold, and most layouts have none.
-        splits = {"the train split": train_source, "the eval split": eval_source}
+        evals = eval_source if isinstance(eval_source, dict) else {"": eval_source}
+        splits = {"the train split": train_source,
+                  **{f"the eval split{' of ' + name if name else ''}": split for name, split in evals.items()}}
         feed.check_sources_agree({name: loader.fingerprint(source) for name, source in splits.items()
                                   if source is not None})
         abstract = abstract_model(entry.create(cfg), cfg.seed)
@@ -195,9 +200,7 @@ def _run(run: Run, clock: RunTime) -> Trainer:
         checkpoints.close()
         return trainer
 
-    evaluate = None if run.eval_source is None else Evaluator(
-        trainer, run.entry.eval_sums, lambda: loader.eval_iterator(cfg, rows, run.eval_source)
-    )
+    evaluate = _evaluator(cfg, trainer, run, rows)
     flops = run.entry.flops_per_example(cfg)
     first = trainer.global_batch(first_local)
     trainer.compile(first)
@@ -447,6 +450,18 @@ def _ranges(rows: tuple[int, ...]) -> str:
             parts.append(f"{start}-{previous}" if previous > start else str(start))
             start = row
     return ", ".join(parts)
+
+
+def _evaluator(cfg: Config, trainer: Trainer, run: Run, rows: feed.BatchRows):
+    """What evaluates the run (None without eval): its eval split, or each source of a mixture apart."""
+    if run.eval_source is None:
+        return None
+    if not isinstance(run.eval_source, dict):
+        return Evaluator(trainer, run.entry.eval_sums, lambda: loader.eval_iterator(cfg, rows, run.eval_source))
+    batches = {name: functools.partial(loader.eval_iterator, cfg, rows, split) for name, split in run.eval_source.items()}
+    first = next(iter(batches.values()))
+    weights = {source.name: source.weight for source in cfg.data.mixture}
+    return MixtureEvaluator(Evaluator(trainer, run.entry.eval_sums, first), batches, weights)
 
 
 def write_sample(cfg: Config, trainer: Trainer, rows: int, tokenizer: Tokenizer) -> None:

@@ -77,6 +77,21 @@ class AugmentConfig(Section):
         return bool(self.crop_padding or self.flip)
 
 
+class MixtureSource(Section):
+    """One prepared token folder of a mixture and its share of the rows."""
+
+    name: str = Field(description="what its eval metrics are called: eval_<name>_loss")
+    path: str = Field(description="a folder `jaxdist data prepare` wrote")
+    weight: float = Field(gt=0, description="its share of the train rows, relative to the others' weights")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not value.isidentifier():
+            raise ValueError(f"data.mixture name {value!r}: use letters, digits and _ (it names metrics)")
+        return value
+
+
 class DataConfig(Section):
     """Where examples come from and how they are read."""
 
@@ -97,6 +112,9 @@ class DataConfig(Section):
         False, description="token sources: rows of whole documents, attention kept within each and positions "
                            "restarted (padding left out of the loss); false: windows across document boundaries")
     augment: AugmentConfig = Field(AugmentConfig(), description="random crops and flips of train images")
+    mixture: list[MixtureSource] | None = Field(
+        None, description="data.source=arrayrecord: prepared folders mixed by weight ({name, path, weight} each; "
+                          "grain's deterministic mixing), each evaluated apart; instead of data.path")
 
     @field_validator("workers", mode="before")
     @classmethod
@@ -108,6 +126,14 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _path(self) -> DataConfig:
+        if self.mixture is not None:
+            if self.source != "arrayrecord" or self.path is not None:
+                raise ValueError("data.mixture mixes prepared token folders: set data.source=arrayrecord and leave "
+                                 "data.path out (each source names its own path)")
+            names = [source.name for source in self.mixture]
+            if not names or len(set(names)) != len(names):
+                raise ValueError(f"data.mixture needs one or more sources of distinct names, got {names}")
+            return self
         if self.source in ("stdlib", "digits") and self.path is not None:
             raise ValueError(f"data.path={self.path} is set but data.source={self.source} reads no path; drop data.path")
         if self.source not in ("stdlib", "digits") and not self.path:

@@ -16,7 +16,9 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import grain
 import jax
 import numpy as np
 
@@ -47,15 +49,12 @@ def open_split(cfg: Config, split: str, keys: tuple[str, ...] = ()):
         empty = "change data.eval_fraction or set eval.every=0" if split == "eval" else "lower data.eval_fraction"
         return _windows(tokens, cfg, name, tokenizer_lib.ByteTokenizer.vocab_size, "the stdlib corpus", empty,
                         corpus.SEPARATOR)
+    if data.source == "arrayrecord" and data.mixture:
+        parts = mixture_splits(cfg, split)
+        weights = [source.weight for source in data.mixture]
+        return grain.MapDataset.mix([grain.MapDataset.source(part) for part in parts.values()], weights)
     if data.source == "arrayrecord":
-        directory = Path(data.path)
-        manifest = sources.read_manifest(directory)
-        tokens = sources.ArrayRecordTokens(directory, manifest, split)
-        name = f"the {split} split of data.path={data.path}"
-        empty = ("prepare the data again with `jaxdist data prepare --eval-fraction` above 0, or set eval.every=0"
-                 if split == "eval" else "prepare the data again with more documents")
-        return _windows(tokens, cfg, name, manifest["tokenizer"]["vocab_size"], f"data.path={data.path}", empty,
-                        manifest["tokenizer"].get("separator"))
+        return _prepared_split(cfg, Path(data.path), split, f"data.path={data.path}")
     if data.source == "images":
         return _images(cfg, split, keys)
     if data.source == "digits":
@@ -150,6 +149,37 @@ def _check_ids(arrays: dict[str, np.ndarray], cfg: Config, name: str) -> None:
         if high >= size:
             raise UserError(f"{name}: {key} holds the id {high}, beyond model.{size_key}={size} (ids 0 to "
                             f"{size - 1}); set model.{size_key}={high + 1} or auto, or fix the data")
+
+
+def mixture_splits(cfg: Config, split: str) -> dict[str, Any]:
+    """Each `data.mixture` source's `split`, by name (the same tokenizer throughout, or a `UserError`)."""
+    parts, tokenizers = {}, {}
+    for source in cfg.data.mixture:
+        where = f"data.mixture {source.name} (path {source.path})"
+        parts[source.name] = _prepared_split(cfg, Path(source.path), split, where)
+        tokenizers[source.name] = sources.read_manifest(Path(source.path))["tokenizer"]
+    first, *others = tokenizers.items()
+    for name, entry in others:
+        if (entry["name"], entry["vocab_size"], entry.get("separator")) != (
+                first[1]["name"], first[1]["vocab_size"], first[1].get("separator")):
+            raise UserError(f"data.mixture: {name} was prepared with tokenizer {entry['name']} (vocab "
+                            f"{entry['vocab_size']}), {first[0]} with {first[1]['name']} (vocab {first[1]['vocab_size']}); "
+                            f"prepare every source with one tokenizer")
+    return parts
+
+
+def _prepared_split(cfg: Config, directory: Path, split: str, where: str):
+    manifest = sources.read_manifest(directory)
+    tokens = sources.ArrayRecordTokens(directory, manifest, split)
+    empty = ("prepare the data again with `jaxdist data prepare --eval-fraction` above 0, or set eval.every=0"
+             if split == "eval" else "prepare the data again with more documents")
+    return _windows(tokens, cfg, f"the {split} split of {where}", manifest["tokenizer"]["vocab_size"], where, empty,
+                    manifest["tokenizer"].get("separator"))
+
+
+def token_folder(cfg: Config) -> Path:
+    """The prepared folder whose manifest says the tokenizer: data.path, or a mixture's first source."""
+    return Path(cfg.data.mixture[0].path if cfg.data.mixture else cfg.data.path)
 
 
 def _windows(tokens, cfg: Config, name: str, vocab: int, vocab_of: str, empty: str, separator: int | None):
@@ -274,7 +304,7 @@ def fingerprint(source, samples: int = 8) -> tuple[int, int]:
 def tokenizer(cfg: Config) -> tokenizer_lib.Tokenizer:
     """The tokenizer of the configured data (bytes unless the prepared shards say otherwise)."""
     if cfg.data.source == "arrayrecord":
-        directory = Path(cfg.data.path)
+        directory = token_folder(cfg)
         return tokenizer_lib.load(sources.read_manifest(directory)["tokenizer"], directory)
     return tokenizer_lib.ByteTokenizer()
 
@@ -289,7 +319,7 @@ def data_vocab(cfg: Config) -> int:
     if data.source == "stdlib":
         return tokenizer_lib.ByteTokenizer.vocab_size
     if data.source == "arrayrecord":
-        return int(sources.read_manifest(Path(data.path))["tokenizer"]["vocab_size"])
+        return int(sources.read_manifest(token_folder(cfg))["tokenizer"]["vocab_size"])
     tokens = {key: a for key, a in _load_arrays(Path(data.path), ("inputs", "targets")).items()
               if np.issubdtype(a.dtype, np.integer) and a.size}
     if not tokens:
@@ -397,6 +427,9 @@ def describe(cfg: Config) -> str:
     """One line on how the train batches are read: source, worker processes, threads, read-ahead."""
     data = cfg.data
     where = "" if data.path is None else f" from {data.path}"
+    if data.mixture:
+        where = " mixed from " + ", ".join(f"{source.name} ({source.path}, weight {source.weight:g})"
+                                           for source in data.mixture)
     readers = ("the training process" if data.workers == 0 else
                f"data.workers={data.workers} worker processes" if data.workers == "auto" else
                f"{data.workers} worker process{'es' if data.workers > 1 else ''}")

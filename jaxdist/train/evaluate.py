@@ -66,9 +66,13 @@ class Evaluator:
 
     def __call__(self) -> dict[str, float]:
         """`{"eval_" + metric: mean over the split}`, e.g. eval_loss and eval_accuracy."""
+        return self.over(self._batches)
+
+    def over(self, batches: Callable[[], Iterator[dict[str, np.ndarray]]]) -> dict[str, float]:
+        """As `__call__`, over another split's batches (of the same shapes: the step is compiled once)."""
         state = self._trainer.state
         results = []
-        for local in self._batches():
+        for local in batches():
             results.append(self._step(state.params, state.model_state, self._trainer.global_batch(local)))
             if self._trainer.finish_each_step:  # as the train step: no two programs in flight on CPU
                 jax.block_until_ready(results[-1])
@@ -76,3 +80,26 @@ class Evaluator:
         weight = sum(np.float64(batch_weight) for _, batch_weight in results)
         return {f"eval_{name}": float(sum(np.float64(sums[name]) for sums, _ in results) / weight)
                 for name in results[0][0]}
+
+
+class MixtureEvaluator:
+    """Each source of a data mixture evaluated apart, `eval_<source>_<metric>`, and `eval_<metric>` the
+    mean of the sources' weighted as the mixture weighs them; one compiled eval step for all."""
+
+    def __init__(self, evaluator: Evaluator, batches: dict[str, Callable[[], Iterator[dict[str, np.ndarray]]]],
+                 weights: dict[str, float]):
+        self._evaluator, self._batches = evaluator, batches
+        total = sum(weights.values())
+        self._shares = {name: weight / total for name, weight in weights.items()}
+
+    def warm_up(self) -> None:
+        self._evaluator.warm_up()
+
+    def __call__(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, batches in self._batches.items():
+            for key, value in self._evaluator.over(batches).items():
+                metric = key.removeprefix("eval_")
+                out[f"eval_{name}_{metric}"] = value
+                out[f"eval_{metric}"] = out.get(f"eval_{metric}", 0.0) + self._shares[name] * value
+        return out
