@@ -223,3 +223,42 @@ def test_safetensors_files_round_trip_bfloat16_and_agree_with_the_safetensors_pa
     truncated.write_bytes((tmp_path / "ours.safetensors").read_bytes()[:-4])
     with pytest.raises(safetensors_file.SafetensorsError, match="do not match its shape"):
         safetensors_file.File(truncated).get("x")
+
+
+def test_the_fine_tuning_walkthrough_in_the_docs_runs(tmp_path, capsys):
+    """docs/huggingface.md's config, with the tiny Qwen2 fixture for the published model and a
+    small JSON-lines corpus prepared with its tokenizer: trains from the weights, exports, and the
+    export re-imports as what was trained."""
+    import re
+
+    import yaml
+    from data_helpers import random_documents
+
+    text = (Path(__file__).parents[1] / "docs" / "huggingface.md").read_text()
+    block = re.search(r"<!-- finetune-example:[^>]*-->\s*```yaml\n(.*?)```", text, re.S).group(1)
+    folder = FIXTURES / "qwen2"
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in random_documents(60, shortest=40, longest=160)))
+    shards = tmp_path / "shards"
+    assert cli.main(["data", "prepare", str(corpus), "--out", str(shards), "--tokenizer",
+                     str(folder / "tokenizer.json"), "--eval-fraction", "0.1"]) == 0
+    run_dir = tmp_path / "run"
+    raw = yaml.safe_load(block.replace("models/Qwen2.5-0.5B", str(folder)).replace("data/corpus", str(shards))
+                         .replace("runs/finetune", str(run_dir)))
+    config_file = tmp_path / "finetune.yaml"
+    config_file.write_text(yaml.safe_dump(raw))
+    capsys.readouterr()
+    assert cli.main(["train", str(config_file), "train.steps=3", "eval.every=3", "checkpoint.every=3",
+                     "model.seq_len=32", "train.global_batch=8", "precision.compute=float32", "sample.tokens=8"]) == 0
+    out = capsys.readouterr().out
+    assert "starting from the weights of hf:" in out and "--- sample ---" in out
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval_loss" in line for line in metrics)
+
+    export_dir = tmp_path / "exported"
+    assert cli.main(["export", str(run_dir), str(export_dir), "--format", "hf"]) == 0
+    assert (export_dir / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+    _, trained, _ = export.read_params(run_dir)
+    _, _, again, _ = imported(export_dir, seq_len=32)
+    for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(again), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
