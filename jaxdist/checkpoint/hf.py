@@ -174,6 +174,8 @@ def load_params(cfg: Config, abstract_params: Any, shardings: Any) -> Any:
                 leaf = _placed(lambda _, t=tensor, i=layer: _read(shards, t, i), _at(abstract_params, path),
                                _at(shardings, path), None, tensor)
                 _set(params, path, leaf)
+    if len(jax.tree.leaves(params)) != len(jax.tree.leaves(abstract_params)):  # a parameter no tensor maps to
+        raise ValueError(f"models/hf.py maps no Hugging Face tensor to some of model.name={model.name}'s parameters")
     extra = shards.unused(used)
     if extra:
         raise UserError(f"model.init_from=hf:{shards.folder}: the weights hold {len(extra)} tensor(s) the model has "

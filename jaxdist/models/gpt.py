@@ -685,7 +685,7 @@ class GPT(nnx.Module):
             run_block = self._block_runner(graphdef)
             delta = None
             for layer_state in layers:
-                x, delta = run_block(layer_state, x, delta)
+                x, delta = run_block(layer_state, x, delta, docs)
             return x + delta
 
         def body(carry, layer_state):
