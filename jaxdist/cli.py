@@ -131,6 +131,9 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--max-restarts", type=_INDEX, default=0,
                         help="start the whole group again after a process failed (not a user error), up to this "
                              "many times; train resumes from the newest complete checkpoint (default 0)")
+    launch.add_argument("--min-processes", type=_COUNT, metavar="M",
+                        help="elastic: each restart leaves the failed process out, down to M processes; the run "
+                             "resumes on the smaller mesh with the same train.global_batch (default: restart all)")
     launch.add_argument("--log", metavar="FILE",
                         help="where libraries' notes (gloo connections, preemption notices) go instead of the "
                              "terminal (default: jaxdist-launch-<pid>.log in the temporary folder)")
@@ -382,7 +385,8 @@ def _launch(args) -> int:
     from jaxdist import launch
 
     return launch.launch(args.num, args.devices_per_process, args.program, args.timeout,
-                         max_restarts=args.max_restarts, notes=args.log, verbose=args.verbose)
+                         max_restarts=args.max_restarts, notes=args.log, verbose=args.verbose,
+                         min_processes=args.min_processes)
 
 
 def _doctor(args) -> int:

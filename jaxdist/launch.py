@@ -1,4 +1,4 @@
-"""`jaxdist launch -n N [--devices-per-process K] [--timeout S] [--max-restarts R] -- train CONFIG ...`: N processes on this host.
+"""`jaxdist launch -n N [--devices-per-process K] [--timeout S] [--max-restarts R] [--min-processes M] -- train CONFIG ...`: N processes on this host.
 
 Each process runs `jaxdist <command>` with `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES` and
 `JAX_PROCESS_ID` set, so it joins the others through `jax.distributed` like processes on separate
@@ -16,7 +16,11 @@ group, so the child's own children go too) when:
 - a process fails: the exit code is that process's, unless `--max-restarts N` allows starting
   the whole group again (at most N times; not after a user error, exit code 2, nor a stop at a
   non-finite step, exit code 3, which the resumed run would repeat, nor after a forwarded
-  signal): a `train` run resumes from its newest complete checkpoint;
+  signal): a `train` run resumes from its newest complete checkpoint. With `--min-processes M`
+  the group is elastic: each restart leaves the failed process out (a lost host), down to M
+  processes; the run resumes on the smaller mesh with the same config (the same
+  `train.global_batch`: each device takes a larger share), so its mesh axes must follow the device
+  count (`-1`) and its global batch must divide over every count it may shrink to;
 - no process printed a line for `--timeout` seconds: exit code 124. Progress is any output line,
   from any process: only process 0 reports steps, and since every step is collective, one stuck
   process silences all of them. So the timeout must exceed the longest quiet stretch: start-up,
@@ -112,14 +116,15 @@ def child_command(program: Sequence[str]) -> list[str]:
 
 def launch(num_processes: int, devices_per_process: int, program: Sequence[str], timeout_s: float | None = None,
            stdout: TextIO | None = None, stderr: TextIO | None = None, max_restarts: int = 0,
-           notes: str | os.PathLike | None = None, verbose: bool = False) -> int:
+           notes: str | os.PathLike | None = None, verbose: bool = False, min_processes: int | None = None) -> int:
     """Runs `jaxdist <program>` as `num_processes` processes; returns the exit code for the launcher.
 
     `timeout_s`: stop everything when no process printed a line for this long (None: no limit).
     `max_restarts`: start the whole group again, up to this many times, after a process failed
     (see `_Group.restartable`); a `train` run then resumes from its newest complete checkpoint.
     `notes`: the file libraries' notes (`LIBRARY_NOTES`) go to (None: `default_notes_path()`);
-    `verbose`: relay them like any line instead.
+    `verbose`: relay them like any line instead. `min_processes`: restart elastically, each time
+    without the process that failed, while at least this many remain (None: always all of them).
     """
     program = list(program[1:] if program and program[0] == "--" else program)
     if num_processes < 1:
@@ -130,6 +135,11 @@ def launch(num_processes: int, devices_per_process: int, program: Sequence[str],
         raise UserError(f"launch --timeout {timeout_s:g}: must be more than 0 seconds")
     if max_restarts < 0:
         raise UserError(f"launch --max-restarts {max_restarts}: must be 0 or more")
+    if min_processes is not None and not 1 <= min_processes <= num_processes:
+        raise UserError(f"launch --min-processes {min_processes}: must be from 1 to -n {num_processes}")
+    if min_processes is not None and not max_restarts:
+        raise UserError(f"launch --min-processes {min_processes} shrinks the group at a restart: give --max-restarts "
+                        f"too")
     if not program:
         raise UserError("launch: no command given; e.g. jaxdist launch -n 2 -- train configs/tiny.yaml")
     _check_cpu_devices(os.environ.get("JAXDIST_CPU_DEVICES"), devices_per_process)
@@ -138,11 +148,13 @@ def launch(num_processes: int, devices_per_process: int, program: Sequence[str],
     with contextlib.closing(_Notes(notes or default_notes_path(), stderr)) as library_notes:
         while True:
             group = _Group(stdout or sys.stdout, stderr, timeout_s, restarts=restarts, max_restarts=max_restarts,
-                           notes=None if verbose else library_notes)
+                           notes=None if verbose else library_notes, processes=num_processes,
+                           min_processes=min_processes)
             code = _run_group(group, num_processes, devices_per_process, program)
             if not group.restarting:
                 return code
             restarts += 1
+            num_processes = group.next_processes
 
 
 def default_notes_path() -> str:
@@ -223,12 +235,13 @@ class _Group:
 
     def __init__(self, stdout: TextIO, stderr: TextIO, timeout_s: float | None = None,
                  peer_exit_grace_s: float = PEER_EXIT_GRACE_S, restarts: int = 0, max_restarts: int = 0,
-                 notes: _Notes | None = None):
+                 notes: _Notes | None = None, processes: int = 1, min_processes: int | None = None):
         self.stdout, self.stderr = stdout, stderr
         self.notes = notes
         self.timeout_s = timeout_s
         self.peer_exit_grace_s = peer_exit_grace_s
         self.restarts, self.max_restarts = restarts, max_restarts
+        self.processes, self.min_processes = processes, min_processes
         self.children: list[subprocess.Popen] = []
         self.relays: list[tuple[int, threading.Thread]] = []  # (process id, relay), two per process
         self.lock = threading.Lock()
@@ -319,17 +332,31 @@ class _Group:
                 and self.stop_signal is None)
 
     @property
+    def next_processes(self) -> int:
+        """How many processes a restart starts: all of them, or in an elastic group all but the failed one."""
+        return self.processes if self.min_processes is None else self.processes - 1
+
+    @property
     def restarting(self) -> bool:
-        """Whether the launcher starts the group again: it is restartable and restarts are left."""
-        return self.restartable and self.restarts < self.max_restarts
+        """Whether the launcher starts the group again: it is restartable, restarts are left and, in an
+        elastic group, enough processes remain."""
+        enough = self.min_processes is None or self.next_processes >= self.min_processes
+        return self.restartable and self.restarts < self.max_restarts and enough
 
     def _what_next(self) -> str:
         """The end of the failure's line: whether the launcher restarts the group, said once with the
         failure; nothing when restarts were not asked for (--max-restarts 0) or nothing failed."""
         if self.failure is None or self.max_restarts == 0:
             return ""
+        if self.restarting and self.min_processes is not None:
+            return (f"; restarting the group without it ({self.restarts + 1} of {self.max_restarts}): "
+                    f"{self.next_processes} processes (--min-processes {self.min_processes}), the same config and "
+                    f"train.global_batch on fewer devices")
         if self.restarting:
             return f"; restarting the group ({self.restarts + 1} of {self.max_restarts})"
+        if self.restartable and self.restarts < self.max_restarts:
+            return (f"; not restarting: {self.next_processes} process(es) would remain, fewer than --min-processes "
+                    f"{self.min_processes}")
         return "; not restarting"
 
     def _problem(self, codes: list[int | None]) -> tuple[str, int] | None:

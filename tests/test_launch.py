@@ -5,6 +5,7 @@ die with the launcher."""
 import contextlib
 import io
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -234,6 +235,38 @@ def test_each_failure_is_said_once_with_what_happens_next(monkeypatch, code, max
     said = [line.removeprefix("jaxdist launch: ") for line in err.getvalue().splitlines()]
     failure = f"process 1 {launch._describe_exit(code)}; stopping process 0"
     assert [line for line in said if not line.startswith("started 2 process(es)")] == [failure + t for t in then]
+
+
+def test_an_elastic_group_restarts_without_the_failed_process_down_to_its_minimum(monkeypatch):
+    """launch -n 4 --min-processes 2: the last process fails in every attempt; each restart leaves it
+    out, and a group that would fall below 2 processes is not started again."""
+    monkeypatch.delenv("JAXDIST_CPU_DEVICES", raising=False)
+    last_fails = ("import os, sys, time; last = int(os.environ['JAX_NUM_PROCESSES']) - 1; "
+                  "sys.exit(1) if os.environ['JAX_PROCESS_ID'] == str(last) else time.sleep(60)")
+    monkeypatch.setattr(launch, "child_command", lambda program: python(last_fails))
+    err = io.StringIO()
+    code = launch.launch(4, 1, ["train", "any.yaml"], stdout=io.StringIO(), stderr=err, max_restarts=5, min_processes=2)
+    said = [line.removeprefix("jaxdist launch: ") for line in err.getvalue().splitlines()]
+    assert code == 1
+    assert [line.split(",")[0] for line in said if line.startswith("started")] == [
+        "started 4 process(es)", "started 3 process(es)", "started 2 process(es)"]
+    assert [line for line in said if not line.startswith("started")] == [
+        "process 3 exited with code 1; stopping processes 0, 1, 2; restarting the group without it (1 of 5): 3 "
+        "processes (--min-processes 2), the same config and train.global_batch on fewer devices",
+        "process 2 exited with code 1; stopping processes 0, 1; restarting the group without it (2 of 5): 2 "
+        "processes (--min-processes 2), the same config and train.global_batch on fewer devices",
+        "process 1 exited with code 1; stopping process 0; not restarting: 1 process(es) would remain, fewer than "
+        "--min-processes 2",
+    ]
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"min_processes": 5, "max_restarts": 1}, "launch --min-processes 5: must be from 1 to -n 4"),
+    ({"min_processes": 2}, "launch --min-processes 2 shrinks the group at a restart: give --max-restarts too"),
+])
+def test_a_minimum_the_group_cannot_have_is_refused(options, message):
+    with pytest.raises(launch.UserError, match=re.escape(message)):
+        launch.launch(4, 1, ["train", "any.yaml"], **options)
 
 
 def test_a_closed_stdout_stops_the_group_like_a_sigpipe():

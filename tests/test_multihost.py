@@ -184,11 +184,13 @@ def _pids_alive(pids: list[int]) -> list[int]:
 
 
 @contextlib.contextmanager
-def launch_in_background(config_file: Path, *options: str) -> Iterator[tuple[subprocess.Popen, list[str]]]:
+def launch_in_background(config_file: Path, *options: str, processes: int = 2,
+                         devices: int = 4) -> Iterator[tuple[subprocess.Popen, list[str]]]:
     """`launch -n 2 --devices-per-process 4 [OPTIONS] -- train CONFIG` running: yields the launcher (read
     its stdout) and the list its stderr lines collect in. Its --timeout bounds every read of its output."""
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "jaxdist.cli", "launch", "-n", "2", "--devices-per-process", "4", "--timeout", "120",
+        [sys.executable, "-m", "jaxdist.cli", "launch", "-n", str(processes), "--devices-per-process", str(devices),
+         "--timeout", "120",
          "--log", str(config_file.with_suffix(".log")), *options, "--", "train", str(config_file)],
         env=jaxdist_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
     )
@@ -212,7 +214,8 @@ def read_until(launcher: subprocess.Popen, pattern: str, stderr_lines: list[str]
 
 
 def launched_pids(stderr_lines: list[str]) -> list[int]:
-    started = next(line for line in stderr_lines if "started 2 process(es)" in line)
+    """The pids of the latest group the launcher started."""
+    started = [line for line in stderr_lines if re.search(r"started \d+ process\(es\)", line)][-1]
     return [int(pid) for pid in started.rsplit("pids ", 1)[1].split(", ")]
 
 
@@ -235,25 +238,34 @@ def test_killing_one_process_stops_the_launcher(tmp_path):
     print(f"launcher exited {code} {elapsed:.2f} s after process 1 was killed")
 
 
-def test_a_killed_process_restarts_the_group_which_resumes(tmp_path, one_process_losses):
-    """launch --max-restarts: process 1 killed once checkpoint 2 is complete (checkpoints every 2 steps); the group
-    starts again, resumes from the newest complete checkpoint and ends with the uninterrupted losses."""
+def test_an_elastic_group_goes_on_without_each_process_it_loses(tmp_path):
+    """launch -n 4 --max-restarts 3 --min-processes 2: the last process is killed once checkpoint 2 is
+    complete, and again after checkpoint 4; each restart leaves it out, the run resumes from the newest
+    complete checkpoint on 6 and then 4 devices with the same global batch, and ends with the losses
+    of an uninterrupted run on all 8 (each step logged once: re-run steps replace their first lines)."""
+    # Data parallel: 24 rows divide over 8, 6 and 4 devices (FSDP would split d_model=64 six ways too).
+    elastic = {"mesh": {"data": -1, "fsdp": 1, "tensor": 1}, "rules": {"preset": "dp"},
+               "train": {"steps": 6, "global_batch": 24}}
+    reference_dir = tmp_path / "reference"
+    loop.train(make_config(reference_dir, **elastic))
     run_dir = tmp_path / "run"
-    cfg = make_config(run_dir, **LAYOUT, train={"steps": REFERENCE_STEPS}, checkpoint={"every": 2})
-    with launch_in_background(write_config(tmp_path / "c.yaml", cfg), "--max-restarts", "2") as (launcher, stderr_lines):
-        read_until(launcher, r"\[0\] saved checkpoint step 2 ", stderr_lines)  # complete on disk
-        os.kill(launched_pids(stderr_lines)[1], signal.SIGKILL)
+    cfg = make_config(run_dir, **elastic, checkpoint={"every": 2})
+    with launch_in_background(write_config(tmp_path / "c.yaml", cfg), "--max-restarts", "3", "--min-processes", "2",
+                              processes=4, devices=2) as (launcher, stderr_lines):
+        for step in (2, 4):
+            read_until(launcher, rf"\[0\] saved checkpoint step {step} ", stderr_lines)
+            os.kill(launched_pids(stderr_lines)[-1], signal.SIGKILL)
         rest = launcher.stdout.read()
         code = launcher.wait(timeout=LAUNCH_TIMEOUT_S)
-    assert code == 0, "".join(stderr_lines)[-3000:]
-    assert ("jaxdist launch: process 1 exited with signal SIGKILL; stopping process 0; restarting the group (1 of 2)\n"
-            in stderr_lines), stderr_lines[-5:]
-    assert sum("started 2 process(es)" in line for line in stderr_lines) == 2
-    assert re.search(r"^\[0\] resuming from step [24]\b", rest, re.M), rest[-3000:]
-
+    said = "".join(stderr_lines)
+    assert code == 0, said[-3000:]
+    assert [int(n) for n in re.findall(r"started (\d+) process\(es\)", said)] == [4, 3, 2]
+    assert ("process 3 exited with signal SIGKILL; stopping processes 0, 1, 2; restarting the group without it "
+            "(1 of 3): 3 processes (--min-processes 2), the same config and train.global_batch on fewer devices") in said
+    assert re.search(r"^\[0\] mesh data=4 x stage=1 x fsdp=1 x tensor=1 on 4 devices \(2 process", rest, re.M), rest[-2000:]
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, REFERENCE_STEPS + 1)), steps  # re-run steps replace their first lines
-    np.testing.assert_allclose(losses(run_dir), one_process_losses, rtol=1e-5, atol=0)
+    assert steps == list(range(1, 7)), steps
+    np.testing.assert_allclose(losses(run_dir), losses(reference_dir), rtol=1e-5, atol=0)
 
 
 # fsdp spans both processes, so each process writes its own shards: a checkpoint shows who saved it.
