@@ -42,12 +42,10 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-def _bytes_per_device(tree: Any, host: bool = False) -> int:
-    """Bytes each device holds of an abstract tree (`jax.ShapeDtypeStruct`s with shardings) in its own
-    memory, or with `host` in the host memory kept for it (`train.offload`)."""
+def _bytes_per_device(tree: Any) -> int:
+    """Bytes each device holds of an abstract tree (`jax.ShapeDtypeStruct`s with shardings)."""
     return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
-               for leaf in jax.tree.leaves(tree) if hasattr(leaf, "sharding") and leaf.sharding is not None
-               and (leaf.sharding.memory_kind not in (None, "device")) == host)
+               for leaf in jax.tree.leaves(tree) if hasattr(leaf, "sharding") and leaf.sharding is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +64,6 @@ class Plan:
     code: int
     flops: float
     model_state: int = 0  # the model's non-parameter variables (BatchNorm's running averages)
-    host: int = 0  # per device, in pinned host memory: the optimizer state under train.offload (not in `total`)
 
     @property
     def total(self) -> int:
@@ -85,9 +82,8 @@ class Plan:
                  ("compute copies", self.copies),
                  ("batch", self.batch), ("temporaries", self.temporaries), ("code", self.code)]
         shown = ", ".join(f"{name} {_gb(size)}" for name, size in parts if size)
-        host = f"; in host memory: optimizer state {_gb(self.host)}" if self.host else ""
         return [f"plan: mesh {self.mesh} ({self.devices} {self.platform} devices)",
-                f"per device: {shown}; total {_gb(self.total)}{host}; {_flop(self.flops)} per step"]
+                f"per device: {shown}; total {_gb(self.total)}; {_flop(self.flops)} per step"]
 
 
 def _in_units(value: float, units: tuple[tuple[str, float, int], ...]) -> str:
@@ -124,7 +120,7 @@ def make_plan(cfg: Config, devices: list | None = None) -> Plan:
     return Plan(
         mesh=mesh_lib.describe(trainer.mesh), devices=len(mesh_devices), platform=mesh_devices[0].platform,
         params=_bytes_per_device(state.params), opt_state=_bytes_per_device(state.opt_state),
-        model_state=_bytes_per_device(state.model_state), host=_bytes_per_device(state.opt_state, host=True),
+        model_state=_bytes_per_device(state.model_state),
         copies=_bytes_per_device(trainer.current_copies()), batch=_bytes_per_device(batch),
         temporaries=int(memory.temp_size_in_bytes), code=int(memory.generated_code_size_in_bytes),
         flops=models.get(cfg.model.name).flops_per_example(cfg) * cfg.train.global_batch / len(mesh_devices),

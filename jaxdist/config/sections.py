@@ -167,9 +167,6 @@ class TrainConfig(Section):
     on_nonfinite: Literal["halt", "skip"] = Field(
         "halt", description="after a non-finite step: stop without saving it (exit 3), or go on")
     max_consecutive_skips: int = Field(10, gt=0, description="under skip: halt after more bad steps in a row")
-    offload: Literal["none", "optimizer"] = Field(
-        "none", description="optimizer: the optimizer state lives in pinned host memory and comes to the devices "
-                            "for each update (device memory for a host-device copy each step)")
     loss_spike: float | None = Field(
         5.0, gt=1, description="a finite loss above this many times the running average of the last losses is a "
         "bad step too, halted or skipped as on_nonfinite says (null: off)")

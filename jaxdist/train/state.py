@@ -101,13 +101,11 @@ def model_state_of(model: nnx.Module, model_state: Any) -> Any:
     return None if model_state is None else nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
 
 
-def opt_state_shardings(tx: optax.GradientTransformation, abstract_params: Any, param_shardings: Any, mesh: Mesh,
-                        offload: bool = False):
+def opt_state_shardings(tx: optax.GradientTransformation, abstract_params: Any, param_shardings: Any, mesh: Mesh):
     """Optimizer-state shardings that follow the parameters' (optax alone would replicate them).
 
     State shaped unlike its parameter (adafactor's factored row and column statistics) is small
-    and replicated; leaves a mask left out (`optax.MaskedNode`) stay as they are. `offload`: every
-    one in pinned host memory (`in_memory`).
+    and replicated; leaves a mask left out (`optax.MaskedNode`) stay as they are.
     """
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -117,21 +115,10 @@ def opt_state_shardings(tx: optax.GradientTransformation, abstract_params: Any, 
             return leaf
         return sharding if leaf.shape == param.shape else replicated
 
-    shardings = optax.tree_map_params(
+    return optax.tree_map_params(
         tx, follow, abstract_opt, abstract_params, param_shardings,
         transform_non_params=lambda _: replicated, is_leaf=lambda x: isinstance(x, optax.MaskedNode),
     )
-    return in_memory(shardings, HOST_MEMORY) if offload else shardings
-
-
-HOST_MEMORY = "pinned_host"  # where train.offload keeps the optimizer state: host memory the devices copy from directly
-
-
-def in_memory(shardings: Any, kind: str) -> Any:
-    """`shardings` (NamedShardings; masked-out leaves kept) placing their arrays in memory `kind`
-    ("device", or `HOST_MEMORY`)."""
-    return jax.tree.map(lambda s: s.with_memory_kind(kind) if isinstance(s, NamedSharding) else s, shardings,
-                        is_leaf=lambda x: isinstance(x, optax.MaskedNode))
 
 
 def init_state(
@@ -144,7 +131,6 @@ def init_state(
     abstract: AbstractModel | None = None,
     materialize: bool = True,
     params: Callable[[Any], Any] | None = None,
-    offload: bool = False,
 ) -> tuple[TrainState, TrainState, nnx.GraphDef, Any]:
     """Creates the sharded train state; returns (state, state shardings, graphdef, layouts).
 
@@ -152,8 +138,7 @@ def init_state(
     `materialize` False the state is only described (`jax.ShapeDtypeStruct`s with their shardings),
     to compile for it without allocating it (`jaxdist plan`). `params(param_shardings)`: the
     parameters to start from (e.g. published weights, made in those shardings) instead of the
-    model's random init; the optimizer state starts as ever. `offload`: the optimizer state is made,
-    and kept, in pinned host memory (`train.offload`; the step brings it to the devices).
+    model's random init; the optimizer state starts as ever.
     """
     abstract = abstract or abstract_model(create_model, seed)
     rules_lib.warn_unnamed(abstract.unnamed)
@@ -167,7 +152,7 @@ def init_state(
         step=NamedSharding(mesh, PartitionSpec()),
         params=param_shardings,
         skipped_steps=NamedSharding(mesh, PartitionSpec()),
-        opt_state=opt_state_shardings(tx, abstract.params, param_shardings, mesh, offload),
+        opt_state=opt_state_shardings(tx, abstract.params, param_shardings, mesh),
         loss_scale=jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), loss_scale),
         model_state=model_state_shardings,
         loss_stats=jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), LossStats.create()),

@@ -24,7 +24,7 @@ from jaxdist.parallel.feed import batch_sharding
 from jaxdist.train import copies as copies_lib
 from jaxdist.train import precision
 from jaxdist.train.accumulate import Batch, LossFn, loss_and_grads
-from jaxdist.train.state import TrainState, in_memory
+from jaxdist.train.state import TrainState
 
 
 def make_train_step(
@@ -42,7 +42,6 @@ def make_train_step(
     copies_gather: copies_lib.Gather | None = None,
     nonfinite_guard: bool = True,
     loss_spike: float | None = None,
-    offload: bool = False,
 ) -> Callable[[TrainState, Any, Batch], tuple[TrainState, Any, dict[str, jax.Array]]]:
     """The jitted `step(state, copies, batch) -> (state, copies, metrics)`; state and copies are donated.
 
@@ -55,11 +54,8 @@ def make_train_step(
     `loss_scale`. `nonfinite_guard=False` applies every update, finite or not (to measure the
     guard's cost); loss scaling keeps its own check. `loss_spike`: a loss above this factor times
     the running average of the applied steps' losses is a bad step too (train/spikes.py), flagged
-    in `loss_spike` with the average in `loss_average`; None: off. `offload`: the optimizer state
-    lives in host memory (`state_shardings` say so): each step copies it to the devices for the
-    update and the new state back.
+    in `loss_spike` with the average in `loss_average`; None: off.
     """
-    opt_on_device = in_memory(state_shardings.opt_state, "device") if offload else None
 
     def step(state: TrainState, copies: Any, batch: Batch):
         scale = state.loss_scale
@@ -71,10 +67,9 @@ def make_train_step(
                 param_shardings=state_shardings.params, loss_scale=None if scale is None else scale.scale,
                 compute_copies=copies, copies_gather=copies_gather, model_state=state.model_state,
             )
-        old_opt_state = state.opt_state if opt_on_device is None else jax.device_put(state.opt_state, opt_on_device)
-        updates, opt_state = tx.update(grads, old_opt_state, state.params)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
         # The gradients are float32: the moments of bfloat16 parameters would come back promoted.
-        opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), opt_state, old_opt_state)
+        opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), opt_state, state.opt_state)
         params = optax.apply_updates(state.params, updates)
         grad_norm = optax.tree.norm(grads)
         metrics = {"loss": loss, "grad_norm": grad_norm, **aux}
@@ -90,7 +85,7 @@ def make_train_step(
                 metrics["loss_average"] = state.loss_stats.average
             # A select per leaf, fused into the update: the old buffers are read, not copied.
             params, opt_state, model_state = precision.keep_if_not_finite(
-                applied, (params, opt_state, model_state), (state.params, old_opt_state, state.model_state))
+                applied, (params, opt_state, model_state), (state.params, state.opt_state, state.model_state))
             skipped = skipped + (~applied).astype(skipped.dtype)
             metrics["nonfinite"] = bad.astype(jnp.int32)
             if scale is not None:  # a spike is no overflow: the scale follows finiteness alone
@@ -100,8 +95,6 @@ def make_train_step(
         loss_stats = None if state.loss_stats is None else state.loss_stats.updated(loss, applied)
         if schedule is not None:  # dropped steps leave the optimizer's own count behind
             metrics["learning_rate"] = schedule(state.step - state.skipped_steps)
-        if opt_on_device is not None:
-            opt_state = jax.device_put(opt_state, state_shardings.opt_state)  # back to host memory
         new_state = TrainState(
             step=state.step + 1, params=params, opt_state=opt_state, skipped_steps=skipped, loss_scale=scale,
             model_state=model_state, loss_stats=loss_stats,

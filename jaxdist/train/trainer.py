@@ -60,7 +60,6 @@ class Trainer:
         materialize: bool = True,
         loss_spike: float | None = None,
         params: Callable[[Any], Any] | None = None,
-        offload: bool = False,
     ):
         """`abstract`: `state.abstract_model(create_model, seed)`, if already computed (saves a trace).
 
@@ -73,13 +72,12 @@ class Trainer:
         allocating it: the step can then be compiled (`compile` with an abstract batch) but not run.
         `loss_spike`: a loss above this factor times the running average of the applied steps'
         losses is dropped like a non-finite step (train/spikes.py); None: off. `params(param_shardings)`:
-        the parameters to start from instead of the random init (`state.init_state`). `offload`: the
-        optimizer state in pinned host memory, brought to the devices for each update (`train.offload`).
+        the parameters to start from instead of the random init (`state.init_state`).
         """
         self.mesh = mesh
         self.rules = rules
         self.state, self.state_shardings, self.graphdef, self.layouts = init_state(
-            create_model, optimizer, mesh, rules, seed, loss_scale, abstract, materialize, params, offload
+            create_model, optimizer, mesh, rules, seed, loss_scale, abstract, materialize, params
         )
         # The first step donates these buffers; let their init finish first (an in-flight
         # donated init aborted the XLA CPU runtime under load).
@@ -111,7 +109,7 @@ class Trainer:
         self._copies, self._copies_of, self._copy_shardings = None, None, copy_shardings
         self._step = make_train_step(
             self.graphdef, loss_fn, optimizer, schedule, mesh, rules, self.state_shardings, microbatches,
-            grad_reduction, compute_copies, copy_shardings, copies_gather, loss_spike=loss_spike, offload=offload,
+            grad_reduction, compute_copies, copy_shardings, copies_gather, loss_spike=loss_spike,
         )
         # Its own program, run only where a step is logged: inside the step, the norm's reduction
         # kept XLA from writing the compute copies in the update's pass (a second read of every
@@ -160,7 +158,7 @@ class Trainer:
             seed=cfg.seed, microbatches=cfg.train.microbatches, grad_reduction=cfg.train.grad_reduction,
             schedule=schedule, loss_scale=precision.initial_loss_scale(cfg.precision), abstract=abstract,
             compute_copies=make_copies, fsdp_gather=cfg.train.fsdp_gather, materialize=materialize,
-            loss_spike=cfg.train.loss_spike, params=params, offload=cfg.train.offload == "optimizer",
+            loss_spike=cfg.train.loss_spike, params=params,
         )
 
     def _has_flax_batch_norm(self) -> bool:
