@@ -407,12 +407,18 @@ def _scale(args) -> None:
 def _export(args) -> None:
     from jaxdist import checkpoint
 
+    import jax
+
     if args.format == "hf":
         from jaxdist.checkpoint import hf
 
         step, files = hf.export(args.run_dir, args.out, args.step)
-        print(f"wrote a Hugging Face folder (params at step {step}) to {args.out}: {', '.join(files)}")
+        if jax.process_index() == 0:
+            print(f"wrote a Hugging Face folder (params at step {step}) to {args.out}: {', '.join(files)}")
         return
+    if jax.process_count() > 1:
+        raise UserError(f"export {args.out}: one file is written by one process; run it alone, or use --format hf, "
+                        f"which gathers the parameters across processes")
     step, count = checkpoint.export_params(args.run_dir, args.out, args.step)
     print(f"wrote {count} arrays (params at step {step}) to {args.out}")
 
@@ -435,7 +441,7 @@ def _plot(args) -> None:
 
 
 # Commands that never run JAX on this process's devices, so they do not join a process group.
-_OFFLINE = {"launch", "scale", "data", "export", "build-kernels", "plot", "config"}
+_OFFLINE = {"launch", "scale", "data", "build-kernels", "plot", "config"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -82,7 +82,8 @@ def test_an_export_holds_the_fixture_tensors_and_config_keys_and_reimports_bitwi
     cfg, _, params, _ = imported(source)
     params = jax.tree.map(np.asarray, params)
     out = tmp_path / "export"
-    written = hf.write_folder(out, cfg.model, params, source, max_shard_bytes=150_000)
+    written = hf.write_folder(out, cfg.model, hf.hf_tensors(cfg.model, lambda path: hf.leaf_at(params, path)), source,
+                              max_shard_bytes=150_000)
     assert "model.safetensors.index.json" in written and "tokenizer.json" in written
 
     exported, published = _tensors(out), _tensors(source)

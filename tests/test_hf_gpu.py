@@ -47,7 +47,8 @@ def test_transformers_loads_the_export_and_gives_jaxdist_logits(family, compute,
     torch.backends.cuda.matmul.allow_tf32 = False
     tokens = np.load(FIXTURES / family / "reference.npz")["input_ids"]
     cfg, params, ours = _jaxdist_logits(FIXTURES / family, compute, tokens)
-    hf.write_folder(tmp_path / "export", cfg.model, params, FIXTURES / family)
+    hf.write_folder(tmp_path / "export", cfg.model, hf.hf_tensors(cfg.model, lambda path: hf.leaf_at(params, path)),
+                    FIXTURES / family)
 
     def logits(dtype) -> np.ndarray:
         model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=dtype,

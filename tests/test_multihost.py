@@ -268,6 +268,34 @@ def test_an_elastic_group_goes_on_without_each_process_it_loses(tmp_path):
     np.testing.assert_allclose(losses(run_dir), losses(reference_dir), rtol=1e-5, atol=0)
 
 
+def test_an_export_by_two_processes_is_the_export_by_one(tmp_path):
+    """`launch -n 2 -- export RUN OUT --format hf`: each process reads its shards, process 0 writes the
+    folder; it holds the tensors and config.json one process writes."""
+    from jaxdist import cli
+    from jaxdist.checkpoint import safetensors_file
+    from jaxdist.config import Config
+
+    run_dir = tmp_path / "run"
+    raw = make_config(run_dir, train={"steps": 2}, checkpoint={"every": 2}).model_dump(mode="json")
+    raw["model"] = {"init_from": f"hf:{REPO / 'tests' / 'fixtures' / 'hf' / 'llama'}", "seq_len": 16}
+    loop.train(Config.model_validate(raw))
+    assert cli.main(["export", str(run_dir), str(tmp_path / "one"), "--format", "hf"]) == 0
+    run = run_jaxdist("launch", "-n", "2", "--devices-per-process", "4", "--log", str(tmp_path / "launch.log"), "--",
+                      "export", str(run_dir), str(tmp_path / "two"), "--format", "hf")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "[0] wrote a Hugging Face folder (params at step 2)" in run.stdout and "[1] wrote" not in run.stdout
+
+    def tensors(folder):
+        files = [safetensors_file.File(path) for path in sorted(folder.glob("*.safetensors"))]
+        return {name: file.get(name) for file in files for name in file.keys()}
+
+    one, two = tensors(tmp_path / "one"), tensors(tmp_path / "two")
+    assert sorted(one) == sorted(two) and len(one) > 10
+    for name in one:
+        np.testing.assert_array_equal(two[name], one[name], err_msg=name)
+    assert (tmp_path / "one" / "config.json").read_text() == (tmp_path / "two" / "config.json").read_text()
+
+
 # fsdp spans both processes, so each process writes its own shards: a checkpoint shows who saved it.
 SPREAD = {"mesh": {"data": 1, "fsdp": 8, "tensor": 1}, "rules": {"preset": "fsdp"}}
 

@@ -15,12 +15,14 @@ from __future__ import annotations
 import functools
 import json
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdist.checkpoint import safetensors_file
@@ -157,22 +159,22 @@ def load_params(cfg: Config, abstract_params: Any, shardings: Any) -> Any:
             continue
         if not tensor.in_block:
             used.update(shards.name(n) for n in tensor.names)
-            leaf = _placed(lambda layer, t=tensor: _read(shards, t, None), _at(abstract_params, tensor.path),
-                           _at(shardings, tensor.path), None, tensor)
+            leaf = _placed(lambda layer, t=tensor: _read(shards, t, None), leaf_at(abstract_params, tensor.path),
+                           leaf_at(shardings, tensor.path), None, tensor)
             _set(params, tensor.path, leaf)
             continue
         for layer in range(model.layers):
             used.update(shards.name(n) for n in hf_models.layer_names(tensor, layer))
         if stacked:
             path = ("blocks", *tensor.path)
-            leaf = _placed(lambda layer, t=tensor: _read(shards, t, layer), _at(abstract_params, path),
-                           _at(shardings, path), model.layers, tensor)
+            leaf = _placed(lambda layer, t=tensor: _read(shards, t, layer), leaf_at(abstract_params, path),
+                           leaf_at(shardings, path), model.layers, tensor)
             _set(params, path, leaf)
         else:
             for layer in range(model.layers):
                 path = ("blocks", layer, *tensor.path)
-                leaf = _placed(lambda _, t=tensor, i=layer: _read(shards, t, i), _at(abstract_params, path),
-                               _at(shardings, path), None, tensor)
+                leaf = _placed(lambda _, t=tensor, i=layer: _read(shards, t, i), leaf_at(abstract_params, path),
+                               leaf_at(shardings, path), None, tensor)
                 _set(params, path, leaf)
     if len(jax.tree.leaves(params)) != len(jax.tree.leaves(abstract_params)):  # a parameter no tensor maps to
         raise ValueError(f"models/hf.py maps no Hugging Face tensor to some of model.name={model.name}'s parameters")
@@ -238,7 +240,8 @@ def _stack(count: int, sharding: NamedSharding):
     return jax.jit(lambda *layers: jnp.stack(layers), out_shardings=sharding)
 
 
-def _at(tree: Any, path: tuple) -> Any:
+def leaf_at(tree: Any, path: tuple) -> Any:
+    """The leaf of a params dict at `path` (its keys, e.g. ("blocks", "attn", "qkv"))."""
     for key in path:
         tree = tree[key]
     return tree
@@ -252,57 +255,75 @@ def _set(tree: Any, path: tuple, value: Any) -> None:
 
 # -- export ------------------------------------------------------------------------------------------
 
-def hf_tensors(model, params: dict[str, Any]) -> dict[str, np.ndarray]:
-    """The Hugging Face tensors of `params` (numpy, a pure dict of the model's parameters)."""
-    out: dict[str, np.ndarray] = {}
+def hf_tensors(model, leaf: Callable[[tuple], np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
+    """The Hugging Face tensors of a model's parameters, name by name: `leaf(path)` gives the
+    parameter at `path` of the params dict (numpy); it is asked for each parameter once, in turn."""
     stacked = model.impl.scan_layers
+    dtype = None
     for tensor in hf_models.tensors(model):
         if not tensor.in_block:
-            out.update(zip(tensor.names, tensor.write(np.asarray(_at(params, tensor.path))), strict=True))
+            array = leaf(tensor.path)
+            dtype = array.dtype
+            yield from zip(tensor.names, tensor.write(array), strict=True)
             continue
+        whole = leaf(("blocks", *tensor.path)) if stacked and tensor.path is not None else None
         for layer in range(model.layers):
             names = hf_models.layer_names(tensor, layer)
-            if tensor.path is None:
-                out.update({name: np.zeros(tensor.zero_shape, _at(params, ("embed",)).dtype) for name in names})
+            if tensor.path is None:  # GPT-2's biases for a model without them
+                yield from ((name, np.zeros(tensor.zero_shape, dtype)) for name in names)
                 continue
-            array = _at(params, ("blocks", *tensor.path))[layer] if stacked else _at(params, ("blocks", layer, *tensor.path))
-            out.update(zip(names, tensor.write(np.asarray(array)), strict=True))
-    return {name: np.ascontiguousarray(array) for name, array in out.items()}
+            array = whole[layer] if stacked else leaf(("blocks", layer, *tensor.path))
+            yield from zip(names, tensor.write(array), strict=True)
 
 
-def write_folder(out: Path, model, params: dict, source: Path | None = None,
-                 max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
-    """Writes `params` of `model` (a decoder's section) as a Hugging Face folder: config.json, the
-    safetensors shard(s) (an index where there are several), and `source`'s tokenizer and generation
-    files (the folder the run started from). Returns the files written."""
-    source_config = read_config(source) if source is not None and (source / "config.json").is_file() else None
-    config = hf_models.hf_config(model, source_config)
-    tensors = hf_tensors(model, params)
-    out.mkdir(parents=True, exist_ok=True)
-    groups: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name in sorted(tensors):
-        if groups[-1] and size + tensors[name].nbytes > max_shard_bytes:
-            groups.append({})
+def write_folder(out: Path, model, tensors: Iterator[tuple[str, np.ndarray]], source: Path | None = None,
+                 max_shard_bytes: int = MAX_SHARD_BYTES, write: bool = True) -> list[str]:
+    """Writes the `tensors` (`hf_tensors`) of `model` (a decoder's section) as a Hugging Face folder:
+    config.json, the safetensors shard(s) (an index where there are several), and `source`'s
+    tokenizer and generation files (the folder the run started from). Each shard is written as soon as
+    it is full: the host holds one shard, not the model. `write` False: consume the tensors (each
+    process's part in gathering them) and write nothing. Returns the files written."""
+    groups: list[str] = []
+    weight_map: dict[str, str] = {}
+    pending: dict[str, np.ndarray] = {}
+    size = total_size = total_count = 0
+    dtype = None
+
+    def flush() -> None:
+        file = f"part-{len(groups) + 1:05d}.safetensors"
+        if write:
+            safetensors_file.write(out / file, pending, {"format": "pt"})
+        weight_map.update({name: file for name in pending})
+        groups.append(file)
+        pending.clear()
+
+    if write:
+        out.mkdir(parents=True, exist_ok=True)
+    for name, array in tensors:
+        array = np.ascontiguousarray(array)
+        dtype = dtype or str(array.dtype)
+        if pending and size + array.nbytes > max_shard_bytes:
+            flush()
             size = 0
-        groups[-1][name] = tensors[name]
-        size += tensors[name].nbytes
-    written = ["config.json"]
-    dtype = str(next(iter(tensors.values())).dtype)
-    config["dtype"] = dtype
+        pending[name] = array
+        size += array.nbytes
+        total_size += array.nbytes
+        total_count += array.size
+    flush()
+    if not write:
+        return []
+    source_config = read_config(source) if source is not None and (source / "config.json").is_file() else None
+    config = {**hf_models.hf_config(model, source_config), "dtype": dtype}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    if len(groups) == 1:
-        safetensors_file.write(out / "model.safetensors", groups[0], {"format": "pt"})
-        written.append("model.safetensors")
-    else:
-        weight_map = {}
-        for i, group in enumerate(groups, 1):
-            file = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-            safetensors_file.write(out / file, group, {"format": "pt"})
-            weight_map.update({name: file for name in group})
-            written.append(file)
-        index = {"metadata": {"total_parameters": sum(a.size for a in tensors.values()),
-                              "total_size": sum(a.nbytes for a in tensors.values())}, "weight_map": weight_map}
+    names = (["model.safetensors"] if len(groups) == 1 else
+             [f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)])
+    for temporary, final in zip(groups, names, strict=True):
+        (out / temporary).rename(out / final)
+    written = ["config.json", *names]
+    if len(groups) > 1:
+        final_of = dict(zip(groups, names, strict=True))
+        index = {"metadata": {"total_parameters": total_count, "total_size": total_size},
+                 "weight_map": {name: final_of[file] for name, file in sorted(weight_map.items())}}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         written.append("model.safetensors.index.json")
     for name in SIDE_FILES:
@@ -314,17 +335,80 @@ def write_folder(out: Path, model, params: dict, source: Path | None = None,
 
 def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> tuple[int, list[str]]:
     """`jaxdist export RUN_DIR OUT --format hf`: a run's checkpoint (default: the newest) as a Hugging
-    Face folder OUT. Returns (step, files written)."""
+    Face folder OUT. Returns (step, files written).
+
+    In one process the parameters are read into its memory. In several (`jaxdist launch -n N --
+    export ...`, or a job's processes), each reads its shards of them, split over every device (FSDP),
+    and they gather one parameter at a time: process 0 writes, holding one parameter and one
+    safetensors shard at a time. Collective there: every process must call it.
+    """
     from jaxdist.checkpoint.export import read_params
 
     out = Path(out)
+    err = None
+    if jax.process_index() == 0:
+        try:
+            _check_out(out)
+        except UserError as caught:
+            err = caught
+    # Process 0 writes: the others learn whether OUT will do, and stop with it if not.
+    if jax.process_count() > 1 and int(multihost_utils.broadcast_one_to_all(np.int32(err is not None))) and err is None:
+        raise UserError(f"export --format hf: process 0 cannot write OUT={out} (its line says why)")
+    if err is not None:
+        raise err
+    if jax.process_count() == 1:
+        step, params, meta = read_params(run_dir, step)
+        cfg = Config.model_validate(meta.get("config", {}))
+        hf_models.export_architecture(cfg.model)  # one line before anything is written
+        return step, write_folder(out, cfg.model, hf_tensors(cfg.model, lambda path: leaf_at(params, path)), _source(cfg))
+    return _export_spread(run_dir, out, step)
+
+
+def _check_out(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise UserError(f"export --format hf: OUT={out} is a file; name a folder")
     if out.is_dir() and any(out.iterdir()):
         raise UserError(f"export --format hf: OUT={out} is not empty; name a new or empty folder")
     check_writable(out.parent if not out.exists() else out, f"export: OUT={out}", directory=True)
-    step, params, meta = read_params(run_dir, step)
-    cfg = Config.model_validate(meta.get("config", {}))
-    hf_models.export_architecture(cfg.model)  # one line before anything is written
-    source = folder_of(cfg.model.init_from) if getattr(cfg.model, "init_from", None) else None
-    return step, write_folder(out, cfg.model, params, source)
+
+
+def _source(cfg: Config) -> Path | None:
+    return folder_of(cfg.model.init_from) if getattr(cfg.model, "init_from", None) else None
+
+
+def _export_spread(run_dir: str | Path, out: Path, step: int | None) -> tuple[int, list[str]]:
+    """`export` in several processes: each reads its shards, they gather a parameter at a time."""
+    from jaxdist import models
+    from jaxdist.checkpoint.store import Checkpoints
+    from jaxdist.parallel import layout as layout_lib
+    from jaxdist.parallel import rules as rules_lib
+    from jaxdist.train.state import abstract_model
+
+    directory = Path(run_dir) / "checkpoints"
+    with Checkpoints(directory, create=False) as store:
+        steps = store.steps()
+        if not steps or (step is not None and step not in steps):
+            raise UserError(f"export: RUN_DIR={run_dir} holds no complete checkpoint"
+                            f"{'' if step is None else f' at step {step}'} in {directory}")
+        step = steps[-1] if step is None else step
+        cfg = Config.model_validate(store.meta(step).get("config", {}))
+        hf_models.export_architecture(cfg.model)
+        spread = cfg.model_copy(update={
+            "mesh": cfg.mesh.model_copy(update={"data": 1, "stage": 1, "fsdp": -1, "tensor": 1}),
+            "rules": cfg.rules.model_copy(update={"preset": "fsdp"})})
+        entry = models.get(cfg.model.name)
+        placed = layout_lib.from_config(spread, None, entry.activations)
+        abstract = abstract_model(entry.create(spread), spread.seed)
+        shardings = rules_lib.layout_shardings(
+            rules_lib.param_layouts(abstract.params, abstract.names, placed.rules, placed.mesh), placed.mesh)
+        target = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                              abstract.params, shardings)
+        params = store.read_placed(step, "params", target)
+
+    def gathered(path: tuple) -> np.ndarray:
+        return np.asarray(multihost_utils.process_allgather(leaf_at(params, path), tiled=True))
+
+    writer = jax.process_index() == 0
+    files = write_folder(out, cfg.model, hf_tensors(cfg.model, gathered), _source(cfg), write=writer)
+    multihost_utils.sync_global_devices("jaxdist_export_hf")  # the folder is whole before any process returns
+    return step, files

@@ -642,6 +642,19 @@ class Checkpoints:
         self.verify(step, found)
         return found, meta
 
+    @_after_writes
+    def read_placed(self, step: int, part: str, target: Any) -> Any:
+        """Part `part` (e.g. params) of checkpoint `step`'s state read into `target`'s shapes, dtypes
+        and shardings (`jax.ShapeDtypeStruct`s, any mesh): each process reads only the shards its
+        devices hold. Checked against the saved digests. Collective."""
+        self.check_fits(step, target, part)
+        restore_args = ocp.checkpoint_utils.construct_restore_args({part: target})
+        state = ocp.args.PyTreeRestore(item={part: target}, restore_args=restore_args, partial_restore=True)
+        restored = self._manager.restore(step, args=ocp.args.Composite(**{STATE: state}))
+        found = {part: restored[STATE][part]}
+        self.verify(step, found)
+        return found[part]
+
     def check_fits(self, step: int, target: Any, part: str | None = None) -> None:
         """Raises `CheckpointMismatch` naming the first leaf whose shape differs from `target`'s.
 
