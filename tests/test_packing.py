@@ -81,6 +81,10 @@ def test_packed_rows_hold_every_document_once_in_order():
     assert pairs == expected
     # The 19-pair document fills rows of 8, 8 and 3 pairs; the 11-pair one rows of 8 and 3.
     assert source.documents == 6 and 0 < source.padding < 0.5
+    # Read a few tokens at a time, the stream gives the same plan.
+    from jaxdist.data import stream
+
+    assert np.array_equal(stream._document_ends(tokens, SEP, chunk=7), stream._document_ends(tokens, SEP))
 
 
 def test_the_chunked_loss_weighs_tokens_as_the_plain_loss_does():

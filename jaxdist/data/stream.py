@@ -80,10 +80,7 @@ class PackedDocuments:
     """
 
     def __init__(self, tokens, seq_len: int, separator: int, name: str = "the whole token stream"):
-        stream_tokens = np.asarray(tokens[:])
-        ends = np.flatnonzero(stream_tokens == separator) + 1
-        if not len(ends) or ends[-1] != len(stream_tokens):
-            ends = np.append(ends, len(stream_tokens))  # a last document without its separator
+        ends = _document_ends(tokens, separator)
         starts = np.concatenate([[0], ends[:-1]])
         pairs = ends - starts - 1
         keep = pairs > 0  # a lone separator predicts nothing
@@ -116,6 +113,17 @@ class PackedDocuments:
             row["positions"][at : at + length] = np.arange(length)
             at += length
         return row
+
+
+def _document_ends(tokens, separator: int, chunk: int = 1 << 24) -> np.ndarray:
+    """One past each document's last token: after each separator, and the stream's end. Read a
+    chunk at a time, so a prepared split is never whole in memory."""
+    ends = [np.flatnonzero(np.asarray(tokens[start:start + chunk]) == separator) + start + 1
+            for start in range(0, len(tokens), chunk)]
+    ends = np.concatenate(ends) if ends else np.zeros(0, np.int64)
+    if not len(ends) or ends[-1] != len(tokens):
+        ends = np.append(ends, len(tokens))  # a last document without its separator
+    return ends
 
 
 def _first_rows(lengths: np.ndarray, seq_len: int) -> np.ndarray:

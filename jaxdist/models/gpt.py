@@ -387,8 +387,11 @@ class Attention(nnx.Module):
         positions = start + jnp.arange(x.shape[1])
         if self.freqs is not None:
             q, k = rope(q, positions, self.freqs), rope(k, positions, self.freqs)
-        keys = jax.lax.dynamic_update_slice(cache.keys, k.astype(cache.keys.dtype), (0, start, 0, 0))
-        values = jax.lax.dynamic_update_slice(cache.values, v.astype(cache.values.dtype), (0, start, 0, 0))
+        # The cache laid out as the keys and values are: its heads split as the model's.
+        names = KV_HEADS if self.grouped else HEADS
+        keys = constrain(jax.lax.dynamic_update_slice(cache.keys, k.astype(cache.keys.dtype), (0, start, 0, 0)), names)
+        values = constrain(jax.lax.dynamic_update_slice(cache.values, v.astype(cache.values.dtype), (0, start, 0, 0)),
+                           names)
         visible = (jnp.arange(keys.shape[1])[None, :] <= positions[:, None])[None, None]
         y = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=visible,
                                          implementation="xla")
