@@ -316,11 +316,10 @@ def rope_frequencies(head_dim: int, base: float = 10000.0, scaling: RopeScaling 
     return np.where(medium, (1 - blend) * slowed / scaling.factor + blend * slowed, slowed).astype(np.float32)
 
 
-def rope(x: jax.Array, positions: jax.Array, freqs: Sequence[float] | None = None) -> jax.Array:
+def rope(x: jax.Array, positions: jax.Array, freqs: Sequence[float]) -> jax.Array:
     """Rotary position embedding over the last dim of (batch, length, heads, head_dim), its two
     halves rotated as pairs (Hugging Face's `rotate_half`); `positions` (length,) or (batch,
     length); `freqs` from `rope_frequencies`."""
-    freqs = rope_frequencies(x.shape[-1]) if freqs is None else freqs
     angles = positions[..., None].astype(jnp.float32) * jnp.asarray(freqs, jnp.float32)
     sin, cos = jnp.sin(angles)[..., None, :], jnp.cos(angles)[..., None, :]  # over the heads
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -374,11 +373,7 @@ class Attention(nnx.Module):
             q, k = rope(q, positions, self.freqs), rope(k, positions, self.freqs)
         y = jax.nn.dot_product_attention(q, k, v, mask=None if docs is None else docs.mask, is_causal=True,
                                          implementation=_attention_impl(self.implementation, x.dtype))
-        y = constrain(y, HEADS)
-        out = jnp.einsum("bthk,hkd->btd", y, _cast(self.out[...], x.dtype))
-        if hasattr(self, "out_bias"):
-            out = out + _cast(self.out_bias[...], x.dtype)
-        return constrain(out, RESIDUAL)
+        return self._output(y)
 
     def decode(self, x: jax.Array, cache: KVCache, start: jax.Array) -> tuple[jax.Array, KVCache]:
         """Attention of `x` (batch, new, embed), at positions `start`, `start + 1`, ..., over the keys
@@ -395,10 +390,14 @@ class Attention(nnx.Module):
         visible = (jnp.arange(keys.shape[1])[None, :] <= positions[:, None])[None, None]
         y = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=visible,
                                          implementation="xla")
-        out = jnp.einsum("bthk,hkd->btd", constrain(y, HEADS), _cast(self.out[...], x.dtype))
+        return self._output(y), KVCache(keys, values)
+
+    def _output(self, y: jax.Array) -> jax.Array:
+        """The heads' outputs (batch, length, heads, head_dim) projected back to the residual stream."""
+        out = jnp.einsum("bthk,hkd->btd", constrain(y, HEADS), _cast(self.out[...], y.dtype))
         if hasattr(self, "out_bias"):
-            out = out + _cast(self.out_bias[...], x.dtype)
-        return constrain(out, RESIDUAL), KVCache(keys, values)
+            out = out + _cast(self.out_bias[...], y.dtype)
+        return constrain(out, RESIDUAL)
 
     def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         uses = _fan_out(x, 3)  # x itself, three times: their gradients are summed in an order XLA folds
@@ -591,9 +590,7 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens: jax.Array, segments: jax.Array | None = None,
                  positions: jax.Array | None = None) -> jax.Array:
-        x, head = self.features(tokens, segments, positions)
-        logits = jnp.einsum("btd,dv->btv", x, _cast(head, x.dtype), preferred_element_type=self.logits_dtype)
-        return constrain(logits, ("batch", "length", "vocab"))
+        return self._logits(*self.features(tokens, segments, positions))
 
     def features(self, tokens: jax.Array, segments: jax.Array | None = None,
                  positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -601,13 +598,7 @@ class GPT(nnx.Module):
         in the compute dtype, and `head_weights()`. Packed rows pass `segments` (each token's
         document in its row, 0 for padding) and `positions` (its place in the document): attention
         stays within a document and positions restart with each."""
-        # The table gathered to the activations' layout first (its `embed` dim whole, as FSDP
-        # gathers any weight before use): left split, the lookup's output would have to be split
-        # along `embed` and the batch at once, which XLA can only do by replicating it when the
-        # batch is split over more axes than the table's (the stage axis, outside a pipeline).
-        # Looked up in float32 at least: the lookup's gradient adds every occurrence of a token into
-        # its row, which in bfloat16 parameters would lose most of a frequent token's sum.
-        x = jnp.take(constrain(_at_least_float32(self.embed[...]), ("vocab", "embed")), tokens, axis=0)
+        x = self._embed(tokens)
         docs = None if segments is None else documents(segments, positions)
         if self.cfg.positions == "learned":
             if docs is None:
@@ -630,7 +621,7 @@ class GPT(nnx.Module):
         attending to the earlier positions held in `cache` (from `init_cache`), and the cache with
         these positions' keys and values added. Sampling calls it once on the prompt, then once per
         token: each position's keys and values are computed once, not again for every later token."""
-        x = jnp.take(_at_least_float32(self.embed[...]), tokens, axis=0)
+        x = self._embed(tokens)
         if self.cfg.positions == "learned":
             rows = jax.lax.dynamic_slice_in_dim(self.positions[...], start, tokens.shape[1])
             x = x + _at_least_float32(rows)
@@ -651,10 +642,21 @@ class GPT(nnx.Module):
                 x, layer_cache = _decode_block(block, x, KVCache(cache.keys[i], cache.values[i]), start)
                 layers.append(layer_cache)
             cache = KVCache(jnp.stack([c.keys for c in layers]), jnp.stack([c.values for c in layers]))
-        hidden = self.final_norm(x)
-        logits = jnp.einsum("btd,dv->btv", hidden, _cast(self.head_weights(), hidden.dtype),
-                            preferred_element_type=self.logits_dtype)
-        return logits, cache
+        return self._logits(self.final_norm(x), self.head_weights()), cache
+
+    def _embed(self, tokens: jax.Array) -> jax.Array:
+        """The tokens' embedding rows, in float32 at least."""
+        # The table gathered to the activations' layout first (its `embed` dim whole, as FSDP
+        # gathers any weight before use): left split, the lookup's output would have to be split
+        # along `embed` and the batch at once, which XLA can only do by replicating it when the
+        # batch is split over more axes than the table's (the stage axis, outside a pipeline).
+        # Looked up in float32 at least: the lookup's gradient adds every occurrence of a token into
+        # its row, which in bfloat16 parameters would lose most of a frequent token's sum.
+        return jnp.take(constrain(_at_least_float32(self.embed[...]), ("vocab", "embed")), tokens, axis=0)
+
+    def _logits(self, hidden: jax.Array, head: jax.Array) -> jax.Array:
+        logits = jnp.einsum("btd,dv->btv", hidden, _cast(head, hidden.dtype), preferred_element_type=self.logits_dtype)
+        return constrain(logits, ("batch", "length", "vocab"))
 
     def head_weights(self) -> jax.Array:
         """The output projection (embed, vocab) in the parameter dtype; the embedding transposed when tied."""
