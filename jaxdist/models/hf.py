@@ -8,6 +8,7 @@ arrays; reading and writing the files is checkpoint/hf.py's.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -193,8 +194,8 @@ class Tensor:
     `path`: its keys in the params dict, below `blocks` (and the layer, where unstacked) for a block's;
     `names`: the Hugging Face names, `{layer}` standing for the layer's index; `read(arrays)` makes
     the parameter (one layer's, for a block's) from those tensors, `write(array)` the tensors back.
-    `zero_in_hf`: a tensor the Hugging Face model has and jaxdist's lacks (GPT-2's biases, written as
-    zeros for a model without them); then `path` is None.
+    `path` None: a tensor the Hugging Face model has and jaxdist's lacks (GPT-2's biases, for a
+    model without them), written as zeros of `zero_shape`.
     """
 
     path: tuple[str, ...] | None
@@ -212,26 +213,23 @@ def tensors(model) -> list[Tensor]:
     return _llama_tensors(model)
 
 
-def _linear(shape: tuple[int, ...]) -> tuple[Callable, Callable]:
-    """A torch Linear's (out, in) weight as jaxdist's (in, *out) and back (the q projection)."""
+def _linear(shape: tuple[int, ...], inputs: int = 1) -> tuple[Callable, Callable]:
+    """A torch Linear's (out, in) weight as jaxdist's `shape`, whose first `inputs` dims are the input
+    ((embed, heads, head_dim) for q; (heads, head_dim, embed) for o_proj), and back."""
     def read(arrays):
         return arrays[0].T.reshape(shape)
 
     def write(array):
-        return [array.reshape(shape[0], -1).T]
+        return [array.reshape(math.prod(shape[:inputs]), -1).T]
 
     return read, write
 
 
-def _stacked_linears(count: int, shape: tuple[int, ...]) -> tuple[Callable, Callable]:
-    """`count` Linear weights stacked on a leading axis (q, k, v as qkv)."""
-    def read(arrays):
-        return np.stack([a.T.reshape(shape) for a in arrays])
-
-    def write(array):
-        return [part.reshape(shape[0], -1).T for part in array]
-
-    return read, write
+def _stacked_linears(shape: tuple[int, ...]) -> tuple[Callable, Callable]:
+    """Linear weights (`_linear`) stacked on a leading axis, one per tensor (q, k, v as qkv)."""
+    read_one, write_one = _linear(shape)
+    return (lambda arrays: np.stack([read_one([a]) for a in arrays]),
+            lambda array: [write_one(part)[0] for part in array])
 
 
 def _reshaped(shape: tuple[int, ...], count: int = 1) -> tuple[Callable, Callable]:
@@ -262,7 +260,7 @@ def _llama_tensors(model) -> list[Tensor]:
         Tensor(("final_norm", "scale"), ("model.norm.weight",), *_same(), in_block=False),
         Tensor(("norm1", "scale"), (layer + "input_layernorm.weight",), *_same(), in_block=True),
         Tensor(("norm2", "scale"), (layer + "post_attention_layernorm.weight",), *_same(), in_block=True),
-        Tensor(("attn", "out"), (attn + "o_proj.weight",), *_out_proj(h, hd, d), in_block=True),
+        Tensor(("attn", "out"), (attn + "o_proj.weight",), *_linear((h, hd, d), inputs=2), in_block=True),
         Tensor(("mlp", "up"), (mlp + "up_proj.weight",), *_transposed(), in_block=True),
         Tensor(("mlp", "gate"), (mlp + "gate_proj.weight",), *_transposed(), in_block=True),
         Tensor(("mlp", "down"), (mlp + "down_proj.weight",), *_transposed(), in_block=True),
@@ -270,29 +268,18 @@ def _llama_tensors(model) -> list[Tensor]:
     qkv_names = tuple(attn + f"{x}_proj.weight" for x in "qkv")
     bias_names = tuple(attn + f"{x}_proj.bias" for x in "qkv")
     if kv == h:
-        out.append(Tensor(("attn", "qkv"), qkv_names, *_stacked_linears(3, (d, h, hd)), in_block=True))
+        out.append(Tensor(("attn", "qkv"), qkv_names, *_stacked_linears((d, h, hd)), in_block=True))
         if model.biases == "qkv":
             out.append(Tensor(("attn", "qkv_bias"), bias_names, *_reshaped((h, hd), 3), in_block=True))
     else:
         out.append(Tensor(("attn", "q"), qkv_names[:1], *_linear((d, h, hd)), in_block=True))
-        out.append(Tensor(("attn", "kv"), qkv_names[1:], *_stacked_linears(2, (d, kv, hd)), in_block=True))
+        out.append(Tensor(("attn", "kv"), qkv_names[1:], *_stacked_linears((d, kv, hd)), in_block=True))
         if model.biases == "qkv":
             out.append(Tensor(("attn", "q_bias"), bias_names[:1], *_reshaped((h, hd)), in_block=True))
             out.append(Tensor(("attn", "kv_bias"), bias_names[1:], *_reshaped((kv, hd), 2), in_block=True))
     if not model.tied_embeddings:
         out.append(Tensor(("head",), ("lm_head.weight",), *_transposed(), in_block=False))
     return out
-
-
-def _out_proj(h: int, hd: int, d: int) -> tuple[Callable, Callable]:
-    """o_proj's (d, h x hd) weight as jaxdist's (h, hd, d) and back."""
-    def read(arrays):
-        return arrays[0].T.reshape(h, hd, d)
-
-    def write(array):
-        return [array.reshape(h * hd, d).T]
-
-    return read, write
 
 
 def _gpt2_tensors(model) -> list[Tensor]:
