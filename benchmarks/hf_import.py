@@ -68,7 +68,7 @@ def load(folder: Path, overrides: list[str]) -> None:
     from jaxdist.checkpoint import hf
     from jaxdist.parallel import layout as layout_lib
     from jaxdist.parallel import rules as rules_lib
-    from jaxdist.train.state import abstract_model, merge
+    from jaxdist.train.state import abstract_model, merge, param_shardings
 
     jax.devices()  # the runtime up first: its memory is not the import's
     before = _peak_rss_gib()
@@ -83,8 +83,7 @@ def load(folder: Path, overrides: list[str]) -> None:
     entry = models.get(cfg.model.name)
     placed = layout_lib.from_config(cfg, None, entry.activations)
     abstract = abstract_model(entry.create(cfg), 0)
-    shardings = rules_lib.layout_shardings(
-        rules_lib.param_layouts(abstract.params, abstract.names, placed.rules, placed.mesh), placed.mesh)
+    shardings = param_shardings(abstract, placed.rules, placed.mesh)
     params = jax.block_until_ready(hf.load_params(cfg, abstract.params, shardings))
     seconds = time.perf_counter() - start
     after = _peak_rss_gib()

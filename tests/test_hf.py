@@ -21,7 +21,7 @@ from jaxdist.checkpoint import export, hf
 from jaxdist.config import Config
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import rules as rules_lib
-from jaxdist.train.state import abstract_model, merge
+from jaxdist.train.state import abstract_model, merge, param_shardings
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 FAMILIES = ("llama", "qwen2", "gpt2")
@@ -43,8 +43,7 @@ def imported(folder: Path, layout: dict | None = None, seq_len: int = 12):
     entry = models.get(cfg.model.name)
     placed = layout_lib.from_config(cfg, None, entry.activations)
     abstract = abstract_model(entry.create(cfg), 0)
-    shardings = rules_lib.layout_shardings(
-        rules_lib.param_layouts(abstract.params, abstract.names, placed.rules, placed.mesh), placed.mesh)
+    shardings = param_shardings(abstract, placed.rules, placed.mesh)
     return cfg, abstract.graphdef, hf.load_params(cfg, abstract.params, shardings), placed
 
 

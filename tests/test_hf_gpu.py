@@ -18,7 +18,7 @@ from jaxdist.checkpoint import hf
 from jaxdist.config import Config
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import rules as rules_lib
-from jaxdist.train.state import abstract_model, merge
+from jaxdist.train.state import abstract_model, merge, param_shardings
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -31,8 +31,7 @@ def _jaxdist_logits(folder: Path, compute: str, tokens: np.ndarray) -> tuple[Con
     entry = models.get(cfg.model.name)
     placed = layout_lib.from_config(cfg, None, entry.activations)
     abstract = abstract_model(entry.create(cfg), 0)
-    shardings = rules_lib.layout_shardings(
-        rules_lib.param_layouts(abstract.params, abstract.names, placed.rules, placed.mesh), placed.mesh)
+    shardings = param_shardings(abstract, placed.rules, placed.mesh)
     params = hf.load_params(cfg, abstract.params, shardings)
     with rules_lib.activation_rules(placed.mesh, placed.rules), jax.default_matmul_precision("highest"):
         logits = jax.jit(lambda p, t: merge(abstract.graphdef, p)(t))(params, jnp.asarray(tokens))

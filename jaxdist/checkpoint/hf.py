@@ -381,8 +381,7 @@ def _export_spread(run_dir: str | Path, out: Path, step: int | None) -> tuple[in
     from jaxdist import models
     from jaxdist.checkpoint.store import Checkpoints
     from jaxdist.parallel import layout as layout_lib
-    from jaxdist.parallel import rules as rules_lib
-    from jaxdist.train.state import abstract_model
+    from jaxdist.train.state import abstract_model, param_shardings, with_shardings
 
     directory = Path(run_dir) / "checkpoints"
     with Checkpoints(directory, create=False) as store:
@@ -399,10 +398,7 @@ def _export_spread(run_dir: str | Path, out: Path, step: int | None) -> tuple[in
         entry = models.get(cfg.model.name)
         placed = layout_lib.from_config(spread, None, entry.activations)
         abstract = abstract_model(entry.create(spread), spread.seed)
-        shardings = rules_lib.layout_shardings(
-            rules_lib.param_layouts(abstract.params, abstract.names, placed.rules, placed.mesh), placed.mesh)
-        target = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-                              abstract.params, shardings)
+        target = with_shardings(abstract.params, param_shardings(abstract, placed.rules, placed.mesh))
         params = store.read_placed(step, "params", target)
 
     def gathered(path: tuple) -> np.ndarray:

@@ -20,9 +20,8 @@ from jaxdist.data import loader
 from jaxdist.errors import UserError
 from jaxdist.models import dtypes
 from jaxdist.parallel import layout as layout_lib
-from jaxdist.parallel import rules as rules_lib
 from jaxdist.train import generate
-from jaxdist.train.state import abstract_model
+from jaxdist.train.state import abstract_model, param_shardings
 
 
 def run(run_dir: str, prompt: str, tokens: int, temperature: float, top_p: float, rows: int, seed: int,
@@ -44,8 +43,7 @@ def run(run_dir: str, prompt: str, tokens: int, temperature: float, top_p: float
                         f"leaves no room to continue it")
     layout = layout_lib.from_config(cfg, None, entry.activations)
     abstract = abstract_model(entry.create(cfg), cfg.seed)
-    shardings = rules_lib.layout_shardings(
-        rules_lib.param_layouts(abstract.params, abstract.names, layout.rules, layout.mesh), layout.mesh)
+    shardings = param_shardings(abstract, layout.rules, layout.mesh)
     placed = jax.tree.map(lambda array, sharding: jax.make_array_from_callback(
         array.shape, sharding, lambda index: array[index]), params, shardings)
     # Rows are split over the batch shards: a mesh of more shards than rows samples some rows it drops.

@@ -54,7 +54,8 @@ def open_split(cfg: Config, split: str, keys: tuple[str, ...] = ()):
         weights = [source.weight for source in data.mixture]
         return grain.MapDataset.mix([grain.MapDataset.source(part) for part in parts.values()], weights)
     if data.source == "arrayrecord":
-        return _prepared_split(cfg, Path(data.path), split, f"data.path={data.path}")
+        directory = Path(data.path)
+        return _prepared_split(cfg, directory, sources.read_manifest(directory), split, f"data.path={data.path}")
     if data.source == "images":
         return _images(cfg, split, keys)
     if data.source == "digits":
@@ -155,9 +156,10 @@ def mixture_splits(cfg: Config, split: str) -> dict[str, Any]:
     """Each `data.mixture` source's `split`, by name (the same tokenizer throughout, or a `UserError`)."""
     parts, tokenizers = {}, {}
     for source in cfg.data.mixture:
+        manifest = sources.read_manifest(Path(source.path))
         where = f"data.mixture {source.name} (path {source.path})"
-        parts[source.name] = _prepared_split(cfg, Path(source.path), split, where)
-        tokenizers[source.name] = sources.read_manifest(Path(source.path))["tokenizer"]
+        parts[source.name] = _prepared_split(cfg, Path(source.path), manifest, split, where)
+        tokenizers[source.name] = manifest["tokenizer"]
     first, *others = tokenizers.items()
     for name, entry in others:
         if (entry["name"], entry["vocab_size"], entry.get("separator")) != (
@@ -168,8 +170,7 @@ def mixture_splits(cfg: Config, split: str) -> dict[str, Any]:
     return parts
 
 
-def _prepared_split(cfg: Config, directory: Path, split: str, where: str):
-    manifest = sources.read_manifest(directory)
+def _prepared_split(cfg: Config, directory: Path, manifest: dict, split: str, where: str):
     tokens = sources.ArrayRecordTokens(directory, manifest, split)
     empty = ("prepare the data again with `jaxdist data prepare --eval-fraction` above 0, or set eval.every=0"
              if split == "eval" else "prepare the data again with more documents")

@@ -121,6 +121,11 @@ def opt_state_shardings(tx: optax.GradientTransformation, abstract_params: Any, 
     )
 
 
+def param_shardings(abstract: AbstractModel, rules: rules_lib.Rules, mesh: Mesh) -> Any:
+    """Each parameter's sharding as `init_state` places it: its logical names under `rules` on `mesh`."""
+    return rules_lib.layout_shardings(rules_lib.param_layouts(abstract.params, abstract.names, rules, mesh), mesh)
+
+
 def init_state(
     create_model: ModelFactory,
     tx: optax.GradientTransformation,
