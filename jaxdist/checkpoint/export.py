@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +16,7 @@ from jaxdist.checkpoint.store import Checkpoints, dotted_name, first_line
 from jaxdist.errors import UserError, check_writable
 
 
+T = TypeVar("T")
 # What export reads of a checkpoint's state.
 PARTS = ("params", "model_state")
 
@@ -60,6 +61,19 @@ def read_parts(run_dir: str | Path, step: int | None = None, check: Callable[[di
     """(step, {part: pure dict}, metadata) of a run's checkpoint (default: the newest); `check(saved
     shapes)` runs on the metadata before any array is read. A damaged checkpoint is a `UserError`
     naming the older steps to pass instead."""
+    def read(store: Checkpoints, step: int) -> tuple[dict, dict]:
+        if check is not None:
+            check(store.saved_shapes(step))
+        return store.read_parts(step, parts)
+
+    step, (found, meta) = read_checkpoint(run_dir, step, read)
+    return step, found, meta
+
+
+def read_checkpoint(run_dir: str | Path, step: int | None, read: Callable[[Checkpoints, int], T]) -> tuple[int, T]:
+    """(step, `read(store, step)`) for a run's checkpoint `step` (default: the newest): a run
+    directory without checkpoints, a step it lacks or a damaged checkpoint is a `UserError`, the
+    last naming the older steps to pass instead."""
     directory = Path(run_dir) / "checkpoints"
     if not directory.is_dir():
         raise UserError(f"export: RUN_DIR={run_dir} holds no checkpoints (no directory {directory})")
@@ -72,16 +86,13 @@ def read_parts(run_dir: str | Path, step: int | None = None, check: Callable[[di
         elif step not in steps:
             raise UserError(f"export: --step {step} is not in {directory}; available: {', '.join(map(str, steps))}")
         try:
-            if check is not None:
-                check(store.saved_shapes(step))
-            read, meta = store.read_parts(step, parts)
+            return step, read(store, step)
         except Exception as err:
             if not is_damage(err):
                 raise
             older = [str(other) for other in steps if other < step]
             instead = f"pass --step with an older one: {', '.join(older)}" if older else "there is no older one"
             raise UserError(f"export: checkpoint {store.path(step)} is damaged ({first_line(err)}); {instead}") from None
-    return step, read, meta
 
 
 def _check_npz_dtypes(out: Path, saved: dict[str, tuple]) -> None:

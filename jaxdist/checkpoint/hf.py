@@ -379,17 +379,11 @@ def _source(cfg: Config) -> Path | None:
 def _export_spread(run_dir: str | Path, out: Path, step: int | None) -> tuple[int, list[str]]:
     """`export` in several processes: each reads its shards, they gather a parameter at a time."""
     from jaxdist import models
-    from jaxdist.checkpoint.store import Checkpoints
+    from jaxdist.checkpoint.export import read_checkpoint
     from jaxdist.parallel import layout as layout_lib
     from jaxdist.train.state import abstract_model, param_shardings, with_shardings
 
-    directory = Path(run_dir) / "checkpoints"
-    with Checkpoints(directory, create=False) as store:
-        steps = store.steps()
-        if not steps or (step is not None and step not in steps):
-            raise UserError(f"export: RUN_DIR={run_dir} holds no complete checkpoint"
-                            f"{'' if step is None else f' at step {step}'} in {directory}")
-        step = steps[-1] if step is None else step
+    def read(store, step: int) -> tuple[Config, Any]:
         cfg = Config.model_validate(store.meta(step).get("config", {}))
         hf_models.export_architecture(cfg.model)
         spread = cfg.model_copy(update={
@@ -399,7 +393,9 @@ def _export_spread(run_dir: str | Path, out: Path, step: int | None) -> tuple[in
         placed = layout_lib.from_config(spread, None, entry.activations)
         abstract = abstract_model(entry.create(spread), spread.seed)
         target = with_shardings(abstract.params, param_shardings(abstract, placed.rules, placed.mesh))
-        params = store.read_placed(step, "params", target)
+        return cfg, store.read_placed(step, "params", target)
+
+    step, (cfg, params) = read_checkpoint(run_dir, step, read)
 
     def gathered(path: tuple) -> np.ndarray:
         return np.asarray(multihost_utils.process_allgather(leaf_at(params, path), tiled=True))
