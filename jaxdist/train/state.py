@@ -164,7 +164,7 @@ def init_state(
     )
 
     def init(params: Any = None) -> TrainState:
-        model_state = abstract.state
+        model_state = None  # given parameters come only for models without other variables (checked below)
         if params is None:
             params, model_state = model_variables(create_model, seed)
         return TrainState(
