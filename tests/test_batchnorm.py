@@ -61,7 +61,7 @@ def _run(mesh_shape: dict[str, int], microbatches: int, reduction: str):
 
     def step(params, model_state, batch):
         with rules_lib.activation_rules(mesh, rules):
-            _, _, grads, model_state = loss_and_grads(
+            _, _, grads, model_state, _ = loss_and_grads(
                 abstract.graphdef, classifier.loss, params, batch, microbatches=microbatches, reduction=reduction,
                 mesh=mesh, rules=rules, param_shardings=param_shardings, model_state=model_state)
         return model_state, grads

@@ -58,10 +58,10 @@ def _losses_and_grads(cfg, params, batch, microbatches):
         unweighted = {k: v for k, v in b.items() if k != "weights"}
         with rules_lib.activation_rules(mesh, rules):
             results = {
-                name: loss_and_grads(
+                name: (lambda out: (out.loss, out.grads))(loss_and_grads(
                     graphdef, gpt.loss, p, inputs, microbatches=microbatches, reduction="per_step",
                     mesh=mesh, rules=rules, param_shardings=param_shardings,
-                )[::2]
+                ))
                 for name, inputs in (("weighted", b), ("unweighted", unweighted))
             }
             # As the evaluator scores a batch: the weighted loss alone, not differentiated.

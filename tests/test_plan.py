@@ -60,9 +60,10 @@ def test_plan_command_prints_the_plan_and_allocates_nothing(tmp_path, capsys):
     assert out[0] == "plan: mesh data=2 x stage=1 x fsdp=4 x tensor=1 (8 cpu devices)"
     assert out[1].startswith("per device: parameters ") and "temporaries" in out[1]
     assert out[1].endswith(" MFLOP per step"), out[1]  # a small step's work in a unit that shows it
-    assert out[2].startswith("compiled for CPU: parameters, optimizer state, model state, compute copies and batch "
+    assert out[2].startswith("collectives per step and device (train.grad_compression none): all-gather ")
+    assert out[3].startswith("compiled for CPU: parameters, optimizer state, model state, compute copies and batch "
                              "are exact on any device; temporaries and code are CPU XLA's, not a GPU's")
-    assert out[3].startswith("the state and batch take ") and " of 80.00 GB per device (0%)" in out[3]
+    assert out[4].startswith("the state and batch take ") and " of 80.00 GB per device (0%)" in out[4]
     gc.collect()
     created = [array for array in jax.live_arrays() if all(array is not old for old in before)]
     assert created == []  # nothing allocated for the state

@@ -32,6 +32,7 @@ from jaxdist.checkpoint.store import (
     abstract_state,
     first_line,
     is_intact,
+    leaf_shapes,
 )
 from jaxdist.config import Config
 from jaxdist.errors import NonFiniteError, UserError, warn
@@ -125,7 +126,8 @@ class RunCheckpoints:
             if not any(leaf is fresh for fresh in kept):
                 leaf.delete()
         with explaining_mismatch(self._store, self.cfg):
-            restored = self._store.restore_latest(target, newest=self._planned, meta_check=check_meta)
+            restored = self._store.restore_latest(target, newest=self._planned, meta_check=check_meta,
+                                                  unread=complete.fields)
         if restored is None:
             self._store.close()
             raise UserError(
@@ -143,14 +145,25 @@ class RunCheckpoints:
 
     def _restore_target(self, state: Any) -> tuple[Any, _Completion]:
         """The abstract state to read the planned checkpoint into, and how to complete what was
-        read: checkpoints saved before the train state had loss statistics lack them (they start
-        fresh)."""
+        read: checkpoints saved before the train state had loss statistics lack them, and the
+        gradient compression's error feedback fits only the same compression over as many batch
+        shards (else both start fresh)."""
         target = abstract_state(state)
         saved = self._store.saved_shapes(self._planned)
+        fields, notes = [], []
         if state.loss_stats is not None and not any(name.startswith("loss_stats.") for name in saved):
-            return target.replace(loss_stats=None), _Completion(
-                "loss_stats", "the loss statistics of the loss-spike guard start fresh (the checkpoint has none)")
-        return target, _Completion()
+            fields.append("loss_stats")
+            notes.append("the loss statistics of the loss-spike guard start fresh (the checkpoint has none)")
+        saved_compression = {name: shape[0] for name, shape in saved.items() if name.startswith("compression.")}
+        wanted = {name: shape[0] for name, shape in leaf_shapes(target).items() if name.startswith("compression.")}
+        if saved_compression != wanted:
+            fields.append("compression")
+            if wanted:
+                notes.append("the gradient compression's error feedback starts fresh (the checkpoint holds none for "
+                             "this compression and batch shard count)")
+        for field in fields:
+            target = target.replace(**{field: None})
+        return target, _Completion(tuple(fields), "; ".join(notes) or None)
 
     def _resume_line(self, restored: Restored, note: str | None) -> str:
         meta = restored.meta
@@ -307,16 +320,17 @@ class RunCheckpoints:
 
 
 class _Completion:
-    """What a restore from an older checkpoint layout lacks, started fresh from the new state."""
+    """What a restore does not read from the checkpoint (fields of the train state), started fresh
+    from the new state."""
 
-    def __init__(self, field: str | None = None, note: str | None = None):
-        self._field, self.note = field, note
+    def __init__(self, fields: tuple[str, ...] = (), note: str | None = None):
+        self.fields, self.note = fields, note
 
     def fresh_leaves(self, state: Any) -> list[Any]:
-        return [] if self._field is None else jax.tree.leaves(getattr(state, self._field))
+        return [leaf for field in self.fields for leaf in jax.tree.leaves(getattr(state, field))]
 
     def state(self, restored: Any, fresh: Any) -> Any:
-        return restored if self._field is None else restored.replace(**{self._field: getattr(fresh, self._field)})
+        return restored.replace(**{field: getattr(fresh, field) for field in self.fields})
 
 
 @functools.partial(jax.jit, static_argnums=1)

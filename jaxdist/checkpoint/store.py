@@ -655,12 +655,14 @@ class Checkpoints:
         self.verify(step, found)
         return found[part]
 
-    def check_fits(self, step: int, target: Any, part: str | None = None) -> None:
+    def check_fits(self, step: int, target: Any, part: str | None = None, unread: tuple[str, ...] = ()) -> None:
         """Raises `CheckpointMismatch` naming the first leaf whose shape differs from `target`'s.
 
-        With `part` (e.g. "params"), `target` is compared with that part of the saved state only.
+        With `part` (e.g. "params"), `target` is compared with that part of the saved state only;
+        the saved parts named in `unread` are left out.
         """
         saved = self.saved_shapes(step)
+        saved = {name: shape for name, shape in saved.items() if name.split(".")[0] not in unread}
         if part is not None:
             saved = {name: shape for name, shape in saved.items() if name.split(".")[0] == part}
             target = {part: target}
@@ -671,8 +673,9 @@ class Checkpoints:
 
     @_after_writes
     def restore(self, step: int, target: Any, verify: bool = True,
-                meta_check: Callable[[dict[str, Any]], None] | None = None) -> Restored:
-        """Checkpoint `step` read into `target`'s shapes, dtypes and shardings (any mesh).
+                meta_check: Callable[[dict[str, Any]], None] | None = None, unread: tuple[str, ...] = ()) -> Restored:
+        """Checkpoint `step` read into `target`'s shapes, dtypes and shardings (any mesh); the saved
+        state's parts named in `unread` (fields of the train state) are not read.
 
         Typed PRNG key arrays in `target` come back typed, with their implementation. Arrays are
         read in their saved dtype, checked against their digests (unless `verify` is False) and
@@ -681,7 +684,7 @@ class Checkpoints:
         checkpoint raises an error for which `is_damage` holds.
         """
         try:
-            state, meta = self._read(step, target)
+            state, meta = self._read(step, target, unread)
             if meta_check is not None:
                 meta_check(meta)
             digests, err = self._saved_digests(step) if verify else None, None
@@ -692,14 +695,15 @@ class Checkpoints:
         state = jax.tree.map(_as_target, target, state)
         return Restored(step, state, meta, self.path(step))
 
-    def _read(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
-        saved = self.check_fits(step, target)
+    def _read(self, step: int, target: Any, unread: tuple[str, ...] = ()) -> tuple[Any, dict[str, Any]]:
+        saved = self.check_fits(step, target, unread=unread)
         leaves, treedef = jax.tree.flatten(target)
         read_target = jax.tree.unflatten(
             treedef, [_in_saved_dtype(leaf, saved[name]) for name, leaf in zip(named_arrays(target), leaves)])
         restore_args = ocp.checkpoint_utils.construct_restore_args(read_target)
         args = ocp.args.Composite(**{
-            STATE: ocp.args.PyTreeRestore(read_target, restore_args), META: ocp.args.JsonRestore(),
+            STATE: ocp.args.PyTreeRestore(read_target, restore_args, partial_restore=bool(unread)),
+            META: ocp.args.JsonRestore(),
         })
         restored = self._manager.restore(step, args=args)
         return restored[STATE], self._json_object(step, META, restored[META])
@@ -732,8 +736,10 @@ class Checkpoints:
             raise DamagedCheckpoint(f"{wrong[0]}{more} differ from the digests saved with them")
 
     def restore_latest(self, target: Any, newest: int | None = None,
-                       meta_check: Callable[[dict[str, Any]], None] | None = None) -> Restored | None:
+                       meta_check: Callable[[dict[str, Any]], None] | None = None,
+                       unread: tuple[str, ...] = ()) -> Restored | None:
         """The newest checkpoint (up to step `newest`) that reads back; None if there is none.
+        `unread`: as `restore`'s.
 
         One that is damaged (files missing, cut short or corrupt, metadata that fails to parse or
         fails `meta_check`, or arrays that differ from their digests) is set aside (see
@@ -745,7 +751,7 @@ class Checkpoints:
             if newest is not None and step > newest:
                 continue
             try:
-                return self.restore(step, target, meta_check=meta_check)
+                return self.restore(step, target, meta_check=meta_check, unread=unread)
             except Exception as err:
                 if not is_damage(err):
                     raise

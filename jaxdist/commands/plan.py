@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from jaxdist import models
+from jaxdist.commands import hlo
 from jaxdist.config import Config, with_overrides
 from jaxdist.parallel.mesh import resolve_mesh_shape
 from jaxdist.errors import UserError
@@ -64,6 +65,9 @@ class Plan:
     code: int
     flops: float
     model_state: int = 0  # the model's non-parameter variables (BatchNorm's running averages)
+    compression: int = 0  # the compressed gradient reduction's error feedback (train.grad_compression)
+    collectives: dict[str, int] = dataclasses.field(default_factory=dict)  # operand bytes per step, by opcode
+    grad_compression: str = "none"
 
     @property
     def total(self) -> int:
@@ -75,15 +79,19 @@ class Plan:
     def held(self) -> int:
         """Bytes per device of the state and the batch: their shapes and shardings, the same on any
         platform (unlike the temporaries and code, which are the compiling platform's)."""
-        return self.params + self.opt_state + self.model_state + self.copies + self.batch
+        return self.params + self.opt_state + self.model_state + self.compression + self.copies + self.batch
 
     def lines(self) -> list[str]:
         parts = [("parameters", self.params), ("optimizer state", self.opt_state), ("model state", self.model_state),
-                 ("compute copies", self.copies),
+                 ("gradient compression state", self.compression), ("compute copies", self.copies),
                  ("batch", self.batch), ("temporaries", self.temporaries), ("code", self.code)]
         shown = ", ".join(f"{name} {_gb(size)}" for name, size in parts if size)
-        return [f"plan: mesh {self.mesh} ({self.devices} {self.platform} devices)",
-                f"per device: {shown}; total {_gb(self.total)}; {_flop(self.flops)} per step"]
+        lines = [f"plan: mesh {self.mesh} ({self.devices} {self.platform} devices)",
+                 f"per device: {shown}; total {_gb(self.total)}; {_flop(self.flops)} per step"]
+        if self.collectives:
+            sent = ", ".join(f"{opcode} {_gb(size)}" for opcode, size in sorted(self.collectives.items()))
+            lines.append(f"collectives per step and device (train.grad_compression {self.grad_compression}): {sent}")
+        return lines
 
 
 def _in_units(value: float, units: tuple[tuple[str, float, int], ...]) -> str:
@@ -120,7 +128,10 @@ def make_plan(cfg: Config, devices: list | None = None) -> Plan:
     return Plan(
         mesh=mesh_lib.describe(trainer.mesh), devices=len(mesh_devices), platform=mesh_devices[0].platform,
         params=_bytes_per_device(state.params), opt_state=_bytes_per_device(state.opt_state),
-        model_state=_bytes_per_device(state.model_state),
+        model_state=_bytes_per_device(state.model_state), compression=_bytes_per_device(state.compression),
+        collectives={opcode: sum(by_dtype.values())
+                     for opcode, by_dtype in hlo.bytes_per_call(trainer.compiled_text()).items()},
+        grad_compression=cfg.train.grad_compression,
         copies=_bytes_per_device(trainer.current_copies()), batch=_bytes_per_device(batch),
         temporaries=int(memory.temp_size_in_bytes), code=int(memory.generated_code_size_in_bytes),
         flops=models.get(cfg.model.name).flops_per_example(cfg) * cfg.train.global_batch / len(mesh_devices),

@@ -31,6 +31,7 @@ from jaxdist.config import MESH_AXES, Config
 from jaxdist.errors import UserError
 from jaxdist.models.gpt import GPTConfig, flops_per_token
 from jaxdist.observe.metrics import PEAK_FLOPS_BF16
+from jaxdist.parallel import compression
 from jaxdist.parallel.mesh import split_across_hosts
 from jaxdist.train.state import abstract_model
 
@@ -192,6 +193,38 @@ def layout_cost(model: ModelSize, hw: Hardware, hosts: int, shape: dict[str, int
     )
 
 
+def compressed_payloads(cfg: Config) -> dict[str, float]:
+    """Bytes of the whole gradient as each `train.grad_compression` sends it (none: as the
+    gradients come out, in their dtypes; powersgd: float32 rank-r factors and the vectors
+    exactly; int8: a byte a number plus the block scales)."""
+    entry = models.get(cfg.model.name)
+    abstract = abstract_model(entry.create(cfg), cfg.seed)
+    payloads = {}
+    for method in compression.METHODS[1:]:
+        chosen = compression.Compression(method, ("data",), cfg.train.grad_compression_rank)
+        payloads[method] = compression.bytes_sent(compression.plan(abstract.params, abstract.names, chosen), chosen)[1]
+    return payloads
+
+
+def compression_lines(cfg: Config, model: ModelSize, hw: Hardware, chosen: LayoutCost) -> list[str]:
+    """Each gradient compression's bytes over the chosen layout's data axis and the step time it
+    predicts (compute plus all communication, not overlapped: an upper bound)."""
+    across, within = chosen.across["data"], chosen.shape["data"] // chosen.across["data"]
+    exact = chosen.traffic["data"]
+    lines = [f"gradient compression over the data axis (train.grad_compression; powersgd rank "
+             f"{cfg.train.grad_compression_rank}): bytes per GPU per step and the step it predicts",
+             f"  {'method':<9} {'sent GB':>8} {'net GB':>7} {'net ms':>7} {'step ms':>8}"]
+    payloads = {"none": model.gradient_bytes / (chosen.shape["fsdp"] * chosen.shape["tensor"]),
+                **{method: size / chosen.shape["tensor"] for method, size in compressed_payloads(cfg).items()}}
+    for method, payload in payloads.items():
+        traffic = exact if method == "none" else hierarchical_bytes(2, payload, across, within)
+        others = chosen.comm_s - exact.network / hw.network_bw - exact.nvlink / hw.nvlink_bw
+        step = chosen.compute_s + others + traffic.network / hw.network_bw + traffic.nvlink / hw.nvlink_bw
+        lines.append(f"  {method:<9} {payload / GB:>8.3f} {traffic.network / GB:>7.3f} "
+                     f"{traffic.network / hw.network_bw * 1e3:>7.2f} {step * 1e3:>8.1f}")
+    return lines
+
+
 def _sum(a: AxisTraffic, b: AxisTraffic) -> AxisTraffic:
     return AxisTraffic(a.network + b.network, a.nvlink + b.nvlink)
 
@@ -335,6 +368,7 @@ def report(cfg: Config, hosts: int, gpus_per_host: int = 8, batch_per_gpu: int |
             lines.append(f"  {axis:<7} ({place}): between hosts {t.network / GB:.3f} GB, "
                          f"inside a host {t.nvlink / GB:.3f} GB")
     ckpt = checkpoint_cost(model, hw, hosts, chosen)
+    lines += ["", *compression_lines(cfg, model, hw, chosen)]
     lines += [
         "",
         f"checkpoint: {ckpt.total_bytes / GB:.2f} GB (params + {cfg.optim.name} state, {cfg.precision.params})",

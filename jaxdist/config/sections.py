@@ -170,6 +170,20 @@ class TrainConfig(Section):
     loss_spike: float | None = Field(
         5.0, gt=1, description="a finite loss above this many times the running average of the last losses is a "
         "bad step too, halted or skipped as on_nonfinite says (null: off)")
+    grad_compression: Literal["none", "powersgd", "int8"] = Field(
+        "none", description="send the gradients across the compressed axes as PowerSGD low-rank factors or int8, "
+        "with error feedback (for hosts joined by slow links)")
+    grad_compression_rank: int = Field(4, gt=0, description="PowerSGD's rank")
+    grad_compression_axes: list[str] | None = Field(
+        None, description="the data-parallel mesh axes whose gradient reduction is compressed, e.g. [data] when "
+        "only data crosses hosts (null: every data-parallel axis); the others reduce exactly first")
+
+    @model_validator(mode="after")
+    def _compression(self) -> TrainConfig:
+        if self.grad_compression != "none" and self.grad_reduction != "per_step":
+            raise ValueError(f"train.grad_compression={self.grad_compression} compresses each batch shard's own "
+                             f"gradients: set train.grad_reduction=per_step")
+        return self
 
 
 class PrecisionConfig(Section):

@@ -12,6 +12,9 @@ parameter is FSDP-sharded).
 Memory: during the scan each device holds a float32 gradient of every parameter, sharded only
 along non-batch axes (tensor): under FSDP that is the full parameter, not its 1/fsdp shard.
 
+Under `train.grad_compression` (parallel/compression.py) per_step keeps each shard's gradients
+apart at any k, even 1, and the compressed reduction sums them.
+
 per_microbatch: the plain GSPMD gradient inside every scan step, reduced (and, under FSDP,
 reduce-scattered to shards) k times per step; lighter on memory, heavier on the network.
 
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +43,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.parallel import batch_stats
+from jaxdist.parallel import compression as compression_lib
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.parallel.microbatches import split_microbatches
 from jaxdist.train import copies
@@ -108,12 +112,12 @@ def _unreduced_sharding(sharding: NamedSharding, axes: tuple[str, ...]) -> Named
     return NamedSharding(sharding.mesh, PartitionSpec(axes, *rules_lib.spec_without(sharding.spec, axes)))
 
 
-def _reduce_per_step(
+def _per_step_shards(
     grad_fn: GradFn, params: Any, model_state: Any, batch: Batch, microbatches: int,
     mesh: Mesh, rules: rules_lib.Rules, param_shardings: Any,
 ):
-    """(Sum over microbatches of (loss, aux, float32 grads), reduced across devices once, after the
-    scan; the model state after the last microbatch)."""
+    """(Sum over microbatches of (loss, aux, float32 grads) per batch shard, the grads still
+    unreduced: (shards, *param); the model state after the last microbatch)."""
     axes = rules_lib.data_parallel_axes(rules)
     shards = rules_lib.axes_size(mesh, axes)
     # Inside the vmap each shard sees its own rows: the vmapped shard axis carries the
@@ -156,8 +160,19 @@ def _reduce_per_step(
     zeros = jax.lax.with_sharding_constraint(_zeros_like_shapes((metrics_shapes, grads_shapes)), carry_shardings)
     (((loss, aux), grads), model_state), _ = jax.lax.scan(accumulate, (zeros, model_state), micro)
     loss, aux = jax.tree.map(lambda t: t.sum(0), (loss, aux))
-    grads = jax.tree.map(lambda g: g.sum(0), grads)
-    return (loss, aux, jax.lax.with_sharding_constraint(grads, param_shardings)), model_state
+    return (loss, aux, grads), model_state
+
+
+class Gradients(NamedTuple):
+    """What `loss_and_grads` returns: the mean loss and aux metrics, the mean float32 gradients
+    (reduced across devices, in the parameters' shardings), the model state after the forward
+    passes and the compressed reduction's new state (None without compression)."""
+
+    loss: jax.Array
+    aux: dict[str, jax.Array]
+    grads: Any
+    model_state: Any
+    compression: Any = None
 
 
 def loss_and_grads(
@@ -175,7 +190,9 @@ def loss_and_grads(
     compute_copies: Any = None,
     copies_gather: copies.Gather | None = None,
     model_state: Any = None,
-) -> tuple[jax.Array, dict[str, jax.Array], Any, Any]:
+    compressed: compression_lib.Reducer | None = None,
+    compression_state: Any = None,
+) -> Gradients:
     """Mean loss, mean aux metrics and mean float32 gradients of the unscaled loss over the global
     batch, and the model state (`TrainState.model_state`) after the forward passes (None stays None).
 
@@ -183,15 +200,21 @@ def loss_and_grads(
     is multiplied by it before differentiation and the float32 gradients divided by it after.
     `compute_copies`: the parameters' compute-dtype copies the model reads (train/copies.py);
     `copies_gather`: where they are gathered to first (train.fsdp_gather=per_step).
+    `compressed`: the gradients cross the data-parallel axes compressed (parallel/compression.py),
+    from each batch shard's own gradients (per_step at any microbatch count), with
+    `compression_state` (its error feedback) in and the new one out.
     """
     if reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"reduction={reduction!r}: use one of {GRAD_REDUCTIONS}")
+    if compressed is not None and reduction != "per_step":
+        raise ValueError("a compressed reduction starts from each batch shard's gradients: use reduction='per_step'")
     shards = rules_lib.axes_size(mesh, rules_lib.data_parallel_axes(rules))
-    if reduction == "per_step" and microbatches > 1 and shards > 1:
+    per_shard = reduction == "per_step" and shards > 1 and (microbatches > 1 or compressed is not None)
+    if per_shard:
         # Each shard's gradients stay unreduced until after the scan: none reduce-scattered inside.
         per_shard_gather = None if copies_gather is None else dataclasses.replace(copies_gather, split=None)
         grad_fn = scaled_grad_fn(graphdef, loss_fn, loss_scale, compute_copies, per_shard_gather)
-        (loss, aux, grads), model_state = _reduce_per_step(
+        (loss, aux, grads), model_state = _per_step_shards(
             grad_fn, params, model_state, batch, microbatches, mesh, rules, param_shardings
         )
         count = shards * microbatches
@@ -201,4 +224,12 @@ def loss_and_grads(
         count = microbatches
     grad_divisor = count if loss_scale is None else count * loss_scale
     aux = jax.tree.map(lambda v: v / count, aux)
-    return loss / count, aux, jax.tree.map(lambda g: g / grad_divisor, grads), model_state
+    if compressed is not None:
+        # Each shard's share of the mean goes in: the error feedback is in the gradients' own units.
+        shares = jax.tree.map(lambda g: g / grad_divisor if per_shard else g[None] / grad_divisor, grads)
+        grads, compression_state = compressed(shares, compression_state, param_shardings)
+    else:
+        if per_shard:
+            grads = jax.lax.with_sharding_constraint(jax.tree.map(lambda g: g.sum(0), grads), param_shardings)
+        grads = jax.tree.map(lambda g: g / grad_divisor, grads)
+    return Gradients(loss / count, aux, grads, model_state, compression_state)

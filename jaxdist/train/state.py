@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxdist.parallel import compression as compression_lib
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.train.precision import LossScale
 from jaxdist.train.spikes import LossStats
@@ -34,7 +35,8 @@ class TrainState(flax.struct.PyTreeNode):
     the model's variables that are not parameters (BatchNorm's running averages), updated by the
     step's forward pass, not by the optimizer; None for a model without any (the GPT).
     `loss_stats`: the running average of the applied steps' losses, which the loss-spike guard
-    compares each loss with (`spikes.LossStats`).
+    compares each loss with (`spikes.LossStats`). `compression`: the compressed gradient
+    reduction's error feedback (`parallel.compression.CompressionState`), else None.
     """
 
     step: jax.Array
@@ -44,6 +46,7 @@ class TrainState(flax.struct.PyTreeNode):
     loss_scale: LossScale | None = None
     model_state: Any = None
     loss_stats: LossStats | None = None
+    compression: Any = None
 
 
 class AbstractModel(NamedTuple):
@@ -136,6 +139,7 @@ def init_state(
     abstract: AbstractModel | None = None,
     materialize: bool = True,
     params: Callable[[Any], Any] | None = None,
+    compressed: compression_lib.Reducer | None = None,
 ) -> tuple[TrainState, TrainState, nnx.GraphDef, Any]:
     """Creates the sharded train state; returns (state, state shardings, graphdef, layouts).
 
@@ -143,7 +147,8 @@ def init_state(
     `materialize` False the state is only described (`jax.ShapeDtypeStruct`s with their shardings),
     to compile for it without allocating it (`jaxdist plan`). `params(param_shardings)`: the
     parameters to start from (e.g. published weights, made in those shardings) instead of the
-    model's random init; the optimizer state starts as ever.
+    model's random init; the optimizer state starts as ever. `compressed`: the compressed gradient
+    reduction whose state the train state carries.
     """
     abstract = abstract or abstract_model(create_model, seed)
     rules_lib.warn_unnamed(abstract.unnamed)
@@ -161,6 +166,7 @@ def init_state(
         loss_scale=jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), loss_scale),
         model_state=model_state_shardings,
         loss_stats=jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), LossStats.create()),
+        compression=None if compressed is None else compressed.state_shardings(param_shardings),
     )
 
     def init(params: Any = None) -> TrainState:
@@ -170,7 +176,7 @@ def init_state(
         return TrainState(
             step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
             skipped_steps=jnp.zeros((), jnp.int32), loss_scale=loss_scale, model_state=model_state,
-            loss_stats=LossStats.create(),
+            loss_stats=LossStats.create(), compression=None if compressed is None else compressed.init(),
         )
 
     if materialize and params is not None:

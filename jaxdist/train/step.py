@@ -19,6 +19,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxdist.parallel import compression as compression_lib
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.parallel.feed import batch_sharding
 from jaxdist.train import copies as copies_lib
@@ -42,6 +43,7 @@ def make_train_step(
     copies_gather: copies_lib.Gather | None = None,
     nonfinite_guard: bool = True,
     loss_spike: float | None = None,
+    compressed: compression_lib.Reducer | None = None,
 ) -> Callable[[TrainState, Any, Batch], tuple[TrainState, Any, dict[str, jax.Array]]]:
     """The jitted `step(state, copies, batch) -> (state, copies, metrics)`; state and copies are donated.
 
@@ -54,18 +56,20 @@ def make_train_step(
     `loss_scale`. `nonfinite_guard=False` applies every update, finite or not (to measure the
     guard's cost); loss scaling keeps its own check. `loss_spike`: a loss above this factor times
     the running average of the applied steps' losses is a bad step too (train/spikes.py), flagged
-    in `loss_spike` with the average in `loss_average`; None: off.
+    in `loss_spike` with the average in `loss_average`; None: off. `compressed`: the gradients
+    cross the data-parallel axes compressed (parallel/compression.py), its state in `state.compression`.
     """
 
     def step(state: TrainState, copies: Any, batch: Batch):
         scale = state.loss_scale
         with rules_lib.activation_rules(mesh, rules):
-            loss, aux, grads, model_state = loss_and_grads(
+            loss, aux, grads, model_state, compression = loss_and_grads(
                 graphdef, loss_fn, state.params, batch,
                 microbatches=microbatches, reduction=grad_reduction,
                 mesh=mesh, rules=rules,
                 param_shardings=state_shardings.params, loss_scale=None if scale is None else scale.scale,
                 compute_copies=copies, copies_gather=copies_gather, model_state=state.model_state,
+                compressed=compressed, compression_state=state.compression,
             )
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         # The gradients are float32: the moments of bfloat16 parameters would come back promoted.
@@ -84,8 +88,9 @@ def make_train_step(
                 metrics["loss_spike"] = spike.astype(jnp.int32)
                 metrics["loss_average"] = state.loss_stats.average
             # A select per leaf, fused into the update: the old buffers are read, not copied.
-            params, opt_state, model_state = precision.keep_if_not_finite(
-                applied, (params, opt_state, model_state), (state.params, state.opt_state, state.model_state))
+            params, opt_state, model_state, compression = precision.keep_if_not_finite(
+                applied, (params, opt_state, model_state, compression),
+                (state.params, state.opt_state, state.model_state, state.compression))
             skipped = skipped + (~applied).astype(skipped.dtype)
             metrics["nonfinite"] = bad.astype(jnp.int32)
             if scale is not None:  # a spike is no overflow: the scale follows finiteness alone
@@ -97,7 +102,7 @@ def make_train_step(
             metrics["learning_rate"] = schedule(state.step - state.skipped_steps)
         new_state = TrainState(
             step=state.step + 1, params=params, opt_state=opt_state, skipped_steps=skipped, loss_scale=scale,
-            model_state=model_state, loss_stats=loss_stats,
+            model_state=model_state, loss_stats=loss_stats, compression=compression,
         )
         return new_state, None if make_copies is None else make_copies(params), metrics
 

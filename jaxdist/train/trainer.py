@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxdist import models
 from jaxdist.config import Config
 from jaxdist.errors import UserError
+from jaxdist.parallel import compression as compression_lib
 from jaxdist.parallel import feed
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import rules as rules_lib
@@ -60,6 +61,7 @@ class Trainer:
         materialize: bool = True,
         loss_spike: float | None = None,
         params: Callable[[Any], Any] | None = None,
+        compression: compression_lib.Compression | None = None,
     ):
         """`abstract`: `state.abstract_model(create_model, seed)`, if already computed (saves a trace).
 
@@ -73,19 +75,29 @@ class Trainer:
         `loss_spike`: a loss above this factor times the running average of the applied steps'
         losses is dropped like a non-finite step (train/spikes.py); None: off. `params(param_shardings)`:
         the parameters to start from instead of the random init (`state.init_state`).
+        `compression`: the gradients cross the data-parallel axes compressed (PowerSGD or int8 with
+        error feedback, parallel/compression.py); needs grad_reduction per_step.
         """
         self.mesh = mesh
         self.rules = rules
+        abstract = abstract or abstract_model(create_model, seed)
+        data_axes = rules_lib.data_parallel_axes(rules)
+        compressed = None if compression is None else compression_lib.reducer(
+            abstract.params, abstract.names, compression, mesh, data_axes)
+        if compressed is not None and grad_reduction != "per_step":
+            raise ValueError("gradient compression starts from each batch shard's own gradients: use "
+                             "grad_reduction='per_step'")
         self.state, self.state_shardings, self.graphdef, self.layouts = init_state(
-            create_model, optimizer, mesh, rules, seed, loss_scale, abstract, materialize, params
+            create_model, optimizer, mesh, rules, seed, loss_scale, abstract, materialize, params, compressed
         )
         # The first step donates these buffers; let their init finish first (an in-flight
         # donated init aborted the XLA CPU runtime under load).
         self.state = jax.block_until_ready(self.state) if materialize else self.state
         self.materialized = materialize
         self.batch_sharding = feed.batch_sharding(mesh, rules)
-        shards = rules_lib.axes_size(mesh, rules_lib.data_parallel_axes(rules))  # as train/accumulate.py splits them
-        if microbatches > 1 and grad_reduction == "per_step" and shards > 1 and self._has_flax_batch_norm():
+        shards = rules_lib.axes_size(mesh, data_axes)  # as train/accumulate.py splits them
+        per_shard = microbatches > 1 or compressed is not None
+        if per_shard and grad_reduction == "per_step" and shards > 1 and self._has_flax_batch_norm():
             raise ValueError(
                 "flax's nnx.BatchNorm would take its statistics from one batch shard inside grad_reduction="
                 "'per_step''s per-shard gradients: use jaxdist.models.batchnorm.BatchNorm (statistics over the "
@@ -110,6 +122,7 @@ class Trainer:
         self._step = make_train_step(
             self.graphdef, loss_fn, optimizer, schedule, mesh, rules, self.state_shardings, microbatches,
             grad_reduction, compute_copies, copy_shardings, copies_gather, loss_spike=loss_spike,
+            compressed=compressed,
         )
         # Its own program, run only where a step is logged: inside the step, the norm's reduction
         # kept XLA from writing the compute copies in the update's pass (a second read of every
@@ -158,7 +171,7 @@ class Trainer:
             seed=cfg.seed, microbatches=cfg.train.microbatches, grad_reduction=cfg.train.grad_reduction,
             schedule=schedule, loss_scale=precision.initial_loss_scale(cfg.precision), abstract=abstract,
             compute_copies=make_copies, fsdp_gather=cfg.train.fsdp_gather, materialize=materialize,
-            loss_spike=cfg.train.loss_spike, params=params,
+            loss_spike=cfg.train.loss_spike, params=params, compression=compression_of(cfg, layout.rules),
         )
 
     def _has_flax_batch_norm(self) -> bool:
@@ -231,6 +244,20 @@ class Trainer:
     def params(self) -> Any:
         """The current parameters (a pytree of sharded arrays, in `precision.params`)."""
         return self.state.params
+
+
+def compression_of(cfg: Config, rules: rules_lib.Rules) -> compression_lib.Compression | None:
+    """`train.grad_compression` as a `Compression` (None for none): over `train.grad_compression_axes`,
+    or every data-parallel axis."""
+    train = cfg.train
+    if train.grad_compression == "none":
+        return None
+    data_axes = rules_lib.data_parallel_axes(rules)
+    axes = tuple(train.grad_compression_axes or data_axes)
+    if not set(axes) <= set(data_axes):
+        raise UserError(f"train.grad_compression_axes={list(axes)}: the gradients are reduced over the data-parallel "
+                        f"mesh axes {list(data_axes)}; name one or more of those")
+    return compression_lib.Compression(train.grad_compression, axes, train.grad_compression_rank, cfg.seed)
 
 
 def param_layouts(cfg: Config, devices: list | None = None) -> Any:
