@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # 8 simulated CPU devices where no accelerator exists; ignored where GPUs are present.
 export JAXDIST_CPU_DEVICES ?= 8
 
-.PHONY: install train test test-fast
+.PHONY: install train test test-fast slurm
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -17,7 +17,12 @@ $(VENV)/.installed: pyproject.toml
 train: install
 	$(BIN)/jaxdist train configs/tiny.yaml $(ARGS)
 
-test: install
+# A one-node Slurm on this machine for tests/test_slurm.py: installed (Debian/Ubuntu, as root) and
+# started where missing, else a second's check.
+slurm:
+	bash scripts/slurm/local_cluster.sh
+
+test: install slurm
 	$(BIN)/pytest -n 2 --dist worksteal --durations=15 $(ARGS)
 
 test-fast: install
