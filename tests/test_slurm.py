@@ -182,7 +182,7 @@ def test_requeued_job_resumes_from_its_checkpoint(cluster, config_file, referenc
     # Slurm holds a requeued job for its credential lifetime (AuthInfo cred_expire, 120 s by default)
     # and starts it at a later scheduling pass; making it eligible now changes nothing the job sees.
     deadline = time.monotonic() + JOB_TIMEOUT_S
-    while (info := job_info(job_id))["JobState"] != "PENDING" and time.monotonic() < deadline:
+    while job_info(job_id)["JobState"] != "PENDING" and time.monotonic() < deadline:
         time.sleep(0.2)
     slurm("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
     info = wait_until_finished(job_id, output)
