@@ -142,16 +142,24 @@ def shardings(state_shapes: CompressionState, param_shardings: Any, compression:
 
 
 def _orthonormal(p: jax.Array) -> jax.Array:
-    """The columns of each stacked (rows, rank) matrix made orthonormal (reduced QR)."""
-    return jnp.linalg.qr(p)[0]
+    """The columns of each stacked (rows, rank) matrix made orthonormal by Gram-Schmidt: a few
+    elementwise passes for a small rank, where a QR factorization is a solver call per matrix."""
+    columns = []
+    for i in range(p.shape[-1]):
+        column = p[..., i]
+        for done in columns:
+            column = column - jnp.sum(column * done, axis=-1, keepdims=True) * done
+        columns.append(column / (jnp.linalg.norm(column, axis=-1, keepdims=True) + 1e-8))
+    return jnp.stack(columns, axis=-1)
 
 
 def _powersgd(m: jax.Array, q: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(the reduced low-rank gradient, this shard's left-out part, the new Q) of one stacked
     (..., rows, cols) shard gradient `m` (error already added)."""
     p = _orthonormal(jax.lax.psum(m @ q, axes))
-    q_new = jax.lax.psum(jnp.swapaxes(m, -1, -2) @ p, axes)
-    own = p @ jnp.swapaxes(p, -1, -2) @ m  # this shard's projection: they sum to p @ q_new^T
+    own_q = jnp.swapaxes(m, -1, -2) @ p
+    q_new = jax.lax.psum(own_q, axes)
+    own = p @ jnp.swapaxes(own_q, -1, -2)  # this shard's projection p p^T m: they sum to p q_new^T
     return p @ jnp.swapaxes(q_new, -1, -2), m - own, q_new
 
 
