@@ -74,10 +74,17 @@ def start_digests(arrays: dict[str, Any]) -> PendingDigests:
     collectives can deadlock when programs overlap on simulated devices."""
     sums = {}
     for name, array in arrays.items():
+        in_host_memory = _in_host_memory(array)
+        if in_host_memory:  # offloaded state (train.offload): digested on the devices, one array at a time
+            array = jax.device_put(array, array.sharding.with_memory_kind("device"))
         sums[name] = _digest_one(array)
-        if _on_cpu(array):
+        if in_host_memory or _on_cpu(array):
             sums[name].block_until_ready()
     return PendingDigests(sums)
+
+
+def _in_host_memory(array: Any) -> bool:
+    return isinstance(array, jax.Array) and array.sharding.memory_kind not in (None, "device")
 
 
 def _on_cpu(array: Any) -> bool:

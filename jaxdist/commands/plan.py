@@ -43,10 +43,12 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-def _bytes_per_device(tree: Any) -> int:
-    """Bytes each device holds of an abstract tree (`jax.ShapeDtypeStruct`s with shardings)."""
+def _bytes_per_device(tree: Any, host: bool = False) -> int:
+    """Bytes each device holds of an abstract tree (`jax.ShapeDtypeStruct`s with shardings) in its own
+    memory, or with `host` in the host memory kept for it (`train.offload`)."""
     return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
-               for leaf in jax.tree.leaves(tree) if hasattr(leaf, "sharding") and leaf.sharding is not None)
+               for leaf in jax.tree.leaves(tree) if hasattr(leaf, "sharding") and leaf.sharding is not None
+               and (leaf.sharding.memory_kind not in (None, "device")) == host)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +70,7 @@ class Plan:
     compression: int = 0  # the compressed gradient reduction's error feedback (train.grad_compression)
     collectives: dict[str, int] = dataclasses.field(default_factory=dict)  # operand bytes per step, by opcode
     grad_compression: str = "none"
+    host: int = 0  # per device, in pinned host memory: the optimizer state under train.offload (not in `total`)
 
     @property
     def total(self) -> int:
@@ -86,8 +89,9 @@ class Plan:
                  ("gradient compression state", self.compression), ("compute copies", self.copies),
                  ("batch", self.batch), ("temporaries", self.temporaries), ("code", self.code)]
         shown = ", ".join(f"{name} {_gb(size)}" for name, size in parts if size)
+        host = f"; in host memory: optimizer state {_gb(self.host)}" if self.host else ""
         lines = [f"plan: mesh {self.mesh} ({self.devices} {self.platform} devices)",
-                 f"per device: {shown}; total {_gb(self.total)}; {_flop(self.flops)} per step"]
+                 f"per device: {shown}; total {_gb(self.total)}{host}; {_flop(self.flops)} per step"]
         if self.collectives:
             sent = ", ".join(f"{opcode} {_gb(size)}" for opcode, size in sorted(self.collectives.items()))
             lines.append(f"collectives per step and device (train.grad_compression {self.grad_compression}): {sent}")
@@ -128,6 +132,7 @@ def make_plan(cfg: Config, devices: list | None = None) -> Plan:
     return Plan(
         mesh=mesh_lib.describe(trainer.mesh), devices=len(mesh_devices), platform=mesh_devices[0].platform,
         params=_bytes_per_device(state.params), opt_state=_bytes_per_device(state.opt_state),
+        host=_bytes_per_device(state.opt_state, host=True),
         model_state=_bytes_per_device(state.model_state), compression=_bytes_per_device(state.compression),
         collectives={opcode: sum(by_dtype.values())
                      for opcode, by_dtype in hlo.bytes_per_call(trainer.compiled_text()).items()},

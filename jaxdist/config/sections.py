@@ -170,6 +170,9 @@ class TrainConfig(Section):
     loss_spike: float | None = Field(
         5.0, gt=1, description="a finite loss above this many times the running average of the last losses is a "
         "bad step too, halted or skipped as on_nonfinite says (null: off)")
+    offload: Literal["none", "optimizer"] = Field(
+        "none", description="optimizer: the optimizer state lives in pinned host memory and comes to the devices a "
+        "parameter at a time for the update (device memory for host-device copies each step)")
     grad_compression: Literal["none", "powersgd", "int8"] = Field(
         "none", description="send the gradients across the compressed axes as PowerSGD low-rank factors or int8, "
         "with error feedback (for hosts joined by slow links)")

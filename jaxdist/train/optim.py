@@ -45,17 +45,18 @@ def learning_rate_schedule(optim: OptimizerSection, train: TrainConfig) -> optax
 
 
 def build_optimizer(
-    optim: OptimizerSection, train: TrainConfig, logical_names: Any
+    optim: OptimizerSection, train: TrainConfig, logical_names: Any, clip: bool = True,
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The optax transformation for `optim.name` (after global-norm clipping) and its LR schedule.
 
     `logical_names` is a tree like the parameters whose leaves are tuples of logical axis names;
-    the masks are derived from it.
+    the masks are derived from it. `clip` False: without the clipping (for a caller that clips
+    the gradients over all parameters itself, as train/offload.py does).
     """
     schedule = learning_rate_schedule(optim, train)
     masks = Masks(logical_names, weight_decay_mask(optim, logical_names), stacked_mask(logical_names))
     tx = optimizers.get(optim.name).build(optim, schedule, masks)
     # Clipping holds no state, and the chain has the same shape with it off: a checkpoint saved
     # without clipping resumes with it (a diverging run's usual remedy), and the other way round.
-    clip = optax.identity() if optim.clip_norm is None else optax.clip_by_global_norm(optim.clip_norm)
-    return optax.chain(clip, tx), schedule
+    clipping = optax.identity() if optim.clip_norm is None or not clip else optax.clip_by_global_norm(optim.clip_norm)
+    return optax.chain(clipping, tx), schedule

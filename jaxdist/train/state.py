@@ -140,6 +140,7 @@ def init_state(
     materialize: bool = True,
     params: Callable[[Any], Any] | None = None,
     compressed: compression_lib.Reducer | None = None,
+    offload: Any = None,
 ) -> tuple[TrainState, TrainState, nnx.GraphDef, Any]:
     """Creates the sharded train state; returns (state, state shardings, graphdef, layouts).
 
@@ -148,7 +149,8 @@ def init_state(
     to compile for it without allocating it (`jaxdist plan`). `params(param_shardings)`: the
     parameters to start from (e.g. published weights, made in those shardings) instead of the
     model's random init; the optimizer state starts as ever. `compressed`: the compressed gradient
-    reduction whose state the train state carries.
+    reduction whose state the train state carries. `offload`: a `train.offload.OffloadedOptimizer`
+    whose state (in pinned host memory) stands in for `tx`'s.
     """
     abstract = abstract or abstract_model(create_model, seed)
     rules_lib.warn_unnamed(abstract.unnamed)
@@ -162,7 +164,8 @@ def init_state(
         step=NamedSharding(mesh, PartitionSpec()),
         params=param_shardings,
         skipped_steps=NamedSharding(mesh, PartitionSpec()),
-        opt_state=opt_state_shardings(tx, abstract.params, param_shardings, mesh),
+        opt_state=(opt_state_shardings(tx, abstract.params, param_shardings, mesh) if offload is None
+                   else offload.shardings(abstract.params, param_shardings, mesh)),
         loss_scale=jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), loss_scale),
         model_state=model_state_shardings,
         loss_stats=jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), LossStats.create()),
@@ -174,7 +177,8 @@ def init_state(
         if params is None:
             params, model_state = model_variables(create_model, seed)
         return TrainState(
-            step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+            step=jnp.zeros((), jnp.int32), params=params,
+            opt_state=tx.init(params) if offload is None else offload.init(params),
             skipped_steps=jnp.zeros((), jnp.int32), loss_scale=loss_scale, model_state=model_state,
             loss_stats=LossStats.create(), compression=None if compressed is None else compressed.init(),
         )

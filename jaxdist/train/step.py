@@ -23,6 +23,7 @@ from jaxdist.parallel import compression as compression_lib
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.parallel.feed import batch_sharding
 from jaxdist.train import copies as copies_lib
+from jaxdist.train import offload as offload_lib
 from jaxdist.train import precision
 from jaxdist.train.accumulate import Batch, LossFn, loss_and_grads
 from jaxdist.train.state import TrainState
@@ -44,6 +45,7 @@ def make_train_step(
     nonfinite_guard: bool = True,
     loss_spike: float | None = None,
     compressed: compression_lib.Reducer | None = None,
+    offload: offload_lib.OffloadedOptimizer | None = None,
 ) -> Callable[[TrainState, Any, Batch], tuple[TrainState, Any, dict[str, jax.Array]]]:
     """The jitted `step(state, copies, batch) -> (state, copies, metrics)`; state and copies are donated.
 
@@ -58,6 +60,8 @@ def make_train_step(
     the running average of the applied steps' losses is a bad step too (train/spikes.py), flagged
     in `loss_spike` with the average in `loss_average`; None: off. `compressed`: the gradients
     cross the data-parallel axes compressed (parallel/compression.py), its state in `state.compression`.
+    `offload`: the optimizer state lives in host memory and is updated a parameter at a time
+    (train/offload.py; `tx` is then unused).
     """
 
     def step(state: TrainState, copies: Any, batch: Batch):
@@ -71,15 +75,12 @@ def make_train_step(
                 compute_copies=copies, copies_gather=copies_gather, model_state=state.model_state,
                 compressed=compressed, compression_state=state.compression,
             )
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        # The gradients are float32: the moments of bfloat16 parameters would come back promoted.
-        opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), opt_state, state.opt_state)
-        params = optax.apply_updates(state.params, updates)
         grad_norm = optax.tree.norm(grads)
         metrics = {"loss": loss, "grad_norm": grad_norm, **aux}
         skipped = state.skipped_steps
         applied = jnp.isfinite(loss)  # which losses the running average takes in
-        if nonfinite_guard or scale is not None:
+        guarded = nonfinite_guard or scale is not None
+        if guarded:
             finite, bad = precision.verdict(loss, grad_norm, scale)
             applied = finite
             if loss_spike is not None and state.loss_stats is not None:
@@ -87,15 +88,27 @@ def make_train_step(
                 applied, bad = finite & ~spike, bad | spike
                 metrics["loss_spike"] = spike.astype(jnp.int32)
                 metrics["loss_average"] = state.loss_stats.average
-            # A select per leaf, fused into the update: the old buffers are read, not copied.
-            params, opt_state, model_state, compression = precision.keep_if_not_finite(
-                applied, (params, opt_state, model_state, compression),
-                (state.params, state.opt_state, state.model_state, state.compression))
             skipped = skipped + (~applied).astype(skipped.dtype)
             metrics["nonfinite"] = bad.astype(jnp.int32)
             if scale is not None:  # a spike is no overflow: the scale follows finiteness alone
                 scale = scale.adjust(finite)
                 metrics["loss_scale"] = scale.scale
+        if offload is not None:  # the state in host memory, updated a parameter at a time
+            params, opt_state = offload.apply(grads, grad_norm, state.opt_state, state.params,
+                                              applied if guarded else jnp.bool_(True), state_shardings.opt_state)
+        else:
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            # The gradients are float32: the moments of bfloat16 parameters would come back promoted.
+            opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), opt_state, state.opt_state)
+            params = optax.apply_updates(state.params, updates)
+        if guarded:
+            # A select per leaf, fused into the update: the old buffers are read, not copied (offloaded,
+            # each parameter and its state are selected as they are updated).
+            model_state, compression = precision.keep_if_not_finite(
+                applied, (model_state, compression), (state.model_state, state.compression))
+            if offload is None:
+                params, opt_state = precision.keep_if_not_finite(
+                    applied, (params, opt_state), (state.params, state.opt_state))
         metrics["skipped_steps"] = skipped
         loss_stats = None if state.loss_stats is None else state.loss_stats.updated(loss, applied)
         if schedule is not None:  # dropped steps leave the optimizer's own count behind

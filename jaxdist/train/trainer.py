@@ -29,6 +29,7 @@ from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.train import copies as copies_lib
 from jaxdist.models import dtypes as dtypes_lib
+from jaxdist.train import offload as offload_lib
 from jaxdist.train import precision
 from jaxdist.train.optim import build_optimizer
 from jaxdist.train.precision import LossScale
@@ -62,6 +63,7 @@ class Trainer:
         loss_spike: float | None = None,
         params: Callable[[Any], Any] | None = None,
         compression: compression_lib.Compression | None = None,
+        offload: offload_lib.OffloadedOptimizer | None = None,
     ):
         """`abstract`: `state.abstract_model(create_model, seed)`, if already computed (saves a trace).
 
@@ -76,7 +78,9 @@ class Trainer:
         losses is dropped like a non-finite step (train/spikes.py); None: off. `params(param_shardings)`:
         the parameters to start from instead of the random init (`state.init_state`).
         `compression`: the gradients cross the data-parallel axes compressed (PowerSGD or int8 with
-        error feedback, parallel/compression.py); needs grad_reduction per_step.
+        error feedback, parallel/compression.py); needs grad_reduction per_step. `offload`: the
+        optimizer state in pinned host memory, updated a parameter at a time (train/offload.py); it
+        stands in for `optimizer`, which then only names the optimizer for the schedule and logs.
         """
         self.mesh = mesh
         self.rules = rules
@@ -88,7 +92,7 @@ class Trainer:
             raise ValueError("gradient compression starts from each batch shard's own gradients: use "
                              "grad_reduction='per_step'")
         self.state, self.state_shardings, self.graphdef, self.layouts = init_state(
-            create_model, optimizer, mesh, rules, seed, loss_scale, abstract, materialize, params, compressed
+            create_model, optimizer, mesh, rules, seed, loss_scale, abstract, materialize, params, compressed, offload
         )
         # The first step donates these buffers; let their init finish first (an in-flight
         # donated init aborted the XLA CPU runtime under load).
@@ -122,7 +126,7 @@ class Trainer:
         self._step = make_train_step(
             self.graphdef, loss_fn, optimizer, schedule, mesh, rules, self.state_shardings, microbatches,
             grad_reduction, compute_copies, copy_shardings, copies_gather, loss_spike=loss_spike,
-            compressed=compressed,
+            compressed=compressed, offload=offload,
         )
         # Its own program, run only where a step is logged: inside the step, the norm's reduction
         # kept XLA from writing the compute copies in the update's pass (a second read of every
@@ -172,6 +176,9 @@ class Trainer:
             schedule=schedule, loss_scale=precision.initial_loss_scale(cfg.precision), abstract=abstract,
             compute_copies=make_copies, fsdp_gather=cfg.train.fsdp_gather, materialize=materialize,
             loss_spike=cfg.train.loss_spike, params=params, compression=compression_of(cfg, layout.rules),
+            offload=None if cfg.train.offload == "none" else offload_lib.OffloadedOptimizer(
+                lambda names: build_optimizer(cfg.optim, cfg.train, names, clip=False)[0], abstract.names,
+                cfg.optim.clip_norm),
         )
 
     def _has_flax_batch_norm(self) -> bool:
