@@ -84,16 +84,14 @@ class OffloadedOptimizer:
               applied: jax.Array, state_shardings: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
         """(new parameters, new state in host memory): each parameter updated where `applied`
         (else kept, with its state), in turn. Run inside the jitted step."""
-        if self.clip_norm is not None:
-            scale = jnp.where(grad_norm < self.clip_norm, 1.0, self.clip_norm / grad_norm)
-            grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+        scale = 1.0 if self.clip_norm is None else jnp.where(grad_norm < self.clip_norm, 1.0, self.clip_norm / grad_norm)
         new_params, new_state, updated = [], [], []
         for i, (tx, grad, param, host) in enumerate(zip(self._optimizers, self._split(grads), self._split(params),
                                                         opt_state)):
             if i >= 2:  # not before parameter i - 2 is updated: two parameters' state on the device at most
                 host, _ = jax.lax.optimization_barrier((host, updated[i - 2]))
             old = jax.device_put(host, in_memory(state_shardings[i], "device"))
-            updates, state = tx.update(grad, old, param)
+            updates, state = tx.update(jax.tree.map(lambda g: g * scale, grad), old, param)
             # The gradients are float32: the moments of bfloat16 parameters would come back promoted.
             state = jax.tree.map(lambda new, was: jnp.where(applied, new.astype(was.dtype), was), state, old)
             param = jax.tree.map(lambda p, u: jnp.where(applied, (p + u).astype(p.dtype), p), param, updates)
