@@ -3,9 +3,10 @@
 The state is born there (the init's out_shardings name the memory kind) and the step brings it to
 the devices for the update one parameter at a time: each parameter's state is copied in, updated,
 selected against the old one (the non-finite guard) and copied back out, and the copy-in of
-parameter i waits for the update of parameter i - 2 (an optimization barrier). So at most two
-parameters' state sit on a device at once, the copy of the next overlapping the update of this
-one, whatever the whole state weighs; XLA would otherwise bring it all in at the step's start.
+parameter i waits for the update of parameter i - 1 (an optimization barrier). So one parameter's
+state is updated on a device at a time (the copy out of one overlapping the copy in of the next),
+whatever the whole state weighs; XLA would otherwise bring it all in at the step's start. Letting
+two parameters' copies be in flight saved no time (the host link is the bound) and held more.
 
 Each parameter has its own optimizer (built for its logical names alone, the masks included), so
 the optimizer must act parameter by parameter: AdamW, LAMB and LARS (trust ratios per
@@ -88,8 +89,8 @@ class OffloadedOptimizer:
         new_params, new_state, updated = [], [], []
         for i, (tx, grad, param, host) in enumerate(zip(self._optimizers, self._split(grads), self._split(params),
                                                         opt_state)):
-            if i >= 2:  # not before parameter i - 2 is updated: two parameters' state on the device at most
-                host, _ = jax.lax.optimization_barrier((host, updated[i - 2]))
+            if i:  # not before parameter i - 1 is updated: one parameter's state on the device at a time
+                host, _ = jax.lax.optimization_barrier((host, updated[i - 1]))
             old = jax.device_put(host, in_memory(state_shardings[i], "device"))
             updates, state = tx.update(jax.tree.map(lambda g: g * scale, grad), old, param)
             # The gradients are float32: the moments of bfloat16 parameters would come back promoted.
