@@ -171,3 +171,16 @@ def test_scale_shows_what_each_compression_sends_between_hosts(capsys):
     assert none_ms == pytest.approx(none_net * 1e3 / 1.25, rel=1e-2)
     assert rows["powersgd"][0] < none_sent / 100 and rows["powersgd"][3] < none_step / 2
     assert none_sent / 3 < rows["int8"][0] < none_sent / 2  # a byte a number against bfloat16's two, mostly
+
+
+def test_compression_starts_after_the_exact_warm_up(tmp_path):
+    """train.grad_compression_start=3: three steps as the exact reduction, then PowerSGD's."""
+    runs = {}
+    for name, train in (("exact", {}), ("warm", {"grad_compression": "powersgd", "grad_compression_start": 3})):
+        trainer = loop.train(make_config(tmp_path / name, **DATA4, train={"steps": 6, **train}),
+                             devices=jax.devices()[:4])
+        runs[name] = losses_by_step(tmp_path / name)
+    np.testing.assert_allclose([runs["warm"][s] for s in (1, 2, 3, 4)], [runs["exact"][s] for s in (1, 2, 3, 4)],
+                               rtol=1e-6, atol=0)  # step 4's loss is from the parameters of 3 exact updates
+    assert abs(runs["warm"][5] - runs["exact"][5]) > 1e-5  # then compressed
+    assert int(trainer.state.compression.reductions) == 6

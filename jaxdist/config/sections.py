@@ -177,6 +177,9 @@ class TrainConfig(Section):
         "none", description="send the gradients across the compressed axes as PowerSGD low-rank factors or int8, "
         "with error feedback (for hosts joined by slow links)")
     grad_compression_rank: int = Field(4, gt=0, description="PowerSGD's rank")
+    grad_compression_start: int = Field(
+        0, ge=0, description="steps reduced exactly before compression starts (PowerSGD's low-rank updates move "
+        "a freshly initialized model slowly)")
     grad_compression_axes: list[str] | None = Field(
         None, description="the data-parallel mesh axes whose gradient reduction is compressed, e.g. [data] when "
         "only data crosses hosts (null: every data-parallel axis); the others reduce exactly first")

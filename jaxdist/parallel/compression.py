@@ -53,6 +53,7 @@ class Compression:
     axes: tuple[str, ...]
     rank: int = 4
     seed: int = 0
+    start: int = 0  # reductions done exactly before compression starts (the error feedback stays zero)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,10 +68,12 @@ class LeafPlan:
 
 class CompressionState(flax.struct.PyTreeNode):
     """`error`: per gradient, each shard's left-out part (shards, *param) in float32, None where the
-    reduction is exact. `basis`: powersgd's Q per matrix (stacked..., columns, rank), else None."""
+    reduction is exact. `basis`: powersgd's Q per matrix (stacked..., columns, rank), else None.
+    `reductions`: how many reductions this state has seen (the exact warm-up counts them)."""
 
     error: Any
     basis: Any
+    reductions: jax.Array
 
 
 def _matrix(shape: tuple[int, ...], names: Sequence[str | None], rank: int):
@@ -120,7 +123,8 @@ def init(plans: Any, compression: Compression, shards: int) -> CompressionState:
         else:
             stacked, _, cols = leaf.matrix
             bases.append(jax.random.normal(key, (*stacked, cols, compression.rank), jnp.float32))
-    return CompressionState(error=jax.tree.unflatten(treedef, errors), basis=jax.tree.unflatten(treedef, bases))
+    return CompressionState(error=jax.tree.unflatten(treedef, errors), basis=jax.tree.unflatten(treedef, bases),
+                            reductions=jnp.zeros((), jnp.int32))
 
 
 def shardings(state_shapes: CompressionState, param_shardings: Any, compression: Compression,
@@ -138,6 +142,7 @@ def shardings(state_shapes: CompressionState, param_shardings: Any, compression:
     return CompressionState(
         error=jax.tree.map(error, state_shapes.error, param_shardings, is_leaf=lambda x: x is None),
         basis=jax.tree.map(lambda _: replicated, state_shapes.basis),
+        reductions=replicated,
     )
 
 
@@ -194,8 +199,25 @@ def reduce(grads: Any, state: CompressionState, plans: Any, compression: Compres
     """The sum over shards of `grads` ((shards, *param) per leaf, the shards over `data_axes` in
     order), each reduced as `plans` say, in `param_shardings`; and the new state.
 
-    The data-parallel axes not compressed are summed exactly first.
+    The data-parallel axes not compressed are summed exactly first. The first `compression.start`
+    reductions are exact throughout (the state left as it is, but for its count).
     """
+    def compressed(grads, state):
+        return _reduce(grads, state, plans, compression, mesh, data_axes, param_shardings)
+
+    def exact(grads, state):
+        return jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(g.sum(0), s), grads, param_shardings), state
+
+    if compression.start:
+        grads, state = jax.lax.cond(state.reductions < compression.start, exact, compressed, grads, state)
+    else:
+        grads, state = compressed(grads, state)
+    return grads, state.replace(reductions=state.reductions + 1)
+
+
+def _reduce(grads: Any, state: CompressionState, plans: Any, compression: Compression, mesh: Mesh,
+            data_axes: tuple[str, ...], param_shardings: Any) -> tuple[Any, CompressionState]:
+    """`reduce` once compression has started."""
     axes = compression.axes
     sizes = [mesh.shape[axis] for axis in data_axes]
     exact = tuple(i for i, axis in enumerate(data_axes) if axis not in axes)
@@ -223,7 +245,7 @@ def reduce(grads: Any, state: CompressionState, plans: Any, compression: Compres
         reduced.append(total)
         errors.append(error)
         bases.append(basis)
-    new_state = CompressionState(error=jax.tree.unflatten(treedef, errors), basis=jax.tree.unflatten(treedef, bases))
+    new_state = state.replace(error=jax.tree.unflatten(treedef, errors), basis=jax.tree.unflatten(treedef, bases))
     return jax.tree.unflatten(treedef, reduced), new_state
 
 
@@ -261,8 +283,8 @@ def _compressed(m: jax.Array, basis: jax.Array | None, leaf: LeafPlan, compressi
 
 
 def bytes_sent(plans: Any, compression: Compression) -> tuple[int, int]:
-    """(numbers each shard contributes to the reduction exactly, in float32; under compression, its
-    bytes): the payloads, before any algorithm's factor (a ring all-reduce moves about twice)."""
+    """(bytes of the whole gradient in float32, bytes the compression sends for it), per shard: the
+    payloads, before any algorithm's factor (a ring all-reduce moves about twice)."""
     exact = compressed = 0
     for leaf in jax.tree.leaves(plans, is_leaf=_is_plan):
         size = math.prod(leaf.shape)

@@ -264,7 +264,8 @@ def compression_of(cfg: Config, rules: rules_lib.Rules) -> compression_lib.Compr
     if not set(axes) <= set(data_axes):
         raise UserError(f"train.grad_compression_axes={list(axes)}: the gradients are reduced over the data-parallel "
                         f"mesh axes {list(data_axes)}; name one or more of those")
-    return compression_lib.Compression(train.grad_compression, axes, train.grad_compression_rank, cfg.seed)
+    return compression_lib.Compression(train.grad_compression, axes, train.grad_compression_rank, cfg.seed,
+                                       train.grad_compression_start)
 
 
 def param_layouts(cfg: Config, devices: list | None = None) -> Any:
