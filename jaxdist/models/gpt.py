@@ -28,6 +28,7 @@ from jaxdist.kernels import fused_norm, gelu_matmul, softmax_grad
 from jaxdist.models import dtypes as dtypes_lib
 from jaxdist.models.cross_entropy import fused_linear_cross_entropy
 from jaxdist.models.registry import ModelEntry, register
+from jaxdist.parallel import context
 from jaxdist.parallel import pipeline as pipeline_lib
 from jaxdist.parallel.rules import constrain
 
@@ -371,8 +372,8 @@ class Attention(nnx.Module):
         if self.freqs is not None:
             positions = jnp.arange(x.shape[1]) if docs is None else docs.positions
             q, k = rope(q, positions, self.freqs), rope(k, positions, self.freqs)
-        y = jax.nn.dot_product_attention(q, k, v, mask=None if docs is None else docs.mask, is_causal=True,
-                                         implementation=_attention_impl(self.implementation, x.dtype))
+        y = context.attention(q, k, v, None if docs is None else docs.mask,
+                              _attention_impl(self.implementation, x.dtype), HEADS, KV_HEADS if self.grouped else HEADS)
         return self._output(y)
 
     def decode(self, x: jax.Array, cache: KVCache, start: jax.Array) -> tuple[jax.Array, KVCache]:

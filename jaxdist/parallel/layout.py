@@ -81,7 +81,20 @@ def check(cfg: Config, layout: Layout, activations: Sequence[tuple[str, ...]] = 
         if size.size % rules_lib.axes_size(layout.mesh, axes):
             raise UserError(_not_divisible(cfg, layout, size, axes))
     _check_pipeline(cfg, layout)
+    _check_sequence_split(cfg, layout)
     _check_activations(cfg, layout.rules, activations)
+
+
+def _check_sequence_split(cfg: Config, layout: Layout) -> None:
+    """Sequences split over mesh axes (sequence or context parallelism) split into equal chunks."""
+    seq_len = getattr(cfg.model, "seq_len", None)
+    for name in ("seq", "length"):
+        axes = layout.rules.activations.get(name, ())
+        parts = rules_lib.axes_size(layout.mesh, axes)
+        if seq_len and seq_len % parts:
+            split = " x ".join(f"mesh.{axis}={layout.mesh.shape[axis]}" for axis in axes)
+            raise UserError(f"model.seq_len={seq_len} is not divisible by {split}, over which rules.activations."
+                            f"{name} splits each sequence; use a multiple of {parts}")
 
 
 def _check_pipeline(cfg: Config, layout: Layout) -> None:

@@ -1,0 +1,93 @@
+"""Context parallelism (parallel/context.py): sequences split over a mesh axis through attention
+train as on one device, with the keys and values all-gathered and the causal mask offset."""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_config
+from jax.sharding import Mesh
+
+from jaxdist import cli, loop
+from jaxdist.commands import hlo
+from jaxdist.parallel import context
+from jaxdist.parallel import rules as rules_lib
+
+pytestmark = pytest.mark.slow
+
+CONTEXT = {"batch": "data", "seq": "fsdp", "length": "fsdp"}  # each sequence in chunks over fsdp
+NAMES = ("batch", "length", "heads", "head_dim")
+KV_NAMES = ("batch", "length", "kv_heads", "head_dim")
+
+
+def losses(run_dir) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("one")
+    loop.train(make_config(run_dir, mesh={"data": 1, "fsdp": 1, "tensor": 1}, rules={"preset": "dp"}),
+               devices=jax.devices()[:1])
+    return losses(run_dir)
+
+
+@pytest.mark.parametrize("mesh, preset, train", [
+    ({"data": 2, "fsdp": 4, "tensor": 1}, "fsdp", {}),
+    ({"data": 2, "fsdp": 4, "tensor": 1}, "fsdp", {"microbatches": 2}),
+    ({"data": 2, "fsdp": 2, "tensor": 2}, "fsdp_tp", {}),
+], ids=["data2_context4", "data2_context4_accumulated", "data2_context2_tensor2"])
+def test_sequences_split_over_fsdp_train_as_on_one_device(tmp_path, one_device, mesh, preset, train):
+    cfg = make_config(tmp_path, mesh=mesh, rules={"preset": preset, "activations": CONTEXT}, train=train)
+    trainer = loop.train(cfg)
+    np.testing.assert_allclose(losses(tmp_path), one_device, rtol=1e-5, atol=0)
+    # Only the keys and values of each chunk are gathered (per layer, in the forward pass and again
+    # for the backward), each device keeping its own rows and heads: no activation is gathered whole.
+    gathered = [op.operand_shapes[0] for op in hlo.collectives(trainer.compiled_text(), ("all-gather", "all-gather-start"))
+                if len(op.operand_shapes[0]) >= 4]  # the weights' gathers have fewer dimensions here
+    rows, heads = 16 // mesh["data"] // train.get("microbatches", 1), 4 // mesh["tensor"]
+    assert gathered and {(math.prod(shape[:-3]), *shape[-3:]) for shape in gathered} == {
+        (rows, 32 // mesh["fsdp"], heads, 16)}, gathered
+
+
+def _attention_inputs(kv_heads: int):
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (2, 16, 4, 8))
+    k, v = (jax.random.normal(key, (2, 16, kv_heads, 8)) for key in keys[1:3])
+    segments = jnp.cumsum(jax.random.bernoulli(keys[3], 0.15, (2, 16)), axis=1)  # packed documents
+    mask = (segments[:, :, None] == segments[:, None, :])[:, None]
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["heads", "grouped_query"])
+@pytest.mark.parametrize("with_mask", [False, True], ids=["causal", "packed_documents"])
+def test_chunked_attention_and_its_gradients_equal_whole_attention(kv_heads, with_mask):
+    q, k, v, mask = _attention_inputs(kv_heads)
+    mask = mask if with_mask else None
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "fsdp"))
+    rules = rules_lib.preset("fsdp").override(activations=CONTEXT)
+
+    def split(q, k, v):
+        with rules_lib.activation_rules(mesh, rules):
+            return jnp.sum(jnp.sin(context.attention(q, k, v, mask, "xla", NAMES, KV_NAMES)))
+
+    def whole(q, k, v):
+        return jnp.sum(jnp.sin(jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)))
+
+    got, want = jax.jit(jax.value_and_grad(split, (0, 1, 2)))(q, k, v), jax.value_and_grad(whole, (0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for a, b in zip(got[1], want[1]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_sequence_that_does_not_split_evenly_is_refused_before_compiling(tmp_path, capsys):
+    code = cli.main(["train", "tiny", f"run_dir={tmp_path}", "mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1",
+                     "rules.preset=fsdp", "rules.activations.batch=null", "rules.activations.seq=fsdp",
+                     "rules.activations.length=fsdp", "model.seq_len=100"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "model.seq_len=100 is not divisible by mesh.fsdp=8, over which rules.activations.seq splits each " \
+           "sequence; use a multiple of 8" in err
