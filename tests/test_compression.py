@@ -184,3 +184,16 @@ def test_compression_starts_after_the_exact_warm_up(tmp_path):
                                rtol=1e-6, atol=0)  # step 4's loss is from the parameters of 3 exact updates
     assert abs(runs["warm"][5] - runs["exact"][5]) > 1e-5  # then compressed
     assert int(trainer.state.compression.reductions) == 6
+
+
+def test_a_pipeline_compresses_its_stages_gradients_over_the_batch_axes(tmp_path):
+    """stage=2 x data2 x fsdp2: each stage's layer gradients cross data and fsdp compressed."""
+    runs = {}
+    for method in ("none", "powersgd"):
+        cfg = make_config(tmp_path / method, mesh={"data": 2, "stage": 2, "fsdp": 2, "tensor": 1},
+                          rules={"preset": "fsdp"}, impl={"scan_layers": True}, pipeline={"microbatches": 2},
+                          train={"steps": 6, "grad_compression": method})
+        loop.train(cfg)
+        runs[method] = losses_by_step(tmp_path / method)
+    assert runs["powersgd"][6] != runs["none"][6]
+    np.testing.assert_allclose(list(runs["powersgd"].values()), list(runs["none"].values()), rtol=0.01)
