@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from jaxdist.train.state import opt_state_shardings
 
@@ -74,7 +74,7 @@ class OffloadedOptimizer:
     def init(self, params: Any) -> tuple[Any, ...]:
         return tuple(tx.init(one) for tx, one in zip(self._optimizers, self._split(params)))
 
-    def shardings(self, abstract_params: Any, param_shardings: Any, mesh) -> tuple[Any, ...]:
+    def shardings(self, abstract_params: Any, param_shardings: Any, mesh: Mesh) -> tuple[Any, ...]:
         """The state's shardings in host memory, each following its parameter's (`opt_state_shardings`)."""
         return tuple(
             in_memory(opt_state_shardings(tx, abstract, sharding, mesh), HOST_MEMORY)
@@ -86,17 +86,16 @@ class OffloadedOptimizer:
         """(new parameters, new state in host memory): each parameter updated where `applied`
         (else kept, with its state), in turn. Run inside the jitted step."""
         scale = 1.0 if self.clip_norm is None else jnp.where(grad_norm < self.clip_norm, 1.0, self.clip_norm / grad_norm)
-        new_params, new_state, updated = [], [], []
+        new_params, new_state = [], []
         for i, (tx, grad, param, host) in enumerate(zip(self._optimizers, self._split(grads), self._split(params),
                                                         opt_state)):
             if i:  # not before parameter i - 1 is updated: one parameter's state on the device at a time
-                host, _ = jax.lax.optimization_barrier((host, updated[i - 1]))
+                host, _ = jax.lax.optimization_barrier((host, new_params[i - 1]))
             old = jax.device_put(host, in_memory(state_shardings[i], "device"))
             updates, state = tx.update(jax.tree.map(lambda g: g * scale, grad), old, param)
             # The gradients are float32: the moments of bfloat16 parameters would come back promoted.
             state = jax.tree.map(lambda new, was: jnp.where(applied, new.astype(was.dtype), was), state, old)
             param = jax.tree.map(lambda p, u: jnp.where(applied, (p + u).astype(p.dtype), p), param, updates)
-            updated.append(_only_leaf(param))
             new_params.append(_only_leaf(param))
             new_state.append(jax.device_put(state, state_shardings[i]))
         return self._treedef.unflatten(new_params), tuple(new_state)
