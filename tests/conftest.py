@@ -35,7 +35,7 @@ jaxdist.use_cpu_devices()  # before any computation
 # the imports and the collection built frozen out of the walk (`pytest_collection_finish`), the
 # suite spends about a tenth less CPU. Reference counting frees what it did before; the runs' own
 # gc.collect() calls still collect everything made after the freeze.
-if not os.environ.get('NOGC'): gc.set_threshold(50_000, 20, 20)
+gc.set_threshold(50_000, 20, 20)
 
 # Tests build the same tiny programs many times (and in subprocesses: pass them
 # jax.config.jax_compilation_cache_dir): compile each once per session, through JAX's persistent
@@ -120,9 +120,8 @@ LONGEST_FIRST = ("test_main_job", "test_layouts_multiprocess", "test_multihost")
 
 
 def pytest_collection_finish(session):
-    if not os.environ.get('NOGC'):
-        gc.collect()
-        gc.freeze()
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(items):
