@@ -23,6 +23,7 @@ def _start(run_dir: Path, cache: Path) -> tuple[dict, str]:
     env = {**os.environ, "JAXDIST_CPU_DEVICES": "8", "PYTHONPATH": str(ROOT), "JAXDIST_CACHE_DIR": str(cache),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}  # cache even programs that compile fast
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    env.pop("XLA_FLAGS", None)  # compiled as a user's start compiles, not with the suite's quick flags
     run = subprocess.run([sys.executable, "-m", "jaxdist.cli", "train", "tiny", *TINY, f"run_dir={run_dir}"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
