@@ -116,9 +116,7 @@ def compiles():
 
 # The modules of the longest tests, run first: xdist hands out tests in collection order, and a
 # worker that draws one of these last keeps the run going for minutes after the other is done.
-# test_slurm leads: its tests mostly wait on Slurm (a requeue, slurmctld's 30 s time-limit pass),
-# and early on the other worker's tests fill that wait.
-LONGEST_FIRST = ("test_slurm", "test_main_job", "test_layouts_multiprocess", "test_multihost", "test_compression")
+LONGEST_FIRST = ("test_main_job", "test_layouts_multiprocess", "test_multihost")
 
 
 def pytest_collection_finish(session):
