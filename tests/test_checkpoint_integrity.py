@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import tensorstore as ts
 import yaml
 from conftest import TINY_GPT, make_config
 from data_helpers import prepared, random_documents
@@ -74,9 +75,11 @@ def largest_data_file(step_dir):
     return max((f for f in (step_dir / "state").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
 
 
-def flip_bytes(path, count: int = 8) -> None:
+def flip_bytes(path, count: int = 8, span: tuple[int, int] | None = None) -> None:
+    """Flips `count` bytes in the middle of the file (of its bytes `span`, if given)."""
     data = bytearray(path.read_bytes())
-    for i in range(len(data) // 2, len(data) // 2 + count):
+    start, end = span or (0, len(data))
+    for i in range((start + end) // 2, (start + end) // 2 + count):
         data[i] ^= 0xFF
     path.write_bytes(bytes(data))
 
@@ -377,12 +380,14 @@ def checkpoint_files(step_dir: Path, file_role: str | None = None) -> list[str]:
     return [relative for relative in files if file_role is None or role(step_dir, relative) == file_role]
 
 
-def truncate(path: Path) -> None:
-    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+def truncate(path: Path, span: tuple[int, int] | None = None) -> None:
+    """Cuts the file short in the middle (of its bytes `span`, if given)."""
+    start, end = span or (0, path.stat().st_size)
+    path.write_bytes(path.read_bytes()[: (start + end) // 2])
 
 
-def garbage(path: Path) -> None:
-    """As many bytes, none of them valid UTF-8 (nor JSON, nor OCDBT, nor zstd)."""
+def garbage(path: Path, span: tuple[int, int] | None = None) -> None:
+    """As many bytes, none of them valid UTF-8 (nor JSON, nor OCDBT, nor zstd), all over the file."""
     path.write_bytes(b"\x9a" * path.stat().st_size)
 
 
@@ -407,11 +412,39 @@ def saved_run(tmp_path_factory):
     return run_dir, losses(run_dir)
 
 
+def array_values(step_dir: Path) -> dict[str, list[tuple[int, int]]]:
+    """The byte ranges of the arrays' values in each data file of checkpoint `step_dir`, as the
+    state's index (the B-tree a restore reads, under state/d/) points to them. A process writes its
+    own B-tree nodes into these files at times, after the values; nothing reads those at a restore."""
+    state = ts.KvStore.open(f"file://{step_dir / 'state'}/").result()
+    ranges: dict[str, list[tuple[int, int]]] = {}
+
+    def walk(node: str) -> None:
+        for entry in ts.ocdbt.dump(state, node).result()["entries"]:
+            if "location" in entry:  # a child node
+                walk(entry["location"])
+            elif "indirect_value" in entry:  # value:<folder>:<file>:<offset>:<length>
+                where, offset, length = entry["indirect_value"].removeprefix("value:").rsplit(":", 2)
+                folder, file = where.split(":", 1)
+                ranges.setdefault(f"state/{folder}{file}", []).append((int(offset), int(offset) + int(length)))
+            else:
+                assert "inline_value" in entry, entry
+
+    walk(ts.ocdbt.dump(state).result()["versions"][-1]["root"]["location"])
+    return ranges
+
+
 def damaged_copy(saved_run, directory: Path, relative: str, damage) -> Path:
-    """A copy of the saved run in `directory`, file `relative` of its checkpoint 2 damaged."""
+    """A copy of the saved run in `directory`, file `relative` of its checkpoint 2 damaged: a data
+    file in the largest array value it holds (the middle of the file may be a B-tree node)."""
     run_dir = directory / relative.replace("/", "_")
     shutil.copytree(saved_run[0], run_dir)
-    damage(run_dir / "checkpoints" / "2" / relative)
+    step_dir = run_dir / "checkpoints" / "2"
+    values = array_values(step_dir).get(relative)
+    if values:
+        damage(step_dir / relative, span=max(values, key=lambda value: value[1] - value[0]))
+    else:
+        damage(step_dir / relative)
     return run_dir
 
 
