@@ -170,6 +170,9 @@ def _run(run: Run, clock: RunTime) -> Trainer:
             params = functools.partial(hf.load_params, cfg, run.abstract.params)
             log(f"starting from the weights of {cfg.model.init_from}")
         trainer = Trainer.from_config(cfg, layout=layout, abstract=run.abstract, params=params)
+    no_fp8 = dtypes.fp8_unavailable(cfg.precision, trainer.mesh.devices.flat[0].platform)
+    if no_fp8:
+        log(no_fp8)
     is_writer = jax.process_index() == 0
     reads = "" if jax.process_count() == 1 else (
         f"; process 0 feeds rows {_ranges(rows.rows)} of each global batch of {rows.global_batch}")

@@ -32,6 +32,7 @@ import numpy as np
 from jaxdist import kernels, models
 from jaxdist.config import Config, with_overrides
 from jaxdist.errors import UserError
+from jaxdist.models import dtypes
 from jaxdist.commands import checkpoint_cost, clocks, hlo
 from jaxdist.observe.metrics import mfu, throughput
 from jaxdist.parallel import layout as layout_lib
@@ -207,6 +208,7 @@ def _measure(cfg: Config, steps: int, warmup: int, devices: list | None, profile
         "microbatches": cfg.train.microbatches,
         "scan_layers": cfg.model.stacked_layers,
         "remat": getattr(getattr(cfg.model, "impl", None), "remat", "none"),
+        "fp8": dtypes.policy(cfg.precision, devices[0].platform).fp8,
         **pipeline_schedule(cfg, trainer.mesh.shape["stage"]),
         "step_ms": round(step_s * 1e3, 2),
         "step_ms_min_window": round(min(times) * 1e3, 2),

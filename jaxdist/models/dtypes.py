@@ -14,14 +14,17 @@ import jax.numpy as jnp
 
 from jaxdist.config import PrecisionConfig
 from jaxdist.errors import UserError
+from jaxdist.models import fp8 as fp8_lib
 
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """Which dtype parameters are stored in and computed in (outputs and reductions: float32)."""
+    """Which dtype parameters are stored in and computed in (outputs and reductions: float32), and
+    whether the projections that can run as FP8 GEMMs do (`precision.fp8` where the devices have them)."""
 
     param_dtype: jnp.dtype
     compute_dtype: jnp.dtype
+    fp8: bool = False
 
 
 def compute_dtype_name(precision: PrecisionConfig, backend: str | None = None) -> str:
@@ -37,7 +40,18 @@ def policy(precision: PrecisionConfig, backend: str | None = None) -> Policy:
     return Policy(
         param_dtype=jnp.dtype(precision.params),
         compute_dtype=jnp.dtype(compute_dtype_name(precision, backend)),
+        fp8=precision.fp8 and fp8_lib.supported(jax.local_devices(backend=backend)),
     )
+
+
+def fp8_unavailable(precision: PrecisionConfig, backend: str | None = None) -> str | None:
+    """Why `precision.fp8` runs without FP8 on this backend's devices (the one line a run prints); None
+    where it is off or runs."""
+    if not precision.fp8 or policy(precision, backend).fp8:
+        return None
+    device = jax.local_devices(backend=backend)[0]
+    return (f"precision.fp8: {device.device_kind} ({device.platform}) has no FP8 matmuls (they need an NVIDIA GPU of "
+            f"compute capability 8.9 or above); the projections run in {compute_dtype_name(precision, backend)}")
 
 
 def check_backend(precision: PrecisionConfig, backend: str | None = None) -> None:

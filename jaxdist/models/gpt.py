@@ -26,6 +26,7 @@ from jaxdist.config.base import positive_or_auto
 from jaxdist.errors import UserError
 from jaxdist.kernels import fused_norm, gelu_matmul, softmax_grad
 from jaxdist.models import dtypes as dtypes_lib
+from jaxdist.models import fp8 as fp8_lib
 from jaxdist.models.cross_entropy import fused_linear_cross_entropy
 from jaxdist.models.registry import ModelEntry, register
 from jaxdist.parallel import context
@@ -343,9 +344,10 @@ class Attention(nnx.Module):
     a leading axis (`qkv`): each is a contiguous slice, so the three projections need no activation
     transposes or concatenations. With fewer (grouped-query attention), `q` and the stacked `kv`."""
 
-    def __init__(self, cfg: GPTConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: GPTConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs, fp8: bool = False):
         head_dim = cfg.d_model // cfg.heads
         self.grouped = cfg.key_value_heads != cfg.heads
+        self.fp8 = fp8
         # A tuple, not an array: static to NNX, no variable of the model.
         self.freqs = (tuple(rope_frequencies(head_dim, cfg.rope_base, cfg.rope_scaling).tolist())
                       if cfg.positions == "rope" else None)
@@ -395,7 +397,7 @@ class Attention(nnx.Module):
 
     def _output(self, y: jax.Array) -> jax.Array:
         """The heads' outputs (batch, length, heads, head_dim) projected back to the residual stream."""
-        out = jnp.einsum("bthk,hkd->btd", constrain(y, HEADS), _cast(self.out[...], y.dtype))
+        out = _project(self.fp8, "bthk,hkd->btd", constrain(y, HEADS), _cast(self.out[...], y.dtype))
         if hasattr(self, "out_bias"):
             out = out + _cast(self.out_bias[...], y.dtype)
         return constrain(out, RESIDUAL)
@@ -405,16 +407,21 @@ class Attention(nnx.Module):
         if not self.grouped:
             qkv = _cast(self.qkv[...], x.dtype)
             bias = _cast(self.qkv_bias[...], x.dtype) if hasattr(self, "qkv_bias") else None
-            return tuple(constrain(_biased(jnp.einsum("btd,dhk->bthk", uses[i], qkv[i]), bias, i), HEADS)
+            return tuple(constrain(_biased(_project(self.fp8, "btd,dhk->bthk", uses[i], qkv[i]), bias, i), HEADS)
                          for i in range(3))
         kv = _cast(self.kv[...], x.dtype)
         q_bias = _cast(self.q_bias[...], x.dtype) if hasattr(self, "q_bias") else None
         kv_bias = _cast(self.kv_bias[...], x.dtype) if hasattr(self, "kv_bias") else None
-        q = jnp.einsum("btd,dhk->bthk", uses[0], _cast(self.q[...], x.dtype))
+        q = _project(self.fp8, "btd,dhk->bthk", uses[0], _cast(self.q[...], x.dtype))
         q = constrain(q if q_bias is None else q + q_bias, HEADS)
-        k, v = (constrain(_biased(jnp.einsum("btd,dhk->bthk", uses[1 + i], kv[i]), kv_bias, i), KV_HEADS)
+        k, v = (constrain(_biased(_project(self.fp8, "btd,dhk->bthk", uses[1 + i], kv[i]), kv_bias, i), KV_HEADS)
                 for i in range(2))
         return q, k, v
+
+
+def _project(fp8: bool, spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """A projection `einsum(spec, x, w)`, through FP8 GEMMs with `fp8` (models/fp8.py)."""
+    return fp8_lib.einsum(spec, x, w) if fp8 else jnp.einsum(spec, x, w)
 
 
 def _biased(x: jax.Array, stacked_bias: jax.Array | None, i: int) -> jax.Array:
@@ -453,8 +460,9 @@ def _attention_impl(attention: str, dtype) -> str | None:
 
 
 class Mlp(nnx.Module):
-    def __init__(self, cfg: GPTConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: GPTConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs, fp8: bool = False):
         self.activation = cfg.activation
+        self.fp8 = fp8
         self.gelu_grad_impl = impl.gelu_grad_impl
         self.recompute_activation = impl.remat == "mlp"
         self.up = _param(rngs, _normal, (cfg.d_model, cfg.mlp_dim), ("embed", "mlp"), param_dtype)
@@ -469,10 +477,12 @@ class Mlp(nnx.Module):
             self.down_bias = _param(rngs, _zeros, (cfg.d_model,), ("embed",), param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = constrain(self._bias("up_bias", x @ _cast(self.up[...], x.dtype)), ("batch", "length", "mlp"))
+        up = _project(self.fp8, "btd,dm->btm", x, _cast(self.up[...], x.dtype))
+        h = constrain(self._bias("up_bias", up), ("batch", "length", "mlp"))
         gate = None
         if self.activation == "swiglu":
-            gate = constrain(self._bias("gate_bias", x @ _cast(self.gate[...], x.dtype)), ("batch", "length", "mlp"))
+            gate = _project(self.fp8, "btd,dm->btm", x, _cast(self.gate[...], x.dtype))
+            gate = constrain(self._bias("gate_bias", gate), ("batch", "length", "mlp"))
         project = self._activate_and_project
         if self.recompute_activation:
             # The backward pass recomputes the activation from the saved up-projection (one
@@ -485,7 +495,9 @@ class Mlp(nnx.Module):
 
     def _activate_and_project(self, h: jax.Array, gate: jax.Array | None, down: jax.Array) -> jax.Array:
         if self.activation == "swiglu":
-            return (jax.nn.silu(gate) * h) @ down
+            return _project(self.fp8, "btm,md->btd", jax.nn.silu(gate) * h, down)
+        if self.fp8:  # the FP8 GEMM in place of the cuBLASLt GELU-gradient kernel's bfloat16 one
+            return fp8_lib.einsum("btm,md->btd", gelu_matmul.gelu(h), down)
         # Its backward keeps `h` and gelu(h), not the formula's tanh, and on GPU puts GELU's
         # gradient into the matmul's epilogue (kernels/gelu_matmul.py).
         return gelu_matmul.gelu_project(h, down, kernel=gelu_matmul.use_kernel(self.gelu_grad_impl, h, down))
@@ -500,11 +512,11 @@ class Block(nnx.Module):
     `docs`: the packed documents' attention mask and positions (None: one stream per row).
     """
 
-    def __init__(self, cfg: GPTConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: GPTConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs, fp8: bool = False):
         self.norm1 = Norm(cfg, impl, param_dtype, rngs)
-        self.attn = Attention(cfg, impl, param_dtype, rngs)
+        self.attn = Attention(cfg, impl, param_dtype, rngs, fp8)
         self.norm2 = Norm(cfg, impl, param_dtype, rngs)
-        self.mlp = Mlp(cfg, impl, param_dtype, rngs)
+        self.mlp = Mlp(cfg, impl, param_dtype, rngs, fp8)
 
     def __call__(self, x: jax.Array, delta: jax.Array | None = None,
                  docs: Documents | None = None) -> tuple[jax.Array, jax.Array]:
@@ -550,7 +562,7 @@ class GPT(nnx.Module):
 
     `cfg` is the architecture, `impl` how it runs (scanned or unrolled layers, remat, kernels, loss
     chunks; default `cfg.impl`). With `pipeline` settings and a stage axis in the mesh, the blocks run
-    as a pipeline.
+    as a pipeline. With `fp8`, the attention and MLP projections run as FP8 GEMMs (models/fp8.py).
     """
 
     def __init__(
@@ -562,6 +574,7 @@ class GPT(nnx.Module):
         param_dtype=jnp.float32,
         compute_dtype=jnp.float32,
         pipeline: PipelineConfig | None = None,
+        fp8: bool = False,
     ):
         impl = cfg.impl if impl is None else impl
         self.cfg = cfg
@@ -578,13 +591,13 @@ class GPT(nnx.Module):
         @nnx.split_rngs(splits=cfg.layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def stacked_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, impl, param_dtype, rngs)
+            return Block(cfg, impl, param_dtype, rngs, fp8)
 
         stacked = stacked_blocks(rngs)
         # Unrolled, separate parameters per layer: each layer's gradient is complete as soon as its
         # backward is done, so its reduction can overlap the rest of the backward pass.
         self.blocks = stacked if impl.scan_layers else nnx.List(
-            _unstack(stacked, lambda: Block(cfg, impl, param_dtype, nnx.Rngs(0))))
+            _unstack(stacked, lambda: Block(cfg, impl, param_dtype, nnx.Rngs(0), fp8)))
         self.final_norm = Norm(cfg, impl, param_dtype, rngs)
         if not cfg.tied_embeddings:
             self.head = _param(rngs, _normal, (cfg.d_model, cfg.vocab), ("embed", "vocab"), param_dtype)
@@ -775,7 +788,7 @@ def create(cfg: Config) -> Callable[[nnx.Rngs], nnx.Module]:
                         "jaxdist.data.loader.resolve_model, or set model.vocab to a number")
     dtypes = dtypes_lib.policy(cfg.precision)
     return lambda rngs: GPT(cfg.model, rngs=rngs, param_dtype=dtypes.param_dtype, compute_dtype=dtypes.compute_dtype,
-                            pipeline=cfg.pipeline)
+                            pipeline=cfg.pipeline, fp8=dtypes.fp8)
 
 
 ENTRY = register(ModelEntry(

@@ -1,0 +1,86 @@
+"""FP8 matmuls (`precision.fp8`): e4m3 operands forward, e5m2 output gradients backward, each tensor
+scaled by its own current absolute maximum.
+
+`einsum(spec, x, w)` quantizes both operands to float8_e4m3fn, each divided by a float32 scale
+that maps its largest magnitude onto the format's largest finite value (448), and contracts the
+dequantized operands: XLA's GEMM rewriter turns a dot of (convert, times a scalar) operands into
+one cuBLASLt FP8 GEMM on Hopper that applies the two scales in its epilogue, so nothing is
+dequantized in memory. The backward quantizes the output's gradient to float8_e5m2 (more range,
+less precision: 57,344) and contracts it with the saved FP8 operands the same way; the forward
+keeps only those FP8 operands for it, half the bytes of the compute dtype.
+
+The scaling is current, not delayed: each scale comes from the tensor it scales, in the same
+step. That costs one max-reduction per operand but carries no amax history: nothing to checkpoint,
+and no history to get wrong when a weight is used by several microbatches, pipeline iterations or
+batch shards within one step. A non-finite value makes its scale non-finite, and with it the
+matmul's output, so the step's non-finite guard still sees it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+FORWARD = jnp.float8_e4m3fn
+GRADIENT = jnp.float8_e5m2
+
+
+def supported(devices: list | None = None) -> bool:
+    """Whether these devices (default: every local device) run FP8 matmuls: NVIDIA GPUs of
+    compute capability 8.9 or above (Ada, Hopper and later)."""
+    devices = jax.local_devices() if devices is None else devices
+    return bool(devices) and all(_has_fp8(device) for device in devices)
+
+
+def _has_fp8(device) -> bool:
+    if device.platform != "gpu":
+        return False
+    capability = getattr(device, "compute_capability", None)
+    if capability is None:  # ROCm reports none: its FP8 formats differ (fnuz), not taken
+        return False
+    major, minor = (int(part) for part in str(capability).split(".")[:2])
+    return (major, minor) >= (8, 9)
+
+
+def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """`x` as `dtype` (an FP8 type) and its float32 scale: `x ~ quantized * scale`."""
+    largest = float(jnp.finfo(dtype).max)
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    scale = jnp.where(amax > 0, amax / largest, jnp.float32(1.0))
+    quantized = jnp.clip(x.astype(jnp.float32) / scale, -largest, largest).astype(dtype)
+    return quantized, scale
+
+
+def dequantize(quantized: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """`quantized * scale` in `dtype`: the form XLA's GEMM rewriter folds into an FP8 GEMM."""
+    return quantized.astype(dtype) * scale.astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """`jnp.einsum(spec, x, w)` through FP8 GEMMs; `x` and `w` in the same (compute) dtype, the
+    result in it too."""
+    return _einsum_fwd(spec, x, w)[0]
+
+
+def _einsum_fwd(spec, x, w):
+    if x.dtype != w.dtype:
+        raise TypeError(f"fp8.einsum takes operands of one dtype, got {x.dtype} and {w.dtype}")
+    x_q, x_scale = quantize(x, FORWARD)
+    w_q, w_scale = quantize(w, FORWARD)
+    out = jnp.einsum(spec, dequantize(x_q, x_scale, x.dtype), dequantize(w_q, w_scale, x.dtype))
+    return out, (x_q, x_scale, w_q, w_scale)
+
+
+def _einsum_bwd(spec, residuals, d_out):
+    x_q, x_scale, w_q, w_scale = residuals
+    dtype = d_out.dtype
+    g_q, g_scale = quantize(d_out, GRADIENT)
+    _, transpose = jax.vjp(lambda x, w: jnp.einsum(spec, x, w),
+                           dequantize(x_q, x_scale, dtype), dequantize(w_q, w_scale, dtype))
+    return transpose(dequantize(g_q, g_scale, dtype))
+
+
+einsum.defvjp(_einsum_fwd, _einsum_bwd)

@@ -1,0 +1,135 @@
+"""FP8 matmuls (models/fp8.py, `precision.fp8`): e4m3 operands forward, e5m2 gradients, each tensor
+scaled by its current absolute maximum. The CPU has no FP8 GEMMs, so these tests make the run believe
+it has (XLA on CPU computes the same quantized products in wider floats); the GPU test checks that
+XLA turns the projections into cuBLASLt FP8 GEMMs."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_config
+
+from jaxdist import loop
+from jaxdist.models import fp8
+from jaxdist.models.dtypes import fp8_unavailable
+
+SPEC = "btd,df->btf"
+
+
+def _operands():
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (4, 32, 64), jnp.bfloat16)
+    w = (0.02 * jax.random.normal(keys[1], (64, 128))).astype(jnp.bfloat16)
+    d_out = jax.random.normal(keys[2], (4, 32, 128), jnp.bfloat16)
+    return x, w, d_out
+
+
+def _relative_error(got, want) -> float:
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def test_quantize_maps_the_largest_magnitude_to_the_formats_largest_value():
+    x = jnp.array([[-3.0, 0.5], [1.5, 0.0]], jnp.bfloat16)
+    # Rounded to the nearest: within half a step, 2^-4 of the value in e4m3, 2^-3 in e5m2.
+    for dtype, largest, within in ((fp8.FORWARD, 448.0, 2**-4), (fp8.GRADIENT, 57344.0, 2**-3)):
+        quantized, scale = fp8.quantize(x, dtype)
+        assert quantized.dtype == dtype and scale.dtype == jnp.float32
+        assert float(scale) == pytest.approx(3.0 / largest)
+        assert float(quantized.astype(jnp.float32)[0, 0]) == -largest
+        np.testing.assert_allclose(fp8.dequantize(quantized, scale, jnp.float32), x.astype(jnp.float32), rtol=within)
+    zeros, scale = fp8.quantize(jnp.zeros((3,), jnp.bfloat16), fp8.FORWARD)
+    assert float(scale) == 1.0 and not np.any(np.asarray(zeros, np.float32))
+
+
+def test_the_forward_and_backward_are_products_of_quantized_operands():
+    x, w, d_out = _operands()
+    out, transpose = jax.vjp(lambda x, w: fp8.einsum(SPEC, x, w), x, w)
+    d_x, d_w = transpose(d_out)
+    assert out.dtype == d_x.dtype == d_w.dtype == jnp.bfloat16
+
+    def through(value, dtype):
+        return fp8.dequantize(*fp8.quantize(value, dtype), jnp.bfloat16)
+
+    x8, w8, g8 = through(x, fp8.FORWARD), through(w, fp8.FORWARD), through(d_out, fp8.GRADIENT)
+    np.testing.assert_array_equal(out, jnp.einsum(SPEC, x8, w8))
+    np.testing.assert_array_equal(d_x, jnp.einsum("btf,df->btd", g8, w8))
+    np.testing.assert_array_equal(d_w, jnp.einsum("btd,btf->df", x8, g8))
+    # And near the bfloat16 products: e4m3 keeps 3 mantissa bits, e5m2 2.
+    exact_out, exact_transpose = jax.vjp(lambda x, w: jnp.einsum(SPEC, x, w), x, w)
+    assert _relative_error(out, exact_out) < 0.05
+    for got, want in zip((d_x, d_w), exact_transpose(d_out)):
+        assert _relative_error(got, want) < 0.08
+
+
+def test_a_non_finite_operand_makes_the_output_non_finite():
+    x, w, _ = _operands()
+    out = fp8.einsum(SPEC, x.at[0, 0, 0].set(jnp.inf), w)
+    assert not np.all(np.isfinite(np.asarray(out, np.float32)))
+
+
+def _losses(run_dir) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def fp8_everywhere(monkeypatch):
+    """The CPU taken for a device with FP8 GEMMs."""
+    monkeypatch.setattr(fp8, "supported", lambda devices=None: True)
+
+
+TRAIN = {"steps": 40, "global_batch": 16}
+PRECISION = {"compute": "bfloat16", "fp8": True}
+
+
+@pytest.mark.slow
+def test_training_in_fp8_follows_bfloat16(tmp_path, fp8_everywhere, capsys):
+    with_fp8 = loop.train(make_config(tmp_path / "fp8", train=TRAIN, precision=PRECISION, log={"every": 5}),
+                          devices=jax.devices()[:1])
+    assert "has no FP8 matmuls" not in capsys.readouterr().out
+    # The step quantizes to both formats: e4m3 operands, e5m2 gradients.
+    text = with_fp8.compiled_text()
+    assert "f8e4m3fn" in text and "f8e5m2" in text
+    loop.train(make_config(tmp_path / "bf16", train=TRAIN, precision={"compute": "bfloat16"}, log={"every": 5}),
+               devices=jax.devices()[:1])
+    fp8_losses, bf16_losses = _losses(tmp_path / "fp8"), _losses(tmp_path / "bf16")
+    assert fp8_losses[-1] < 0.8 * fp8_losses[0]  # it learns
+    assert fp8_losses[-1] == pytest.approx(bf16_losses[-1], rel=0.02)
+    assert fp8_losses != bf16_losses
+
+
+@pytest.mark.slow
+def test_fp8_steps_are_the_same_on_every_layout(tmp_path, fp8_everywhere):
+    # Each scale is the whole tensor's maximum, whatever splits it: every layout quantizes the same.
+    precision = {"compute": "float32", "fp8": True}
+    train = {"steps": 6, "global_batch": 16}
+    loop.train(make_config(tmp_path / "one", train=train, precision=precision,
+                           mesh={"data": 1, "fsdp": 1, "tensor": 1}, rules={"preset": "dp"}),
+               devices=jax.devices()[:1])
+    loop.train(make_config(tmp_path / "split", train={**train, "microbatches": 2}, precision=precision,
+                           mesh={"data": 2, "fsdp": 2, "tensor": 2}, rules={"preset": "fsdp_tp"}))
+    np.testing.assert_allclose(_losses(tmp_path / "split"), _losses(tmp_path / "one"), rtol=1e-4, atol=0)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu" and fp8.supported(), reason="this device has FP8 GEMMs")
+def test_without_fp8_hardware_the_run_says_so_once_and_runs_in_the_compute_dtype(tmp_path, capsys):
+    cfg = make_config(tmp_path / "asked", train={"steps": 3}, precision=PRECISION)
+    assert "has no FP8 matmuls" in fp8_unavailable(cfg.precision)
+    loop.train(cfg, devices=jax.devices()[:1])
+    lines = [line for line in capsys.readouterr().out.splitlines() if "precision.fp8" in line]
+    assert len(lines) == 1 and "the projections run in bfloat16" in lines[0], lines
+    loop.train(make_config(tmp_path / "plain", train={"steps": 3}, precision={"compute": "bfloat16"}),
+               devices=jax.devices()[:1])
+    assert _losses(tmp_path / "asked") == _losses(tmp_path / "plain")
+
+
+@pytest.mark.skipif(not fp8.supported(), reason="needs a GPU with FP8 GEMMs (compute capability 8.9+)")
+def test_on_hopper_the_projections_are_cublaslt_fp8_gemms(tmp_path):
+    cfg = make_config(tmp_path, train={"steps": 2}, precision=PRECISION,
+                      model={"d_model": 128, "heads": 4, "layers": 2, "seq_len": 64})
+    text = loop.train(cfg, devices=jax.devices()[:1]).compiled_text()
+    gemms = text.count('custom_call_target="__cublas$lt$matmul$f8"')
+    # Per layer: q, k, v, out, up, down forward; each of their two gradients backward.
+    assert gemms >= 2 * 6 * 3, gemms
