@@ -1,5 +1,6 @@
 """Context parallelism (parallel/context.py): sequences split over a mesh axis through attention
-train as on one device, with the keys and values all-gathered and the causal mask offset."""
+train as on one device, with the heads exchanged by all-to-alls, or the keys and values all-gathered
+and the causal mask offset where the heads do not divide."""
 
 import json
 import math
@@ -44,13 +45,33 @@ def test_sequences_split_over_fsdp_train_as_on_one_device(tmp_path, one_device, 
     cfg = make_config(tmp_path, mesh=mesh, rules={"preset": preset, "activations": CONTEXT}, train=train)
     trainer = loop.train(cfg)
     np.testing.assert_allclose(losses(tmp_path), one_device, rtol=1e-5, atol=0)
-    # Only the keys and values of each chunk are gathered (per layer, in the forward pass and again
-    # for the backward), each device keeping its own rows and heads: no activation is gathered whole.
-    gathered = [op.operand_shapes[0] for op in hlo.collectives(trainer.compiled_text(), ("all-gather", "all-gather-start"))
-                if len(op.operand_shapes[0]) >= 4]  # the weights' gathers have fewer dimensions here
-    rows, heads = 16 // mesh["data"] // train.get("microbatches", 1), 4 // mesh["tensor"]
-    assert gathered and {(math.prod(shape[:-3]), *shape[-3:]) for shape in gathered} == {
-        (rows, 32 // mesh["fsdp"], heads, 16)}, gathered
+    # The heads are exchanged: all-to-alls send each device along fsdp a share of every other's
+    # heads for its chunk of the sequence (XLA on CPU sends pieces per peer and row); no activation is
+    # gathered.
+    text = trainer.compiled_text()
+    assert not _activations_gathered(text)
+    pieces = {shape[1:] for op in hlo.collectives(text, ("all-to-all",)) for shape in op.operand_shapes
+              if len(shape) == 4}
+    assert (32 // mesh["fsdp"], 4 // mesh["tensor"] // mesh["fsdp"], 16) in pieces, pieces
+
+
+def _activations_gathered(text: str) -> list[tuple[int, ...]]:
+    # The weights' gathers have fewer dimensions here.
+    return [op.operand_shapes[0] for op in hlo.collectives(text, ("all-gather", "all-gather-start"))
+            if len(op.operand_shapes[0]) >= 4]
+
+
+def test_where_the_key_value_heads_do_not_divide_the_keys_and_values_are_gathered(tmp_path):
+    grouped = {"d_model": 64, "layers": 2, "heads": 4, "kv_heads": 2, "seq_len": 32, "mlp_ratio": 4}
+    loop.train(make_config(tmp_path / "one", model=grouped, mesh={"data": 1, "fsdp": 1, "tensor": 1},
+                           rules={"preset": "dp"}), devices=jax.devices()[:1])
+    trainer = loop.train(make_config(tmp_path / "split", model=grouped, mesh={"data": 2, "fsdp": 4, "tensor": 1},
+                                     rules={"preset": "fsdp", "activations": CONTEXT}))
+    np.testing.assert_allclose(losses(tmp_path / "split"), losses(tmp_path / "one"), rtol=1e-5, atol=0)
+    # Two key/value heads over four chunks: each device gathers the keys and values of its rows and
+    # heads, chunk by chunk.
+    gathered = _activations_gathered(trainer.compiled_text())
+    assert gathered and {(math.prod(shape[:-3]), *shape[-3:]) for shape in gathered} == {(8, 8, 2, 16)}, gathered
 
 
 def _attention_inputs(kv_heads: int):

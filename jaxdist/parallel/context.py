@@ -6,16 +6,25 @@ stream) over mesh axes cut every sequence into contiguous chunks, one per device
     rules: {preset: fsdp, activations: {batch: data, seq: fsdp, length: fsdp}}
 
 The projections, the MLP, the norms and the loss then run on each device's chunk alone, the weights
-still split over fsdp. Attention is where the chunks meet: `attention` gathers the keys and values
-along those axes (one all-gather of each per layer; in the backward pass their gradients are
-reduce-scattered back) and attends each device's queries to every key, masked causally from where
-the device's chunk starts. Activation memory per device falls with the chunk, so sequences that do
-not fit one device fit several; the gathered keys and values of one layer are the one full-length
-tensor. The split is contiguous, so the causal mask leaves the first chunks less work than the
-last (no load balancing yet).
+still split over fsdp. Attention is where the chunks meet, in one of two ways:
+
+- Heads exchanged (where each device's query and key/value heads divide by the chunk count, and no
+  document mask is given): an all-to-all turns each device's (chunk, all its heads) into (the whole
+  sequence, a share of its heads); plain causal attention runs on that (cuDNN's flash kernel on
+  GPUs, every device the same work), and a second all-to-all turns the output back. Four
+  all-to-alls per layer forward, each of one chunk's activations.
+- Keys and values gathered (otherwise): one all-gather of each per layer (their gradients are
+  reduce-scattered back), each device's queries attending to every key under a causal mask offset
+  by where its chunk starts. The mask is an explicit array, which attention kernels read as a bias,
+  and the first chunks have less to attend to than the last.
+
+Activation memory per device falls with the chunk, so sequences that do not fit one device fit
+several.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +33,7 @@ from jax.sharding import PartitionSpec
 from jaxdist.parallel import rules as rules_lib
 
 # Attention's q, k, v and output: (batch, length, heads, head_dim).
-_LENGTH = 1
+_LENGTH, _HEADS = 1, 2
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, implementation: str | None,
@@ -39,6 +48,33 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, 
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
     mesh, q_spec = active
     kv_spec = rules_lib.sharded_activation(kv_names)[1]
+    chunks = math.prod(mesh.shape[axis] for axis in axes)
+    if mask is None and all(_local_heads(x, spec, mesh) % chunks == 0 for x, spec in ((q, q_spec), (k, kv_spec))):
+        return _heads_exchanged(q, k, v, implementation, mesh, axes, q_spec, kv_spec)
+    return _keys_gathered(q, k, v, mask, implementation, mesh, axes, q_spec, kv_spec)
+
+
+def _local_heads(x: jax.Array, spec: PartitionSpec, mesh) -> int:
+    return x.shape[_HEADS] // math.prod(mesh.shape[axis] for axis in rules_lib.spec_axes(spec[_HEADS]))
+
+
+def _heads_exchanged(q, k, v, implementation, mesh, axes, q_spec, kv_spec):
+    def chunk_attention(q, k, v):
+        # (rows, chunk, heads, head_dim) -> (rows, whole length, heads / chunks, head_dim): the
+        # chunks concatenated in device order along the axes, which is their order in the sequence.
+        def whole_sequence(x):
+            return jax.lax.all_to_all(x, axes, _HEADS, _LENGTH, tiled=True)
+
+        out = jax.nn.dot_product_attention(whole_sequence(q), whole_sequence(k), whole_sequence(v), is_causal=True,
+                                           implementation=implementation)
+        return jax.lax.all_to_all(out, axes, _LENGTH, _HEADS, tiled=True)
+
+    # Manual over the whole mesh: each device on its own rows and heads throughout.
+    return jax.shard_map(chunk_attention, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+                         check_vma=False)(q, k, v)
+
+
+def _keys_gathered(q, k, v, mask, implementation, mesh, axes, q_spec, kv_spec):
     rows = PartitionSpec(q_spec[0], None, q_spec[_LENGTH], None)  # the mask's batch and query rows
 
     def chunk_attention(q, k, v, *mask):
