@@ -5,6 +5,7 @@ skips the modules marked slow (`pytestmark = pytest.mark.slow` at their top: the
 programs or start processes) and runs in about two minutes on 2 cores.
 """
 
+import importlib.util
 import os
 
 os.environ.setdefault("JAXDIST_CPU_DEVICES", "8")
@@ -14,8 +15,11 @@ os.environ.setdefault("JAXDIST_CPU_DEVICES", "8")
 # not through MLIR) and one LLVM module per program (not split for codegen threads) take about a
 # third off again (the same collectives; some elementwise loops are fused otherwise). Tests that
 # train for long set their own flags.
-os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
-                                   "--xla_cpu_parallel_codegen_split_count=1")
+# Only where no GPU plugin is installed: a jaxlib that does not know a flag aborts at start (jax 0.11's
+# has no --xla_cpu_use_fusion_emitters), and the GPU tests need none of these.
+if not any(importlib.util.find_spec(plugin) for plugin in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
+    os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+                                       "--xla_cpu_parallel_codegen_split_count=1")
 
 import atexit  # noqa: E402
 import gc  # noqa: E402

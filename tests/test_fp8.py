@@ -1,5 +1,6 @@
-"""FP8 matmuls (models/fp8.py, `precision.fp8`): e4m3 operands forward, e5m2 gradients, each tensor
-scaled by its current absolute maximum. The CPU has no FP8 GEMMs, so these tests make the run believe
+"""FP8 matmuls (models/fp8.py, `precision.fp8`): e4m3 operands forward, the input's gradient from an
+e5m2 output gradient, the weight's in the compute dtype; each FP8 tensor scaled by its current
+absolute maximum. The CPU has no FP8 GEMMs, so these tests make the run believe
 it has (XLA on CPU computes the same quantized products in wider floats); the GPU test checks that
 XLA turns the projections into cuBLASLt FP8 GEMMs."""
 
@@ -56,12 +57,13 @@ def test_the_forward_and_backward_are_products_of_quantized_operands():
     x8, w8, g8 = through(x, fp8.FORWARD), through(w, fp8.FORWARD), through(d_out, fp8.GRADIENT)
     np.testing.assert_array_equal(out, jnp.einsum(SPEC, x8, w8))
     np.testing.assert_array_equal(d_x, jnp.einsum("btf,df->btd", g8, w8))
-    np.testing.assert_array_equal(d_w, jnp.einsum("btd,btf->df", x8, g8))
+    np.testing.assert_array_equal(d_w, jnp.einsum("btd,btf->df", x, d_out))  # the compute dtype's product
     # And near the bfloat16 products: e4m3 keeps 3 mantissa bits, e5m2 2.
     exact_out, exact_transpose = jax.vjp(lambda x, w: jnp.einsum(SPEC, x, w), x, w)
     assert _relative_error(out, exact_out) < 0.05
-    for got, want in zip((d_x, d_w), exact_transpose(d_out)):
-        assert _relative_error(got, want) < 0.08
+    exact_d_x, exact_d_w = exact_transpose(d_out)
+    assert _relative_error(d_x, exact_d_x) < 0.08
+    np.testing.assert_array_equal(d_w, exact_d_w)
 
 
 def test_a_non_finite_operand_makes_the_output_non_finite():
@@ -89,7 +91,7 @@ def test_training_in_fp8_follows_bfloat16(tmp_path, fp8_everywhere, capsys):
     with_fp8 = loop.train(make_config(tmp_path / "fp8", train=TRAIN, precision=PRECISION, log={"every": 5}),
                           devices=jax.devices()[:1])
     assert "has no FP8 matmuls" not in capsys.readouterr().out
-    # The step quantizes to both formats: e4m3 operands, e5m2 gradients.
+    # The step quantizes to both formats: e4m3 operands, e5m2 output gradients.
     text = with_fp8.compiled_text()
     assert "f8e4m3fn" in text and "f8e5m2" in text
     loop.train(make_config(tmp_path / "bf16", train=TRAIN, precision={"compute": "bfloat16"}, log={"every": 5}),
@@ -131,5 +133,8 @@ def test_on_hopper_the_projections_are_cublaslt_fp8_gemms(tmp_path):
                       model={"d_model": 128, "heads": 4, "layers": 2, "seq_len": 64})
     text = loop.train(cfg, devices=jax.devices()[:1]).compiled_text()
     gemms = text.count('custom_call_target="__cublas$lt$matmul$f8"')
-    # Per layer: q, k, v, out, up, down forward; each of their two gradients backward.
-    assert gemms >= 2 * 6 * 3, gemms
+    # The scanned layers' body: q/k/v (which XLA may merge, one operand shared), out, up and down
+    # forward, and as many input gradients backward (9 on an H200 with jax 0.11.2); the weight
+    # gradients stay bfloat16 GEMMs.
+    assert gemms >= 8, gemms
+    assert text.count('custom_call_target="__cublas$lt$matmul"') >= 6

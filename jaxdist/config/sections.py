@@ -205,9 +205,10 @@ class PrecisionConfig(Section):
     compute_copies: bool = Field(
         True, description="keep the weights' compute-dtype copies between steps instead of casting each step")
     fp8: bool = Field(
-        False, description="the attention and MLP projections as FP8 GEMMs: e4m3 operands, e5m2 gradients, each "
-                           "tensor scaled by its current absolute maximum (NVIDIA GPUs of compute capability 8.9+; "
-                           "elsewhere off, with one line)")
+        False, description="the attention and MLP projections as FP8 GEMMs: e4m3 operands, input gradients from e5m2 "
+                           "output gradients, weight gradients in the compute dtype, each FP8 tensor scaled by its "
+                           "current absolute maximum (NVIDIA GPUs of compute capability 8.9+; elsewhere off, with one "
+                           "line)")
     loss_scale: Literal["auto", "dynamic", "none"] = Field(
         "auto", description="loss scaling; auto: dynamic for float16 compute, none otherwise")
     loss_scale_init: float = Field(2.0**15, gt=0, description="initial dynamic loss scale")

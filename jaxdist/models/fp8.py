@@ -1,13 +1,16 @@
-"""FP8 matmuls (`precision.fp8`): e4m3 operands forward, e5m2 output gradients backward, each tensor
-scaled by its own current absolute maximum.
+"""FP8 matmuls (`precision.fp8`): e4m3 operands forward, the input's gradient from an e5m2 output
+gradient, the weight's gradient in the compute dtype; each FP8 tensor scaled by its own current
+absolute maximum.
 
 `einsum(spec, x, w)` quantizes both operands to float8_e4m3fn, each divided by a float32 scale
 that maps its largest magnitude onto the format's largest finite value (448), and contracts the
 dequantized operands: XLA's GEMM rewriter turns a dot of (convert, times a scalar) operands into
 one cuBLASLt FP8 GEMM on Hopper that applies the two scales in its epilogue, so nothing is
 dequantized in memory. The backward quantizes the output's gradient to float8_e5m2 (more range,
-less precision: 57,344) and contracts it with the saved FP8 operands the same way; the forward
-keeps only those FP8 operands for it, half the bytes of the compute dtype.
+less precision: 57,344) and contracts it with the FP8 weight the same way for the input's
+gradient. The weight's gradient is the compute-dtype product of the input and the output gradient:
+FP8 weight gradients (each a sum over every token of the batch, under one scale per tensor) trained
+measurably worse, and on Hopper they need both operands transposed in FP8 (docs/performance.md).
 
 The scaling is current, not delayed: each scale comes from the tensor it scales, in the same
 step. That costs one max-reduction per operand but carries no amax history: nothing to checkpoint,
@@ -71,16 +74,16 @@ def _einsum_fwd(spec, x, w):
     x_q, x_scale = quantize(x, FORWARD)
     w_q, w_scale = quantize(w, FORWARD)
     out = jnp.einsum(spec, dequantize(x_q, x_scale, x.dtype), dequantize(w_q, w_scale, x.dtype))
-    return out, (x_q, x_scale, w_q, w_scale)
+    return out, (x, w_q, w_scale)
 
 
 def _einsum_bwd(spec, residuals, d_out):
-    x_q, x_scale, w_q, w_scale = residuals
-    dtype = d_out.dtype
+    x, w_q, w_scale = residuals
+    w = dequantize(w_q, w_scale, d_out.dtype)
     g_q, g_scale = quantize(d_out, GRADIENT)
-    _, transpose = jax.vjp(lambda x, w: jnp.einsum(spec, x, w),
-                           dequantize(x_q, x_scale, dtype), dequantize(w_q, w_scale, dtype))
-    return transpose(dequantize(g_q, g_scale, dtype))
+    _, to_x = jax.vjp(lambda x: jnp.einsum(spec, x, w), x)
+    _, to_w = jax.vjp(lambda w: jnp.einsum(spec, x, w), w)
+    return to_x(dequantize(g_q, g_scale, d_out.dtype))[0], to_w(d_out)[0]
 
 
 einsum.defvjp(_einsum_fwd, _einsum_bwd)
