@@ -115,6 +115,23 @@ def test_fp8_steps_are_the_same_on_every_layout(tmp_path, fp8_everywhere):
     np.testing.assert_allclose(_losses(tmp_path / "split"), _losses(tmp_path / "one"), rtol=1e-4, atol=0)
 
 
+@pytest.mark.slow
+def test_fp8_stages_of_a_pipeline_train_as_accumulation_does(tmp_path, fp8_everywhere):
+    # Each stage quantizes its own microbatch's activations, as accumulation over the same
+    # microbatches does on one device; the bubble's idle iterations (zeros) leave no trace.
+    precision = {"compute": "float32", "fp8": True}
+    train = {"steps": 4, "global_batch": 8}
+    loop.train(make_config(tmp_path / "one", train={**train, "microbatches": 2}, precision=precision,
+                           mesh={"data": 1, "fsdp": 1, "tensor": 1}, rules={"preset": "dp"}),
+               devices=jax.devices()[:1])
+    loop.train(make_config(tmp_path / "piped", train=train, precision=precision, pipeline={"microbatches": 2},
+                           mesh={"data": 1, "fsdp": 1, "tensor": 1, "stage": 2}, rules={"preset": "dp"}),
+               devices=jax.devices()[:2])
+    piped, one = _losses(tmp_path / "piped"), _losses(tmp_path / "one")
+    assert np.all(np.isfinite(piped))
+    np.testing.assert_allclose(piped, one, rtol=1e-4, atol=0)
+
+
 @pytest.mark.skipif(jax.default_backend() == "gpu" and fp8.supported(), reason="this device has FP8 GEMMs")
 def test_without_fp8_hardware_the_run_says_so_once_and_runs_in_the_compute_dtype(tmp_path, capsys):
     cfg = make_config(tmp_path / "asked", train={"steps": 3}, precision=PRECISION)
