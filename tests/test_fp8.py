@@ -102,16 +102,25 @@ def test_training_in_fp8_follows_bfloat16(tmp_path, fp8_everywhere, capsys):
     assert fp8_losses != bf16_losses
 
 
+LLAMA_LIKE = {"d_model": 64, "layers": 2, "heads": 4, "kv_heads": 2, "seq_len": 32, "mlp_ratio": 4,
+              "norm": "rmsnorm", "positions": "rope", "activation": "swiglu", "biases": "qkv"}
+
+
 @pytest.mark.slow
-def test_fp8_steps_are_the_same_on_every_layout(tmp_path, fp8_everywhere):
-    # Each scale is the whole tensor's maximum, whatever splits it: every layout quantizes the same.
+@pytest.mark.parametrize("model", [{}, LLAMA_LIKE], ids=["gpt", "llama_like"])
+def test_fp8_steps_are_the_same_on_every_layout(tmp_path, fp8_everywhere, model):
+    # Each scale is the whole tensor's maximum, whatever splits it: every layout quantizes the same
+    # (the Llama-like model: grouped-query q and kv projections, SwiGLU's gate).
     precision = {"compute": "float32", "fp8": True}
     train = {"steps": 6, "global_batch": 16}
-    loop.train(make_config(tmp_path / "one", train=train, precision=precision,
+    loop.train(make_config(tmp_path / "one", train=train, precision=precision, model=model,
                            mesh={"data": 1, "fsdp": 1, "tensor": 1}, rules={"preset": "dp"}),
                devices=jax.devices()[:1])
-    loop.train(make_config(tmp_path / "split", train={**train, "microbatches": 2}, precision=precision,
-                           mesh={"data": 2, "fsdp": 2, "tensor": 2}, rules={"preset": "fsdp_tp"}))
+    split = loop.train(make_config(tmp_path / "split", train=train, precision=precision, model=model,
+                                   mesh={"data": 2, "fsdp": 2, "tensor": 2}, rules={"preset": "fsdp_tp"}))
+    assert "f8e4m3fn" in split.compiled_text() and "f8e5m2" in split.compiled_text()
+    # FP8 moves these losses by about 2e-4 from float32's; rounding that lands an element on the
+    # other side of an FP8 step moves them by about 3e-5 between layouts.
     np.testing.assert_allclose(_losses(tmp_path / "split"), _losses(tmp_path / "one"), rtol=1e-4, atol=0)
 
 
@@ -124,12 +133,13 @@ def test_fp8_stages_of_a_pipeline_train_as_accumulation_does(tmp_path, fp8_every
     loop.train(make_config(tmp_path / "one", train={**train, "microbatches": 2}, precision=precision,
                            mesh={"data": 1, "fsdp": 1, "tensor": 1}, rules={"preset": "dp"}),
                devices=jax.devices()[:1])
-    loop.train(make_config(tmp_path / "piped", train=train, precision=precision, pipeline={"microbatches": 2},
-                           mesh={"data": 1, "fsdp": 1, "tensor": 1, "stage": 2}, rules={"preset": "dp"}),
-               devices=jax.devices()[:2])
-    piped, one = _losses(tmp_path / "piped"), _losses(tmp_path / "one")
-    assert np.all(np.isfinite(piped))
-    np.testing.assert_allclose(piped, one, rtol=1e-4, atol=0)
+    piped = loop.train(make_config(tmp_path / "piped", train=train, precision=precision, pipeline={"microbatches": 2},
+                                   mesh={"data": 1, "fsdp": 1, "tensor": 1, "stage": 2}, rules={"preset": "dp"}),
+                       devices=jax.devices()[:2])
+    assert "f8e4m3fn" in piped.compiled_text()
+    piped_losses, one = _losses(tmp_path / "piped"), _losses(tmp_path / "one")
+    assert np.all(np.isfinite(piped_losses))
+    np.testing.assert_allclose(piped_losses, one, rtol=1e-4, atol=0)
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu" and fp8.supported(), reason="this device has FP8 GEMMs")
