@@ -496,11 +496,8 @@ class Mlp(nnx.Module):
     def _activate_and_project(self, h: jax.Array, gate: jax.Array | None, down: jax.Array) -> jax.Array:
         if self.activation == "swiglu":
             return _project(self.fp8, "btm,md->btd", jax.nn.silu(gate) * h, down)
-        if self.fp8:
-            # The FP8 GEMM in place of the cuBLASLt GELU-gradient kernel's bfloat16 one. The GELU is
-            # recomputed from `h` in the backward, so that, as on the kernel's path, `h` and gelu(h)
-            # are all it keeps: autodiff would keep its tanh as well, a third (batch, length, mlp) tensor.
-            return fp8_lib.einsum("btm,md->btd", jax.checkpoint(gelu_matmul.gelu)(h), down)
+        if self.fp8:  # the FP8 GEMM in place of the cuBLASLt GELU-gradient kernel's bfloat16 one
+            return fp8_lib.einsum("btm,md->btd", gelu_matmul.gelu(h), down)
         # Its backward keeps `h` and gelu(h), not the formula's tanh, and on GPU puts GELU's
         # gradient into the matmul's epilogue (kernels/gelu_matmul.py).
         return gelu_matmul.gelu_project(h, down, kernel=gelu_matmul.use_kernel(self.gelu_grad_impl, h, down))
