@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxdist import kernels, models
+from jaxdist import kernels, models, runtime
 from jaxdist.checkpoint import ResumePlan, RunCheckpoints, hf, plan_resume, rundir
 from jaxdist.checkpoint.rundir import RunDirLock
 from jaxdist.config import Config, TrainConfig
@@ -214,6 +214,8 @@ def _run(run: Run, clock: RunTime) -> Trainer:
         if evaluate is not None:
             evaluate.warm_up()
         trainer.param_norm().block_until_ready()
+    if runtime.interrupted():  # a Ctrl-C during start-up that Python dropped (runtime.remember_interrupts)
+        raise KeyboardInterrupt
     log(clock.startup_line())
 
     wandb = wandb_log.WandbRun(cfg, run_dir) if is_writer and cfg.log.wandb else None

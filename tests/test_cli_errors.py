@@ -7,12 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import yaml
-from conftest import SMALL_RESNET, TINY_GPT, make_classifier_config
+from conftest import SMALL_RESNET, TINY_GPT, make_classifier_config, make_config
 
-from jaxdist import cli, config, runtime
+from jaxdist import cli, config, loop, runtime
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -451,6 +452,17 @@ def test_export_to_an_unwritable_path(tmp_path, capsys):
     out = tmp_path / "a_file" / "sub" / "params.npz"
     assert cli.main(["export", str(tmp_path / "run"), str(out)]) == 2
     assert f"OUT={out} cannot be written: {tmp_path / 'a_file'} is a file" in one_line_error(capsys)
+
+
+def test_a_dropped_ctrl_c_during_start_up_stops_before_the_ready_line(tmp_path, monkeypatch, capsys):
+    # The KeyboardInterrupt of a Ctrl-C that lands in a garbage-collector callback (JAX registers
+    # one, and compiling runs it often) is dropped by Python; the run remembers it and stops before
+    # it says it is ready.
+    monkeypatch.setattr(runtime, "interrupted", lambda: True)
+    with pytest.raises(KeyboardInterrupt):
+        loop.train(make_config(tmp_path, train={"steps": 3}), devices=jax.devices()[:1])
+    out = capsys.readouterr().out
+    assert "mesh " in out and "ready to train" not in out and "step " not in out
 
 
 def test_ctrl_c_before_the_step_compiled_exits_130(config_file, tmp_path):
