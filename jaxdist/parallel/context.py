@@ -24,8 +24,6 @@ several.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
@@ -48,14 +46,14 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, 
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
     mesh, q_spec = active
     kv_spec = rules_lib.sharded_activation(kv_names)[1]
-    chunks = math.prod(mesh.shape[axis] for axis in axes)
+    chunks = rules_lib.axes_size(mesh, axes)
     if mask is None and all(_local_heads(x, spec, mesh) % chunks == 0 for x, spec in ((q, q_spec), (k, kv_spec))):
         return _heads_exchanged(q, k, v, implementation, mesh, axes, q_spec, kv_spec)
     return _keys_gathered(q, k, v, mask, implementation, mesh, axes, q_spec, kv_spec)
 
 
 def _local_heads(x: jax.Array, spec: PartitionSpec, mesh) -> int:
-    return x.shape[_HEADS] // math.prod(mesh.shape[axis] for axis in rules_lib.spec_axes(spec[_HEADS]))
+    return x.shape[_HEADS] // rules_lib.axes_size(mesh, rules_lib.spec_axes(spec[_HEADS]))
 
 
 def _heads_exchanged(q, k, v, implementation, mesh, axes, q_spec, kv_spec):
