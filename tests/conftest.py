@@ -6,6 +6,7 @@ programs or start processes) and runs in about two minutes on 2 cores.
 """
 
 import importlib.util
+import json
 import os
 
 os.environ.setdefault("JAXDIST_CPU_DEVICES", "8")
@@ -75,6 +76,11 @@ def make_config(run_dir, base: dict | None = None, **sections) -> config_lib.Con
             raw[key] = value
     raw["run_dir"] = str(run_dir)
     return config_lib.from_dict(raw)
+
+
+def logged_losses(run_dir) -> list[float]:
+    """The losses a run logged in `run_dir/metrics.jsonl`, in order."""
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 # A ResNet-18 at width 8 (8 to 64 channels) with the stem for small images: a classifier with

@@ -2,14 +2,13 @@
 train as on one device, with the heads exchanged by all-to-alls, or the keys and values all-gathered
 and the causal mask offset where the heads do not divide."""
 
-import json
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_config
+from conftest import logged_losses, make_config
 from jax.sharding import Mesh
 
 from jaxdist import cli, loop
@@ -24,16 +23,12 @@ NAMES = ("batch", "length", "heads", "head_dim")
 KV_NAMES = ("batch", "length", "kv_heads", "head_dim")
 
 
-def losses(run_dir) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.fixture(scope="module")
 def one_device(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("one")
     loop.train(make_config(run_dir, mesh={"data": 1, "fsdp": 1, "tensor": 1}, rules={"preset": "dp"}),
                devices=jax.devices()[:1])
-    return losses(run_dir)
+    return logged_losses(run_dir)
 
 
 @pytest.mark.parametrize("mesh, preset, train", [
@@ -44,7 +39,7 @@ def one_device(tmp_path_factory):
 def test_sequences_split_over_fsdp_train_as_on_one_device(tmp_path, one_device, mesh, preset, train):
     cfg = make_config(tmp_path, mesh=mesh, rules={"preset": preset, "activations": CONTEXT}, train=train)
     trainer = loop.train(cfg)
-    np.testing.assert_allclose(losses(tmp_path), one_device, rtol=1e-5, atol=0)
+    np.testing.assert_allclose(logged_losses(tmp_path), one_device, rtol=1e-5, atol=0)
     # The heads are exchanged: all-to-alls send each device along fsdp a share of every other's
     # heads for its chunk of the sequence (XLA on CPU sends pieces per peer and row); no activation is
     # gathered.
@@ -67,7 +62,7 @@ def test_where_the_key_value_heads_do_not_divide_the_keys_and_values_are_gathere
                            rules={"preset": "dp"}), devices=jax.devices()[:1])
     trainer = loop.train(make_config(tmp_path / "split", model=grouped, mesh={"data": 2, "fsdp": 4, "tensor": 1},
                                      rules={"preset": "fsdp", "activations": CONTEXT}))
-    np.testing.assert_allclose(losses(tmp_path / "split"), losses(tmp_path / "one"), rtol=1e-5, atol=0)
+    np.testing.assert_allclose(logged_losses(tmp_path / "split"), logged_losses(tmp_path / "one"), rtol=1e-5, atol=0)
     # Two key/value heads over four chunks: each device gathers the keys and values of its rows and
     # heads, chunk by chunk.
     gathered = _activations_gathered(trainer.compiled_text())

@@ -4,13 +4,12 @@ absolute maximum. The CPU has no FP8 GEMMs, so these tests make the run believe
 it has (XLA on CPU computes the same quantized products in wider floats); the GPU test checks that
 XLA turns the projections into cuBLASLt FP8 GEMMs."""
 
-import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_config
+from conftest import logged_losses, make_config
 
 from jaxdist import loop
 from jaxdist.models import fp8
@@ -72,10 +71,6 @@ def test_a_non_finite_operand_makes_the_output_non_finite():
     assert not np.all(np.isfinite(np.asarray(out, np.float32)))
 
 
-def _losses(run_dir) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.fixture
 def fp8_everywhere(monkeypatch):
     """The CPU taken for a device with FP8 GEMMs."""
@@ -96,7 +91,7 @@ def test_training_in_fp8_follows_bfloat16(tmp_path, fp8_everywhere, capsys):
     assert "f8e4m3fn" in text and "f8e5m2" in text
     loop.train(make_config(tmp_path / "bf16", train=TRAIN, precision={"compute": "bfloat16"}, log={"every": 5}),
                devices=jax.devices()[:1])
-    fp8_losses, bf16_losses = _losses(tmp_path / "fp8"), _losses(tmp_path / "bf16")
+    fp8_losses, bf16_losses = logged_losses(tmp_path / "fp8"), logged_losses(tmp_path / "bf16")
     assert fp8_losses[-1] < 0.8 * fp8_losses[0]  # it learns
     assert fp8_losses[-1] == pytest.approx(bf16_losses[-1], rel=0.02)
     assert fp8_losses != bf16_losses
@@ -121,7 +116,7 @@ def test_fp8_steps_are_the_same_on_every_layout(tmp_path, fp8_everywhere, model)
     assert "f8e4m3fn" in split.compiled_text() and "f8e5m2" in split.compiled_text()
     # FP8 moves these losses by about 2e-4 from float32's; rounding that lands an element on the
     # other side of an FP8 step moves them by about 3e-5 between layouts.
-    np.testing.assert_allclose(_losses(tmp_path / "split"), _losses(tmp_path / "one"), rtol=1e-4, atol=0)
+    np.testing.assert_allclose(logged_losses(tmp_path / "split"), logged_losses(tmp_path / "one"), rtol=1e-4, atol=0)
 
 
 @pytest.mark.slow
@@ -137,7 +132,7 @@ def test_fp8_stages_of_a_pipeline_train_as_accumulation_does(tmp_path, fp8_every
                                    mesh={"data": 1, "fsdp": 1, "tensor": 1, "stage": 2}, rules={"preset": "dp"}),
                        devices=jax.devices()[:2])
     assert "f8e4m3fn" in piped.compiled_text()
-    piped_losses, one = _losses(tmp_path / "piped"), _losses(tmp_path / "one")
+    piped_losses, one = logged_losses(tmp_path / "piped"), logged_losses(tmp_path / "one")
     assert np.all(np.isfinite(piped_losses))
     np.testing.assert_allclose(piped_losses, one, rtol=1e-4, atol=0)
 
@@ -151,7 +146,7 @@ def test_without_fp8_hardware_the_run_says_so_once_and_runs_in_the_compute_dtype
     assert len(lines) == 1 and "the projections run in bfloat16" in lines[0], lines
     loop.train(make_config(tmp_path / "plain", train={"steps": 3}, precision={"compute": "bfloat16"}),
                devices=jax.devices()[:1])
-    assert _losses(tmp_path / "asked") == _losses(tmp_path / "plain")
+    assert logged_losses(tmp_path / "asked") == logged_losses(tmp_path / "plain")
 
 
 @pytest.mark.skipif(not fp8.supported(), reason="needs a GPU with FP8 GEMMs (compute capability 8.9+)")

@@ -7,13 +7,12 @@ device's kernels for XLA's form of the same results (its subject is the wiring).
 tests/test_kernels_gpu.py checks on a GPU that the compiled step runs the kernels.
 """
 
-import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_config
+from conftest import logged_losses, make_config
 from flax import nnx
 
 from jaxdist import loop
@@ -125,10 +124,6 @@ def test_gpt_with_fused_norms_has_the_same_loss_and_gradients(norm):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6, err_msg=jax.tree_util.keystr(path))
 
 
-def _losses(run_dir) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def _xla_forward_local(rms, eps, x, delta, scale, bias):
     """`fused_norm._forward_local`'s results, computed by XLA."""
     return _unfused(x, delta, scale, bias, rms)
@@ -160,9 +155,9 @@ def test_fused_norms_per_shard_train_like_one_device(tmp_path, monkeypatch):
     monkeypatch.setattr(fused_norm, "_backward_local", _xla_backward_local)
     loop.train(make_config(sharded, mesh={"data": 2, "fsdp": 2, "tensor": 2}, rules={"preset": "fsdp_tp"},
                            impl={**impl, "norm_impl": "pallas"}))
-    want = _losses(single)
+    want = logged_losses(single)
     assert len(want) == 10 and want[-1] < want[0] - 0.5, want
-    np.testing.assert_allclose(_losses(sharded), want, rtol=1e-5, atol=0)
+    np.testing.assert_allclose(logged_losses(sharded), want, rtol=1e-5, atol=0)
     # Every norm's kernel runs on a quarter of the 16 x 32 x 64 batch: its batch shard.
     assert shapes and set(shapes) == {(4, 32, 64)}, shapes
 

@@ -1,12 +1,11 @@
 """Principle 2: a layout is not a math change. Every layout trains like one device."""
 
-import json
 import math
 
 import jax
 import numpy as np
 import pytest
-from conftest import make_config
+from conftest import logged_losses, make_config
 
 from jaxdist import loop
 from jaxdist.train.trainer import Trainer, state_bytes_per_device
@@ -14,17 +13,12 @@ from jaxdist.train.trainer import Trainer, state_bytes_per_device
 pytestmark = pytest.mark.slow
 
 
-def losses(run_dir) -> list[float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["loss"] for line in lines]
-
-
 @pytest.fixture(scope="module")
 def single_device_losses(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("single")
     cfg = make_config(run_dir, mesh={"data": 1, "fsdp": 1, "tensor": 1}, rules={"preset": "dp"})
     loop.train(cfg, devices=jax.devices()[:1])
-    result = losses(run_dir)
+    result = logged_losses(run_dir)
     assert len(result) == 10 and result[-1] < result[0] - 0.5, result
     return result
 
@@ -44,7 +38,7 @@ def test_layout_matches_single_device(tmp_path, single_device_losses, mesh, pres
     rules = preset if isinstance(preset, dict) else {"preset": preset}
     cfg = make_config(tmp_path, mesh=mesh, rules=rules)
     loop.train(cfg)
-    np.testing.assert_allclose(losses(tmp_path), single_device_losses, rtol=1e-5, atol=0)
+    np.testing.assert_allclose(logged_losses(tmp_path), single_device_losses, rtol=1e-5, atol=0)
 
 
 def test_shards_follow_rules_and_fsdp_divides_memory(tmp_path):

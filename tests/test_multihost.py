@@ -19,7 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import make_config
+from conftest import logged_losses, make_config
 
 from jaxdist import loop
 from jaxdist.errors import UserError
@@ -73,10 +73,6 @@ def run_jaxdist(*args: str, env: dict[str, str] | None = None, timeout: float = 
     )
 
 
-def losses(run_dir: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 # -- the training Must-show: launch -n 2 gives the 1 x 8 losses ------------------------------------
 
 REFERENCE_STEPS = 6
@@ -87,7 +83,7 @@ def one_process_losses(tmp_path_factory):
     """The reference: this (pytest) process with all 8 devices, same layout."""
     run_dir = tmp_path_factory.mktemp("one_process")
     loop.train(make_config(run_dir, **LAYOUT, train={"steps": REFERENCE_STEPS}))
-    result = losses(run_dir)
+    result = logged_losses(run_dir)
     assert len(result) == REFERENCE_STEPS and result[-1] < result[0]
     return result
 
@@ -106,7 +102,7 @@ def test_launch_two_processes_trains_like_one_process(tmp_path, one_process_loss
     result = launch_train(write_config(tmp_path / "two.yaml", cfg))
     assert result.returncode == 0, result.stderr[-3000:]
 
-    two = losses(tmp_path / "two")  # one line per step: only process 0 writes metrics
+    two = logged_losses(tmp_path / "two")  # one line per step: only process 0 writes metrics
     assert len(two) == TRAIN_STEPS
     np.testing.assert_allclose(two, one_process_losses[:TRAIN_STEPS], rtol=1e-5, atol=0)
 
@@ -143,7 +139,7 @@ def test_checkpoint_restores_under_another_process_count(tmp_path, one_process_l
     train(second, REFERENCE_STEPS)
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, REFERENCE_STEPS + 1)), steps  # resumed at step 5, not restarted
-    np.testing.assert_allclose(losses(run_dir), one_process_losses, rtol=1e-5, atol=0)
+    np.testing.assert_allclose(logged_losses(run_dir), one_process_losses, rtol=1e-5, atol=0)
 
 
 def test_damaged_checkpoints_are_set_aside_by_every_process(tmp_path, one_process_losses):
@@ -166,7 +162,7 @@ def test_damaged_checkpoints_are_set_aside_by_every_process(tmp_path, one_proces
     assert f"checkpoint {checkpoints / '4'} is unreadable" in result.stderr
     assert "resuming from step 2 (" in result.stdout
     assert sorted(path.name for path in checkpoints.iterdir()) == ["2", "4", "6", "unreadable-4", "unreadable-6"]
-    np.testing.assert_allclose(losses(run_dir), one_process_losses, rtol=1e-5, atol=0)
+    np.testing.assert_allclose(logged_losses(run_dir), one_process_losses, rtol=1e-5, atol=0)
 
 
 # -- the launcher stops everything when one process dies -------------------------------------------
@@ -265,7 +261,7 @@ def test_an_elastic_group_goes_on_without_each_process_it_loses(tmp_path):
     assert re.search(r"^\[0\] mesh data=6 x stage=1 x fsdp=1 x tensor=1 on 6 devices \(3 process", rest, re.M), rest[-2000:]
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 7)), steps
-    np.testing.assert_allclose(losses(run_dir), losses(reference_dir), rtol=1e-5, atol=0)
+    np.testing.assert_allclose(logged_losses(run_dir), logged_losses(reference_dir), rtol=1e-5, atol=0)
 
 
 def test_an_export_by_two_processes_is_the_export_by_one(tmp_path):
@@ -338,7 +334,7 @@ def test_sigterm_to_the_launcher_saves_at_one_step_and_resumes(tmp_path):
     assert steps == list(range(1, step + 3)), steps  # resumed after `step`, not restarted
     reference = tmp_path / "uninterrupted"
     loop.train(make_config(reference, **SPREAD, train={"steps": step + 2}))
-    np.testing.assert_allclose(losses(run_dir), losses(reference), rtol=1e-5, atol=0)
+    np.testing.assert_allclose(logged_losses(run_dir), logged_losses(reference), rtol=1e-5, atol=0)
 
 
 # -- doctor ----------------------------------------------------------------------------------------

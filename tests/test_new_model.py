@@ -1,14 +1,13 @@
 """A new model is one file and one registration line: the worked example in docs/architecture.md,
 registered as a user's program would, trains under two layouts to the same losses."""
 
-import json
 import re
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from conftest import make_classifier_config
+from conftest import logged_losses, make_classifier_config
 
 from jaxdist import loop, models
 from jaxdist.config import model_sections
@@ -34,10 +33,6 @@ def softmax():
         table.update(before)
 
 
-def losses(run_dir: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_a_model_of_one_file_trains_under_two_layouts(softmax, tmp_path):
     assert "softmax" in models.MODELS and model_sections()["softmax"] is softmax["SoftmaxConfig"]
     model = {"name": "softmax"}  # classes and image shape: the digits', resolved from the data
@@ -46,7 +41,7 @@ def test_a_model_of_one_file_trains_under_two_layouts(softmax, tmp_path):
     for name, layout in runs.items():
         trainer = loop.train(make_classifier_config(tmp_path / name, model, train={"steps": 6}, **layout))
         assert trainer.params["weights"].shape == (64, 10)
-    first, second = (losses(tmp_path / name) for name in runs)
+    first, second = (logged_losses(tmp_path / name) for name in runs)
     assert len(first) == 6 and first[-1] < first[0]  # it learns
     np.testing.assert_allclose(first, second, rtol=1e-5)
     assert jax.tree.leaves(trainer.params)[0].sharding.spec == jax.sharding.PartitionSpec("fsdp", None)  # classes: never split
