@@ -12,15 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_config
+from conftest import logged_losses, make_config
 
 from jaxdist import kernels, loop
 from jaxdist.errors import UserError
 from jaxdist.kernels import build, gelu_matmul
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.parallel import rules as rules_lib
-
-from test_fused_norm import _losses
 
 pytestmark = pytest.mark.slow
 
@@ -80,9 +78,9 @@ def test_per_shard_wiring_trains_like_one_device(tmp_path, monkeypatch):
                            impl={**impl, "gelu_grad_impl": "auto"}))
     # Per device: 16 sequences / (data 2 x fsdp 2) of 32 positions; mlp 256 / tensor 2; embed whole.
     assert calls and set(calls) == {((4, 32, 64), (128, 64), (4, 32, 128))}, set(calls)
-    want = _losses(single)
+    want = logged_losses(single)
     assert len(want) == 10 and want[-1] < want[0] - 0.5, want
-    np.testing.assert_allclose(_losses(sharded), want, rtol=1e-5, atol=0)
+    np.testing.assert_allclose(logged_losses(sharded), want, rtol=1e-5, atol=0)
 
 
 def test_the_ffi_call_runs_per_shard_under_vmap(tmp_path, monkeypatch):
@@ -100,9 +98,9 @@ def test_the_ffi_call_runs_per_shard_under_vmap(tmp_path, monkeypatch):
     monkeypatch.setattr(gelu_matmul, "HANDLER", STAND_IN)
     monkeypatch.setattr(gelu_matmul, "use_kernel", lambda impl, pre, down: True)
     loop.train(make_config(kernel, impl={**impl, "gelu_grad_impl": "auto"}, **shards))
-    want = _losses(xla)
+    want = logged_losses(xla)
     assert len(want) == 10 and want[-1] < want[0] - 0.5, want
-    np.testing.assert_allclose(_losses(kernel), want, rtol=1e-5, atol=0)
+    np.testing.assert_allclose(logged_losses(kernel), want, rtol=1e-5, atol=0)
 
 
 def test_kernel_choice_falls_back_or_fails_clearly(tmp_path, monkeypatch):
