@@ -31,9 +31,24 @@ PRE_NAMES = ("batch", "length", "mlp")
 OUT_NAMES = ("batch", "length", "embed")
 
 
+@jax.custom_vjp
 def gelu(x: jax.Array) -> jax.Array:
-    """GELU, tanh approximation (`jax.nn.gelu(approximate=True)`): what cuBLASLt's epilogues compute."""
+    """GELU, tanh approximation (`jax.nn.gelu(approximate=True)`): what cuBLASLt's epilogues compute.
+
+    Its gradient recomputes the tanh from `x`: autodiff of the formula keeps the tanh as well, one
+    more activation of the MLP's width for every layer until the backward."""
     return jax.nn.gelu(x, approximate=True)
+
+
+def _gelu_fwd(x):
+    return jax.nn.gelu(x, approximate=True), x
+
+
+def _gelu_bwd(x, d_out):
+    return ((d_out.astype(jnp.float32) * gelu_slope(x.astype(jnp.float32))).astype(x.dtype),)
+
+
+gelu.defvjp(_gelu_fwd, _gelu_bwd)
 
 
 def gelu_slope(x: jax.Array) -> jax.Array:
