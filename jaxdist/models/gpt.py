@@ -497,7 +497,10 @@ class Mlp(nnx.Module):
         if self.activation == "swiglu":
             return _project(self.fp8, "btm,md->btd", jax.nn.silu(gate) * h, down)
         if self.fp8:  # the FP8 GEMM in place of the cuBLASLt GELU-gradient kernel's bfloat16 one
-            return fp8_lib.einsum("btm,md->btd", gelu_matmul.gelu(h), down)
+            # Kept for the backward, `h` would let XLA's GEMM rewriter fold the GELU into the up
+            # projection's FP8 GEMM (a GELU_AUX epilogue), which cuBLASLt has no FP8 kernel for:
+            # "No candidates could be compiled". The barrier keeps the two apart.
+            return fp8_lib.einsum("btm,md->btd", gelu_matmul.gelu(jax.lax.optimization_barrier(h)), down)
         # Its backward keeps `h` and gelu(h), not the formula's tanh, and on GPU puts GELU's
         # gradient into the matmul's epilogue (kernels/gelu_matmul.py).
         return gelu_matmul.gelu_project(h, down, kernel=gelu_matmul.use_kernel(self.gelu_grad_impl, h, down))
