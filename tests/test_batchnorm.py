@@ -16,7 +16,7 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxdist.models import classifier
+from jaxdist.models import batchnorm, classifier
 from jaxdist.models.batchnorm import BatchNorm
 from jaxdist.parallel import feed
 from jaxdist.parallel import rules as rules_lib
@@ -109,6 +109,35 @@ def test_microbatches_normalize_the_same_rows_on_any_layout(reduction):
         np.testing.assert_allclose(one_state["norm"][key], expected_state[key], rtol=0, atol=1e-6)
         np.testing.assert_allclose(state["norm"][key], one_state["norm"][key], rtol=0, atol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, one_grads)
+
+
+@pytest.mark.parametrize("relu", [False, True])
+def test_the_written_out_gradient_is_autodiffs_of_the_formula(relu):
+    """`batchnorm.normalize`'s backward against autodiff of the same forward (in float64 on the
+    host), with a ReLU that cuts about half the outputs."""
+    rng = np.random.default_rng(0)
+    x = (3.0 * rng.normal(size=(16, 3, 3, FEATURES)) + 1.0).astype(np.float32)
+    scale, bias = rng.normal(size=FEATURES).astype(np.float32), 0.1 * rng.normal(size=FEATURES).astype(np.float32)
+    d_y = rng.normal(size=x.shape).astype(np.float32)
+
+    def formula(x, scale, bias):
+        mean = x.mean(axis=(0, 1, 2))
+        var = jnp.maximum(jnp.square(x).mean(axis=(0, 1, 2)) - jnp.square(mean), 0.0)
+        y = (x - mean) * scale * jax.lax.rsqrt(var + 1e-5) + bias
+        return jax.nn.relu(y) if relu else y
+
+    def written_out(x, scale, bias):
+        return batchnorm.normalize(x, scale, bias, 1e-5, relu)[0]
+
+    with jax.enable_x64():
+        want_y, want_vjp = jax.vjp(formula, *(np.asarray(a, np.float64) for a in (x, scale, bias)))
+        want = want_vjp(np.asarray(d_y, np.float64))
+    got_y, got_vjp = jax.vjp(written_out, x, scale, bias)
+    if relu:
+        assert 0.3 < float(jnp.mean(got_y == 0)) < 0.7
+    np.testing.assert_allclose(got_y, want_y, rtol=1e-5, atol=1e-5)
+    for got, expected in zip(got_vjp(d_y), want, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_eval_mode_normalizes_by_the_running_averages():

@@ -74,7 +74,7 @@ def _out_size(size: int, kernel: int, stride: int) -> int:
 
 
 class ConvNorm(nnx.Module):
-    """A bias-free convolution and its BatchNorm."""
+    """A bias-free convolution and its BatchNorm (with `relu`, the ReLU after it too)."""
 
     def __init__(self, features_in: int, features_out: int, kernel: int, stride: int, cfg: ResNetConfig, *,
                  rngs: nnx.Rngs, param_dtype, compute_dtype):
@@ -87,8 +87,8 @@ class ConvNorm(nnx.Module):
         self.norm = BatchNorm(features_out, ("conv_out",), momentum=cfg.bn_momentum, param_dtype=param_dtype)
         self.kernel, self.stride, self.features_out = kernel, stride, features_out
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return constrain(self.norm(constrain(self.conv(x), FEATURE_MAP)), FEATURE_MAP)
+    def __call__(self, x: jax.Array, relu: bool = False) -> jax.Array:
+        return constrain(self.norm(constrain(self.conv(x), FEATURE_MAP), relu=relu), FEATURE_MAP)
 
     def macs(self, height: int, width: int) -> tuple[int, int, int]:
         """(multiply-adds for one image of height x width, output height, output width)."""
@@ -126,7 +126,7 @@ class Block(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         y = x
         for i, conv in enumerate(self.convs):
-            y = conv(y) if i == len(self.convs) - 1 else jax.nn.relu(conv(y))
+            y = conv(y, relu=i < len(self.convs) - 1)
         return jax.nn.relu(y + (x if self.shortcut is None else self.shortcut(x)))
 
     def macs(self, height: int, width: int) -> tuple[int, int, int]:
@@ -159,7 +159,7 @@ class ResNet(nnx.Module):
                                param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, images: jax.Array) -> jax.Array:
-        x = jax.nn.relu(self.stem(constrain(images.astype(self.compute_dtype), FEATURE_MAP)))
+        x = self.stem(constrain(images.astype(self.compute_dtype), FEATURE_MAP), relu=True)
         if self.pool:
             x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
         for block in self.blocks:
