@@ -6,7 +6,7 @@ Reads the newest `perfetto_trace.json.gz` under PROFILE_DIR (written by `jaxdist
 --profile PROFILE_DIR`, which traces 3 steps, or by `jaxdist train` into RUN_DIR/profile/process_<i>
 for `profile.steps` steps: pass that count as --steps) and sums the kernels on the GPU streams of the first
 GPU. Times are per step. Kinds are told apart by kernel names: cuBLAS/CUTLASS GEMMs, cuDNN
-attention, NCCL collectives, copies, and XLA's own fusions (elementwise and reductions).
+attention, cuDNN convolutions, NCCL collectives, copies, and XLA's own fusions (elementwise and reductions).
 
 It also says how long the GPU sat idle (no kernel on any stream), in gap sizes, and where the
 longest gaps were: the difference between kernel time and step time; how much of the collectives'
@@ -27,7 +27,9 @@ from pathlib import Path
 
 KINDS = (
     ("collective", re.compile(r"nccl", re.I)),
-    ("attention", re.compile(r"cudnn|fmha|flash", re.I)),
+    ("attention", re.compile(r"fmha|flash|sdpa", re.I)),
+    # cuDNN's other kernels: its convolutions (implicit GEMMs named by pass).
+    ("convolution", re.compile(r"conv|fprop|dgrad|wgrad|implicit_gemm|cudnn", re.I)),
     ("matmul", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|triton_gemm", re.I)),
     ("copy", re.compile(r"memcpy|memset", re.I)),
 )

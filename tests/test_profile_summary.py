@@ -37,6 +37,7 @@ def trace() -> dict:
         kernel("loop_add_fusion", 153, 10),                  # 3 us after the collective ends
         kernel("Memset 0", 170, 1),                          # 7 us
         kernel("cudnn_flash_fprop", 1171, 29),               # 1000 us: the host held the GPU up
+        kernel("sm90_xmma_wgrad_implicit_gemm_bf16_cudnn", 1200, 10),
         kernel("loop_add_fusion", 0, 5000, tid=3),           # "XLA Ops" line: derived, not a kernel
         kernel("nvjet_sm90_gemm", 0, 300, pid=2),            # the second GPU
         kernel("cuGraphLaunch", 10, 80, tid=7, pid=9),
@@ -49,9 +50,10 @@ def trace() -> dict:
 def test_kernels_are_those_of_the_first_gpus_streams():
     kernels = profile_summary.gpu_kernels(trace())
     assert sorted(k["name"] for k in kernels) == sorted(
-        ["nvjet_sm90_gemm", "ncclDevKernel_AllReduce", "loop_add_fusion", "Memset 0", "cudnn_flash_fprop"])
+        ["nvjet_sm90_gemm", "ncclDevKernel_AllReduce", "loop_add_fusion", "Memset 0", "cudnn_flash_fprop",
+         "sm90_xmma_wgrad_implicit_gemm_bf16_cudnn"])
     kinds = [profile_summary.kind(k["name"]) for k in kernels]
-    assert sorted(kinds) == sorted(["matmul", "collective", "xla fusion/other", "copy", "attention"])
+    assert sorted(kinds) == sorted(["matmul", "collective", "xla fusion/other", "copy", "attention", "convolution"])
 
 
 def test_idle_gaps_count_time_when_no_stream_runs_a_kernel():
@@ -101,14 +103,15 @@ def test_difference_against_another_profile_by_kind_and_kernel(capsys):
     one_gpu = [kernel("nvjet_sm90_gemm", 0, 80), kernel("loop_add_fusion", 100, 10), kernel("only_here", 120, 4)]
     profile_summary.print_difference(data_parallel, one_gpu, steps=1, top=3)
     lines = capsys.readouterr().out.splitlines()
-    by_kind = {line[:20].strip(): line[20:].split() for line in lines[1:7]}
+    by_kind = {line[:20].strip(): line[20:].split() for line in lines[1:8]}
     assert by_kind == {
         "collective": ["0.10", "0.00", "+0.10"],
         "attention": ["0.03", "0.00", "+0.03"],
+        "convolution": ["0.01", "0.00", "+0.01"],
         "matmul": ["0.10", "0.08", "+0.02"],
         "xla fusion/other": ["0.01", "0.01", "-0.00"],
         "copy": ["0.00", "0.00", "+0.00"],
-        "all kernels": ["0.24", "0.09", "+0.15"],
+        "all kernels": ["0.25", "0.09", "+0.16"],
     }
     changed = lines[lines.index("the 3 kernels whose time changed most:") + 1:]
     assert [line.split()[-1] for line in changed] == ["ncclDevKernel_AllReduce", "cudnn_flash_fprop", "nvjet_sm90_gemm"]
