@@ -28,8 +28,9 @@ from pathlib import Path
 KINDS = (
     ("collective", re.compile(r"nccl", re.I)),
     ("attention", re.compile(r"fmha|flash|sdpa", re.I)),
-    # cuDNN's other kernels: its convolutions (implicit GEMMs named by pass).
-    ("convolution", re.compile(r"conv|fprop|dgrad|wgrad|implicit_gemm|cudnn", re.I)),
+    # cuDNN's other kernels: its convolutions (implicit GEMMs named by pass) and their padding. Not
+    # "conv": XLA's convert fusions and torch's Triton kernels named after a convolution's backward.
+    ("convolution", re.compile(r"fprop|dgrad|wgrad|implicit_?gemm|cudnn|nhwcaddpadding", re.I)),
     ("matmul", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|triton_gemm", re.I)),
     ("copy", re.compile(r"memcpy|memset", re.I)),
 )

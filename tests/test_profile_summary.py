@@ -54,6 +54,11 @@ def test_kernels_are_those_of_the_first_gpus_streams():
          "sm90_xmma_wgrad_implicit_gemm_bf16_cudnn"])
     kinds = [profile_summary.kind(k["name"]) for k in kernels]
     assert sorted(kinds) == sorted(["matmul", "collective", "xla fusion/other", "copy", "attention", "convolution"])
+    for name in ("loop_convert_fusion_2", "triton_poi_fused_add_convolution_backward_native_batch_norm_backward_7"):
+        assert profile_summary.kind(name) == "xla fusion/other", name
+    for name in ("_ZN17cutlass__5x_cudnn6KernelINS_4conv6kernel23ImplicitGemmConvolution",
+                 "void nhwcAddPaddingKernel<__nv_bfloat16, __nv_bfloat16, float, true>"):
+        assert profile_summary.kind(name) == "convolution", name
 
 
 def test_idle_gaps_count_time_when_no_stream_runs_a_kernel():
