@@ -51,7 +51,8 @@ def _count_from_environment() -> int | None:
 #   then copies each out with a slice, forward and backward.
 # - Triton GEMMs off: XLA wraps dots in Triton fusions before its cuBLAS rewriter looks for epilogues,
 #   so with them on the MLP's GELU stays a separate pass; off, cuBLASLt computes it in the
-#   up-projection's epilogue (GELU_AUX: it writes the pre-activation for the backward too).
+#   up-projection's epilogue (GELU_AUX: it writes the pre-activation for the backward too). FP8
+#   GEMMs need them off too (models/fp8.py).
 GPU_FLAGS = {"--xla_gpu_dot_merger_threshold_mb": "0", "--xla_gpu_enable_triton_gemm": "false"}
 
 

@@ -18,7 +18,8 @@ os.environ.setdefault("JAXDIST_CPU_DEVICES", "8")
 # train for long set their own flags.
 # Only where no GPU plugin is installed: a jaxlib that does not know a flag aborts at start (jax 0.11's
 # has no --xla_cpu_use_fusion_emitters), and the GPU tests need none of these.
-if not any(importlib.util.find_spec(plugin) for plugin in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
+GPU_PLUGIN = any(importlib.util.find_spec(plugin) for plugin in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+if not GPU_PLUGIN:
     os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
                                        "--xla_cpu_parallel_codegen_split_count=1")
 
@@ -33,6 +34,8 @@ import pytest  # noqa: E402
 import jaxdist  # noqa: E402
 from jaxdist import config as config_lib  # noqa: E402
 
+if GPU_PLUGIN:  # the GPU tests compile as the jaxdist command does (FP8 GEMMs need its flags)
+    jaxdist.gpu_defaults()
 jaxdist.use_cpu_devices()  # before any computation
 
 # Tracing and lowering allocate container objects by the hundred thousand, and each of Python's

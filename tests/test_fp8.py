@@ -4,6 +4,7 @@ absolute maximum. The CPU has no FP8 GEMMs, so these tests make the run believe
 it has (XLA on CPU computes the same quantized products in wider floats); the GPU test checks that
 XLA turns the projections into cuBLASLt FP8 GEMMs."""
 
+import types
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +71,20 @@ def test_a_non_finite_operand_makes_the_output_non_finite():
     x, w, _ = _operands()
     out = fp8.einsum(SPEC, x.at[0, 0, 0].set(jnp.inf), w)
     assert not np.all(np.isfinite(np.asarray(out, np.float32)))
+
+
+def test_fp8_needs_hopper_class_gpus_and_xlas_triton_gemms_off(monkeypatch):
+    hopper = types.SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H200")
+    ampere = types.SimpleNamespace(platform="gpu", compute_capability="8.0", device_kind="NVIDIA A100")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=false")
+    assert fp8.supported([hopper, hopper]) and fp8.unavailable_reason([hopper]) is None
+    assert "NVIDIA A100 (gpu) has no FP8 matmuls" in fp8.unavailable_reason([hopper, ampere])
+    assert "has no FP8 matmuls" in fp8.unavailable_reason(jax.devices("cpu")[:1])
+    # XLA's default, or a user's flag: Triton takes the dots before cuBLASLt's FP8 GEMMs can.
+    for flags in ("", "--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_triton_gemm=true"):
+        monkeypatch.setenv("XLA_FLAGS", flags)
+        assert not fp8.supported([hopper])
+        assert "jaxdist.gpu_defaults()" in fp8.unavailable_reason([hopper])
 
 
 @pytest.fixture

@@ -49,9 +49,8 @@ def fp8_unavailable(precision: PrecisionConfig, backend: str | None = None) -> s
     where it is off or runs."""
     if not precision.fp8 or policy(precision, backend).fp8:
         return None
-    device = jax.local_devices(backend=backend)[0]
-    return (f"precision.fp8: {device.device_kind} ({device.platform}) has no FP8 matmuls (they need an NVIDIA GPU of "
-            f"compute capability 8.9 or above); the projections run in {compute_dtype_name(precision, backend)}")
+    reason = fp8_lib.unavailable_reason(jax.local_devices(backend=backend))
+    return f"precision.fp8: {reason}; the projections run in {compute_dtype_name(precision, backend)}"
 
 
 def check_backend(precision: PrecisionConfig, backend: str | None = None) -> None:
