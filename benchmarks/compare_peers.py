@@ -2,11 +2,11 @@
 
     python3 benchmarks/compare_peers.py SUITE [SUITE ...] [--peers DIR] [--out results.jsonl]
 
-Suites: `one_gpu`, `long_sequences`, `two_gpus_dp_fsdp` (2 GPUs), `tensor_parallel` (4 GPUs); see
-README.md.
+Suites: `one_gpu`, `long_sequences`, `resnet50` (one GPU), `two_gpus_dp_fsdp` (2 GPUs),
+`tensor_parallel` (4 GPUs); see README.md.
 
 Each run is a separate process (one GPU program at a time); every result is one JSON line. The
-peers are the PyTorch peer programs (torch_gpt.py, torch_dist.py, plain_jax_gpt.py; not part of this
+peers are the PyTorch peer programs (torch_gpt.py, torch_dist.py, torch_resnet.py, plain_jax_gpt.py; not part of this
 repository): pass their folder with --peers, or in JAXDIST_PEERS. Ratios are only meaningful
 between runs of one invocation on one machine: absolute times drift between hosts.
 """
@@ -36,6 +36,8 @@ def suites(peers: str) -> dict[str, list[tuple[str, list[str]]]]:
     """
     torch_gpt = [sys.executable, f"{peers}/torch_gpt.py"]
     torch_dist = ["torchrun", "--standalone", "--nproc_per_node=2", f"{peers}/torch_dist.py"]
+    torch_resnet = [sys.executable, f"{peers}/torch_resnet.py", "--batch", "256"]
+    resnet50 = JAXDIST + ["resnet50_imagenet", "--devices", "1"]
     # jaxdist's own 1-GPU step: the baseline of the multi-GPU ratios (the first GPU of a larger host).
     one_gpu_406m = JAXDIST + GPT_406M + ["mesh.fsdp=1", "--devices", "1"]
     one_gpu_1b4 = JAXDIST + GPT_1B4 + ["mesh.fsdp=1", "--devices", "1"]
@@ -57,6 +59,14 @@ def suites(peers: str) -> dict[str, list[tuple[str, list[str]]]]:
         "long_sequences": [
             ("torch 406m seq4096 b4", torch_gpt + ["--seq", "4096", "--batch", "4"]),
             ("jaxdist 406m seq4096 b4", JAXDIST + GPT_406M + ["model.seq_len=4096", "train.global_batch=4"]),
+        ],
+        # ResNet-50 at 224x224, batch 256, against torchvision's under torch.compile (channels_last,
+        # bfloat16 autocast), twice each in turn: one pair moves by up to 2% with the card's clock.
+        "resnet50": [
+            ("torch resnet50 b256", torch_resnet),
+            ("jaxdist resnet50", resnet50),
+            ("torch resnet50 b256 again", torch_resnet),
+            ("jaxdist resnet50 again", resnet50),
         ],
         # Data parallel, FSDP and ZeRO-2 on 2 GPUs against one GPU, torch's DDP and FSDP2.
         "two_gpus_dp_fsdp": [
@@ -100,7 +110,8 @@ def run(label: str, command: list[str], timeout: int, gpus: int) -> dict:
 
 
 def per_device(result: dict) -> float | None:
-    for key in ("tokens_per_sec_per_device", "tokens_per_s_per_gpu"):
+    for key in ("tokens_per_sec_per_device", "tokens_per_s_per_gpu", "examples_per_sec_per_device",
+                "images_per_s_per_gpu"):
         if key in result:
             return result[key]
     return result.get("tokens_per_s")
@@ -108,7 +119,7 @@ def per_device(result: dict) -> float | None:
 
 def table(results: list[dict]) -> str:
     base = next((per_device(r) for r in results if "error" not in r), None)
-    rows = [f"{'run':<28} {'step ms':>8} {'tok/s/dev':>10} {'MFU':>6} {'mem GiB':>8} {'compile s':>9} {'vs first':>8}"
+    rows = [f"{'run':<28} {'step ms':>8} {'per dev/s':>10} {'MFU':>6} {'mem GiB':>8} {'compile s':>9} {'vs first':>8}"
             f" {'MHz':>5} {'W':>4}"]
     for r in results:
         if "error" in r:
@@ -116,8 +127,9 @@ def table(results: list[dict]) -> str:
             continue
         tps = per_device(r)
         mem = r.get("peak_mem_gib") or r.get("peak_mem_GiB") or ""
+        mfu = f"{r['mfu']:.3f}" if r.get("mfu") is not None else ""  # the ResNet peer reports none
         rows.append(
-            f"{r['label']:<28} {r['step_ms']:>8} {tps:>10,} {r['mfu']:>6.3f} {mem!s:>8} "
+            f"{r['label']:<28} {r['step_ms']:>8} {tps:>10,} {mfu:>6} {mem!s:>8} "
             f"{r.get('compile_s', '')!s:>9} {tps / base:>8.3f} {r.get('sm_clock_mhz', '')!s:>5} {r.get('power_w', '')!s:>4}"
         )
     return "\n".join(rows)

@@ -41,9 +41,19 @@ def overrides_of(args: list[str]) -> list[str]:
 @pytest.mark.parametrize("args", bench_runs())
 def test_suite_configs_load(args):
     cfg = config.load(args[0], overrides_of(args[1:]))
-    assert cfg.model.name == "gpt"
+    assert cfg.model.name in ("gpt", "resnet")
 
 
 def test_every_suite_has_a_jaxdist_run():
     for suite, runs in compare_peers.suites("peers").items():
         assert any("jaxdist.cli" in command for _, command in runs), suite
+
+
+def test_the_table_holds_a_peer_that_reports_no_mfu():
+    # torch_resnet.py's line and jaxdist bench's for the ResNet: images per second, MFU on one side only.
+    results = [{"label": "torch resnet50 b256", "step_ms": 37.8, "images_per_s_per_gpu": 6778, "peak_mem_GiB": 10.56},
+               {"label": "jaxdist resnet50", "step_ms": 36.1, "examples_per_sec_per_device": 7091, "mfu": 0.351,
+                "peak_mem_gib": 11.52}]
+    rows = compare_peers.table(results).splitlines()
+    assert rows[1].split() == ["torch", "resnet50", "b256", "37.8", "6,778", "10.56", "1.000"]
+    assert rows[2].split() == ["jaxdist", "resnet50", "36.1", "7,091", "0.351", "11.52", "1.046"]
