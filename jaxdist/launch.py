@@ -285,9 +285,7 @@ class _Group:
         """Relays output until every child exited or the run must stop (see the module docstring);
         returns the launcher's exit code."""
         code = self._watch()
-        deadline = time.monotonic() + RELAY_DRAIN_S
-        for _, relay in self.relays:
-            relay.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._drain(range(len(self.children)))
         held = sorted({process_id for process_id, relay in self.relays if relay.is_alive()})
         if held:
             self.say(f"the output of {_processes(held)} is still held open by a process outside its process "
@@ -300,6 +298,7 @@ class _Group:
             self._note_failure(codes)
             if None not in codes:
                 if self.failure is not None:
+                    self._drain(range(len(codes)))
                     self.say(self.failure + self._what_next())
                 self._stop_all(FAILURE_GRACE_S)  # what the processes started may still run
                 return next((_exit_code(code) for code in codes if code != 0), 0)
@@ -311,10 +310,20 @@ class _Group:
             if problem is not None:
                 message, exit_code = problem
                 running = [i for i, code in enumerate(codes) if code is None]
+                self._drain([i for i, code in enumerate(codes) if code is not None])
                 self.say(f"{message}; stopping {_processes(running)}{self._what_next()}")
                 self._stop_all(FAILURE_GRACE_S)
                 return exit_code
             time.sleep(_POLL_S)
+
+    def _drain(self, process_ids: Iterable[int]) -> None:
+        """Waits, `RELAY_DRAIN_S` at most in all, for the relays of `process_ids` to pass on what those
+        processes wrote: their last lines (a traceback) come before the launcher's about how they ended."""
+        process_ids = set(process_ids)
+        deadline = time.monotonic() + RELAY_DRAIN_S
+        for process_id, relay in self.relays:
+            if process_id in process_ids:
+                relay.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _note_failure(self, codes: list[int | None]) -> None:
         if self.failure is None and self.stop_signal is None:

@@ -151,6 +151,32 @@ def test_output_held_outside_the_children_s_groups_is_not_waited_for(tmp_path):
     assert elapsed < launch.RELAY_DRAIN_S + 3, elapsed
 
 
+class SlowStream(io.StringIO):
+    """A terminal that takes its time over each line (0.2 ms)."""
+
+    def write(self, text: str) -> int:
+        time.sleep(0.0002)
+        return super().write(text)
+
+
+@pytest.mark.parametrize("others", [0, 1], ids=["alone", "beside_a_running_peer"])
+def test_a_failed_process_s_last_lines_come_before_the_line_saying_how_it_ended(others):
+    """A traceback is the last thing a failing process writes: the launcher passes all of it on
+    before it says the process exited, whether or not others still run. The 3,000 lines fit in the
+    pipe, so the process exits at once, and passing them on takes 0.6 s."""
+    last_words = python("import sys\nfor i in range(3000): print(f'traceback line {i}', file=sys.stderr)\nsys.exit(1)")
+    err = SlowStream()
+    group = launch._Group(io.StringIO(), err)
+    for process_id, command in enumerate([last_words] + [python("import time; time.sleep(60)")] * others):
+        group.start(process_id, command, dict(os.environ))
+    assert group.wait() == 1
+    lines = err.getvalue().splitlines()
+    ended = next(i for i, line in enumerate(lines) if line.startswith("jaxdist launch: process 0 exited with code 1"))
+    assert lines[ended - 1] == "[0] traceback line 2999", lines[ended - 3:ended + 1]
+    assert len([line for line in lines if line.startswith("[0] traceback line")]) == 3000
+    assert_all_gone(group)
+
+
 def test_a_conflicting_cpu_device_count_is_refused(monkeypatch, capsys):
     monkeypatch.setenv("JAXDIST_CPU_DEVICES", "8")
     assert cli.main(["launch", "-n", "2", "--devices-per-process", "4", "--", "train", "any.yaml"]) == 2
