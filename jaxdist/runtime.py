@@ -53,7 +53,13 @@ def _count_from_environment() -> int | None:
 #   so with them on the MLP's GELU stays a separate pass; off, cuBLASLt computes it in the
 #   up-projection's epilogue (GELU_AUX: it writes the pre-activation for the backward too). FP8
 #   GEMMs need them off too (models/fp8.py).
-GPU_FLAGS = {"--xla_gpu_dot_merger_threshold_mb": "0", "--xla_gpu_enable_triton_gemm": "false"}
+TRITON_GEMM = "--xla_gpu_enable_triton_gemm"
+GPU_FLAGS = {"--xla_gpu_dot_merger_threshold_mb": "0", TRITON_GEMM: "false"}
+
+
+def xla_flags() -> dict[str, str]:
+    """The flags `XLA_FLAGS` sets, by name, each with its last value ("" for a flag given without one)."""
+    return dict((flag.split("=", 1) + [""])[:2] for flag in os.environ.get("XLA_FLAGS", "").split())
 
 
 def gpu_defaults() -> None:
@@ -64,7 +70,7 @@ def gpu_defaults() -> None:
     inherit the flags. The `jaxdist` command calls it; a library user opts in.
     """
     current = os.environ.get("XLA_FLAGS", "")
-    named = {flag.split("=", 1)[0] for flag in current.split()}
+    named = xla_flags()
     extra = [f"{flag}={value}" for flag, value in GPU_FLAGS.items() if flag not in named]
     if extra:
         os.environ["XLA_FLAGS"] = " ".join([current, *extra]).strip()

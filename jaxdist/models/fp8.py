@@ -22,10 +22,11 @@ matmul's output, so the step's non-finite guard still sees it.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
+
+from jaxdist import runtime
 
 FORWARD = jnp.float8_e4m3fn
 GRADIENT = jnp.float8_e5m2
@@ -42,21 +43,14 @@ def unavailable_reason(devices: list | None = None) -> str | None:
     Triton GEMMs off. On, XLA wraps each dot in a Triton fusion before its cuBLAS rewriter can make it
     an FP8 GEMM, and then folds the quantization away: the products run in the compute dtype."""
     devices = jax.local_devices() if devices is None else devices
-    if not devices or not all(_has_fp8(device) for device in devices):
-        device = next((device for device in devices if not _has_fp8(device)), None)
-        named = f"{device.device_kind} ({device.platform})" if device is not None else "no device"
+    lacking = next((device for device in devices if not _has_fp8(device)), None)
+    if not devices or lacking is not None:
+        named = f"{lacking.device_kind} ({lacking.platform})" if lacking is not None else "no device"
         return f"{named} has no FP8 matmuls (they need an NVIDIA GPU of compute capability 8.9 or above)"
-    if _triton_gemms_on():
+    if runtime.xla_flags().get(runtime.TRITON_GEMM, "true").lower() not in ("false", "0"):  # XLA's default: on
         return ("XLA's Triton GEMMs are on (XLA_FLAGS), which keep dots from becoming FP8 GEMMs: call "
                 "jaxdist.gpu_defaults() before JAX starts, as the jaxdist command does")
     return None
-
-
-def _triton_gemms_on() -> bool:
-    """`--xla_gpu_enable_triton_gemm` as XLA_FLAGS sets it (its last value; XLA's default: on)."""
-    values = [flag.split("=", 1)[1] for flag in os.environ.get("XLA_FLAGS", "").split()
-              if flag.startswith("--xla_gpu_enable_triton_gemm=")]
-    return not values or values[-1].lower() not in ("false", "0")
 
 
 def _has_fp8(device) -> bool:
