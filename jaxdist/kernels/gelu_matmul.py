@@ -174,8 +174,7 @@ _gelu_project.defvjp(_gelu_project_fwd, _gelu_project_bwd)
 
 def xla_gelu_grad_matmul(d_out: jax.Array, down: jax.Array, pre: jax.Array) -> jax.Array:
     """`(d_out @ down.T) * gelu'(pre)` as XLA runs it: the product, then a pass over memory."""
-    d_post = jnp.einsum("...e,me->...m", d_out, down)
-    return (d_post.astype(jnp.float32) * gelu_slope(pre.astype(jnp.float32))).astype(pre.dtype)
+    return _gelu_bwd(pre, jnp.einsum("...e,me->...m", d_out, down))[0]
 
 
 def gelu_grad_matmul(d_out: jax.Array, down: jax.Array, pre: jax.Array) -> jax.Array:
