@@ -7,7 +7,6 @@ device's kernels for XLA's form of the same results (its subject is the wiring).
 tests/test_kernels_gpu.py checks on a GPU that the compiled step runs the kernels.
 """
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,12 +1,12 @@
 """The main job: `jaxdist train configs/tiny.yaml` on 8 simulated devices really learns, then samples."""
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import logged_losses
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ def test_default_config_trains_the_stdlib_gpt_and_prints_a_sample(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert "fsdp=4 x tensor=2 on 8 devices" in run.stdout
-    losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = logged_losses(tmp_path)
     assert len(losses) == 11  # step 1, then every 20 of 200 steps
     assert 5.0 < losses[0] < 6.0, losses  # bytes start near uniform: ln 256 = 5.55
     assert losses[-1] < 2.5, losses

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_config
+from conftest import logged_losses, make_config
 
 from jaxdist import loop
 
@@ -82,13 +82,9 @@ def reference_losses(tmp_path_factory) -> list[float]:
     """The uninterrupted run: this (pytest) process on all 8 devices, the same global batch."""
     run_dir = tmp_path_factory.mktemp("reference")
     loop.train(make_config(run_dir, **LAYOUT, train={"steps": REFERENCE_STEPS}))
-    result = losses(run_dir)
+    result = logged_losses(run_dir)
     assert len(result) == REFERENCE_STEPS and result[-1] < result[0]
     return result
-
-
-def losses(run_dir: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def logged_steps(run_dir: Path) -> list[int]:
@@ -167,7 +163,7 @@ def test_job_trains_like_one_process(cluster, config_file, reference_losses, tmp
     assert re.search(r"^0: mesh data=2 x stage=1 x fsdp=4 x tensor=1 on 8 devices \(2 process\(es\)\)", out, re.M), out
     assert not re.search(r"^1: step ", out, re.M)
     assert logged_steps(tmp_path / "run") == list(range(1, steps + 1))
-    np.testing.assert_allclose(losses(tmp_path / "run"), reference_losses[:steps], rtol=1e-5, atol=0)
+    np.testing.assert_allclose(logged_losses(tmp_path / "run"), reference_losses[:steps], rtol=1e-5, atol=0)
 
 
 def test_requeued_job_resumes_from_its_checkpoint(cluster, config_file, reference_losses, tmp_path):
@@ -201,7 +197,7 @@ def test_requeued_job_resumes_from_its_checkpoint(cluster, config_file, referenc
     # Each step logged once (the resumed run's lines follow the first run's) and the losses are the
     # uninterrupted run's.
     assert logged_steps(run_dir) == list(range(1, REFERENCE_STEPS + 1))
-    np.testing.assert_allclose(losses(run_dir), reference_losses, rtol=1e-5, atol=0)
+    np.testing.assert_allclose(logged_losses(run_dir), reference_losses, rtol=1e-5, atol=0)
     print(f"job {job_id}: stopped by Slurm's SIGTERM after step {step}, requeued, resumed from step {step}")
 
 
