@@ -6,9 +6,9 @@ Suites: `one_gpu`, `long_sequences`, `resnet50` (one GPU), `two_gpus_dp_fsdp` (2
 `tensor_parallel` (4 GPUs); see README.md.
 
 Each run is a separate process (one GPU program at a time); every result is one JSON line. The
-peers are the PyTorch peer programs (torch_gpt.py, torch_dist.py, torch_resnet.py, plain_jax_gpt.py; not part of this
-repository): pass their folder with --peers, or in JAXDIST_PEERS. Ratios are only meaningful
-between runs of one invocation on one machine: absolute times drift between hosts.
+peers are the PyTorch peer programs (torch_gpt.py, torch_dist.py, torch_resnet.py, plain_jax_gpt.py;
+not part of this repository): pass their folder with --peers, or in JAXDIST_PEERS. Ratios are only
+meaningful between runs of one invocation on one machine: absolute times drift between hosts.
 """
 
 from __future__ import annotations
