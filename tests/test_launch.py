@@ -26,8 +26,9 @@ def python(code: str) -> list[str]:
     return [sys.executable, "-c", code]
 
 
-def start_group(commands: list[list[str]], **options) -> tuple[launch._Group, io.StringIO, io.StringIO]:
-    out, err = io.StringIO(), io.StringIO()
+def start_group(commands: list[list[str]], err: io.StringIO | None = None,
+                **options) -> tuple[launch._Group, io.StringIO, io.StringIO]:
+    out, err = io.StringIO(), io.StringIO() if err is None else err
     group = launch._Group(out, err, **options)
     for process_id, command in enumerate(commands):
         group.start(process_id, command, dict(os.environ))
@@ -165,10 +166,7 @@ def test_a_failed_process_s_last_lines_come_before_the_line_saying_how_it_ended(
     before it says the process exited, whether or not others still run. The 3,000 lines fit in the
     pipe, so the process exits at once, and passing them on takes 0.6 s."""
     last_words = python("import sys\nfor i in range(3000): print(f'traceback line {i}', file=sys.stderr)\nsys.exit(1)")
-    err = SlowStream()
-    group = launch._Group(io.StringIO(), err)
-    for process_id, command in enumerate([last_words] + [python("import time; time.sleep(60)")] * others):
-        group.start(process_id, command, dict(os.environ))
+    group, _, err = start_group([last_words] + [python("import time; time.sleep(60)")] * others, err=SlowStream())
     assert group.wait() == 1
     lines = err.getvalue().splitlines()
     ended = next(i for i, line in enumerate(lines) if line.startswith("jaxdist launch: process 0 exited with code 1"))
