@@ -78,28 +78,35 @@ def _relative_error(a, b) -> float:
     return float(np.linalg.norm(np.ravel(a - b)) / np.linalg.norm(np.ravel(b)))
 
 
-FSDP4_TENSOR2 = ({"data": 1, "fsdp": 4, "tensor": 2}, "fsdp_tp", 1)
-DATA8_2MICROBATCHES = ({"data": 8, "fsdp": 1, "tensor": 1}, "dp", 2)
-FSDP8 = ({"data": 1, "fsdp": 8, "tensor": 1}, "fsdp", 1)
+FSDP4_TENSOR2 = ({"data": 1, "fsdp": 4, "tensor": 2}, {"preset": "fsdp_tp"}, 1)
+DATA8_2MICROBATCHES = ({"data": 8, "fsdp": 1, "tensor": 1}, {"preset": "dp"}, 2)
+FSDP8 = ({"data": 1, "fsdp": 8, "tensor": 1}, {"preset": "fsdp"}, 1)
+# Context parallelism: each sequence of 32 in two parts over fsdp, each part two chunks of 8.
+DATA4_CONTEXT2 = ({"data": 4, "fsdp": 2, "tensor": 1},
+                  {"preset": "fsdp", "activations": {"batch": "data", "seq": "fsdp", "length": "fsdp"}}, 1)
 
 
 @pytest.mark.parametrize(
     "layout, tied, impl",
     [(FSDP4_TENSOR2, False, "xla"), (FSDP4_TENSOR2, True, "xla"), (DATA8_2MICROBATCHES, False, "xla"),
-     (DATA8_2MICROBATCHES, False, "pallas"), (FSDP8, True, "pallas")],
+     (DATA8_2MICROBATCHES, False, "pallas"), (FSDP8, True, "pallas"), (DATA4_CONTEXT2, False, "xla"),
+     (DATA4_CONTEXT2, True, "xla")],
     ids=["fsdp4_tensor2-untied", "fsdp4_tensor2-tied", "data8_2microbatches-untied",
-         "data8_2microbatches-untied-kernel", "fsdp8-tied-kernel"],
+         "data8_2microbatches-untied-kernel", "fsdp8-tied-kernel", "data4_context2-untied",
+         "data4_context2-tied"],
 )
 def test_loss_and_gradients_equal_the_unchunked_loss(tmp_path, layout, tied, impl):
     """fsdp_tp splits the vocabulary (head or tied embedding, and the logits) over tensor and the
     batch over fsdp; data8 with 2 microbatches runs the loss under the per-shard vmap of per_step
-    gradient reduction. `impl` pallas: each chunk's softmax and gradient by the Pallas kernel
-    (kernels/softmax_grad.py, in the interpreter here), run per batch shard."""
-    mesh, preset, microbatches = layout
+    gradient reduction; context2 splits each sequence over fsdp. `impl` pallas: each chunk's
+    softmax and gradient by the Pallas kernel (kernels/softmax_grad.py, in the interpreter here),
+    run per batch shard. (With the sequence split too, jax's interpreter of the kernel deadlocks on
+    the CPU: the kernel sees the same per-device chunk there, and runs on GPUs.)"""
+    mesh, rules, microbatches = layout
 
     def config(chunk):
         return make_config(
-            tmp_path, mesh=mesh, rules={"preset": preset}, train={"global_batch": GLOBAL_BATCH},
+            tmp_path, mesh=mesh, rules=rules, train={"global_batch": GLOBAL_BATCH},
             model={"vocab": VOCAB, "layers": 1, "tied_embeddings": tied},
             impl={"loss_chunk": chunk, "loss_impl": impl if chunk else "auto"},
         )
@@ -126,8 +133,8 @@ def test_loss_and_gradients_equal_the_unchunked_loss(tmp_path, layout, tied, imp
     # The weights matter: the weighted mean differs from the plain mean.
     assert abs(plain["weighted"][0] - plain["unweighted"][0]) > 1e-4
     # Inside the chunk loop only activations cross devices (the logsumexp and the hidden-state
-    # gradient over a split vocabulary); the head's gradient, summed over the batch shards, is
-    # reduced once after the loop.
+    # gradient over a split vocabulary); the head's gradient, summed over the batch shards and the
+    # sequence's parts, is reduced once after the loop.
     head_shard = chunked_cfg.model.d_model * VOCAB // mesh["tensor"]
     in_loop = [shape for op in hlo.collectives(chunked_hlo, hlo.REDUCTIONS) if op.in_loop for shape in op.operand_shapes]
     assert all(math.prod(shape) < head_shard for shape in in_loop), in_loop

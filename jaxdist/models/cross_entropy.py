@@ -3,7 +3,9 @@
 The plain loss forms the full (batch, length, vocab) logits, their float32 copy for the softmax
 and the logits gradient: at GPT-2 sizes these are the largest activations of the step. Here the
 sequence is cut into chunks of `chunk` positions (the batch axis, and with it its sharding, stays
-whole) and a `lax.scan` visits them in turn, so only one chunk's logits ever exist.
+whole) and a `lax.scan` visits them in turn, so only one chunk's logits ever exist. Where the
+sequence itself is split over devices (context parallelism), each device's part is cut into
+chunks and every step of the scan takes one chunk from each part: no chunk straddles devices.
 
 The loss is a scalar, so its gradient is known up to the incoming cotangent during the forward
 pass: each chunk computes its logits, a float32 logsumexp and the loss, and at once the logits'
@@ -102,9 +104,20 @@ def _total_weight(hidden: jax.Array, weights: jax.Array) -> jax.Array:
     return weights.sum() if weights.ndim == 2 else weights.sum() * hidden.shape[1]
 
 
-def _chunks(x: jax.Array, chunk: int) -> jax.Array:
-    """(batch, length, ...) -> (length / chunk, batch, chunk, ...): consecutive positions per chunk."""
-    return jnp.moveaxis(x.reshape(x.shape[0], x.shape[1] // chunk, chunk, *x.shape[2:]), 1, 0)
+def _chunks(x: jax.Array, chunk: int, parts: int) -> jax.Array:
+    """(batch, length, ...) -> (length / (parts x chunk), batch, parts x chunk, ...): the sequence in
+    `parts` equal parts (its split over devices), each in chunks of consecutive positions; step i
+    of the scan takes chunk i of every part, side by side."""
+    batch, length, *rest = x.shape
+    split = x.reshape(batch, parts, length // (parts * chunk), chunk, *rest)
+    return jnp.moveaxis(split, 2, 0).reshape(length // (parts * chunk), batch, parts * chunk, *rest)
+
+
+def _unchunk(x: jax.Array, parts: int) -> jax.Array:
+    """`_chunks`' inverse: (steps, batch, parts x chunk, ...) -> (batch, length, ...)."""
+    steps, batch, width, *rest = x.shape
+    split = jnp.moveaxis(x.reshape(steps, batch, parts, width // parts, *rest), 0, 2)
+    return split.reshape(batch, steps * width, *rest)
 
 
 def _shards(logical_axis: str) -> int:
@@ -164,19 +177,24 @@ def _scan_chunks(chunk, logits_dtype, hidden, head, targets, weights, *, with_gr
     d_hidden has hidden's dtype; d_head is summed in float32 and returned in head's dtype.
     `kernel`: each chunk's softmax, per-row loss and logits gradient by kernels/softmax_grad.py.
     """
-    batch, _, embed = hidden.shape
+    batch, length, embed = hidden.shape
     vocab = head.shape[1]
     # Laid out as the logits' matmul reads it (whole over `fsdp`) before the loop, so it is gathered
     # once: left to XLA on GPU, the gather of an fsdp-split head ran inside it, once per chunk.
     head_c = constrain(head.astype(hidden.dtype), ("embed", "vocab"))
-    # The head's gradient sums over the batch, which is split over devices. Each batch shard keeps
-    # its own partial sum in the carry (a leading shard axis on the batch's mesh axes), so it is
-    # reduced across devices once, after the scan, rather than in every chunk.
+    # The head's gradient sums over the batch and the sequence, which may be split over devices.
+    # Each batch shard and sequence part keeps its own partial sum in the carry (leading axes on
+    # the batch's and the length's mesh axes), so it is reduced across devices once, after the
+    # scan, rather than in every chunk. The losses are kept per part for the same reason.
     shards = _shards("batch")
+    parts = _shards("length")
+    if length % (parts * chunk):  # a part that is no whole number of chunks: chunks straddle parts
+        parts = 1
+    per_part = ("batch", "length" if parts > 1 else None)  # the partial sums' logical axes
     vocab_sharded = _shards("vocab") > 1
 
-    def by_shard(x: jax.Array) -> jax.Array:
-        return x.reshape(shards, batch // shards, *x.shape[1:])
+    def by_shard(x: jax.Array) -> jax.Array:  # (batch, parts x chunk, ...) -> (shards, rows, parts, chunk, ...)
+        return x.reshape(shards, batch // shards, parts, chunk, *x.shape[2:])
 
     # Per-token weights ride with their chunk and scale its losses and gradient after the softmax,
     # which itself sees weight 1 per sequence.
@@ -196,22 +214,21 @@ def _scan_chunks(chunk, logits_dtype, hidden, head, targets, weights, *, with_gr
         if per_token:
             row_losses = row_losses * token_weights[0]
             d_logits = d_logits * token_weights[0][..., None].astype(d_logits.dtype)
-        sequence_losses = carry[0] + row_losses.sum(-1)
+        part_losses = constrain(carry[0] + row_losses.reshape(batch, parts, chunk).sum(-1), per_part)
         if not with_grads:
-            return (sequence_losses,), None
+            return (part_losses,), None
         d_logits = constrain(d_logits, LOGITS)
         d_hidden_c = constrain(jnp.einsum("bcv,dv->bcd", d_logits, head_c), ("batch", "length", "embed"))
-        d_head_c = jnp.einsum("sbcd,sbcv->sdv", by_shard(hidden_c), by_shard(d_logits),
+        d_head_c = jnp.einsum("sbpcd,sbpcv->spdv", by_shard(hidden_c), by_shard(d_logits),
                               preferred_element_type=jnp.float32)
-        return (sequence_losses, constrain(carry[1] + d_head_c, ("batch", "embed", "vocab"))), d_hidden_c
+        return (part_losses, constrain(carry[1] + d_head_c, (*per_part, "embed", "vocab"))), d_hidden_c
 
-    init = (jnp.zeros((batch,), jnp.float32),)
+    init = (constrain(jnp.zeros((batch, parts), jnp.float32), per_part),)
     if with_grads:
-        init += (constrain(jnp.zeros((shards, embed, vocab), jnp.float32), ("batch", "embed", "vocab")),)
-    xs = (_chunks(hidden, chunk), _chunks(targets, chunk)) + ((_chunks(weights, chunk),) if per_token else ())
+        init += (constrain(jnp.zeros((shards, parts, embed, vocab), jnp.float32), (*per_part, "embed", "vocab")),)
+    xs = tuple(_chunks(x, chunk, parts) for x in (hidden, targets, *([weights] if per_token else [])))
     carry, d_hidden = jax.lax.scan(body, init, xs)
-    loss_sum = (carry[0] * sequence_weights).sum()
+    loss_sum = (carry[0].sum(-1) * sequence_weights).sum()
     if not with_grads:
         return loss_sum, None
-    d_hidden = jnp.moveaxis(d_hidden, 0, 1).reshape(hidden.shape)
-    return loss_sum, (d_hidden, carry[1].sum(0).astype(head.dtype))
+    return loss_sum, (_unchunk(d_hidden, parts), carry[1].sum((0, 1)).astype(head.dtype))
