@@ -31,13 +31,15 @@ def one_device(tmp_path_factory):
     return logged_losses(run_dir)
 
 
-@pytest.mark.parametrize("mesh, preset, train", [
-    ({"data": 2, "fsdp": 4, "tensor": 1}, "fsdp", {}),
-    ({"data": 2, "fsdp": 4, "tensor": 1}, "fsdp", {"microbatches": 2}),
-    ({"data": 2, "fsdp": 2, "tensor": 2}, "fsdp_tp", {}),
-], ids=["data2_context4", "data2_context4_accumulated", "data2_context2_tensor2"])
-def test_sequences_split_over_fsdp_train_as_on_one_device(tmp_path, one_device, mesh, preset, train):
-    cfg = make_config(tmp_path, mesh=mesh, rules={"preset": preset, "activations": CONTEXT}, train=train)
+@pytest.mark.parametrize("mesh, preset, train, impl", [
+    ({"data": 2, "fsdp": 4, "tensor": 1}, "fsdp", {}, {}),
+    ({"data": 2, "fsdp": 4, "tensor": 1}, "fsdp", {"microbatches": 2}, {}),
+    ({"data": 2, "fsdp": 2, "tensor": 2}, "fsdp_tp", {}, {}),
+    # The chunked loss: each device's 8 positions in two chunks of 4.
+    ({"data": 2, "fsdp": 4, "tensor": 1}, "fsdp", {}, {"loss_chunk": 4}),
+], ids=["data2_context4", "data2_context4_accumulated", "data2_context2_tensor2", "data2_context4_chunked_loss"])
+def test_sequences_split_over_fsdp_train_as_on_one_device(tmp_path, one_device, mesh, preset, train, impl):
+    cfg = make_config(tmp_path, mesh=mesh, rules={"preset": preset, "activations": CONTEXT}, train=train, impl=impl)
     trainer = loop.train(cfg)
     np.testing.assert_allclose(logged_losses(tmp_path), one_device, rtol=1e-5, atol=0)
     # The heads are exchanged: all-to-alls send each device along fsdp a share of every other's
