@@ -129,8 +129,7 @@ def compiles():
 
 # The modules of the longest tests, run first: xdist hands out tests in collection order, and a
 # worker that draws one of these last keeps the run going for minutes after the other is done.
-LONGEST_FIRST = ("test_main_job", "test_layouts_multiprocess", "test_multihost", "test_compression", "test_slurm",
-                 "test_run_safety", "test_classifier_training")
+LONGEST_FIRST = ("test_main_job", "test_layouts_multiprocess", "test_multihost")
 
 
 def pytest_collection_finish(session):
