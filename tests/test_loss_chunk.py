@@ -283,3 +283,35 @@ def test_the_head_is_laid_out_whole_over_fsdp_before_the_chunk_loop():
         jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(hidden, head).jaxpr
     head_layouts = [(in_loop, spec) for in_loop, shape, spec in _sharding_constraints(jaxpr) if shape == (64, VOCAB)]
     assert head_layouts == [(False, (None, "tensor"))], head_layouts
+
+
+@pytest.mark.parametrize("chunk, loop_reductions", [(8, False), (32, True)], ids=["parts_chunked", "whole_chunks"])
+def test_a_split_sequence_is_chunked_by_parts_where_they_hold_whole_chunks(tmp_path, chunk, loop_reductions):
+    """Sequences of 64 over fsdp=4: parts of 16 hold two chunks of 8, so each device scores its own
+    part and the loop has no cross-device sum; a chunk of 32 straddles two parts, and the loss
+    chunks the whole sequence as without the split (the head's gradient then summed in the loop).
+    Both are the unchunked loss."""
+    cfg = make_config(tmp_path, mesh={"data": 2, "fsdp": 4, "tensor": 1},
+                      rules={"preset": "fsdp", "activations": {"batch": "data", "seq": "fsdp", "length": "fsdp"}})
+    mesh = mesh_lib.make_mesh(data=2, fsdp=4, devices=jax.devices()[:8])
+    rules = rules_lib.from_config(cfg.rules)
+    keys = jax.random.split(jax.random.key(0), 3)
+    hidden = jax.random.normal(keys[0], (4, 64, 64), jnp.float32)
+    head = 0.1 * jax.random.normal(keys[1], (64, VOCAB), jnp.float32)
+    targets = jax.random.randint(keys[2], (4, 64), 0, VOCAB)
+
+    def chunked(hidden, head):
+        with rules_lib.activation_rules(mesh, rules):
+            return fused_linear_cross_entropy(hidden, head, targets, chunk=chunk, impl="xla")
+
+    def plain(hidden, head):
+        return optax.softmax_cross_entropy_with_integer_labels(hidden @ head, targets).mean()
+
+    compiled = jax.jit(jax.value_and_grad(chunked, argnums=(0, 1))).lower(hidden, head).compile()
+    loss, grads = compiled(hidden, head)
+    want_loss, want_grads = jax.value_and_grad(plain, argnums=(0, 1))(hidden, head)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    for got, want in zip(grads, want_grads):
+        assert _relative_error(np.asarray(got), np.asarray(want)) < 1e-6
+    in_loop = [op for op in hlo.collectives(compiled.as_text(), hlo.REDUCTIONS) if op.in_loop]
+    assert bool(in_loop) == loop_reductions, in_loop
