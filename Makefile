@@ -23,7 +23,7 @@ slurm:
 	bash scripts/slurm/local_cluster.sh
 
 test: install slurm
-	$(BIN)/pytest -n 3 --dist worksteal --durations=15 $(ARGS)
+	$(BIN)/pytest -n 2 --dist worksteal --durations=15 $(ARGS)
 
 test-fast: install
 	$(BIN)/pytest -n 2 --dist worksteal -m "not slow" $(ARGS)
