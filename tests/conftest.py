@@ -86,6 +86,11 @@ def logged_losses(run_dir) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def logged_steps(run_dir) -> list[int]:
+    """The steps a run logged in `run_dir/metrics.jsonl`, in order."""
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 # A ResNet-18 at width 8 (8 to 64 channels) with the stem for small images: a classifier with
 # BatchNorm that compiles in seconds on 2 cores.
 SMALL_RESNET = {"name": "resnet", "depth": 18, "width": 8, "stem": "small"}

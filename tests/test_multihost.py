@@ -5,7 +5,6 @@ deliberately wrong settings) as real subprocesses on localhost.
 """
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -19,7 +18,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import logged_losses, make_config
+from conftest import logged_losses, logged_steps, make_config
 
 from jaxdist import loop
 from jaxdist.errors import UserError
@@ -137,7 +136,7 @@ def test_checkpoint_restores_under_another_process_count(tmp_path, one_process_l
 
     train(first, 4)
     train(second, REFERENCE_STEPS)
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = logged_steps(run_dir)
     assert steps == list(range(1, REFERENCE_STEPS + 1)), steps  # resumed at step 5, not restarted
     np.testing.assert_allclose(logged_losses(run_dir), one_process_losses, rtol=1e-5, atol=0)
 
@@ -259,7 +258,7 @@ def test_an_elastic_group_goes_on_without_each_process_it_loses(tmp_path):
     assert ("process 3 exited with signal SIGKILL; stopping processes 0, 1, 2; restarting the group without it "
             "(1 of 3): 3 processes (--min-processes 2), the same config and train.global_batch on fewer devices") in said
     assert re.search(r"^\[0\] mesh data=6 x stage=1 x fsdp=1 x tensor=1 on 6 devices \(3 process", rest, re.M), rest[-2000:]
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = logged_steps(run_dir)
     assert steps == list(range(1, 7)), steps
     np.testing.assert_allclose(logged_losses(run_dir), logged_losses(reference_dir), rtol=1e-5, atol=0)
 
@@ -330,7 +329,7 @@ def test_sigterm_to_the_launcher_saves_at_one_step_and_resumes(tmp_path):
         "ocdbt.process_0", "ocdbt.process_1"]
 
     loop.train(make_config(run_dir, **SPREAD, train={"steps": step + 2}, checkpoint={"every": 1000}))
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = logged_steps(run_dir)
     assert steps == list(range(1, step + 3)), steps  # resumed after `step`, not restarted
     reference = tmp_path / "uninterrupted"
     loop.train(make_config(reference, **SPREAD, train={"steps": step + 2}))

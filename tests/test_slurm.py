@@ -8,7 +8,6 @@ environment. So Slurm starts the 2 processes, sets their SLURM_* variables, and 
 and time-limit signals; jaxdist finds its peers through the template's coordinator address.
 """
 
-import json
 import os
 import re
 import shutil
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import logged_losses, make_config
+from conftest import logged_losses, logged_steps, make_config
 
 from jaxdist import loop
 
@@ -85,10 +84,6 @@ def reference_losses(tmp_path_factory) -> list[float]:
     result = logged_losses(run_dir)
     assert len(result) == REFERENCE_STEPS and result[-1] < result[0]
     return result
-
-
-def logged_steps(run_dir: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def job_environment() -> dict[str, str]:
