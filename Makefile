@@ -2,10 +2,10 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# 8 simulated CPU devices where no accelerator exists; ignored where GPUs are present.
+# 8 simulated CPU devices: the suite runs on them on every host (tests/conftest.py).
 export JAXDIST_CPU_DEVICES ?= 8
 
-.PHONY: install train test test-fast slurm
+.PHONY: install train test test-fast test-gpu slurm
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -27,3 +27,8 @@ test: install slurm
 
 test-fast: install
 	$(BIN)/pytest -n 2 --dist worksteal -m "not slow" $(ARGS)
+
+# On a GPU host: the tests marked `gpu` (the kernels, FP8 GEMMs, transformers loading the exports) on
+# the GPU, and only those; `make test` runs the CPU-simulated suite there as everywhere.
+test-gpu: install
+	JAXDIST_GPU_TESTS=1 $(BIN)/pytest -m gpu $(ARGS)

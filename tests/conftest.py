@@ -10,6 +10,12 @@ import json
 import os
 
 os.environ.setdefault("JAXDIST_CPU_DEVICES", "8")
+# The suite is the CPU-simulated spec on every host: on a GPU host JAX would pick the GPU, where the
+# meshes of 8 devices do not exist. `make test-gpu` (JAXDIST_GPU_TESTS=1) runs the tests marked `gpu`
+# on the accelerator instead, and only those.
+GPU_TESTS = os.environ.get("JAXDIST_GPU_TESTS") == "1"
+if not GPU_TESTS:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The suite compiles hundreds of small programs, in this process and in the ones it starts (they
 # inherit the environment): without LLVM's optimisations XLA compiles them in about half the time,
 # with the same partitioning and collectives. XLA's older CPU fusion emitters (LLVM IR directly,
@@ -34,7 +40,7 @@ import pytest  # noqa: E402
 import jaxdist  # noqa: E402
 from jaxdist import config as config_lib  # noqa: E402
 
-if GPU_PLUGIN:  # the GPU tests compile as the jaxdist command does (FP8 GEMMs need its flags)
+if GPU_TESTS:  # the GPU tests compile as the jaxdist command does (FP8 GEMMs need its flags)
     jaxdist.gpu_defaults()
 jaxdist.use_cpu_devices()  # before any computation
 
@@ -142,6 +148,9 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
+    if GPU_TESTS:
+        config.hook.pytest_deselected(items=[item for item in items if not item.get_closest_marker("gpu")])
+        items[:] = [item for item in items if item.get_closest_marker("gpu")]
     items.sort(key=lambda item: LONGEST_FIRST.index(item.module.__name__)
                if item.module.__name__ in LONGEST_FIRST else len(LONGEST_FIRST))

@@ -156,6 +156,7 @@ def _bench(capsys) -> tuple[dict, str]:
     return json.loads(out.strip().splitlines()[-1]), err
 
 
+@pytest.mark.gpu
 def test_bench_reports_the_clocks_of_its_timed_steps(nvml, monkeypatch, capsys):
     # No GPU to sample, even where NVML answers: no clock fields, no line about them. (On a GPU
     # host the bench runs on its GPU, so there the absence of one is played.)
@@ -171,6 +172,7 @@ def test_bench_reports_the_clocks_of_its_timed_steps(nvml, monkeypatch, capsys):
     assert printed["throttle_reasons"] == {"sw_power_cap": 1.0} and nvml.inits == nvml.shutdowns == 1
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
 def test_a_real_gpu_is_sampled_while_it_works():
     """The GPU JAX runs on is found in NVML (as docs/performance.md says, also under

@@ -165,6 +165,7 @@ def test_without_fp8_hardware_the_run_says_so_once_and_runs_in_the_compute_dtype
     assert logged_losses(tmp_path / "asked") == logged_losses(tmp_path / "plain")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not fp8.supported(), reason="needs a GPU with FP8 GEMMs (compute capability 8.9+)")
 def test_on_hopper_the_projections_are_cublaslt_fp8_gemms(tmp_path):
     cfg = make_config(tmp_path, train={"steps": 2}, precision=PRECISION,
@@ -178,6 +179,7 @@ def test_on_hopper_the_projections_are_cublaslt_fp8_gemms(tmp_path):
     assert text.count('custom_call_target="__cublas$lt$matmul"') >= 6
 
 
+@pytest.mark.gpu
 def test_the_fp8_step_needs_no_more_memory_than_bfloat16s(tmp_path, fp8_everywhere):
     # What the backward keeps is what bfloat16's keeps: each projection's input in the compute
     # dtype. Autodiff of GELU's formula would keep its tanh too: one more activation of the MLP's

@@ -3,7 +3,7 @@ and computes jaxdist's logits: float32 within 1e-3; in bfloat16, jaxdist is no f
 logits than transformers' own bfloat16 is (or within 1e-2).
 
 Skipped where JAX finds no GPU or transformers is missing (CI's machines); run it on a GPU host with
-`pytest tests/test_hf_gpu.py -s` (it prints each difference).
+`make test-gpu`, or `JAXDIST_GPU_TESTS=1 pytest tests/test_hf_gpu.py -s` (it prints each difference).
 """
 
 from pathlib import Path
@@ -20,7 +20,7 @@ from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.train.state import abstract_model, merge, param_shardings
 
-pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")]
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
 

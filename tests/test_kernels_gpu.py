@@ -5,7 +5,8 @@ in chunks), the loss's softmax
 compiled program of a small 406M-like step.
 
 The kernel tests are skipped where JAX finds no GPU (CI's machines); run them on a GPU host with
-`pytest tests/test_kernels_gpu.py`. The same small step with every switch on XLA runs everywhere.
+`make test-gpu` (or `JAXDIST_GPU_TESTS=1 pytest tests/test_kernels_gpu.py`). The same small step with every
+switch on XLA runs everywhere.
 """
 
 import collections
@@ -20,6 +21,7 @@ from jaxdist.kernels import fused_norm, fused_norm_mosaic, fused_norm_triton, ge
 from jaxdist.commands import bench, hlo
 from jaxdist.train.trainer import Trainer
 
+pytestmark = pytest.mark.gpu
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 
 LAYERS, SEQ, CHUNK = 2, 128, 32

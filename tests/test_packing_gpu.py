@@ -1,7 +1,8 @@
 """On a GPU, packed documents' attention mask holds under both attention implementations: cuDNN's
 fused attention and XLA's give each document of a packed row the losses it has alone (bfloat16).
 
-Skipped where JAX finds no GPU (CI's machines); run it on a GPU host with `pytest tests/test_packing_gpu.py -s`.
+Skipped where JAX finds no GPU (CI's machines); run it on a GPU host with
+`make test-gpu` (or `JAXDIST_GPU_TESTS=1 pytest tests/test_packing_gpu.py -s`).
 """
 
 import jax
@@ -15,7 +16,7 @@ from jaxdist import models
 from jaxdist.config import Config
 from jaxdist.data.stream import PackedDocuments
 
-pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")]
 SEP = 0
 
 
