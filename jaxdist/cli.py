@@ -103,7 +103,8 @@ def _parser() -> argparse.ArgumentParser:
                                       "blocking time (the first apart), the steps beside a write, the restore")
             command.add_argument("--bubble", action="store_true",
                                  help="with a pipeline: also time one device on its share of the batch, unpipelined, "
-                                      "and report the measured bubble (1 - that step time / the pipeline's)")
+                                      "and report the measured bubble (1 - that step time / the pipeline's), split "
+                                      "into what the pipeline's microbatch size costs one device and the rest")
         if name == "plan":
             command.add_argument("--devices", type=_COUNT,
                                  help="plan for N devices (on a CPU-only machine: N simulated devices)")

@@ -68,16 +68,24 @@ def test_bench_runs_a_classifier_on_random_images(capsys, recipe, sizes, devices
 
 def test_bench_bubble_times_one_device_on_its_share_of_the_batch(capsys):
     """`--bubble`: beside the pipelined step, one device runs the model unpipelined on the batch's
-    per-device share, and the measured bubble is one minus its step time over the pipeline's."""
+    per-device share, and the measured bubble is one minus its step time over the pipeline's. The
+    share (4 rows) holds two of the pipeline's microbatches (2 rows): one device runs it as those
+    too, which splits the measured bubble into what microbatches that small cost one device and
+    what the pipeline costs beyond them."""
     overrides = ["model.d_model=32", "model.layers=4", "model.heads=4", "model.seq_len=16", "model.vocab=128",
                  "model.impl.loss_chunk=0", "mesh.stage=2", "mesh.fsdp=1", "mesh.tensor=1", "model.impl.scan_layers=true",
-                 "pipeline.microbatches=2", "train.global_batch=8"]
+                 "pipeline.microbatches=4", "train.global_batch=8"]
     assert cli.main(["bench", "tiny", *overrides, "--devices", "2", "--steps", "2", "--warmup", "1", "--bubble"]) == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert printed["devices"] == 2 and printed["pipeline_bubble"] == round(1 / 3, 4)  # (S-1)/(M+S-1)
-    assert printed["one_device_global_batch"] == 4 and printed["one_device_step_ms"] > 0
-    expected = 1 - printed["one_device_step_ms"] / printed["step_ms"]
-    assert abs(printed["pipeline_bubble_measured"] - expected) <= 1e-4 + 1e-2 / printed["step_ms"]
+    assert printed["devices"] == 2 and printed["pipeline_bubble"] == round(1 / 5, 4)  # (S-1)/(M+S-1)
+    assert printed["one_device_global_batch"] == 4 and printed["one_device_microbatches"] == 1
+    step, one, same_size = (printed[key] for key in ("step_ms", "one_device_step_ms",
+                                                     "one_device_at_pipeline_microbatches_step_ms"))
+    assert one > 0 and same_size > 0
+    assert abs(printed["pipeline_bubble_measured"] - (1 - one / step)) <= 1e-4 + 1e-2 / step
+    assert printed["pipeline_microbatch_rows"] == 2 and printed["one_device_at_pipeline_microbatches"] == 2
+    assert abs(printed["microbatch_cost"] - (1 - one / same_size)) <= 1e-4 + 1e-2 / same_size
+    assert abs(printed["pipeline_overhead_measured"] - (1 - same_size / step)) <= 1e-4 + 1e-2 / step
 
 
 def test_bench_bubble_with_accumulation_accumulates_the_one_device_share_as_far_as_it_divides(capsys):
@@ -90,6 +98,7 @@ def test_bench_bubble_with_accumulation_accumulates_the_one_device_share_as_far_
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed["one_device_global_batch"] == 2 and printed["one_device_microbatches"] == 2
     assert printed["one_device_step_ms"] > 0
+    assert "microbatch_cost" not in printed  # the pipeline's microbatches are those 2 rows of 1
     expected = 1 - printed["one_device_step_ms"] / printed["step_ms"]
     assert abs(printed["pipeline_bubble_measured"] - expected) <= 1e-4 + 1e-2 / printed["step_ms"]
 

@@ -38,6 +38,7 @@ from jaxdist.observe.metrics import mfu, throughput
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.parallel import pipeline
+from jaxdist.parallel import rules as rules_lib
 from jaxdist.train.trainer import Trainer
 
 
@@ -130,19 +131,51 @@ def measured_bubble(cfg: Config, pipelined: dict, steps: int, warmup: int, devic
     accumulates over the greatest common divisor of `train.microbatches` and its share of the batch:
     the pipeline accumulates over each batch shard, which the stage and tensor devices hold whole,
     so its count need not divide the smaller per-device share.
+
+    A GPU computes small microbatches less efficiently than a whole share, and the pipeline's are
+    small. So where the share is a whole number of the pipeline's microbatches, one device also runs
+    it accumulated over microbatches of that size, and the measured bubble is split in two:
+    `microbatch_cost`, what microbatches of the pipeline's size cost one device without any
+    pipeline, and `pipeline_overhead_measured`, the rest (the idle iterations, the transfers, the
+    pipeline's own work), which is what the schedule's theory (`pipeline_bubble`) describes.
     """
     share = cfg.train.global_batch // pipelined["devices"]
     microbatches = math.gcd(share, cfg.train.microbatches)
-    one_device = with_overrides(cfg, ["mesh.data=1", "mesh.stage=1", "mesh.fsdp=1", "mesh.tensor=1",
-                                       f"train.global_batch={share}", f"train.microbatches={microbatches}",
-                                       "model.impl.scan_layers=false"])
-    baseline = _measure(one_device, steps, warmup, (devices or jax.devices())[:1])
-    return {
+    baseline = _one_device(cfg, share, microbatches, steps, warmup, devices)
+    result = {
         "one_device_global_batch": share,
         "one_device_microbatches": microbatches,
         "one_device_step_ms": baseline["step_ms"],
         "pipeline_bubble_measured": round(1 - baseline["step_ms"] / pipelined["step_ms"], 4),
     }
+    rows = pipeline_microbatch_rows(cfg, devices)
+    if share % rows == 0 and share // rows != microbatches:
+        same_size = _one_device(cfg, share, share // rows, steps, warmup, devices)
+        result.update({
+            "pipeline_microbatch_rows": rows,
+            "one_device_at_pipeline_microbatches": share // rows,
+            "one_device_at_pipeline_microbatches_step_ms": same_size["step_ms"],
+            "microbatch_cost": round(1 - baseline["step_ms"] / same_size["step_ms"], 4),
+            "pipeline_overhead_measured": round(1 - same_size["step_ms"] / pipelined["step_ms"], 4),
+        })
+    return result
+
+
+def pipeline_microbatch_rows(cfg: Config, devices: list | None = None) -> int:
+    """Rows of one pipeline microbatch: the accumulated microbatch of a batch shard (the stage and
+    tensor devices hold it whole) split into `pipeline.microbatches`."""
+    layout = layout_lib.from_config(cfg, devices)
+    shards = rules_lib.axes_size(layout.mesh, rules_lib.data_parallel_axes(layout.rules))
+    return max(1, cfg.train.global_batch // (shards * cfg.train.microbatches * cfg.pipeline.microbatches))
+
+
+def _one_device(cfg: Config, global_batch: int, microbatches: int, steps: int, warmup: int,
+                devices: list | None) -> dict:
+    """`cfg` unpipelined on the first device: `global_batch` rows accumulated over `microbatches`."""
+    one_device = with_overrides(cfg, ["mesh.data=1", "mesh.stage=1", "mesh.fsdp=1", "mesh.tensor=1",
+                                       f"train.global_batch={global_batch}", f"train.microbatches={microbatches}",
+                                       "model.impl.scan_layers=false"])
+    return _measure(one_device, steps, warmup, (devices or jax.devices())[:1])
 
 
 def _check_bubble(cfg: Config, devices: list | None) -> None:
