@@ -50,11 +50,14 @@ def _toy_layers(x, stacked, *, unroll):
 
 @pytest.mark.parametrize(
     "stages, microbatches, repeats, batch_rule",
-    [(2, 6, 1, ["data", "fsdp", "stage"]), (4, 6, 3, ["data", "fsdp"]), (4, 6, 3, ["data", "fsdp", "stage"])],
-    ids=["S2_M6_gpipe_batch_over_stages", "S4_M6_R3_batch_replicated_over_stages", "S4_M6_R3_batch_over_stages"],
+    [(2, 6, 1, ["data", "fsdp", "stage"]), (4, 6, 3, ["data", "fsdp"]), (4, 6, 3, ["data", "fsdp", "stage"]),
+     (2, 2, 12, ["data", "fsdp", "stage"])],
+    ids=["S2_M6_gpipe_batch_over_stages", "S4_M6_R3_batch_replicated_over_stages", "S4_M6_R3_batch_over_stages",
+         "S2_M2_R12_a_layer_a_lap"],
 )
 def test_schedule_applies_every_layer_in_order(devices, stages, microbatches, repeats, batch_rule):
-    """GPipe, and circular with M not a multiple of S (laps wait M - S iterations at stage 0); the
+    """GPipe, and circular with M not a multiple of S (laps wait M - S iterations at stage 0) and
+    with M = S and one layer per lap (no wait: the largest microbatches at the smallest bubble); the
     batch outside the pipeline split over the stages or whole on each."""
     layers, width, batch = 24, 8, 24
     keys = jax.random.split(jax.random.key(0), 3)
@@ -184,8 +187,9 @@ def _max_relative_error(got, expected) -> float:
 @pytest.mark.parametrize(
     "stages, microbatches, repeats, data, tensor, norm_impl, unroll",
     [(2, 4, 1, 2, 1, "xla", True), (2, 8, 2, 1, 2, "xla", True), (4, 4, 1, 1, 2, "pallas", True),
-     (4, 8, 2, 2, 1, "xla", True), (4, 8, 2, 1, 2, "xla", False)],
-    ids=["S2_M4_data2", "S2_M8_R2_tensor2", "S4_M4_tensor2_fused_norms", "S4_M8_R2_data2", "S4_M8_R2_tensor2_rolled"],
+     (4, 8, 2, 2, 1, "xla", True), (4, 8, 2, 1, 2, "xla", False), (2, 2, 4, 2, 1, "xla", True)],
+    ids=["S2_M4_data2", "S2_M8_R2_tensor2", "S4_M4_tensor2_fused_norms", "S4_M8_R2_data2", "S4_M8_R2_tensor2_rolled",
+         "S2_M2_R4_a_layer_a_lap_data2"],
 )
 def test_pipelined_loss_and_grads_match_unpipelined(tmp_path, monkeypatch, devices, reference, stages, microbatches,
                                                     repeats, data, tensor, norm_impl, unroll):
