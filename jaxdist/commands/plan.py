@@ -4,8 +4,9 @@ The train state is described, not allocated (`Trainer.from_config(..., materiali
 real step is compiled for it ahead of time on the configured mesh; on a CPU machine `--devices N`
 simulates N devices. Per device it reports the parameters, optimizer state, model state (BatchNorm's
 running averages) and compute-dtype copies (from their shardings), the batch, and XLA's own count
-of temporaries (activations, gradients, collective buffers) and code. Over `--device-memory` it compiles changes that save memory (remat,
-more microbatches, a wider fsdp axis) and suggests the first that fits.
+of temporaries (activations, gradients, collective buffers) and code. Over `--device-memory` it
+compiles changes that save memory (recomputation, more microbatches, a wider fsdp axis), cheapest
+first, and suggests the first that fits.
 
 Compiled for CPU (planning without the GPUs), only the state and batch are the GPU's: XLA on CPU
 neither fuses nor rematerializes as on a GPU (its temporaries can be several times a GPU's), so
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import typing
 from typing import Any
 
 import jax
@@ -148,12 +150,14 @@ _WITH_FSDP = {"dp": "fsdp", "tp": "fsdp_tp"}
 
 
 def savings(cfg: Config, devices: list | None = None) -> list[list[str]]:
-    """Overrides that need less memory per device, in the order they are tried (cheapest first)."""
-    candidates = []
-    if getattr(getattr(cfg.model, "impl", None), "remat", "full") != "full":  # a model that can recompute
+    """Overrides that need less memory per device, in the order they are tried: by what they cost a
+    step as measured, cheapest first (docs/performance.md, "Fitting in memory"), then a wider fsdp."""
+    remat, choices = getattr(getattr(cfg.model, "impl", None), "remat", None), _remat_choices(cfg)
+    candidates = [["model.impl.remat=mlp"]] if remat == "none" and "mlp" in choices else []
+    candidates += [[f"train.microbatches={cfg.train.microbatches * factor}"] for factor in (2, 4)]
+    if remat != "full" and "full" in choices:
         candidates.append(["model.impl.remat=full"])
-    for factor in (2, 4, 8):
-        candidates.append([f"train.microbatches={cfg.train.microbatches * factor}"])
+    candidates.append([f"train.microbatches={cfg.train.microbatches * 8}"])
     # The mesh as resolved on these devices: mesh.data=-1 (fill) replicates too.
     shape = resolve_mesh_shape(cfg.mesh, len(jax.devices() if devices is None else devices))
     if shape["data"] > 1:
@@ -162,6 +166,13 @@ def savings(cfg: Config, devices: list | None = None) -> list[list[str]]:
         fsdp = -1 if cfg.mesh.fsdp == -1 else shape["data"] * shape["fsdp"]
         candidates.append(["mesh.data=1", f"mesh.fsdp={fsdp}", f"rules.preset={preset}"])
     return candidates
+
+
+def _remat_choices(cfg: Config) -> tuple[str, ...]:
+    """The `model.impl.remat` values the model's config accepts (none where it has no such key)."""
+    impl = getattr(cfg.model, "impl", None)
+    field = type(impl).model_fields.get("remat") if impl is not None else None
+    return typing.get_args(field.annotation) if field is not None else ()
 
 
 def suggest(cfg: Config, limit: int, devices: list | None = None,
@@ -196,7 +207,7 @@ def report(cfg: Config, devices: list | None = None, device_memory: int | None =
             lines.append(f"does not fit in {_gb(device_memory)} per device: needs {_gb(plan.total)}")
             found = suggest(cfg, device_memory, devices)
             if found is None:
-                lines.append("no single change tried (model.impl.remat=full, more train.microbatches, a wider fsdp) fits; "
+                lines.append("no single change tried (model.impl.remat, more train.microbatches, a wider fsdp) fits; "
                              "use more devices or a smaller model")
             else:
                 overrides, fitted = found
