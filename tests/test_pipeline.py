@@ -3,6 +3,7 @@
 import re
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -107,6 +108,35 @@ def test_unrolled_iterations_trace_the_stages_layers_once(devices, repeats, rema
 
     jax.make_jaxpr(jax.value_and_grad(loss))(stacked, jnp.ones((batch, width)))
     assert traces == [True]
+
+
+def _eqns(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs nested in it."""
+    yield from jaxpr.eqns
+    for sub in jax.extend.core.subjaxprs(jaxpr):
+        yield from _eqns(sub)
+
+
+def test_an_iteration_whose_stages_are_in_two_laps_selects_their_weights_once(devices):
+    """With R = 12 laps of one layer, M = S = 2: where stage 0 has begun a lap that stage 1 has not,
+    each weight is picked from those two laps' layers by one select, not by a chain over all 12."""
+    stages, micro, repeats, width = 2, 2, 12, 8
+    stacked = {"scale": jnp.ones((stages * repeats, width)), "shift": jnp.zeros((stages * repeats, width))}
+    mesh = mesh_lib.make_mesh(stage=stages, fsdp=-1)
+    schedule = pipeline.Schedule(stages, micro, repeats)
+
+    def run(stacked, x):
+        with rules_lib.activation_rules(mesh, rules_lib.preset("dp")):
+            return pipeline.pipeline(_toy_layers, stacked, x, schedule, ("batch", None))
+
+    jaxpr = jax.make_jaxpr(run)(stacked, jnp.ones((16, width))).jaxpr
+    weight_selects = [eqn for eqn in _eqns(jaxpr) if eqn.primitive.name == "select_n"
+                      and eqn.outvars[0].aval.shape == (stages, width)]
+    t = np.arange(schedule.iterations)[:, None]
+    laps = np.clip((t - np.arange(stages)) // micro, 0, repeats - 1)
+    two_laps = int(np.sum(laps[:, 0] != laps[:, 1]))
+    assert two_laps == repeats - 1  # each lap's start but the first
+    assert len(weight_selects) == two_laps * len(stacked)
 
 
 def _matmul_layers(x, stacked, *, unroll):

@@ -266,12 +266,16 @@ def _layer_groups(weights: Any) -> list[list[Any]]:
 
 def _pick_by_stage(repeat, options: list[Any]) -> Any:
     """The tree whose stage s comes from options[repeat[s]]; `repeat` holds one repeat per stage,
-    known while tracing (numpy) or not."""
-    if isinstance(repeat, np.ndarray) and (repeat == repeat[0]).all():
-        return options[int(repeat[0])]
-    picked = options[0]
-    for r, option in enumerate(options[1:], start=1):
-        picked = jax.tree.map(lambda o, p, r=r: jnp.where(_along_stages(repeat == r, o.ndim - 1), o, p), option, picked)
+    known while tracing (numpy) or not.
+
+    Known, only the repeats some stage runs are read (at most two with M >= S: the stages are in
+    one lap or two consecutive ones), so an iteration selects once whatever R is; each option
+    read costs a select over the layer's weights, and its gradient a masked copy added up."""
+    candidates = [int(r) for r in np.unique(repeat)] if isinstance(repeat, np.ndarray) else range(len(options))
+    picked = options[candidates[0]]
+    for r in candidates[1:]:
+        picked = jax.tree.map(lambda o, p, r=r: jnp.where(_along_stages(repeat == r, o.ndim - 1), o, p),
+                              options[r], picked)
     return picked
 
 
