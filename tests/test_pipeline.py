@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxdist import cli, models
 from jaxdist.kernels import fused_norm, fused_norm_triton
-from jaxdist.commands import hlo
+from jaxdist.commands import hlo, plan
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel.feed import batch_sharding
 from jaxdist.parallel import mesh as mesh_lib
@@ -137,6 +137,23 @@ def test_an_iteration_whose_stages_are_in_two_laps_selects_their_weights_once(de
     two_laps = int(np.sum(laps[:, 0] != laps[:, 1]))
     assert two_laps == repeats - 1  # each lap's start but the first
     assert len(weight_selects) == two_laps * len(stacked)
+
+
+@pytest.mark.parametrize("repeats", [1, 2], ids=["gpipe", "circular"])
+def test_only_the_outputs_read_are_stacked(tmp_path, devices, repeats):
+    """Unrolled, the step keeps the last M iterations' outputs (each microbatch's final pass), not
+    every iteration's: the GPT's compiled step held a buffer stacked over all R x M + S - 1
+    iterations, and its gradient as many zeros."""
+    cfg = make_config(tmp_path, model={"vocab": 128, "d_model": 32, "layers": 4, "heads": 4, "seq_len": 16,
+                                       "impl": {"scan_layers": True}},
+                      mesh={"stage": 2, "data": 1, "fsdp": 1, "tensor": 1}, train={"global_batch": 8},
+                      pipeline={"microbatches": 2, "repeats": repeats})
+    trainer, _ = plan.compiled_trainer(cfg, devices[:2])
+    text = trainer.compiled.as_text()
+    schedule = pipeline.Schedule(2, 2, repeats)
+    # (iterations kept, stages, rows, length, d_model), each device's part of the stages.
+    assert re.search(r"\[2,1,4,16,32\]", text)  # the outputs read
+    assert not re.search(rf"\[{schedule.iterations},1,4,16,32\]", text)
 
 
 def _matmul_layers(x, stacked, *, unroll):

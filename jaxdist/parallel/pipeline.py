@@ -212,26 +212,31 @@ def _run_iterations(apply_layers, weights, x, schedule, names, stage_axes, remat
         return (out, recycled), out
 
     microbatches = split_microbatches(x, micro)  # (M, rows / M, ...), whole on every stage
-    fed = jnp.where(is_first, microbatches[:, None], 0)
-    fed = jnp.concatenate([fed, jnp.zeros((schedule.iterations - micro, *fed.shape[1:]), x.dtype)])
-    fed = rules_lib.constrain(fed, stacked_names)
+    fed = rules_lib.constrain(jnp.where(is_first, microbatches[:, None], 0), stacked_names)
+    idle = jnp.zeros(fed.shape[1:], x.dtype)  # stage 0's input once every microbatch is in
     previous = rules_lib.constrain(jnp.zeros((stages, *microbatches.shape[1:]), x.dtype), buffer_names)
     recycled = None
     if delay:
         recycled = rules_lib.constrain(
             jnp.zeros((stages, delay, *microbatches.shape[1:]), x.dtype), (STAGE, None, *names))
     carry = (previous, recycled)
+    # Microbatch m leaves the last stage for the last time in iteration (R - 1) M + S - 1 + m.
+    last = schedule.iterations - micro
     if unroll:
+        # Only the outputs read are kept: stacking every iteration's made a buffer of R x M + S - 1
+        # microbatches, and as many zero gradients in the backward pass.
         outs = []
         for t in range(schedule.iterations):
-            carry, out = iteration(carry, t, fed[t])
-            outs.append(out)
+            carry, out = iteration(carry, t, fed[t] if t < micro else idle)
+            if t >= last:
+                outs.append(out)
         outs = jnp.stack(outs)
     else:
-        _, outs = jax.lax.scan(lambda c, xs: iteration(c, *xs), carry, (jnp.arange(schedule.iterations), fed))
-    outs = rules_lib.constrain(outs, stacked_names)
-    # Microbatch m leaves the last stage for the last time in iteration (R - 1) M + S - 1 + m.
-    finished = jnp.where(is_last, outs[schedule.iterations - micro:], 0)
+        fed = jnp.concatenate([fed, jnp.broadcast_to(idle, (schedule.iterations - micro, *idle.shape))])
+        xs = (jnp.arange(schedule.iterations), rules_lib.constrain(fed, stacked_names))
+        _, outs = jax.lax.scan(lambda c, xs: iteration(c, *xs), carry, xs)
+        outs = outs[last:]
+    finished = jnp.where(is_last, rules_lib.constrain(outs, stacked_names), 0)
     # A sum in the activations' dtype (jnp.sum would add in float32, and move float32 between
     # devices): one of its terms is not zero, so it is exact.
     outputs = jax.lax.reduce(finished, jnp.zeros((), x.dtype), jax.lax.add, (1,))
