@@ -38,7 +38,6 @@ from jaxdist.observe.metrics import mfu, throughput
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.parallel import pipeline
-from jaxdist.parallel import rules as rules_lib
 from jaxdist.train.trainer import Trainer
 
 
@@ -148,7 +147,9 @@ def measured_bubble(cfg: Config, pipelined: dict, steps: int, warmup: int, devic
         "one_device_step_ms": baseline["step_ms"],
         "pipeline_bubble_measured": round(1 - baseline["step_ms"] / pipelined["step_ms"], 4),
     }
-    rows = pipeline_microbatch_rows(cfg, devices)
+    # Rows of one pipeline microbatch.
+    rows = max(1, layout_lib.from_config(cfg, devices).pipeline_rows(cfg.train.global_batch, cfg.train.microbatches)
+               // cfg.pipeline.microbatches)
     if share % rows == 0 and share // rows != microbatches:
         same_size = _one_device(cfg, share, share // rows, steps, warmup, devices)
         result.update({
@@ -159,14 +160,6 @@ def measured_bubble(cfg: Config, pipelined: dict, steps: int, warmup: int, devic
             "pipeline_overhead_measured": round(1 - same_size["step_ms"] / pipelined["step_ms"], 4),
         })
     return result
-
-
-def pipeline_microbatch_rows(cfg: Config, devices: list | None = None) -> int:
-    """Rows of one pipeline microbatch: the accumulated microbatch of a batch shard (the stage and
-    tensor devices hold it whole) split into `pipeline.microbatches`."""
-    layout = layout_lib.from_config(cfg, devices)
-    shards = rules_lib.axes_size(layout.mesh, rules_lib.data_parallel_axes(layout.rules))
-    return max(1, cfg.train.global_batch // (shards * cfg.train.microbatches * cfg.pipeline.microbatches))
 
 
 def _one_device(cfg: Config, global_batch: int, microbatches: int, steps: int, warmup: int,

@@ -37,6 +37,11 @@ class Layout:
         """How many distinct parts the batch rule splits a global batch into."""
         return rules_lib.axes_size(self.mesh, rules_lib.batch_axes(self.rules))
 
+    def pipeline_rows(self, global_batch: int, microbatches: int) -> int:
+        """Rows each data-parallel batch shard gets per accumulation step (of `microbatches`): what a
+        pipeline splits into its microbatches, the stage and tensor devices sharing them whole."""
+        return global_batch // rules_lib.axes_size(self.mesh, rules_lib.data_parallel_axes(self.rules)) // microbatches
+
     def process_rows(self, global_batch: int, process_index: int | None = None) -> feed.BatchRows:
         """The rows of each global batch that a process (default: this one) feeds."""
         return feed.process_rows(self.batch_sharding, global_batch, process_index)
@@ -112,8 +117,7 @@ def _check_pipeline(cfg: Config, layout: Layout) -> None:
             f"mesh.stage={stages} pipelines the stacked layer stack, but model.impl.scan_layers=false "
             f"gives each layer its own parameters; set model.impl.scan_layers=true"
         )
-    shards = rules_lib.axes_size(layout.mesh, rules_lib.data_parallel_axes(layout.rules))
-    rows = cfg.train.global_batch // shards // cfg.train.microbatches
+    rows = layout.pipeline_rows(cfg.train.global_batch, cfg.train.microbatches)
     pipeline.Schedule(stages, cfg.pipeline.microbatches, cfg.pipeline.repeats).check(cfg.model.layer_stack, rows)
 
 
