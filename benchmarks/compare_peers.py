@@ -2,7 +2,7 @@
 
     python3 benchmarks/compare_peers.py SUITE [SUITE ...] [--peers DIR] [--out results.jsonl]
 
-Suites: `one_gpu`, `long_sequences`, `resnet50` (one GPU), `two_gpus_dp_fsdp` (2 GPUs),
+Suites: `one_gpu`, `long_sequences`, `resnet50`, `accumulation` (one GPU), `two_gpus_dp_fsdp` (2 GPUs),
 `tensor_parallel` (4 GPUs); see README.md.
 
 Each run is a separate process (one GPU program at a time); every result is one JSON line. The
@@ -37,6 +37,7 @@ def suites(peers: str) -> dict[str, list[tuple[str, list[str]]]]:
     torch_gpt = [sys.executable, f"{peers}/torch_gpt.py"]
     torch_dist = ["torchrun", "--standalone", "--nproc_per_node=2", f"{peers}/torch_dist.py"]
     torch_resnet = [sys.executable, f"{peers}/torch_resnet.py", "--batch", "256"]
+    torch_accumulate = [sys.executable, "benchmarks/peer_accumulation.py", "--peers", peers, "--batch", "16"]
     resnet50 = JAXDIST + ["resnet50_imagenet", "--devices", "1"]
     # jaxdist's own 1-GPU step: the baseline of the multi-GPU ratios (the first GPU of a larger host).
     one_gpu_406m = JAXDIST + GPT_406M + ["mesh.fsdp=1", "--devices", "1"]
@@ -67,6 +68,15 @@ def suites(peers: str) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist resnet50", resnet50),
             ("torch resnet50 b256 again", torch_resnet),
             ("jaxdist resnet50 again", resnet50),
+        ],
+        # The 406M model's 16 sequences in 1, 2, 4 and 8 microbatches: what each size costs torch's
+        # accumulation and jaxdist's (a pipeline's microbatches are these sizes). Torch also in CUDA
+        # graphs: at 4 rows and fewer its kernel launches set the pace without them.
+        "accumulation": [
+            *((f"torch 406m b16 mb{k}", torch_accumulate + ["--microbatches", str(k)]) for k in (1, 2, 4, 8)),
+            *((f"torch graphs b16 mb{k}", torch_accumulate + ["--microbatches", str(k), "--mode", "reduce-overhead"])
+              for k in (1, 4, 8)),
+            *((f"jaxdist 406m mb{k}", JAXDIST + GPT_406M + [f"train.microbatches={k}"]) for k in (1, 2, 4, 8)),
         ],
         # Data parallel, FSDP and ZeRO-2 on 2 GPUs against one GPU, torch's DDP and FSDP2.
         "two_gpus_dp_fsdp": [
