@@ -50,16 +50,18 @@ def _toy_layers(x, stacked, *, unroll):
 
 
 @pytest.mark.parametrize(
-    "stages, microbatches, repeats, batch_rule",
-    [(2, 6, 1, ["data", "fsdp", "stage"]), (4, 6, 3, ["data", "fsdp"]), (4, 6, 3, ["data", "fsdp", "stage"]),
-     (2, 2, 12, ["data", "fsdp", "stage"])],
+    "stages, microbatches, repeats, hop, batch_rule",
+    [(2, 6, 1, 1, ["data", "fsdp", "stage"]), (4, 6, 3, 1, ["data", "fsdp"]), (4, 6, 3, 1, ["data", "fsdp", "stage"]),
+     (2, 2, 12, 1, ["data", "fsdp", "stage"]), (2, 3, 1, 2, ["data", "fsdp", "stage"]),
+     (2, 4, 6, 2, ["data", "fsdp", "stage"]), (4, 12, 3, 2, ["data", "fsdp"])],
     ids=["S2_M6_gpipe_batch_over_stages", "S4_M6_R3_batch_replicated_over_stages", "S4_M6_R3_batch_over_stages",
-         "S2_M2_R12_a_layer_a_lap"],
+         "S2_M2_R12_a_layer_a_lap", "S2_M3_gpipe_overlapped", "S2_M4_R6_overlapped", "S4_M12_R3_overlapped_laps_wait"],
 )
-def test_schedule_applies_every_layer_in_order(devices, stages, microbatches, repeats, batch_rule):
+def test_schedule_applies_every_layer_in_order(devices, stages, microbatches, repeats, hop, batch_rule):
     """GPipe, and circular with M not a multiple of S (laps wait M - S iterations at stage 0) and
     with M = S and one layer per lap (no wait: the largest microbatches at the smallest bubble); the
-    batch outside the pipeline split over the stages or whole on each."""
+    batch outside the pipeline split over the stages or whole on each. With overlapped transfers
+    (two iterations a stage): GPipe, circular with M = 2 S (no wait) and with laps that wait."""
     layers, width, batch = 24, 8, 24
     keys = jax.random.split(jax.random.key(0), 3)
     stacked = {
@@ -69,7 +71,7 @@ def test_schedule_applies_every_layer_in_order(devices, stages, microbatches, re
     x = jax.random.normal(keys[2], (batch, width))
     mesh = mesh_lib.make_mesh(stage=stages, fsdp=-1)
     rules = rules_lib.preset("dp").override(activations={"batch": batch_rule})
-    schedule = pipeline.Schedule(stages, microbatches, repeats)
+    schedule = pipeline.Schedule(stages, microbatches, repeats, hop)
 
     def pipelined(stacked, x):
         with rules_lib.activation_rules(mesh, rules):
@@ -115,6 +117,44 @@ def _eqns(jaxpr):
     yield from jaxpr.eqns
     for sub in jax.extend.core.subjaxprs(jaxpr):
         yield from _eqns(sub)
+
+
+def _stage_calls_between_each_roll_and_its_input(jaxpr, stages: int) -> list[int]:
+    """For each roll to the next stage (a one-in, one-out call of the stage-dim shape) whose input
+    some stage computation made: how many of the stages' layer calls come between the newest one
+    it depends on and the roll. 0: the roll waits for the iteration just before it."""
+    newest: dict = {}  # var -> index of the newest stage call it depends on
+    calls, between = 0, []
+    for eqn in jaxpr.eqns:
+        made_by = max((newest.get(v, -1) for v in eqn.invars if isinstance(v, jax.extend.core.Var)), default=-1)
+        if eqn.primitive.name == "jit" and eqn.params["name"] == "_toy_layers":
+            made_by, calls = calls, calls + 1
+        elif (eqn.primitive.name == "custom_vjp_call" and len(eqn.invars) == len(eqn.outvars) == 1
+              and eqn.invars[0].aval.shape == eqn.outvars[0].aval.shape and eqn.invars[0].aval.shape[0] == stages):
+            if made_by >= 0:
+                between.append(calls - 1 - made_by)
+        for v in eqn.outvars:
+            newest[v] = made_by
+    return between
+
+
+@pytest.mark.parametrize("hop", [1, 2], ids=["next_iteration", "overlapped"])
+def test_overlapped_transfers_need_nothing_of_the_iteration_before_their_use(devices, hop):
+    """Stage s + 1 uses stage s's output of iteration t in iteration t + 1, so the roll between them
+    waits for iteration t and is waited for; with overlapped transfers it is used in t + 2, and the
+    roll needs nothing of iteration t + 1's computation: it can run beside it."""
+    layers, width, batch = 8, 8, 16
+    stacked = {"scale": jnp.ones((layers, width)), "shift": jnp.zeros((layers, width))}
+    mesh = mesh_lib.make_mesh(stage=2, fsdp=-1)
+    schedule = pipeline.Schedule(2, 4, 2, hop)
+
+    def forward(stacked, x):
+        with rules_lib.activation_rules(mesh, rules_lib.preset("dp")):
+            return pipeline.pipeline(_toy_layers, stacked, x, schedule, ("batch", None))
+
+    between = _stage_calls_between_each_roll_and_its_input(jax.make_jaxpr(forward)(stacked, jnp.ones((batch, width))).jaxpr, 2)
+    assert len(between) == schedule.iterations - hop  # the first hop rolls move zeros
+    assert set(between) == {hop - 1}
 
 
 def test_an_iteration_whose_stages_are_in_two_laps_selects_their_weights_once(devices):
@@ -188,6 +228,9 @@ def test_bubble_is_the_idle_fraction():
     assert pipeline.Schedule(4, 8).bubble == pytest.approx(3 / 11)
     assert pipeline.Schedule(4, 8, repeats=2).bubble == pytest.approx(3 / 19)
     assert pipeline.Schedule(2, 4).iterations == 5
+    # Overlapped transfers: two iterations a stage, so twice the idle iterations.
+    assert pipeline.Schedule(4, 8, repeats=2, hop=2).bubble == pytest.approx(6 / 22)
+    assert pipeline.Schedule(2, 4, hop=2).iterations == 6
 
 
 # -- the GPT, pipelined over 8 CPU devices, against the plain model --------------------------------
@@ -232,23 +275,26 @@ def _max_relative_error(got, expected) -> float:
 
 
 @pytest.mark.parametrize(
-    "stages, microbatches, repeats, data, tensor, norm_impl, unroll",
-    [(2, 4, 1, 2, 1, "xla", True), (2, 8, 2, 1, 2, "xla", True), (4, 4, 1, 1, 2, "pallas", True),
-     (4, 8, 2, 2, 1, "xla", True), (4, 8, 2, 1, 2, "xla", False), (2, 2, 4, 2, 1, "xla", True)],
+    "stages, microbatches, repeats, data, tensor, norm_impl, unroll, overlap",
+    [(2, 4, 1, 2, 1, "xla", True, False), (2, 8, 2, 1, 2, "xla", True, False), (4, 4, 1, 1, 2, "pallas", True, False),
+     (4, 8, 2, 2, 1, "xla", True, False), (4, 8, 2, 1, 2, "xla", False, False), (2, 2, 4, 2, 1, "xla", True, False),
+     (2, 4, 2, 2, 1, "xla", False, True)],
     ids=["S2_M4_data2", "S2_M8_R2_tensor2", "S4_M4_tensor2_fused_norms", "S4_M8_R2_data2", "S4_M8_R2_tensor2_rolled",
-         "S2_M2_R4_a_layer_a_lap_data2"],
+         "S2_M2_R4_a_layer_a_lap_data2", "S2_M4_R2_overlapped_rolled_data2"],
 )
 def test_pipelined_loss_and_grads_match_unpipelined(tmp_path, monkeypatch, devices, reference, stages, microbatches,
-                                                    repeats, data, tensor, norm_impl, unroll):
+                                                    repeats, data, tensor, norm_impl, unroll, overlap):
     """Also with the fused norm kernels (in Pallas's interpreter here) in the stages' unrolled layers,
-    their backward traced outside the pipeline's rules; and with the iterations as a rolled loop.
+    their backward traced outside the pipeline's rules; with the iterations as a rolled loop; and
+    with overlapped transfers (rolled: the loop carries two iterations' outputs).
     The kernels are Triton's here: Mosaic GPU's interpreter deadlocks on a kernel batched by the
     stages' vmap (waiting in its shared-memory barrier); on a GPU the Mosaic GPU kernels run there."""
     if norm_impl == "pallas":
         monkeypatch.setattr(fused_norm, "IMPLEMENTATIONS", (fused_norm_triton,))
     params, batch, expected_loss, expected_grads = reference
     cfg = _pipe_config(tmp_path, stages, microbatches, repeats, data, tensor, impl={"norm_impl": norm_impl},
-                       pipeline={"microbatches": microbatches, "repeats": repeats, "unroll": unroll})
+                       pipeline={"microbatches": microbatches, "repeats": repeats, "unroll": unroll,
+                                 "overlap_transfers": overlap})
     layout = layout_lib.from_config(cfg, devices)
     mesh, rules = layout.mesh, layout.rules
     model = abstract_model(models.get("gpt").create(cfg), cfg.seed)
@@ -410,8 +456,10 @@ def test_with_fsdp_the_embedding_lookup_moves_no_rows_between_devices(tmp_path, 
         (["pipeline.microbatches=2"], r"pipeline.microbatches=2 is less than mesh.stage=4"),
         (["pipeline.microbatches=8", "train.microbatches=2"],
          r"pipeline.microbatches=8 does not divide the 4 rows each batch shard gets"),
+        (["pipeline.microbatches=4", "pipeline.repeats=2", "pipeline.overlap_transfers=true"],
+         r"pipeline.microbatches=4 is less than 2 x mesh.stage = 8, which pipeline.overlap_transfers needs"),
     ],
-    ids=["layers", "layers_repeats", "too_few_microbatches", "batch"],
+    ids=["layers", "layers_repeats", "too_few_microbatches", "batch", "too_few_microbatches_to_overlap"],
 )
 def test_bad_pipeline_config_exits_2_before_compiling(tmp_path, capsys, compiles, overrides, message):
     cfg = _pipe_config(tmp_path, stages=4, microbatches=4)

@@ -49,12 +49,13 @@ def random_batch(cfg: Config, rows: Sequence[int] | None = None) -> dict[str, np
 
 
 def pipeline_schedule(cfg: Config, stages: int) -> dict:
-    """The pipeline's microbatches, repeats and theoretical bubble (S-1)/(R*M+S-1); bubble 0 without stages."""
+    """The pipeline's microbatches, repeats, whether its transfers overlap compute and its
+    theoretical bubble (`pipeline.Schedule.bubble`); bubble 0 without stages."""
     if stages == 1:
         return {"pipeline_bubble": 0.0}
-    schedule = pipeline.Schedule(stages, cfg.pipeline.microbatches, cfg.pipeline.repeats)
+    schedule = pipeline.Schedule.of(stages, cfg.pipeline)
     return {"pipeline_microbatches": schedule.microbatches, "pipeline_repeats": schedule.repeats,
-            "pipeline_bubble": round(schedule.bubble, 4)}
+            "pipeline_overlap_transfers": cfg.pipeline.overlap_transfers, "pipeline_bubble": round(schedule.bubble, 4)}
 
 
 def peak_memory_bytes(devices) -> int | None:

@@ -118,7 +118,7 @@ def _check_pipeline(cfg: Config, layout: Layout) -> None:
             f"gives each layer its own parameters; set model.impl.scan_layers=true"
         )
     rows = layout.pipeline_rows(cfg.train.global_batch, cfg.train.microbatches)
-    pipeline.Schedule(stages, cfg.pipeline.microbatches, cfg.pipeline.repeats).check(cfg.model.layer_stack, rows)
+    pipeline.Schedule.of(stages, cfg.pipeline).check(cfg.model.layer_stack, rows)
 
 
 # What makes each mesh axis do its part, for the error about an axis no rule uses.

@@ -12,6 +12,13 @@ collective permute, the only collective of an iteration. The backward pass is au
 iterations, i.e. GPipe: all forwards, then all backwards. A stage is idle for S - 1 of the
 iterations, the bubble (S - 1) / (R * M + S - 1).
 
+The next iteration waits for that roll. With `pipeline.overlap_transfers` a stage's output is
+used two iterations after it is made, not one: the roll runs during the iteration in between,
+beside its compute, and nothing waits for it unless it takes longer than an iteration (the
+backward pass's rolls likewise). The price is S - 1 more idle iterations: a microbatch takes two
+iterations a stage, so the bubble is 2 (S - 1) / (R * M + 2 (S - 1)), and with R > 1 a lap needs
+M >= 2 S.
+
 The iterations run unrolled by default (`pipeline.unroll`), a Python loop: a `lax.scan` must copy
 what every iteration saves for the backward pass into buffers stacked over the iterations and read
 it back, a cost the straight-line program does not have (docs/performance.md); the scan compiles
@@ -28,12 +35,12 @@ stage axes:
 - the inputs: stage 0 reads microbatch t in iteration t from a stage-split buffer whose other
   stages hold zeros, so every read is local. Filling it gathers each row to
   stage 0 once, before the loop; its gradient returns to the rows in one reduction after it.
-- the outputs: every stage's output of every iteration is kept; after the loop the last
-  stage's last M iterations (each microbatch's final pass) go back to the rows' devices in one
+- the outputs: the stages' outputs of the last M iterations are kept (the last stage's are each
+  microbatch's final pass); after the loop the last stage's go back to the rows' devices in one
   reduction over the stage axis (its gradient: one gather).
 - with R > 1, stage 0 runs microbatch m's next lap M iterations after its previous one, so what
-  the roll brings it from the last stage waits M - S iterations in a local delay line
-  (`recycled`, only with M > S).
+  the roll brings it from the last stage waits M - S iterations (M - 2 S with overlapped
+  transfers) in a local delay line (`recycled`, only where that is more than 0).
 
 Bubble iterations compute on zero or stale inputs and their results are never read, so they add
 time but no gradient. Layers stay in their canonical order in the parameters; with R > 1 the
@@ -71,21 +78,29 @@ class ApplyLayers(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """Sizes of one pipelined pass: S stages, M microbatches, R repeats (circular when R > 1)."""
+    """Sizes of one pipelined pass: S stages, M microbatches, R repeats (circular when R > 1), and
+    the iterations from one stage to the next (`hop`: 1, or 2 where the transfers overlap compute)."""
 
     stages: int
     microbatches: int
     repeats: int = 1
+    hop: int = 1
 
     @property
     def iterations(self) -> int:
-        """Scan iterations: each microbatch passes R * S stage slots, the last one S - 1 after the first."""
-        return self.repeats * self.microbatches + self.stages - 1
+        """Iterations: each microbatch passes R * S stage slots; the last stage starts the last
+        microbatch hop * (S - 1) iterations after the first stage."""
+        return self.repeats * self.microbatches + self.hop * (self.stages - 1)
 
     @property
     def bubble(self) -> float:
-        """Fraction of iterations a stage idles: (S - 1) / (R * M + S - 1)."""
-        return (self.stages - 1) / self.iterations
+        """Fraction of iterations a stage idles: hop (S - 1) / (R * M + hop (S - 1))."""
+        return self.hop * (self.stages - 1) / self.iterations
+
+    @classmethod
+    def of(cls, stages: int, settings: PipelineConfig) -> Schedule:
+        """The schedule the `pipeline` config section gives on `stages` stages."""
+        return cls(stages, settings.microbatches, settings.repeats, 2 if settings.overlap_transfers else 1)
 
     def check(self, layers: int, rows: int | None = None) -> None:
         """Raises a `UserError` naming the config key if this schedule cannot run `layers` layers
@@ -101,6 +116,13 @@ class Schedule:
             raise UserError(
                 f"pipeline.microbatches={micro} is less than mesh.stage={stages}: stages would idle "
                 f"on every step; use at least {stages} (more shrinks the bubble (S-1)/(M+S-1))"
+            )
+        if repeats > 1 and micro < self.hop * stages:
+            raise UserError(
+                f"pipeline.microbatches={micro} is less than 2 x mesh.stage = {2 * stages}, which "
+                f"pipeline.overlap_transfers needs with pipeline.repeats={repeats} (a microbatch takes "
+                f"two iterations a stage, so a lap takes {2 * stages}); use at least {2 * stages} "
+                f"microbatches, or overlap_transfers=false"
             )
         if rows is not None and rows % micro:
             raise UserError(
@@ -134,7 +156,7 @@ def run_layers(
     shards = rules_lib.axes_size(mesh, data_parallel_axes(rules, names[0]))
     if stages == 1 or x.shape[0] % (settings.microbatches * shards):
         return apply_layers(x, layers, unroll=False)
-    schedule = Schedule(stages, settings.microbatches, settings.repeats)
+    schedule = Schedule.of(stages, settings)
     schedule.check(jax.tree.leaves(layers)[0].shape[0])
     return pipeline(apply_layers, layers, x, schedule, tuple(names), remat=settings.remat, unroll=settings.unroll)
 
@@ -163,7 +185,7 @@ def pipeline(
 def _run_iterations(apply_layers, weights, x, schedule, names, stage_axes, remat, unroll):
     """The iterations, under the rules of the inside (the batch less the stage axes): unrolled, a
     Python loop whose iteration numbers are known while tracing, else a `lax.scan`."""
-    stages, micro, repeats = schedule.stages, schedule.microbatches, schedule.repeats
+    stages, micro, repeats, hop = schedule.stages, schedule.microbatches, schedule.repeats, schedule.hop
     stage_of = np.arange(stages)
     is_first = _along_stages(stage_of == 0, x.ndim)
     is_last = _along_stages(stage_of == stages - 1, x.ndim)
@@ -176,9 +198,9 @@ def _run_iterations(apply_layers, weights, x, schedule, names, stage_axes, remat
     groups = _layer_groups(weights)
 
     def run_iteration(stage_in: jax.Array, t) -> jax.Array:
-        # Stage s runs pass t - s; its repeat is which lap of the M microbatches that pass is in.
+        # Stage s runs pass t - hop * s; its repeat is which lap of the M microbatches that pass is in.
         numbers = np if isinstance(t, int) else jnp
-        repeat = numbers.clip((t - stage_of) // micro, 0, repeats - 1)
+        repeat = numbers.clip((t - hop * stage_of) // micro, 0, repeats - 1)
 
         def run(stage_in, groups):
             layers = [_pick_by_stage(repeat, [group[i] for group in groups]) for i in range(len(groups[0]))]
@@ -193,15 +215,17 @@ def _run_iterations(apply_layers, weights, x, schedule, names, stage_axes, remat
             run = jax.checkpoint(run, prevent_cse=unroll)
         return run(stage_in, groups)
 
-    delay = micro - stages if repeats > 1 else 0
+    delay = micro - hop * stages if repeats > 1 else 0
 
     def iteration(carry, t, fed_t):
-        previous, recycled = carry
-        shifted = _to_next_stage(previous)  # stage s gets what stage s - 1 made last iteration
+        made, recycled = carry  # the stages' outputs of the last `hop` iterations, oldest first
+        # Stage s gets what stage s - 1 made `hop` iterations ago: with hop 2 the roll needs nothing
+        # of the last iteration, so it runs beside it.
+        shifted = _to_next_stage(made[0])
         first_in = fed_t
         if repeats > 1:
-            # The last stage's output, back at stage 0 through the roll, starts its next lap M - S
-            # iterations later.
+            # The last stage's output, back at stage 0 through the roll, starts its next lap
+            # M - hop * S iterations later.
             lap = shifted
             if delay:
                 lap = _slot(recycled, t % delay)
@@ -209,18 +233,18 @@ def _run_iterations(apply_layers, weights, x, schedule, names, stage_axes, remat
             first_in = jnp.where(t < micro, fed_t, lap)
         stage_in = rules_lib.constrain(jnp.where(is_first, first_in, shifted), buffer_names)
         out = rules_lib.constrain(run_iteration(stage_in, t), buffer_names)
-        return (out, recycled), out
+        return ((*made[1:], out), recycled), out
 
     microbatches = split_microbatches(x, micro)  # (M, rows / M, ...), whole on every stage
     fed = rules_lib.constrain(jnp.where(is_first, microbatches[:, None], 0), stacked_names)
     idle = jnp.zeros(fed.shape[1:], x.dtype)  # stage 0's input once every microbatch is in
-    previous = rules_lib.constrain(jnp.zeros((stages, *microbatches.shape[1:]), x.dtype), buffer_names)
+    nothing_made = rules_lib.constrain(jnp.zeros((stages, *microbatches.shape[1:]), x.dtype), buffer_names)
     recycled = None
     if delay:
         recycled = rules_lib.constrain(
             jnp.zeros((stages, delay, *microbatches.shape[1:]), x.dtype), (STAGE, None, *names))
-    carry = (previous, recycled)
-    # Microbatch m leaves the last stage for the last time in iteration (R - 1) M + S - 1 + m.
+    carry = ((nothing_made,) * hop, recycled)
+    # Microbatch m leaves the last stage for the last time in iteration (R - 1) M + hop (S - 1) + m.
     last = schedule.iterations - micro
     if unroll:
         # Only the outputs read are kept: stacking every iteration's made a buffer of R x M + S - 1
@@ -273,8 +297,8 @@ def _pick_by_stage(repeat, options: list[Any]) -> Any:
     """The tree whose stage s comes from options[repeat[s]]; `repeat` holds one repeat per stage,
     known while tracing (numpy) or not.
 
-    Known, only the repeats some stage runs are read (at most two with M >= S: the stages are in
-    one lap or two consecutive ones), so an iteration selects once whatever R is; each option
+    Known, only the repeats some stage runs are read (at most two with M >= hop * S: the stages
+    are in one lap or two consecutive ones), so an iteration selects once whatever R is; each option
     read costs a select over the layer's weights, and its gradient a masked copy added up."""
     candidates = [int(r) for r in np.unique(repeat)] if isinstance(repeat, np.ndarray) else range(len(options))
     picked = options[candidates[0]]
