@@ -265,8 +265,8 @@ class PipelineConfig(Section):
         True, description="run the iterations unrolled (fastest on GPU); false: as one lax.scan (compiles faster)")
     overlap_transfers: bool = Field(
         False, description="use each stage's output two iterations after it is made, so that its transfer to the "
-                           "next stage runs beside an iteration's compute; the bubble doubles, and with repeats "
-                           "the microbatches must be at least 2 x mesh.stage")
+                           "next stage runs beside an iteration's compute (for stages on different hosts); the "
+                           "bubble doubles, and with repeats the microbatches must be at least 2 x mesh.stage")
 
 
 class SampleConfig(Section):

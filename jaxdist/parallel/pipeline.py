@@ -17,7 +17,7 @@ used two iterations after it is made, not one: the roll runs during the iteratio
 beside its compute, and nothing waits for it unless it takes longer than an iteration (the
 backward pass's rolls likewise). The price is S - 1 more idle iterations: a microbatch takes two
 iterations a stage, so the bubble is 2 (S - 1) / (R * M + 2 (S - 1)), and with R > 1 a lap needs
-M >= 2 S.
+M >= 2 S. That pays where the rolls are slow: stages on different hosts (docs/performance.md).
 
 The iterations run unrolled by default (`pipeline.unroll`), a Python loop: a `lax.scan` must copy
 what every iteration saves for the backward pass into buffers stacked over the iterations and read
