@@ -30,13 +30,11 @@ train: install
 slurm:
 	bash scripts/slurm/local_cluster.sh
 
-# Three workers on two cores: many tests wait (on Slurm, on timeouts, on processes they start), and
-# a third worker uses the core they leave idle (10:45 against 11:37 with two, on a 2-core host).
 test: install slurm
-	$(BIN)/pytest -n 3 --dist worksteal --durations=15 $(ARGS)
+	$(BIN)/pytest -n 2 --dist worksteal --durations=15 $(ARGS)
 
 test-fast: install
-	$(BIN)/pytest -n 3 --dist worksteal -m "not slow" $(ARGS)
+	$(BIN)/pytest -n 2 --dist worksteal -m "not slow" $(ARGS)
 
 # On a GPU host: the tests marked `gpu` (the kernels, FP8 GEMMs, transformers loading the exports) on
 # the GPU, and only those; `make test` runs the CPU-simulated suite there as everywhere.
