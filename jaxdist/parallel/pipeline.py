@@ -35,9 +35,9 @@ stage axes:
 - the inputs: stage 0 reads microbatch t in iteration t from a stage-split buffer whose other
   stages hold zeros, so every read is local. Filling it gathers each row to
   stage 0 once, before the loop; its gradient returns to the rows in one reduction after it.
-- the outputs: the stages' outputs of the last M iterations are kept (the last stage's are each
-  microbatch's final pass); after the loop the last stage's go back to the rows' devices in one
-  reduction over the stage axis (its gradient: one gather).
+- the outputs: the last stage's outputs of the last M iterations (each microbatch's final pass)
+  go back to the rows' devices after the loop in one reduction over the stage axis (its gradient:
+  one gather); unrolled, only those iterations' outputs are kept.
 - with R > 1, stage 0 runs microbatch m's next lap M iterations after its previous one, so what
   the roll brings it from the last stage waits M - S iterations (M - 2 S with overlapped
   transfers) in a local delay line (`recycled`, only where that is more than 0).
