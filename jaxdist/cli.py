@@ -106,8 +106,12 @@ def _parser() -> argparse.ArgumentParser:
                                       "and report the measured bubble (1 - that step time / the pipeline's), split "
                                       "into what the pipeline's microbatch size costs one device and the rest")
         if name == "plan":
-            command.add_argument("--devices", type=_COUNT,
-                                 help="plan for N devices (on a CPU-only machine: N simulated devices)")
+            count = command.add_mutually_exclusive_group()
+            count.add_argument("--devices", type=_COUNT,
+                               help="plan for N devices (on a CPU-only machine: N simulated devices)")
+            count.add_argument("--mock-gpus", type=_COUNT, metavar="N",
+                               help="on a GPU host: compile for N GPUs of its kind, on one of them (the rest are "
+                                    "not needed): each GPU's memory, and the collectives XLA's schedule waits for")
             command.add_argument("--device-memory", help="memory per device, e.g. 80GB: say whether it fits, "
                                  "and suggest a change that does")
     # The metavar names the choices where argparse would name the dest ("required: config_command").
@@ -277,6 +281,9 @@ def _plan(args) -> None:
     from jaxdist import kernels
 
     limit = plan.parse_bytes(args.device_memory) if args.device_memory else None
+    if args.mock_gpus and jax.devices()[0].platform != "gpu":
+        raise UserError(f"plan --mock-gpus {args.mock_gpus}: compiling for GPUs that are not there needs one that "
+                        f"is (a GPU host with JAX's CUDA plugin); JAX runs on {jax.devices()[0].platform} here")
     devices = _first_devices(args)
     cfg = _config_with_data_sizes(args)
     built = kernels.build_for(cfg.model)  # the kernels the step will load, as train builds them
@@ -506,6 +513,8 @@ def _run(argv: list[str] | None, started: float) -> int:
 
     if args.command == "plan" and args.devices and not os.environ.get("JAXDIST_CPU_DEVICES"):
         runtime.use_cpu_devices(args.devices)  # simulated where there is no accelerator
+    if args.command == "plan" and args.mock_gpus:
+        runtime.mock_gpus(args.mock_gpus)
     runtime.remember_interrupts()
     runtime.use_cpu_devices()
     runtime.gpu_defaults()

@@ -1,8 +1,8 @@
 """Process-wide settings jaxdist offers but never applies on import: simulated CPU devices
-(`JAXDIST_CPU_DEVICES`), jaxdist's default XLA GPU flags, JAX's persistent compilation cache and a
-Ctrl-C that cannot be lost.
+(`JAXDIST_CPU_DEVICES`), GPUs to compile for that are not there (`mock_gpus`), jaxdist's default
+XLA GPU flags, JAX's persistent compilation cache and a Ctrl-C that cannot be lost.
 
-The first two take effect only before JAX starts its backend (the first computation or device
+The first three take effect only before JAX starts its backend (the first computation or device
 query), the cache before the first compile, so a program calls them first thing; the `jaxdist`
 command does.
 """
@@ -37,6 +37,21 @@ def use_cpu_devices(n: int | None = None) -> None:
         jax.config.update("jax_num_cpu_devices", n)
 
 
+def mock_gpus(n: int) -> None:
+    """Makes JAX compile for `n` GPUs on a host that has at least one: the first GPU stands for all
+    of them (JAX's `mock_num_gpu_processes`). Nothing can run on them; compiling is all they do, so
+    XLA's autotuning, which runs kernels, is off unless `XLA_FLAGS` sets it. Call it before JAX's
+    backend starts (the `jaxdist plan --mock-gpus` command does)."""
+    if n < 1:
+        raise UserError(f"--mock-gpus {n}: the GPU count must be a positive integer")
+    # One real GPU stands for each mock process's devices: with more visible, each would count n times.
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    if AUTOTUNE not in xla_flags():
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {AUTOTUNE}=0".strip()
+    jax.config.update("mock_num_gpu_processes", n)
+
+
 def _count_from_environment() -> int | None:
     text = os.environ.get("JAXDIST_CPU_DEVICES", "")
     if not text:
@@ -54,6 +69,7 @@ def _count_from_environment() -> int | None:
 #   up-projection's epilogue (GELU_AUX: it writes the pre-activation for the backward too). FP8
 #   GEMMs need them off too (models/fp8.py).
 TRITON_GEMM = "--xla_gpu_enable_triton_gemm"
+AUTOTUNE = "--xla_gpu_autotune_level"
 GPU_FLAGS = {"--xla_gpu_dot_merger_threshold_mb": "0", TRITON_GEMM: "false"}
 
 

@@ -78,6 +78,15 @@ def test_async_collectives_count_once_in_either_printed_form():
         assert [op.opcode.removesuffix("-start") for op in hlo.collectives(text, hlo.REDUCTIONS)] == ["reduce-scatter"]
 
 
+def test_waited_collectives_are_the_synchronous_ones_with_loops_counted():
+    """XLA on GPU keeps a collective asynchronous where it schedules work beside it; CPU's are all
+    synchronous, which the step waits for."""
+    for text in (_ASYNC_WRAPPED, _ASYNC_SUGARED):
+        assert hlo.waited_collectives(text) == {"reduce-scatter": (0, 1)}, text
+    assert hlo.waited_collectives(_sum_over_devices(250, jnp.float32)) == {"all-reduce": (1, 1)}
+    assert hlo.waited_collectives(_sum_over_devices(250, jnp.float32, steps=3)) == {"all-reduce": (3, 3)}
+
+
 def test_a_tuple_element_operand_counts_that_element_only():
     """`%call#0`: XLA's shorthand for element 0 of a tuple; here a matmul's result beside its s8 workspace."""
     text = """HloModule m

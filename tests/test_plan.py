@@ -1,6 +1,11 @@
 """`jaxdist plan`: memory per device from the compiled step, without allocating the state."""
 
 import gc
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import pytest
@@ -147,3 +152,56 @@ def test_compiled_for_cpu_the_fit_is_judged_on_the_state_and_batch(capsys):
     assert out[-2] == "does not fit in 40.00 MB per device: the state and batch alone need 52.20 MB"
     assert out[-1] == ("suggestion: mesh.data=1 mesh.fsdp=8 rules.preset=fsdp -> state and batch 6.57 MB per device "
                        "(compiled; a GPU's temporaries not counted)")
+
+
+def _plan_in_a_process(*args: str) -> subprocess.CompletedProcess:
+    """`jaxdist plan ARGS` in a fresh process: --mock-gpus must be set before JAX's backend starts."""
+    root = Path(__file__).resolve().parents[1]
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-m", "jaxdist.cli", "plan", *args], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": path}, cwd=root, timeout=600)
+
+
+def test_mock_gpus_need_a_gpu_host_and_exclude_devices():
+    if jax.default_backend() == "gpu":
+        pytest.skip("the message for a host without a GPU")
+    run = _plan_in_a_process("digits_mlp", "--mock-gpus", "2")
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.stderr.strip().splitlines()[-1] == (
+        "jaxdist: error: plan --mock-gpus 2: compiling for GPUs that are not there needs one that is (a GPU host "
+        "with JAX's CUDA plugin); JAX runs on cpu here")
+    with pytest.raises(SystemExit) as usage:
+        cli.main(["plan", "digits_mlp", "--devices", "2", "--mock-gpus", "2"])
+    assert usage.value.code == 2
+
+
+# A 4-layer GPT in 2 stages, circular, small enough to compile in seconds.
+_SMALL_PIPELINE = ["configs/gpt_406m.yaml", "model.layers=4", "model.d_model=512", "model.heads=8",
+                   "model.seq_len=512", "train.global_batch=16", "mesh.stage=2", "mesh.fsdp=1",
+                   "model.impl.scan_layers=true", "pipeline.microbatches=4", "pipeline.repeats=2"]
+
+
+def _waited_rolls(out: str) -> tuple[int, int]:
+    line = next(line for line in out.splitlines() if line.startswith("collectives XLA's schedule runs beside nothing"))
+    waited, total = re.search(r"collective-permute (\d+) of (\d+)", line).groups()
+    return int(waited), int(total)
+
+
+@pytest.mark.gpu
+def test_on_one_gpu_a_pipeline_is_planned_for_two_and_its_overlapped_rolls_wait_less():
+    """Compiled for 2 GPUs on one: each GPU's plan, and XLA's schedule. The stage-to-stage rolls the
+    next iteration uses are nearly all synchronous (the step waits for them); with
+    pipeline.overlap_transfers most of them run beside compute."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    plain = _plan_in_a_process(*_SMALL_PIPELINE, "--mock-gpus", "2")
+    overlapped = _plan_in_a_process(*_SMALL_PIPELINE, "pipeline.overlap_transfers=true", "--mock-gpus", "2")
+    for run in (plain, overlapped):
+        assert run.returncode == 0, run.stderr[-3000:]
+        # After the line saying the GPU kernels were built.
+        assert "plan: mesh data=1 x stage=2 x fsdp=1 x tensor=1 (2 gpu devices)" in run.stdout.splitlines()
+    (plain_waited, plain_rolls), (overlapped_waited, overlapped_rolls) = map(_waited_rolls, (plain.stdout,
+                                                                                            overlapped.stdout))
+    print(f"rolls waited for: {plain_waited} of {plain_rolls}; overlapped {overlapped_waited} of {overlapped_rolls}")
+    assert plain_waited / plain_rolls > 0.8
+    assert overlapped_waited / overlapped_rolls < plain_waited / plain_rolls - 0.2

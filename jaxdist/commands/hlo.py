@@ -165,6 +165,27 @@ def bytes_per_call(hlo_text: str) -> dict[str, dict[str, int]]:
     return {opcode: dict(by_dtype) for opcode, by_dtype in totals.items()}
 
 
+def waited_collectives(hlo_text: str) -> dict[str, tuple[int, int]]:
+    """Per kind of collective, executions per call: (those XLA's schedule runs beside nothing, all).
+
+    On GPU, XLA makes a collective asynchronous (`-start`, `-done`) so that computation can run
+    beside it, and turns a pair with nothing scheduled between them back into the plain synchronous
+    op, which the step waits for. Those are counted as waited; an asynchronous pair with little
+    between is not. (On CPU every collective is synchronous.)
+    """
+    computations, _ = _parse(hlo_text)
+    # The other printed form of an asynchronous collective: the plain op in a computation an `async-start` calls.
+    wrapped = {callee for comp in computations.values() for _, _, opcode, rest in comp.lines if opcode == "async-start"
+               for group in _CALLED.findall(rest) for callee in _NAME.findall(group)}
+    totals: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for op in collectives(hlo_text):
+        kind = op.opcode.removesuffix("-start")
+        synchronous = not op.opcode.endswith("-start") and op.computation not in wrapped
+        totals[kind][0] += op.executions if synchronous else 0
+        totals[kind][1] += op.executions
+    return {kind: (waited, total) for kind, (waited, total) in totals.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class CustomCall:
     """One custom call of a compiled program: its target (a kernel's runtime handler, e.g. Mosaic

@@ -12,6 +12,10 @@ Compiled for CPU (planning without the GPUs), only the state and batch are the G
 neither fuses nor rematerializes as on a GPU (its temporaries can be several times a GPU's), so
 `--device-memory` is judged on the state and batch, with a wider fsdp as the only suggestion, and the
 CPU temporaries are shown beside them, not as a verdict.
+
+On a GPU host, `--mock-gpus N` compiles for N GPUs of its kind on one of them (runtime.mock_gpus):
+each GPU's memory as XLA allocates it, and which collectives XLA's schedule leaves with nothing
+beside them (`hlo.waited_collectives`), without the N GPUs.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ class Plan:
     collectives: dict[str, int] = dataclasses.field(default_factory=dict)  # operand bytes per step, by opcode
     grad_compression: str = "none"
     host: int = 0  # per device, in pinned host memory: the optimizer state under train.offload (not in `total`)
+    waited: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # hlo.waited_collectives, GPU only
 
     @property
     def total(self) -> int:
@@ -97,6 +102,9 @@ class Plan:
         if self.collectives:
             sent = ", ".join(f"{opcode} {_gb(size)}" for opcode, size in sorted(self.collectives.items()))
             lines.append(f"collectives per step and device (train.grad_compression {self.grad_compression}): {sent}")
+        if self.waited:
+            counts = ", ".join(f"{opcode} {waited} of {total}" for opcode, (waited, total) in sorted(self.waited.items()))
+            lines.append(f"collectives XLA's schedule runs beside nothing, so that the step waits for each: {counts}")
         return lines
 
 
@@ -131,13 +139,15 @@ def make_plan(cfg: Config, devices: list | None = None) -> Plan:
     memory = trainer.compiled.memory_analysis()
     state = trainer.state
     mesh_devices = trainer.mesh.devices.flatten()
+    text = trainer.compiled_text()
+    platform = mesh_devices[0].platform
     return Plan(
-        mesh=mesh_lib.describe(trainer.mesh), devices=len(mesh_devices), platform=mesh_devices[0].platform,
+        mesh=mesh_lib.describe(trainer.mesh), devices=len(mesh_devices), platform=platform,
         params=_bytes_per_device(state.params), opt_state=_bytes_per_device(state.opt_state),
         host=_bytes_per_device(state.opt_state, host=True),
         model_state=_bytes_per_device(state.model_state), compression=_bytes_per_device(state.compression),
-        collectives={opcode: sum(by_dtype.values())
-                     for opcode, by_dtype in hlo.bytes_per_call(trainer.compiled_text()).items()},
+        collectives={opcode: sum(by_dtype.values()) for opcode, by_dtype in hlo.bytes_per_call(text).items()},
+        waited=hlo.waited_collectives(text) if platform == "gpu" else {},
         grad_compression=cfg.train.grad_compression,
         copies=_bytes_per_device(trainer.current_copies()), batch=_bytes_per_device(batch),
         temporaries=int(memory.temp_size_in_bytes), code=int(memory.generated_code_size_in_bytes),
