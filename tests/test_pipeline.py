@@ -152,7 +152,8 @@ def test_overlapped_transfers_need_nothing_of_the_iteration_before_their_use(dev
         with rules_lib.activation_rules(mesh, rules_lib.preset("dp")):
             return pipeline.pipeline(_toy_layers, stacked, x, schedule, ("batch", None))
 
-    between = _stage_calls_between_each_roll_and_its_input(jax.make_jaxpr(forward)(stacked, jnp.ones((batch, width))).jaxpr, 2)
+    jaxpr = jax.make_jaxpr(forward)(stacked, jnp.ones((batch, width))).jaxpr
+    between = _stage_calls_between_each_roll_and_its_input(jaxpr, 2)
     assert len(between) == schedule.iterations - hop  # the first hop rolls move zeros
     assert set(between) == {hop - 1}
 

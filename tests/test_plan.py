@@ -175,6 +175,24 @@ def test_mock_gpus_need_a_gpu_host_and_exclude_devices():
     assert usage.value.code == 2
 
 
+@pytest.mark.parametrize("visible, flags, expected", [
+    (None, "", ("0", "--xla_gpu_autotune_level=0")),
+    ("3,5", "--xla_gpu_autotune_level=2", ("3", "--xla_gpu_autotune_level=2")),
+], ids=["defaults", "the_users_gpus_and_autotuning"])
+def test_mock_gpus_compile_on_the_first_visible_gpu_without_autotuning(visible, flags, expected):
+    """One real GPU stands for all N (each mock process would bring every visible one), and XLA's
+    autotuning, which runs kernels on devices that are not there, is off unless XLA_FLAGS sets it."""
+    env = {key: value for key, value in os.environ.items() if key != "CUDA_VISIBLE_DEVICES"}
+    env.update(XLA_FLAGS=flags, **({"CUDA_VISIBLE_DEVICES": visible} if visible else {}))
+    script = ("import os, jax; from jaxdist import runtime; runtime.mock_gpus(4); "
+              "print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['XLA_FLAGS'], "
+              "jax.config.read('mock_num_gpu_processes'))")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == [*expected, "4"]
+
+
 # A 4-layer GPT in 2 stages, circular, small enough to compile in seconds.
 _SMALL_PIPELINE = ["configs/gpt_406m.yaml", "model.layers=4", "model.d_model=512", "model.heads=8",
                    "model.seq_len=512", "train.global_batch=16", "mesh.stage=2", "mesh.fsdp=1",

@@ -103,7 +103,8 @@ class Plan:
             sent = ", ".join(f"{opcode} {_gb(size)}" for opcode, size in sorted(self.collectives.items()))
             lines.append(f"collectives per step and device (train.grad_compression {self.grad_compression}): {sent}")
         if self.waited:
-            counts = ", ".join(f"{opcode} {waited} of {total}" for opcode, (waited, total) in sorted(self.waited.items()))
+            counts = ", ".join(f"{opcode} {waited} of {total}"
+                               for opcode, (waited, total) in sorted(self.waited.items()))
             lines.append(f"collectives XLA's schedule runs beside nothing, so that the step waits for each: {counts}")
         return lines
 
