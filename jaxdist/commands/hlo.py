@@ -45,6 +45,8 @@ class Collective:
     operand_shapes: tuple[tuple[int, ...], ...]
     executions: int  # per call of the program: the product of the trip counts of enclosing loops
     operand_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # per execution, by dtype
+    # Started to run beside other work (`-start`, or the plain op inside what an `async-start` calls).
+    asynchronous: bool = False
 
     @property
     def in_loop(self) -> bool:
@@ -140,6 +142,8 @@ def collectives(hlo_text: str, opcodes: tuple[str, ...] = _COLLECTIVES) -> list[
     """Every collective of the given opcodes in a compiled HLO module, with executions per call."""
     computations, entry = _parse(hlo_text)
     counts = _executions(computations, entry)
+    wrapped = {callee for comp in computations.values() for _, _, opcode, rest in comp.lines if opcode == "async-start"
+               for group in _CALLED.findall(rest) for callee in _NAME.findall(group)}
     found = []
     for comp_name, comp in computations.items():
         if counts.get(comp_name, 0) == 0:
@@ -149,7 +153,8 @@ def collectives(hlo_text: str, opcodes: tuple[str, ...] = _COLLECTIVES) -> list[
                 continue
             args = rest.split(")", 1)[0]
             operands = " ".join(_operand_shape(comp.shapes, name, index) for name, index in _OPERAND.findall(args))
-            found.append(Collective(opcode, comp_name, _dims(operands), counts[comp_name], _bytes_by_dtype(operands)))
+            found.append(Collective(opcode, comp_name, _dims(operands), counts[comp_name], _bytes_by_dtype(operands),
+                                    asynchronous=opcode.endswith("-start") or comp_name in wrapped))
     return found
 
 
@@ -173,15 +178,10 @@ def waited_collectives(hlo_text: str) -> dict[str, tuple[int, int]]:
     op, which the step waits for. Those are counted as waited; an asynchronous pair with little
     between is not. (On CPU every collective is synchronous.)
     """
-    computations, _ = _parse(hlo_text)
-    # The other printed form of an asynchronous collective: the plain op in a computation an `async-start` calls.
-    wrapped = {callee for comp in computations.values() for _, _, opcode, rest in comp.lines if opcode == "async-start"
-               for group in _CALLED.findall(rest) for callee in _NAME.findall(group)}
     totals: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for op in collectives(hlo_text):
         kind = op.opcode.removesuffix("-start")
-        synchronous = not op.opcode.endswith("-start") and op.computation not in wrapped
-        totals[kind][0] += op.executions if synchronous else 0
+        totals[kind][0] += 0 if op.asynchronous else op.executions
         totals[kind][1] += op.executions
     return {kind: (waited, total) for kind, (waited, total) in totals.items()}
 
