@@ -47,8 +47,7 @@ def mock_gpus(n: int) -> None:
     # One real GPU stands for each mock process's devices: with more visible, each would count n times.
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
     os.environ["CUDA_VISIBLE_DEVICES"] = visible
-    if AUTOTUNE not in xla_flags():
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {AUTOTUNE}=0".strip()
+    _add_xla_flags({AUTOTUNE: "0"})
     jax.config.update("mock_num_gpu_processes", n)
 
 
@@ -85,11 +84,15 @@ def gpu_defaults() -> None:
     backend starts, so call this before the first JAX computation; processes started afterwards
     inherit the flags. The `jaxdist` command calls it; a library user opts in.
     """
-    current = os.environ.get("XLA_FLAGS", "")
+    _add_xla_flags(GPU_FLAGS)
+
+
+def _add_xla_flags(flags: dict[str, str]) -> None:
+    """Appends `flags` (name: value) to `XLA_FLAGS`, each unless the variable already names it."""
     named = xla_flags()
-    extra = [f"{flag}={value}" for flag, value in GPU_FLAGS.items() if flag not in named]
+    extra = [f"{flag}={value}" for flag, value in flags.items() if flag not in named]
     if extra:
-        os.environ["XLA_FLAGS"] = " ".join([current, *extra]).strip()
+        os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *extra]).strip()
 
 
 def cache_dir() -> Path:
