@@ -247,8 +247,8 @@ def _run_iterations(apply_layers, weights, x, schedule, names, stage_axes, remat
     # Microbatch m leaves the last stage for the last time in iteration (R - 1) M + hop (S - 1) + m.
     last = schedule.iterations - micro
     if unroll:
-        # Only the outputs read are kept: stacking every iteration's made a buffer of R x M + S - 1
-        # microbatches, and as many zero gradients in the backward pass.
+        # Only the outputs read are kept: stacking every iteration's made a buffer of a microbatch
+        # per iteration, and as many zero gradients in the backward pass.
         outs = []
         for t in range(schedule.iterations):
             carry, out = iteration(carry, t, fed[t] if t < micro else idle)
