@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__ imports each on first use
     from jaxdist.config import Config, load as load_config
     from jaxdist.errors import UserError
+    from jaxdist.models.loss import Loss
     from jaxdist.parallel import distributed  # jaxdist.distributed.initialize()
     from jaxdist.parallel.mesh import make_mesh
     from jaxdist.runtime import gpu_defaults, use_cpu_devices
@@ -29,6 +30,7 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__
 # Each public name: (module, attribute); attribute None: the name is the module itself.
 _PUBLIC = {
     "Config": ("jaxdist.config", "Config"),
+    "Loss": ("jaxdist.models.loss", "Loss"),
     "Trainer": ("jaxdist.train.trainer", "Trainer"),
     "UserError": ("jaxdist.errors", "UserError"),
     "distributed": ("jaxdist.parallel.distributed", None),
@@ -38,7 +40,8 @@ _PUBLIC = {
     "use_cpu_devices": ("jaxdist.runtime", "use_cpu_devices"),
 }
 __all__ = [
-    "Config", "Trainer", "UserError", "distributed", "gpu_defaults", "load_config", "make_mesh", "use_cpu_devices",
+    "Config", "Loss", "Trainer", "UserError", "distributed", "gpu_defaults", "load_config", "make_mesh",
+    "use_cpu_devices",
 ]
 
 

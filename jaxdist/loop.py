@@ -462,11 +462,11 @@ def _evaluator(cfg: Config, trainer: Trainer, run: Run, rows: feed.BatchRows):
     if run.eval_source is None:
         return None
     if not isinstance(run.eval_source, dict):
-        return Evaluator(trainer, run.entry.eval_sums, lambda: loader.eval_iterator(cfg, rows, run.eval_source))
+        return Evaluator(trainer, run.entry.loss, lambda: loader.eval_iterator(cfg, rows, run.eval_source))
     batches = {name: functools.partial(loader.eval_iterator, cfg, rows, split) for name, split in run.eval_source.items()}
     first = next(iter(batches.values()))
     weights = {source.name: source.weight for source in cfg.data.mixture}
-    return MixtureEvaluator(Evaluator(trainer, run.entry.eval_sums, first), batches, weights)
+    return MixtureEvaluator(Evaluator(trainer, run.entry.loss, first), batches, weights)
 
 
 def write_sample(cfg: Config, trainer: Trainer, rows: int, tokenizer: Tokenizer) -> None:

@@ -76,15 +76,15 @@ def test_8_bit_pixels_are_scaled_on_the_device_to_the_floats_the_host_would_feed
     assert unit.dtype == np.float32 and unit.min() >= 0 and unit.max() <= 1
     np.testing.assert_array_equal(unit, pixels.astype(np.float32) * np.float32(1 / 255))
     np.testing.assert_allclose(unit, scaled, rtol=2**-23, atol=0)
-    as_pixels = classifier.loss(model, {"images": jnp.asarray(pixels), "labels": jnp.asarray(labels)})
-    as_floats = classifier.loss(model, {"images": jnp.asarray(scaled), "labels": jnp.asarray(labels)})
-    assert float(as_pixels[0]) == pytest.approx(float(as_floats[0]), rel=1e-6) and float(as_pixels[0]) > 0
-    sums = classifier.eval_sums(model, {"images": jnp.asarray(pixels), "labels": labels, "weights": weights})
-    assert float(sums["loss"]) == pytest.approx(float(classifier.eval_sums(
-        model, {"images": jnp.asarray(scaled), "labels": labels, "weights": weights})["loss"]), rel=1e-6)
+    as_pixels = classifier.loss(model, {"images": jnp.asarray(pixels), "labels": jnp.asarray(labels)}).mean
+    as_floats = classifier.loss(model, {"images": jnp.asarray(scaled), "labels": jnp.asarray(labels)}).mean
+    assert float(as_pixels) == pytest.approx(float(as_floats), rel=1e-6) and float(as_pixels) > 0
+    weighted = classifier.loss(model, {"images": jnp.asarray(pixels), "labels": labels, "weights": weights})
+    assert float(weighted.total) == pytest.approx(float(classifier.loss(
+        model, {"images": jnp.asarray(scaled), "labels": labels, "weights": weights}).total), rel=1e-6)
     # Unscaled, the model would see 0 to 255: another loss.
-    assert float(as_pixels[0]) != pytest.approx(float(classifier.loss(
-        model, {"images": jnp.asarray(pixels, jnp.float32), "labels": jnp.asarray(labels)})[0]), rel=1e-3)
+    assert float(as_pixels) != pytest.approx(float(classifier.loss(
+        model, {"images": jnp.asarray(pixels, jnp.float32), "labels": jnp.asarray(labels)}).mean), rel=1e-3)
 
 
 def test_digits_split_is_fixed_real_and_disjoint():

@@ -109,7 +109,7 @@ def _model_loss_and_grads(norm_impl: str, norm: str):
         graphdef, params = nnx.split(GPT(cfg, impl, rngs=nnx.Rngs(0)))
     tokens = jax.random.randint(jax.random.key(2), (2, 17), 0, 64)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    return jax.jit(jax.value_and_grad(lambda p: gpt.loss(nnx.merge(graphdef, p), batch)))(params)
+    return jax.jit(jax.value_and_grad(lambda p: gpt.loss(nnx.merge(graphdef, p), batch).mean))(params)
 
 
 @pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])

@@ -65,7 +65,7 @@ def _losses_and_grads(cfg, params, batch, microbatches):
                 for name, inputs in (("weighted", b), ("unweighted", unweighted))
             }
             # As the evaluator scores a batch: the weighted loss alone, not differentiated.
-            results["eval"] = gpt.loss(nnx.merge(graphdef, p), b)
+            results["eval"] = gpt.loss(nnx.merge(graphdef, p), b).mean
             return results
 
     params = jax.device_put(params, param_shardings)
@@ -153,7 +153,7 @@ def test_bfloat16_compute_matches_the_unchunked_loss_to_bfloat16_rounding():
         return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
 
     def chunked(hidden, head):
-        return fused_linear_cross_entropy(hidden, head, targets, chunk=16, logits_dtype=jnp.bfloat16)
+        return fused_linear_cross_entropy(hidden, head, targets, chunk=16, logits_dtype=jnp.bfloat16) / targets.size
 
     reference = jax.jit(jax.value_and_grad(plain, (0, 1)))(hidden.astype(jnp.float32), head)
     (plain_loss, plain_grads), (loss, grads) = (
@@ -302,7 +302,7 @@ def test_a_split_sequence_is_chunked_by_parts_where_they_hold_whole_chunks(tmp_p
 
     def chunked(hidden, head):
         with rules_lib.activation_rules(mesh, rules):
-            return fused_linear_cross_entropy(hidden, head, targets, chunk=chunk, impl="xla")
+            return fused_linear_cross_entropy(hidden, head, targets, chunk=chunk, impl="xla") / targets.size
 
     def plain(hidden, head):
         return optax.softmax_cross_entropy_with_integer_labels(hidden @ head, targets).mean()

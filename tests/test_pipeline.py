@@ -45,8 +45,10 @@ def _apply(layer, x, stacked, unroll):
     return jax.lax.scan(layer, x, stacked)[0]
 
 
-def _toy_layers(x, stacked, *, unroll):
-    return _apply(lambda h, w: (jnp.tanh(h * w["scale"] + w["shift"]), None), x, stacked, unroll)
+def _toy_layers(x, stacked, *, unroll, riders=()):
+    """Each layer `tanh(h * scale + shift)`, plus each rider (a per-row value) where given."""
+    extra = sum(riders, jnp.zeros(()))
+    return _apply(lambda h, w: (jnp.tanh(h * w["scale"] + w["shift"] + extra), None), x, stacked, unroll)
 
 
 @pytest.mark.parametrize(
@@ -69,18 +71,23 @@ def test_schedule_applies_every_layer_in_order(devices, stages, microbatches, re
         "shift": 0.3 * jax.random.normal(keys[1], (layers, width)),
     }
     x = jax.random.normal(keys[2], (batch, width))
+    # A per-row value every layer reads (as packed rows' documents): it must reach each stage with
+    # its own microbatch, in every lap.
+    rider = jnp.arange(batch, dtype=jnp.float32)[:, None] / batch
     mesh = mesh_lib.make_mesh(stage=stages, fsdp=-1)
     rules = rules_lib.preset("dp").override(activations={"batch": batch_rule})
     schedule = pipeline.Schedule(stages, microbatches, repeats, hop)
 
     def pipelined(stacked, x):
         with rules_lib.activation_rules(mesh, rules):
-            return pipeline.pipeline(_toy_layers, stacked, x, schedule, ("batch", None))
+            return pipeline.pipeline(_toy_layers, stacked, x, schedule, ("batch", None),
+                                     riders=[pipeline.Rider(rider, ("batch", None))])
 
     def loss(fn, stacked, x):
         return jnp.sum(fn(stacked, x) ** 2)
 
-    plain = jax.value_and_grad(lambda s, x: loss(lambda s, x: _toy_layers(x, s, unroll=False), s, x), (0, 1))
+    plain = jax.value_and_grad(lambda s, x: loss(lambda s, x: _toy_layers(x, s, unroll=False, riders=(rider,)), s, x),
+                               (0, 1))
     expected = _compiled(plain, stacked, x)(stacked, x)
     piped = jax.value_and_grad(lambda s, x: loss(pipelined, s, x), (0, 1))
     got = _compiled(piped, stacked, x)(stacked, x)
@@ -93,9 +100,9 @@ def test_unrolled_iterations_trace_the_stages_layers_once(devices, repeats, rema
     step (forward and gradient), not once per iteration, which made start-up grow with M."""
     traces = []
 
-    def counted_layers(x, layers, *, unroll):
+    def counted_layers(x, layers, *, unroll, riders):
         traces.append(unroll)
-        return _toy_layers(x, layers, unroll=unroll)
+        return _toy_layers(x, layers, unroll=unroll, riders=riders)
 
     layers, width, batch = 8, 8, 16
     stacked = {"scale": jnp.ones((layers, width)), "shift": jnp.zeros((layers, width))}
@@ -197,7 +204,7 @@ def test_only_the_outputs_read_are_stacked(tmp_path, devices, repeats):
     assert not re.search(rf"\[{schedule.iterations},1,4,16,32\]", text)
 
 
-def _matmul_layers(x, stacked, *, unroll):
+def _matmul_layers(x, stacked, *, unroll, riders):
     return _apply(lambda h, w: (jnp.tanh(h @ w), None), x, stacked, unroll)
 
 
@@ -253,7 +260,7 @@ def _loss_and_grads_fn(cfg):
     graphdef = abstract_model(entry.create(cfg), cfg.seed).graphdef
 
     def loss_and_grads(params, batch):
-        return jax.value_and_grad(lambda p: entry.loss(nnx.merge(graphdef, p), batch))(params)
+        return jax.value_and_grad(lambda p: entry.loss(nnx.merge(graphdef, p), batch).mean)(params)
 
     return loss_and_grads
 

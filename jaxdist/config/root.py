@@ -88,13 +88,6 @@ class Config(Section):
                              f"the weights: it needs precision.compute_copies=true")
         return self
 
-    @model_validator(mode="after")
-    def _packing_without_stages(self) -> Config:
-        if self.data.packing and self.mesh.stage not in (1,):
-            raise ValueError(f"data.packing with mesh.stage={self.mesh.stage}: the pipeline does not carry the packed "
-                             f"documents' masks through its stages; use mesh.stage=1, or data.packing=false")
-        return self
-
     def to_yaml(self) -> str:
         """The whole config as YAML, every key with its value (what run_dir/config.yaml holds)."""
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -1,4 +1,4 @@
-"""What the image classifiers share: their loss and accuracy, exact eval sums, FLOPs, a random batch.
+"""What the image classifiers share: their loss and accuracy (as weighted sums), FLOPs, a random batch.
 
 A classification example is `{"images": [height, width, channels], "labels": int32 []}`, the
 images float32 in [0, 1] or uint8 pixels, which the loss scales to [0, 1] on the device (pixel /
@@ -20,6 +20,7 @@ from flax import nnx
 from jaxdist.config import ClassifierSection, Config
 from jaxdist.errors import UserError
 from jaxdist.models import dtypes as dtypes_lib
+from jaxdist.models.loss import Loss
 from jaxdist.models.registry import ModelEntry
 
 Batch = dict[str, jax.Array]
@@ -51,22 +52,14 @@ def _losses_and_hits(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Ar
     return losses, hits
 
 
-def loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Mean cross-entropy and top-1 `accuracy` over the batch (weighted by `weights` where given)."""
+def loss(model: nnx.Module, batch: Batch) -> Loss:
+    """Summed cross-entropy and top-1 correct predictions (`accuracy`) over the batch's examples,
+    each weighted by `weights` where given (eval batches: 0 marks padding), and their weight."""
     losses, hits = _losses_and_hits(model, batch)
-    if "weights" not in batch:
-        return losses.mean(), {"accuracy": hits.mean()}
-    weights = batch["weights"]
-    total = weights.sum()
-    return (losses * weights).sum() / total, {"accuracy": (hits * weights).sum() / total}
-
-
-def eval_sums(model: nnx.Module, batch: Batch) -> dict[str, jax.Array]:
-    """Sums over the batch's real examples: cross-entropy, and correct predictions (a whole number,
-    exact in float32 below 2^24 examples per batch)."""
-    losses, hits = _losses_and_hits(model, batch)
-    weights = batch["weights"]
-    return {"loss": (losses * weights).sum(), "accuracy": (hits * weights).sum()}
+    weights = batch.get("weights")
+    if weights is None:
+        return Loss(losses.sum(), jnp.float32(losses.size), {"accuracy": hits.sum()})
+    return Loss((losses * weights).sum(), weights.sum(), {"accuracy": (hits * weights).sum()})
 
 
 def training_flops(forward_macs: int) -> int:
@@ -94,6 +87,6 @@ def entry(section: type[ClassifierSection], module: type[nnx.Module], flops_per_
         return lambda rngs: module(cfg.model, rngs=rngs, param_dtype=dtypes.param_dtype,
                                    compute_dtype=dtypes.compute_dtype)
 
-    return ModelEntry(section=section, create=create, loss=loss, eval_sums=eval_sums,
+    return ModelEntry(section=section, create=create, loss=loss,
                       flops_per_example=flops_per_example, batch_keys=BATCH_KEYS, activations=activations,
                       random_batch=lambda cfg, rng, rows: random_batch(cfg.model, rng, rows))

@@ -46,13 +46,14 @@ def fused_linear_cross_entropy(
     logits_dtype=jnp.float32,
     impl: str = "auto",
 ) -> jax.Array:
-    """Mean cross-entropy (float32) of `softmax(hidden @ head)` against integer `targets`.
+    """Summed cross-entropy (float32) of `softmax(hidden @ head)` against integer `targets`.
 
     hidden: (batch, length, embed) in the compute dtype; head: (embed, vocab), cast to the
     compute dtype for the matmuls (its gradient comes back in its own dtype, summed in float32);
     targets: (batch, length) integers; weights: optional (batch,) per-sequence weights, giving
-    the weighted mean (eval batches: 0 marks padding), or (batch, length) per-token ones (packed
-    documents: 0 marks padding). `chunk` positions of every sequence are
+    the weighted sum (eval batches: 0 marks padding), or (batch, length) per-token ones (packed
+    documents: 0 marks padding); the caller divides by the weight (models/loss.py). `chunk`
+    positions of every sequence are
     projected at a time and must divide `length`; logits are written in `logits_dtype`, the
     softmax is float32. `impl` (`model.impl.loss_impl`) says where the softmax and the logits' gradient
     are computed when differentiated: "xla" (a reduction and a gradient pass), "pallas" (one
@@ -71,37 +72,29 @@ def fused_linear_cross_entropy(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _fused(chunk, logits_dtype, impl, hidden, head, targets, weights):
-    loss_sum, _ = _scan_chunks(chunk, logits_dtype, hidden, head, targets, weights, with_grads=False)
-    return loss_sum / _total_weight(hidden, weights)
+    return _scan_chunks(chunk, logits_dtype, hidden, head, targets, weights, with_grads=False)[0]
 
 
 def _fused_fwd(chunk, logits_dtype, impl, hidden, head, targets, weights):
     loss_sum, (d_hidden, d_head) = _scan_chunks(chunk, logits_dtype, hidden, head, targets, weights, with_grads=True,
                                                 kernel=softmax_grad.use_kernel(impl, (hidden.shape[0], chunk, head.shape[1]),
                                                                                logits_dtype))
-    total = _total_weight(hidden, weights)
-    return loss_sum / total, (d_hidden, d_head, total)
+    return loss_sum, (d_hidden, d_head)
 
 
 def _fused_bwd(chunk, logits_dtype, impl, residuals, cotangent):
-    d_hidden, d_head, total = residuals
-    # The mean's 1/total is applied here, in float32, not to the low-precision logits gradient:
-    # per token it is about 1/(batch x length), which would underflow float16.
-    scale = cotangent / total
+    d_hidden, d_head = residuals
+    # The cotangent (a mean's 1 / weight) is applied here, in float32, not to the low-precision
+    # logits gradient: per token it is about 1/(batch x length), which would underflow float16.
     return (
-        (d_hidden.astype(jnp.float32) * scale).astype(d_hidden.dtype),
-        (d_head * scale).astype(d_head.dtype),
+        (d_hidden.astype(jnp.float32) * cotangent).astype(d_hidden.dtype),
+        (d_head * cotangent).astype(d_head.dtype),
         None,
         None,
     )
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
-
-
-def _total_weight(hidden: jax.Array, weights: jax.Array) -> jax.Array:
-    """The loss's denominator: every position carries its own weight, or its sequence's."""
-    return weights.sum() if weights.ndim == 2 else weights.sum() * hidden.shape[1]
 
 
 def _chunks(x: jax.Array, chunk: int, parts: int) -> jax.Array:

@@ -28,6 +28,7 @@ from jaxdist.kernels import fused_norm, gelu_matmul, softmax_grad
 from jaxdist.models import dtypes as dtypes_lib
 from jaxdist.models import fp8 as fp8_lib
 from jaxdist.models.cross_entropy import fused_linear_cross_entropy
+from jaxdist.models.loss import Loss
 from jaxdist.models.registry import ModelEntry, register
 from jaxdist.parallel import context
 from jaxdist.parallel import pipeline as pipeline_lib
@@ -623,7 +624,7 @@ class GPT(nnx.Module):
             else:
                 x = x + jnp.take(_at_least_float32(self.positions[...]), docs.positions, axis=0)
         x = constrain(_cast(x, self.compute_dtype), RESIDUAL)
-        x, delta = self._run_blocks(x, docs)
+        x, delta = self._run_blocks(x, docs, () if segments is None else (segments, positions))
         return self.final_norm.add(x, delta)[1], self.head_weights()
 
     def init_cache(self, batch: int, length: int) -> KVCache:
@@ -684,8 +685,11 @@ class GPT(nnx.Module):
         """The dtype the output projection writes its logits in (`model.impl.logits_dtype`)."""
         return jnp.float32 if self.impl.logits_dtype == "float32" else self.compute_dtype
 
-    def _run_blocks(self, x: jax.Array, docs: Documents | None) -> tuple[jax.Array, jax.Array | None]:
-        """The residual after the blocks and the last block's output not yet added to it."""
+    def _run_blocks(self, x: jax.Array, docs: Documents | None,
+                    packed: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array | None]:
+        """The residual after the blocks and the last block's output not yet added to it. `packed`:
+        packed rows' (segments, positions), from which the stacked layers make their `docs` (in a
+        pipeline, each microbatch's travel with it through the stages), or ()."""
         if not self.impl.scan_layers:
             delta = None
             run_block = self._block_runner(nnx.graphdef(self.blocks[0]))
@@ -693,16 +697,17 @@ class GPT(nnx.Module):
                 x, delta = run_block(nnx.state(block), x, delta, docs)
             return x, delta
         graphdef, stacked = nnx.split(self.blocks)
-        if docs is not None:  # packed rows (data.packing refuses mesh.stage > 1): the pipeline carries no masks
-            return self._run_layers(graphdef, x, stacked, unroll=False, docs=docs), None
         run = functools.partial(self._run_layers, graphdef)
-        return pipeline_lib.run_layers(run, stacked, x, self.pipeline, RESIDUAL), None
+        riders = tuple(pipeline_lib.Rider(part, ("batch", "length")) for part in packed)
+        return pipeline_lib.run_layers(run, stacked, x, self.pipeline, RESIDUAL, riders), None
 
     def _run_layers(self, graphdef: nnx.GraphDef, x: jax.Array, layers, *, unroll: bool,
-                    docs: Documents | None = None) -> jax.Array:
+                    riders: tuple[jax.Array, ...] = ()) -> jax.Array:
         """Runs the blocks in order: `layers` stacked (one nnx.State, a leading layer dim) scanned, or
         with `unroll` (a pipeline stage's layers) a sequence of per-layer states, one call each,
-        passing the pending residual add as unrolled blocks do."""
+        passing the pending residual add as unrolled blocks do. `riders`: packed rows' (segments,
+        positions), or ()."""
+        docs = documents(*riders) if riders else None
         if unroll:
             run_block = self._block_runner(graphdef)
             delta = None
@@ -751,10 +756,10 @@ def random_tokens(cfg: Config, rng: np.random.Generator, rows: int) -> dict[str,
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
-def loss(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
-    """Mean next-token cross-entropy (float32) over every target in the batch.
+def loss(model: nnx.Module, batch: dict[str, jax.Array]) -> Loss:
+    """Next-token cross-entropy (float32), summed over the targets that count, and their number.
 
-    With per-sequence `weights` (eval batches: 0 marks padding) it is the weighted mean. Packed rows
+    Every target counts 1, or its sequence's `weights` (eval batches: 0 marks padding). Packed rows
     (`segments` and `positions`, data.packing) are scored per document, their padding (segment 0)
     left out. A model with `model.impl.loss_chunk` > 0 is scored chunk by chunk, never forming the
     full logits.
@@ -765,23 +770,21 @@ def loss(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
     weights = batch.get("weights")
     if segments is not None:  # per token: real tokens of real rows
         weights = (segments > 0).astype(jnp.float32) * (1.0 if weights is None else weights[:, None])
+    targets = batch["targets"]
+    if weights is None:
+        weight = jnp.float32(targets.size)
+    else:
+        weight = weights.sum() if weights.ndim == 2 else weights.sum() * targets.shape[1]
     if chunk:
         hidden, head = model.features(batch["inputs"], segments, positions)
-        return fused_linear_cross_entropy(
-            hidden, head, batch["targets"], weights, chunk=chunk, logits_dtype=model.logits_dtype,
-            impl=impl.loss_impl,
-        )
+        total = fused_linear_cross_entropy(hidden, head, targets, weights, chunk=chunk,
+                                           logits_dtype=model.logits_dtype, impl=impl.loss_impl)
+        return Loss(total, weight)
     logits = model(batch["inputs"], segments, positions).astype(jnp.float32)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    if weights is None:
-        return losses.mean()
-    weights = jnp.broadcast_to(weights if weights.ndim == 2 else weights[:, None], losses.shape)
-    return (losses * weights).sum() / weights.sum()
-
-
-def eval_sums(model: nnx.Module, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """The eval batch's summed loss: `loss` (the weighted mean) times the real sequences' weight."""
-    return {"loss": loss(model, batch) * batch["weights"].sum()}
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    if weights is not None:
+        losses = losses * jnp.broadcast_to(weights if weights.ndim == 2 else weights[:, None], losses.shape)
+    return Loss(losses.sum(), weight)
 
 
 def create(cfg: Config) -> Callable[[nnx.Rngs], nnx.Module]:
@@ -795,7 +798,7 @@ def create(cfg: Config) -> Callable[[nnx.Rngs], nnx.Module]:
 
 
 ENTRY = register(ModelEntry(
-    section=GPTConfig, create=create, loss=loss, eval_sums=eval_sums,
+    section=GPTConfig, create=create, loss=loss,
     flops_per_example=lambda cfg: flops_per_token(cfg) * cfg.model.seq_len,
     random_batch=random_tokens, batch_keys=("inputs", "targets"), read_in_compute_dtype=read_in_compute_dtype,
     samples_text=True,

@@ -1,5 +1,5 @@
 """Models registered by name, with what the run needs of each besides its module: its config section,
-its loss, its eval sums, its FLOPs per example, a random batch and the arrays a batch holds.
+its loss, its FLOPs per example, a random batch and the arrays a batch holds.
 
 A model is one file: its config section (a `ModelSection` subclass whose `name` defaults to the
 model's name), its flax NNX module (logical axis names only), and one registration line,
@@ -17,6 +17,7 @@ from flax import nnx
 
 from jaxdist.config import Config, ModelSection, register_model
 from jaxdist.errors import UserError
+from jaxdist.models.loss import Loss
 
 
 @dataclass(frozen=True)
@@ -26,11 +27,10 @@ class ModelEntry:
     # The model's `model:` section (its `name` field's default is the model's name).
     section: type[ModelSection]
     create: Callable[[Config], Callable[[nnx.Rngs], nnx.Module]]
-    # The training loss: the mean over the batch, or (mean, {name: mean metric}) (e.g. accuracy).
-    loss: Callable[[nnx.Module, dict[str, jax.Array]], jax.Array | tuple[jax.Array, dict[str, jax.Array]]]
-    # Over one eval batch (with `weights`, 0 on padding): {metric: its sum over the real examples};
-    # the evaluator divides the totals over the split by the total weight (train/evaluate.py).
-    eval_sums: Callable[[nnx.Module, dict[str, jax.Array]], dict[str, jax.Array]]
+    # The loss of a batch as a weighted sum and its weight (`models.loss.Loss`, with metrics such as
+    # accuracy as weighted sums too), for training and eval alike; eval batches carry `weights`
+    # (0 on padding). The step and the evaluator divide the global sums once by the global weight.
+    loss: Callable[[nnx.Module, dict[str, jax.Array]], Loss]
     # Training FLOPs of one example (MFU, `jaxdist bench` and `plan`).
     flops_per_example: Callable[[Config], float]
     # `random_batch(cfg, rng, rows)`: `rows` random examples, numpy (`jaxdist bench`; `plan` takes its shapes).

@@ -41,6 +41,9 @@ stage axes:
 - with R > 1, stage 0 runs microbatch m's next lap M iterations after its previous one, so what
   the roll brings it from the last stage waits M - S iterations (M - 2 S with overlapped
   transfers) in a local delay line (`recycled`, only where that is more than 0).
+- riders (`Rider`: per-row arrays the layers read, such as packed rows' segments and positions)
+  go through every one of these buffers and rolls beside the activations, so each stage reads
+  those of the microbatch it runs.
 
 Bubble iterations compute on zero or stale inputs and their results are never read, so they add
 time but no gradient. Layers stay in their canonical order in the parameters; with R > 1 the
@@ -53,7 +56,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -71,9 +74,18 @@ if TYPE_CHECKING:
 
 
 class ApplyLayers(Protocol):
-    def __call__(self, x: jax.Array, layers: Any, *, unroll: bool) -> jax.Array:
+    def __call__(self, x: jax.Array, layers: Any, *, unroll: bool, riders: tuple[jax.Array, ...]) -> jax.Array:
         """Runs `layers` on `x`, in order: stacked layers (a leading layer dim on every leaf) as a
-        `lax.scan`, or with `unroll` a sequence of per-layer parameter trees, one call each."""
+        `lax.scan`, or with `unroll` a sequence of per-layer parameter trees, one call each.
+        `riders`: per-row arrays that the layers read beside `x` (a packed row's documents)."""
+
+
+class Rider(NamedTuple):
+    """A per-row array (its first dim the batch's) that the layers read and do not change: it
+    travels through the stages with its microbatch. `names`: its logical axis names."""
+
+    value: jax.Array
+    names: tuple[str | None, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,27 +150,31 @@ def run_layers(
     x: jax.Array,
     settings: PipelineConfig | None,
     names: Sequence[str | None],
+    riders: Sequence[Rider] = (),
 ) -> jax.Array:
     """`apply_layers(x, layers)`, pipelined over the stage axis when the active mesh has one.
 
     `layers` is a pytree whose leaves have a leading stacked-layer dim. `names` are the logical
-    names of `x`'s dims (the first one the batch). Without active rules, a stage axis or pipeline
-    settings, or when the batch does not split into microbatches across its data-parallel shards
-    (e.g. sampling a few rows), it runs unpipelined, scanned: the same math, with the layer
-    parameters gathered from their stages.
+    names of `x`'s dims (the first one the batch). `riders` go to `apply_layers` beside `x`, each
+    microbatch's with it. Without active rules, a stage axis or pipeline settings, or when the
+    batch does not split into microbatches across its data-parallel shards (e.g. sampling a few
+    rows), it runs unpipelined, scanned: the same math, with the layer parameters gathered from
+    their stages.
     """
     active = rules_lib.active()
+    values = tuple(rider.value for rider in riders)
     if settings is None or active is None:
-        return apply_layers(x, layers, unroll=False)
+        return apply_layers(x, layers, unroll=False, riders=values)
     mesh, rules = active
     rules_lib.check_pipeline_buffer(rules, names[0])
     stages = rules_lib.axes_size(mesh, rules.activations[STAGE])
     shards = rules_lib.axes_size(mesh, data_parallel_axes(rules, names[0]))
     if stages == 1 or x.shape[0] % (settings.microbatches * shards):
-        return apply_layers(x, layers, unroll=False)
+        return apply_layers(x, layers, unroll=False, riders=values)
     schedule = Schedule.of(stages, settings)
     schedule.check(jax.tree.leaves(layers)[0].shape[0])
-    return pipeline(apply_layers, layers, x, schedule, tuple(names), remat=settings.remat, unroll=settings.unroll)
+    return pipeline(apply_layers, layers, x, schedule, tuple(names), remat=settings.remat, unroll=settings.unroll,
+                    riders=riders)
 
 
 def pipeline(
@@ -169,35 +185,53 @@ def pipeline(
     names: tuple[str | None, ...],
     remat: bool = False,
     unroll: bool = True,
+    riders: Sequence[Rider] = (),
 ) -> jax.Array:
     """The pipelined `apply_layers(x, layers)`; traced under `rules.activation_rules` (see module doc).
 
     `remat`: each iteration's stages recomputed in the backward pass. `unroll`: the iterations
-    unrolled, else one `lax.scan`."""
+    unrolled, else one `lax.scan`. `riders` travel with their microbatch as `x` does."""
     mesh, rules = rules_lib.active()
     stage_axes = rules.activations[STAGE]
     weights = jax.tree.map(lambda w: _by_stage(w, schedule, mesh, stage_axes), layers)
+    carried = (x, *(rider.value for rider in riders))
+    carried_names = (tuple(names), *(tuple(rider.names) for rider in riders))
     with rules_lib.activation_rules(mesh, rules_lib.within_stages(rules, names[0])):
-        outputs = _run_iterations(apply_layers, weights, x, schedule, names, stage_axes, remat, unroll)
+        outputs = _run_iterations(apply_layers, weights, carried, schedule, carried_names, stage_axes, remat, unroll)
     return rules_lib.constrain(outputs, names)
 
 
-def _run_iterations(apply_layers, weights, x, schedule, names, stage_axes, remat, unroll):
+def _run_iterations(apply_layers, weights, carried, schedule, carried_names, stage_axes, remat, unroll):
     """The iterations, under the rules of the inside (the batch less the stage axes): unrolled, a
-    Python loop whose iteration numbers are known while tracing, else a `lax.scan`."""
+    Python loop whose iteration numbers are known while tracing, else a `lax.scan`.
+
+    What moves between stages is `carried`, a tuple: the activations first, then the riders, which
+    every stage passes on as it got them; each array is handled alike, with its logical names from
+    `carried_names`. The activations of the last stage are returned."""
     stages, micro, repeats, hop = schedule.stages, schedule.microbatches, schedule.repeats, schedule.hop
     stage_of = np.arange(stages)
-    is_first = _along_stages(stage_of == 0, x.ndim)
-    is_last = _along_stages(stage_of == stages - 1, x.ndim)
-    buffer_names = (STAGE, *names)
-    stacked_names = (None, *buffer_names)
+    is_first = tuple(_along_stages(stage_of == 0, part.ndim) for part in carried)
+    is_last = _along_stages(stage_of == stages - 1, carried[0].ndim)
+    buffer_names = tuple((STAGE, *names) for names in carried_names)
+    stacked_names = tuple((None, *names) for names in buffer_names)
+
+    def constrain(parts, names):
+        return tuple(rules_lib.constrain(part, part_names) for part, part_names in zip(parts, names))
+
+    def select(where, if_true, if_false):
+        return tuple(jnp.where(w, a, b) for w, a, b in zip(where, if_true, if_false))
+
     # A jit of its own: every iteration calls it with the same shapes, so the stages' layers are
     # traced (and differentiated) once, not once per iteration; XLA inlines the calls, so the
     # program is the same.
-    run_stages = jax.jit(jax.vmap(functools.partial(apply_layers, unroll=True), spmd_axis_name=stage_axes))
+    run_layers_of_stages = jax.jit(jax.vmap(functools.partial(apply_layers, unroll=True), spmd_axis_name=stage_axes))
+
+    def run_stages(parts, layers):  # the riders passed on as they came
+        return (run_layers_of_stages(parts[0], layers, riders=parts[1:]), *parts[1:])
+
     groups = _layer_groups(weights)
 
-    def run_iteration(stage_in: jax.Array, t) -> jax.Array:
+    def run_iteration(stage_in: tuple, t) -> tuple:
         # Stage s runs pass t - hop * s; its repeat is which lap of the M microbatches that pass is in.
         numbers = np if isinstance(t, int) else jnp
         repeat = numbers.clip((t - hop * stage_of) // micro, 0, repeats - 1)
@@ -221,28 +255,32 @@ def _run_iterations(apply_layers, weights, x, schedule, names, stage_axes, remat
         made, recycled = carry  # the stages' outputs of the last `hop` iterations, oldest first
         # Stage s gets what stage s - 1 made `hop` iterations ago: with hop 2 the roll needs nothing
         # of the last iteration, so it runs beside it.
-        shifted = _to_next_stage(made[0])
+        shifted = tuple(_to_next_stage(part) for part in made[0])
         first_in = fed_t
         if repeats > 1:
             # The last stage's output, back at stage 0 through the roll, starts its next lap
             # M - hop * S iterations later.
             lap = shifted
             if delay:
-                lap = _slot(recycled, t % delay)
-                recycled = _set_slot(recycled, t % delay, shifted)
-            first_in = jnp.where(t < micro, fed_t, lap)
-        stage_in = rules_lib.constrain(jnp.where(is_first, first_in, shifted), buffer_names)
-        out = rules_lib.constrain(run_iteration(stage_in, t), buffer_names)
-        return ((*made[1:], out), recycled), out
+                lap = tuple(_slot(line, t % delay) for line in recycled)
+                recycled = tuple(_set_slot(line, t % delay, part) for line, part in zip(recycled, shifted))
+            first_in = tuple(jnp.where(t < micro, fed_part, lap_part) for fed_part, lap_part in zip(fed_t, lap))
+        stage_in = constrain(select(is_first, first_in, shifted), buffer_names)
+        out = constrain(run_iteration(stage_in, t), buffer_names)
+        return ((*made[1:], out), recycled), out[0]
 
-    microbatches = split_microbatches(x, micro)  # (M, rows / M, ...), whole on every stage
-    fed = rules_lib.constrain(jnp.where(is_first, microbatches[:, None], 0), stacked_names)
-    idle = jnp.zeros(fed.shape[1:], x.dtype)  # stage 0's input once every microbatch is in
-    nothing_made = rules_lib.constrain(jnp.zeros((stages, *microbatches.shape[1:]), x.dtype), buffer_names)
+    # (M, rows / M, ...), whole on every stage
+    microbatches = tuple(split_microbatches(part, micro) for part in carried)
+    fed = constrain(select(is_first, tuple(part[:, None] for part in microbatches), (0,) * len(carried)),
+                    stacked_names)
+    idle = tuple(jnp.zeros(part.shape[1:], part.dtype) for part in fed)  # stage 0's input once every microbatch is in
+    nothing_made = constrain(tuple(jnp.zeros((stages, *part.shape[1:]), part.dtype) for part in microbatches),
+                             buffer_names)
     recycled = None
     if delay:
-        recycled = rules_lib.constrain(
-            jnp.zeros((stages, delay, *microbatches.shape[1:]), x.dtype), (STAGE, None, *names))
+        recycled = tuple(
+            rules_lib.constrain(jnp.zeros((stages, delay, *part.shape[1:]), part.dtype), (STAGE, None, *names))
+            for part, names in zip(microbatches, carried_names))
     carry = ((nothing_made,) * hop, recycled)
     # Microbatch m leaves the last stage for the last time in iteration (R - 1) M + hop (S - 1) + m.
     last = schedule.iterations - micro
@@ -251,16 +289,18 @@ def _run_iterations(apply_layers, weights, x, schedule, names, stage_axes, remat
         # per iteration, and as many zero gradients in the backward pass.
         outs = []
         for t in range(schedule.iterations):
-            carry, out = iteration(carry, t, fed[t] if t < micro else idle)
+            carry, out = iteration(carry, t, tuple(part[t] for part in fed) if t < micro else idle)
             if t >= last:
                 outs.append(out)
         outs = jnp.stack(outs)
     else:
-        fed = jnp.concatenate([fed, jnp.broadcast_to(idle, (schedule.iterations - micro, *idle.shape))])
-        xs = (jnp.arange(schedule.iterations), rules_lib.constrain(fed, stacked_names))
+        fed = tuple(jnp.concatenate([part, jnp.broadcast_to(zeros, (schedule.iterations - micro, *zeros.shape))])
+                    for part, zeros in zip(fed, idle))
+        xs = (jnp.arange(schedule.iterations), constrain(fed, stacked_names))
         _, outs = jax.lax.scan(lambda c, xs: iteration(c, *xs), carry, xs)
         outs = outs[last:]
-    finished = jnp.where(is_last, rules_lib.constrain(outs, stacked_names), 0)
+    x = carried[0]
+    finished = jnp.where(is_last, rules_lib.constrain(outs, stacked_names[0]), 0)
     # A sum in the activations' dtype (jnp.sum would add in float32, and move float32 between
     # devices): one of its terms is not zero, so it is exact.
     outputs = jax.lax.reduce(finished, jnp.zeros((), x.dtype), jax.lax.add, (1,))

@@ -1,6 +1,10 @@
 """Gradient accumulation inside the one compiled step: a `lax.scan` over microbatches.
 
 The step sees the whole global batch and returns the float32 mean loss and gradients over it.
+The mean is the same at any split: each call of the loss returns a weighted sum and its weight
+(models/loss.py: tokens that count, or examples), the calls' totals, weights and weighted gradients
+are added up, and the sums are divided once by the global weight. So rows that carry padding or
+packed documents weigh each token alike under any microbatch count, layout or process count.
 With k microbatches it scans k times; how gradients cross devices is `train.grad_reduction`:
 
 per_step (the default; DDP's `no_sync`): the loss is vmapped over a leading "batch shard" axis
@@ -42,6 +46,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxdist.models.loss import Loss, as_loss
 from jaxdist.parallel import batch_stats
 from jaxdist.parallel import compression as compression_lib
 from jaxdist.parallel import rules as rules_lib
@@ -50,39 +55,42 @@ from jaxdist.train import copies
 from jaxdist.train import state as state_lib
 
 Batch = dict[str, jax.Array]
-LossFn = Callable[[nnx.Module, Batch], "jax.Array | tuple[jax.Array, dict[str, jax.Array]]"]
-# (params, model state, batch) -> ((scaled loss, (loss, aux, new model state)), grads)
-GradFn = Callable[[Any, Any, Batch], tuple[tuple[jax.Array, tuple[jax.Array, dict[str, jax.Array], Any]], Any]]
+# A loss function returns a `Loss` (its weighted sum and weight: models/loss.py), or a plain mean
+# over the batch's rows (with an optional dict of metrics), taken as rows of weight 1.
+LossFn = Callable[[nnx.Module, Batch], "Loss | jax.Array | tuple[jax.Array, dict[str, jax.Array]]"]
+# (params, model state, batch) -> ((scaled mean, (Loss, new model state)), grads of the scaled mean)
+GradFn = Callable[[Any, Any, Batch], tuple[tuple[jax.Array, tuple[Loss, Any]], Any]]
 # The vmapped axis of per_step's batch shards (a name collectives inside the vmap can use).
 SHARDS = "batch_shards"
 
 GRAD_REDUCTIONS = ("per_step", "per_microbatch")
 
 
-def loss_and_aux(out) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """A loss function's result as (loss, aux metrics); a plain loss gets empty aux."""
-    return out if isinstance(out, tuple) else (out, {})
-
-
 def scaled_grad_fn(graphdef: nnx.GraphDef, loss_fn: LossFn, loss_scale: jax.Array | None,
                    compute_copies: Any = None, copies_gather: copies.Gather | None = None) -> GradFn:
-    """`(params, model_state, batch) -> ((scaled loss, (loss, aux, new model_state)), grads of the scaled loss)`.
+    """`(params, model_state, batch) -> ((scaled mean, (Loss, new model_state)), grads of the scaled mean)`.
 
+    Each call differentiates its own mean (`Loss.mean`): the numbers one call over the whole batch
+    has always had, whose gradients keep the range of a mean (no sum over thousands of tokens in
+    float16). Calls over parts of a batch are weighed by their weights afterwards (`_weighted`).
     The model reads the leaves that have `compute_copies` (train/copies.py) from them, gathered
     first with `copies_gather`. `model_state` None (a model without one) stays None.
     """
 
     def scaled(params, model_state, batch):
         model = state_lib.merge(graphdef, copies.read_copies(params, compute_copies, copies_gather), model_state)
-        loss, aux = loss_and_aux(loss_fn(model, batch))
-        scaled_loss = loss if loss_scale is None else loss * loss_scale.astype(loss.dtype)
-        return scaled_loss, (loss, aux, state_lib.model_state_of(model, model_state))
+        loss = as_loss(loss_fn(model, batch), batch)
+        mean = loss.mean
+        scaled_mean = mean if loss_scale is None else mean * loss_scale.astype(mean.dtype)
+        return scaled_mean, (loss, state_lib.model_state_of(model, model_state))
 
     return jax.value_and_grad(scaled, has_aux=True)
 
 
-def _float32(tree: Any) -> Any:
-    return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+def _weighted(loss: Loss, grads: Any) -> tuple[Loss, Any]:
+    """One call's part of the sums over a split batch: its loss sums, and its mean's float32
+    gradients times its weight (the gradients of its total)."""
+    return loss, jax.tree.map(lambda g: g.astype(jnp.float32) * loss.weight, grads)
 
 
 def _zeros_like_shapes(tree: Any) -> Any:
@@ -90,20 +98,17 @@ def _zeros_like_shapes(tree: Any) -> Any:
 
 
 def _reduce_per_microbatch(grad_fn: GradFn, params: Any, model_state: Any, batch: Batch, microbatches: int):
-    """(sum over microbatches of (loss, aux, float32 grads), the model state after the last);
-    GSPMD reduces inside each scan step."""
-    if microbatches == 1:
-        (_, (loss, aux, model_state)), grads = grad_fn(params, model_state, batch)
-        return _float32((loss, aux, grads)), model_state
+    """(the loss sums and weighted float32 gradients summed over the microbatches, the model state
+    after the last); GSPMD reduces inside each scan step."""
     micro = jax.tree.map(lambda x: split_microbatches(x, microbatches), batch)
 
     def accumulate(carry, mb):
         total, model_state = carry
-        (_, (loss, aux, model_state)), grads = grad_fn(params, model_state, mb)
-        return (jax.tree.map(jnp.add, total, _float32((loss, aux, grads))), model_state), None
+        (_, (loss, model_state)), grads = grad_fn(params, model_state, mb)
+        return (jax.tree.map(jnp.add, total, _weighted(loss, grads)), model_state), None
 
-    (_, (loss, aux, _)), grads = jax.eval_shape(grad_fn, params, model_state, jax.tree.map(lambda x: x[0], micro))
-    (total, model_state), _ = jax.lax.scan(accumulate, (_zeros_like_shapes((loss, aux, grads)), model_state), micro)
+    (_, (loss, _)), grads = jax.eval_shape(grad_fn, params, model_state, jax.tree.map(lambda x: x[0], micro))
+    (total, model_state), _ = jax.lax.scan(accumulate, (_zeros_like_shapes((loss, grads)), model_state), micro)
     return total, model_state
 
 
@@ -116,8 +121,9 @@ def _per_step_shards(
     grad_fn: GradFn, params: Any, model_state: Any, batch: Batch, microbatches: int,
     mesh: Mesh, rules: rules_lib.Rules, param_shardings: Any,
 ):
-    """(Sum over microbatches of (loss, aux, float32 grads) per batch shard, the grads still
-    unreduced: (shards, *param); the model state after the last microbatch)."""
+    """(The loss sums and weighted float32 gradients summed over the microbatches, per batch shard:
+    the loss sums summed over the shards, the gradients still unreduced, (shards, *param); the
+    model state after the last microbatch)."""
     axes = rules_lib.data_parallel_axes(rules)
     shards = rules_lib.axes_size(mesh, axes)
     # Inside the vmap each shard sees its own rows: the vmapped shard axis carries the
@@ -128,8 +134,8 @@ def _per_step_shards(
         # Batch statistics (BatchNorm) still average over every shard's rows: `SHARDS` names the
         # vmapped axis for their collectives.
         with rules_lib.activation_rules(mesh, inner_rules), batch_stats.across_shards(SHARDS):
-            (_, (loss, aux, s)), grads = grad_fn(p, s, b)
-        return _float32(((loss, aux), grads)), s
+            (_, (loss, s)), grads = grad_fn(p, s, b)
+        return _weighted(loss, grads), s
 
     per_shard = jax.vmap(shard_grads, in_axes=(None, None, 0), axis_name=SHARDS, spmd_axis_name=axes)
 
@@ -142,10 +148,10 @@ def _per_step_shards(
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(None, axes)))
 
     micro = jax.tree.map(split, batch)
-    (metrics_shapes, grads_shapes), _ = jax.eval_shape(per_shard, params, model_state,
-                                                      jax.tree.map(lambda x: x[0], micro))
+    (loss_shapes, grads_shapes), _ = jax.eval_shape(per_shard, params, model_state,
+                                                   jax.tree.map(lambda x: x[0], micro))
     carry_shardings = (
-        jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec(axes)), metrics_shapes),
+        jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec(axes)), loss_shapes),
         jax.tree.map(lambda s: _unreduced_sharding(s, axes), param_shardings),
     )
 
@@ -157,16 +163,16 @@ def _per_step_shards(
         return (jax.lax.with_sharding_constraint(total, carry_shardings),
                 jax.tree.map(lambda x: x[0], model_state)), None
 
-    zeros = jax.lax.with_sharding_constraint(_zeros_like_shapes((metrics_shapes, grads_shapes)), carry_shardings)
-    (((loss, aux), grads), model_state), _ = jax.lax.scan(accumulate, (zeros, model_state), micro)
-    loss, aux = jax.tree.map(lambda t: t.sum(0), (loss, aux))
-    return (loss, aux, grads), model_state
+    zeros = jax.lax.with_sharding_constraint(_zeros_like_shapes((loss_shapes, grads_shapes)), carry_shardings)
+    ((loss, grads), model_state), _ = jax.lax.scan(accumulate, (zeros, model_state), micro)
+    return (jax.tree.map(lambda t: t.sum(0), loss), grads), model_state
 
 
 class Gradients(NamedTuple):
-    """What `loss_and_grads` returns: the mean loss and aux metrics, the mean float32 gradients
-    (reduced across devices, in the parameters' shardings), the model state after the forward
-    passes and the compressed reduction's new state (None without compression)."""
+    """What `loss_and_grads` returns: the mean loss and metrics over the global batch (each global
+    sum divided once by the global weight), its float32 gradients (reduced across devices, in the
+    parameters' shardings), the model state after the forward passes and the compressed
+    reduction's new state (None without compression)."""
 
     loss: jax.Array
     aux: dict[str, jax.Array]
@@ -193,9 +199,11 @@ def loss_and_grads(
     compressed: compression_lib.Reducer | None = None,
     compression_state: Any = None,
 ) -> Gradients:
-    """Mean loss, mean aux metrics and mean float32 gradients of the unscaled loss over the global
-    batch, and the model state (`TrainState.model_state`) after the forward passes (None stays None).
+    """The global batch's mean loss and metrics and the float32 gradients of the unscaled mean, and
+    the model state (`TrainState.model_state`) after the forward passes (None stays None).
 
+    The mean is the global total over the global weight at any split: microbatches and batch
+    shards each add their totals, weights and weighted gradients, divided once at the end.
     Must be traced under `rules_lib.activation_rules(mesh, rules)`. With `loss_scale`, the loss
     is multiplied by it before differentiation and the float32 gradients divided by it after.
     `compute_copies`: the parameters' compute-dtype copies the model reads (train/copies.py);
@@ -214,16 +222,20 @@ def loss_and_grads(
         # Each shard's gradients stay unreduced until after the scan: none reduce-scattered inside.
         per_shard_gather = None if copies_gather is None else dataclasses.replace(copies_gather, split=None)
         grad_fn = scaled_grad_fn(graphdef, loss_fn, loss_scale, compute_copies, per_shard_gather)
-        (loss, aux, grads), model_state = _per_step_shards(
+        (loss, grads), model_state = _per_step_shards(
             grad_fn, params, model_state, batch, microbatches, mesh, rules, param_shardings
         )
-        count = shards * microbatches
     else:
         grad_fn = scaled_grad_fn(graphdef, loss_fn, loss_scale, compute_copies, copies_gather)
-        (loss, aux, grads), model_state = _reduce_per_microbatch(grad_fn, params, model_state, batch, microbatches)
-        count = microbatches
-    grad_divisor = count if loss_scale is None else count * loss_scale
-    aux = jax.tree.map(lambda v: v / count, aux)
+        if microbatches > 1:
+            (loss, grads), model_state = _reduce_per_microbatch(grad_fn, params, model_state, batch, microbatches)
+        else:  # one call over the whole batch: its mean's gradients are the global mean's
+            (_, (loss, model_state)), grads = grad_fn(params, model_state, batch)
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    # The weighted gradients are the totals' gradients: divided by the global weight, once.
+    weight = loss.weight if per_shard or microbatches > 1 else jnp.float32(1)
+    grad_divisor = weight if loss_scale is None else weight * loss_scale
+    aux = {name: total / loss.weight for name, total in loss.metrics.items()}
     if compressed is not None:
         # Each shard's share of the mean goes in: the error feedback is in the gradients' own units.
         shares = jax.tree.map(lambda g: g / grad_divisor if per_shard else g[None] / grad_divisor, grads)
@@ -232,4 +244,4 @@ def loss_and_grads(
         if per_shard:
             grads = jax.lax.with_sharding_constraint(jax.tree.map(lambda g: g.sum(0), grads), param_shardings)
         grads = jax.tree.map(lambda g: g / grad_divisor, grads)
-    return Gradients(loss / count, aux, grads, model_state, compression_state)
+    return Gradients(loss.total / loss.weight, aux, grads, model_state, compression_state)

@@ -1,12 +1,12 @@
 """Exact evaluation over a whole split: jitted sums per batch, added up on the host.
 
 Eval batches carry `weights` (1 for a real example, 0 for the padding that fills the last
-batch). A model's `eval_sums(model, batch)` gives each metric summed over the batch's real
-examples (the weighted loss, the count of correct predictions, ...); XLA adds the rows of every
-device and process. The host adds the batches' sums in float64 and divides each total by the total
-weight, so every metric is the exact mean over the split, whatever the batch size, layout or
-process count. The model runs in eval mode (`model.eval()`: BatchNorm normalizes by its running
-averages and updates nothing).
+batch). The model's loss (`ModelEntry.loss`) gives each batch's weighted sums (the loss, the count
+of correct predictions, ...) and their weight (tokens that count, or examples); XLA adds the rows of
+every device and process. The host adds the batches' sums and weights in float64 and divides each
+total by the total weight, so every metric is the exact mean over the split (per token for a
+language model, packed rows too), whatever the batch size, layout or process count. The model runs
+in eval mode (`model.eval()`: BatchNorm normalizes by its running averages and updates nothing).
 """
 
 from __future__ import annotations
@@ -19,16 +19,17 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxdist.models.loss import as_loss
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.parallel.feed import batch_sharding
 from jaxdist.train import state as state_lib
+from jaxdist.train.accumulate import LossFn
 
 Batch = dict[str, Any]
-EvalSums = Callable[[nnx.Module, Batch], dict[str, jax.Array]]
 
 
 def make_eval_step(
-    graphdef: nnx.GraphDef, eval_sums: EvalSums, mesh: Mesh, rules: rules_lib.Rules, param_shardings: Any,
+    graphdef: nnx.GraphDef, loss_fn: LossFn, mesh: Mesh, rules: rules_lib.Rules, param_shardings: Any,
     model_state_shardings: Any = None,
 ) -> Callable[[Any, Any, Batch], tuple[dict[str, jax.Array], jax.Array]]:
     """The jitted `eval_step(params, model_state, batch) -> ({metric: sum}, total weight)` of one global batch."""
@@ -37,8 +38,8 @@ def make_eval_step(
         with rules_lib.activation_rules(mesh, rules):
             model = state_lib.merge(graphdef, params, model_state)
             model.eval()
-            sums = eval_sums(model, batch)
-        return sums, batch["weights"].sum()
+            loss = as_loss(loss_fn(model, batch), batch)
+        return {"loss": loss.total, **loss.metrics}, loss.weight
 
     replicated = NamedSharding(mesh, PartitionSpec())
     return jax.jit(eval_step, in_shardings=(param_shardings, model_state_shardings, batch_sharding(mesh, rules)),
@@ -48,13 +49,13 @@ def make_eval_step(
 class Evaluator:
     """The mean of each metric of a `Trainer`'s current model over every example of an eval split."""
 
-    def __init__(self, trainer, eval_sums: EvalSums, batches: Callable[[], Iterator[dict[str, np.ndarray]]]):
-        """`eval_sums`: the model's sums of one batch (`models.ModelEntry.eval_sums`); `batches()`
-        starts a fresh pass of this process's local eval batches (with `weights`)."""
+    def __init__(self, trainer, loss_fn: LossFn, batches: Callable[[], Iterator[dict[str, np.ndarray]]]):
+        """`loss_fn`: the model's loss (`models.ModelEntry.loss`); `batches()` starts a fresh pass of
+        this process's local eval batches (with `weights`)."""
         self._trainer = trainer
         self._batches = batches
         shardings = trainer.state_shardings
-        self._step = make_eval_step(trainer.graphdef, eval_sums, trainer.mesh, trainer.rules, shardings.params,
+        self._step = make_eval_step(trainer.graphdef, loss_fn, trainer.mesh, trainer.rules, shardings.params,
                                     shardings.model_state)
 
     def warm_up(self) -> None:
