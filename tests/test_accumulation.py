@@ -72,7 +72,7 @@ def _one_step(cfg, initial_params) -> Step:
     graphdef, abstract_params, names = abstract.graphdef, abstract.params, abstract.names
     layouts = rules_lib.param_layouts(abstract_params, names, rules, mesh)
     param_shardings = rules_lib.layout_shardings(layouts, mesh)
-    tx, schedule = build_optimizer(cfg.optim, cfg.train, names)
+    tx, schedule = build_optimizer(cfg.optim, cfg.train, names, abstract.roles)
     shardings = TrainState(
         step=NamedSharding(mesh, PartitionSpec()), params=param_shardings,
         opt_state=opt_state_shardings(tx, abstract_params, param_shardings, mesh),

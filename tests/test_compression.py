@@ -5,6 +5,7 @@ collectives, trains like the exact reduction, and carries its error feedback thr
 """
 
 import json
+import math
 import shutil
 
 import jax
@@ -12,11 +13,12 @@ import numpy as np
 import pytest
 from conftest import make_config
 
-from jaxdist import cli, loop
+from jaxdist import cli, loop, models
 from jaxdist.commands import hlo
 from jaxdist.commands.plan import compiled_trainer
 from jaxdist.config import load
 from jaxdist.parallel import compression
+from jaxdist.train.state import abstract_model
 
 pytestmark = pytest.mark.slow
 
@@ -133,9 +135,10 @@ def test_error_feedback_moves_to_another_layout_of_as_many_shards(tmp_path, caps
 def test_plans_compress_the_matrices_and_send_vectors_exactly():
     names = {"qkv": ("layers", "qkv", "embed", "heads", "head_dim"), "out": ("layers", "heads", "head_dim", "embed"),
              "norm": ("layers", "embed"), "conv": (None, None, None, None)}
+    roles = {"qkv": "weight", "out": "weight", "norm": "norm", "conv": "weight"}
     shapes = {"qkv": (24, 3, 1024, 16, 64), "out": (24, 16, 64, 1024), "norm": (24, 1024), "conv": (3, 3, 64, 64)}
     abstract = {key: jax.ShapeDtypeStruct(shape, np.float32) for key, shape in shapes.items()}
-    plans = compression.plan(abstract, names, compression.Compression("powersgd", ("data",), rank=4))
+    plans = compression.plan(abstract, names, roles, compression.Compression("powersgd", ("data",), rank=4))
     assert plans["qkv"].matrix == ((24, 3), 1024, 1024)  # stacked layers and q/k/v; the squarest split
     assert plans["out"].matrix == ((24,), 1024, 1024)
     assert plans["conv"].matrix == ((), 576, 64)
@@ -143,8 +146,8 @@ def test_plans_compress_the_matrices_and_send_vectors_exactly():
     exact, compressed = compression.bytes_sent(plans, compression.Compression("powersgd", ("data",), rank=4))
     assert exact == 4 * sum(int(np.prod(s)) for s in shapes.values())
     assert compressed == 4 * (72 * 2048 * 4 + 24 * 2048 * 4 + 640 * 4 + 24 * 1024)
-    int8 = compression.plan(abstract, names, compression.Compression("int8", ("data",)))
-    assert {key: plan.method for key, plan in int8.items()} == {"qkv": "int8", "out": "int8", "norm": "int8",
+    int8 = compression.plan(abstract, names, roles, compression.Compression("int8", ("data",)))
+    assert {key: plan.method for key, plan in int8.items()} == {"qkv": "int8", "out": "int8", "norm": "exact",
                                                                  "conv": "int8"}
 
 
@@ -201,3 +204,24 @@ def test_a_pipeline_compresses_its_stages_gradients_over_the_batch_axes(tmp_path
         runs[method] = losses_by_step(tmp_path / method)
     assert runs["powersgd"][6] != runs["none"][6]
     np.testing.assert_allclose(list(runs["powersgd"].values()), list(runs["none"].values()), rtol=0.01)
+
+
+@pytest.mark.parametrize("model", [{"biases": "all"}, {"name": "llama", "kv_heads": 4, "biases": "qkv"}],
+                         ids=["gpt2", "qwen2"])
+def test_powersgd_sends_every_bias_and_norm_exactly(model):
+    """By their roles, not their shapes: at this width the (qkv, heads, head_dim) biases would be
+    smaller as rank-4 factors, and are still sent whole."""
+    cfg = make_config("unused", model={**model, "d_model": 1024, "heads": 16, "layers": 2, "vocab": 512})
+    abstract = abstract_model(models.get(cfg.model.name).create(cfg), 0)
+    chosen = compression.Compression("powersgd", ("data",), rank=4)
+    plans = compression.plan(abstract.params, abstract.names, abstract.roles, chosen)
+    leaves = list(zip(jax.tree.leaves(plans, is_leaf=lambda x: isinstance(x, compression.LeafPlan)),
+                      jax.tree.leaves(abstract.roles)))
+    vectors = [plan for plan, role in leaves if role in ("bias", "norm")]
+    assert any(len(plan.shape) == 4 for plan in vectors)  # (layers, qkv, heads, head_dim)
+    assert all(plan.method == "exact" for plan in vectors)
+    assert all(plan.method == "powersgd" for plan, role in leaves if role == "weight")
+    _, sent = compression.bytes_sent(plans, chosen)
+    factors = sum(4 * math.prod(p.matrix[0]) * (p.matrix[1] + p.matrix[2]) * 4 for p, _ in leaves if p.matrix)
+    whole = sum(4 * math.prod(p.shape) for p, _ in leaves if p.method == "exact")
+    assert sent == factors + whole and whole >= sum(4 * math.prod(p.shape) for p in vectors)

@@ -217,7 +217,7 @@ def test_guard_adds_no_copy_of_the_state_and_keeps_donation(tmp_path):
     layout = layout_lib.from_config(cfg, jax.devices()[:1])
     entry = models.get("gpt")
     abstract = abstract_model(entry.create(cfg), cfg.seed)
-    tx, schedule = build_optimizer(cfg.optim, cfg.train, abstract.names)
+    tx, schedule = build_optimizer(cfg.optim, cfg.train, abstract.names, abstract.roles)
     state, shardings, graphdef, _ = init_state(entry.create(cfg), tx, layout.mesh, layout.rules, cfg.seed,
                                                abstract=abstract)
     tokens = np.zeros((cfg.train.global_batch, cfg.model.seq_len), np.int32)

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdist.parallel import batch_stats
+from jaxdist.parallel import batch_stats, roles
 
 
 class BatchNorm(nnx.Module):
@@ -39,8 +39,8 @@ class BatchNorm(nnx.Module):
     def __init__(self, features: int, names: Sequence[str | None], *, momentum: float = 0.9,
                  epsilon: float = 1e-5, param_dtype=jnp.float32):
         names = tuple(names)
-        self.scale = nnx.Param(jnp.ones((features,), param_dtype), out_sharding=names)
-        self.bias = nnx.Param(jnp.zeros((features,), param_dtype), out_sharding=names)
+        self.scale = nnx.Param(jnp.ones((features,), param_dtype), out_sharding=names, role=roles.NORM)
+        self.bias = nnx.Param(jnp.zeros((features,), param_dtype), out_sharding=names, role=roles.NORM)
         self.mean = nnx.BatchStat(jnp.zeros((features,), jnp.float32), out_sharding=names)
         self.var = nnx.BatchStat(jnp.ones((features,), jnp.float32), out_sharding=names)
         self.momentum = momentum

@@ -30,7 +30,7 @@ from jaxdist.models import fp8 as fp8_lib
 from jaxdist.models.cross_entropy import fused_linear_cross_entropy
 from jaxdist.models.loss import Loss
 from jaxdist.models.registry import ModelEntry, register
-from jaxdist.parallel import context
+from jaxdist.parallel import context, roles
 from jaxdist.parallel import pipeline as pipeline_lib
 from jaxdist.parallel.rules import constrain
 
@@ -250,8 +250,10 @@ def read_in_compute_dtype(path: tuple) -> bool:
     return bool(path) and getattr(path[-1], "key", None) in COMPUTE_DTYPE_PARAMS
 
 
-def _param(rngs: nnx.Rngs, init, shape: Sequence[int], names: Names, dtype) -> nnx.Param:
-    return nnx.Param(init(rngs.params(), tuple(shape), dtype), out_sharding=names)
+def _param(rngs: nnx.Rngs, init, shape: Sequence[int], names: Names, dtype, role: str = roles.WEIGHT) -> nnx.Param:
+    """A parameter with its logical names and its role (parallel/roles.py: what decay, trust ratios
+    and compression go by)."""
+    return nnx.Param(init(rngs.params(), tuple(shape), dtype), out_sharding=names, role=role)
 
 
 def _cast(x: jax.Array, dtype) -> jax.Array:
@@ -273,9 +275,9 @@ class Norm(nnx.Module):
         self.kind = cfg.norm
         self.eps = cfg.norm_eps
         self.impl = impl.norm_impl
-        self.scale = _param(rngs, nnx.initializers.ones_init(), (cfg.d_model,), ("embed",), param_dtype)
+        self.scale = _param(rngs, nnx.initializers.ones_init(), (cfg.d_model,), ("embed",), param_dtype, roles.NORM)
         if cfg.norm == "layernorm":
-            self.bias = _param(rngs, nnx.initializers.zeros_init(), (cfg.d_model,), ("embed",), param_dtype)
+            self.bias = _param(rngs, nnx.initializers.zeros_init(), (cfg.d_model,), ("embed",), param_dtype, roles.NORM)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self._fused(x):
@@ -361,14 +363,16 @@ class Attention(nnx.Module):
             self.qkv = _param(rngs, _normal, (3, d, h, head_dim), ("qkv", "embed", "heads", "head_dim"), param_dtype)
         if cfg.biases != "none":
             if self.grouped:
-                self.q_bias = _param(rngs, _zeros, (h, head_dim), ("heads", "head_dim"), param_dtype)
-                self.kv_bias = _param(rngs, _zeros, (2, kv, head_dim), ("qkv", "kv_heads", "head_dim"), param_dtype)
+                self.q_bias = _param(rngs, _zeros, (h, head_dim), ("heads", "head_dim"), param_dtype, roles.BIAS)
+                self.kv_bias = _param(rngs, _zeros, (2, kv, head_dim), ("qkv", "kv_heads", "head_dim"), param_dtype,
+                                      roles.BIAS)
             else:
-                self.qkv_bias = _param(rngs, _zeros, (3, h, head_dim), ("qkv", "heads", "head_dim"), param_dtype)
+                self.qkv_bias = _param(rngs, _zeros, (3, h, head_dim), ("qkv", "heads", "head_dim"), param_dtype,
+                                       roles.BIAS)
         out_init = nnx.initializers.normal(0.02 / (2 * cfg.layers) ** 0.5)
         self.out = _param(rngs, out_init, (h, head_dim, d), ("heads", "head_dim", "embed"), param_dtype)
         if cfg.biases == "all":
-            self.out_bias = _param(rngs, _zeros, (d,), ("embed",), param_dtype)
+            self.out_bias = _param(rngs, _zeros, (d,), ("embed",), param_dtype, roles.BIAS)
 
     def __call__(self, x: jax.Array, docs: Documents | None = None) -> jax.Array:
         q, k, v = self._project(x)
@@ -472,10 +476,10 @@ class Mlp(nnx.Module):
         down_init = nnx.initializers.normal(0.02 / (2 * cfg.layers) ** 0.5)
         self.down = _param(rngs, down_init, (cfg.mlp_dim, cfg.d_model), ("mlp", "embed"), param_dtype)
         if cfg.biases == "all":
-            self.up_bias = _param(rngs, _zeros, (cfg.mlp_dim,), ("mlp",), param_dtype)
+            self.up_bias = _param(rngs, _zeros, (cfg.mlp_dim,), ("mlp",), param_dtype, roles.BIAS)
             if cfg.activation == "swiglu":
-                self.gate_bias = _param(rngs, _zeros, (cfg.mlp_dim,), ("mlp",), param_dtype)
-            self.down_bias = _param(rngs, _zeros, (cfg.d_model,), ("embed",), param_dtype)
+                self.gate_bias = _param(rngs, _zeros, (cfg.mlp_dim,), ("mlp",), param_dtype, roles.BIAS)
+            self.down_bias = _param(rngs, _zeros, (cfg.d_model,), ("embed",), param_dtype, roles.BIAS)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         up = _project(self.fp8, "btd,dm->btm", x, _cast(self.up[...], x.dtype))
@@ -585,9 +589,10 @@ class GPT(nnx.Module):
         self.impl = impl
         self.compute_dtype = compute_dtype
         self.pipeline = pipeline
-        self.embed = _param(rngs, _normal, (cfg.vocab, cfg.d_model), ("vocab", "embed"), param_dtype)
+        self.embed = _param(rngs, _normal, (cfg.vocab, cfg.d_model), ("vocab", "embed"), param_dtype, roles.EMBEDDING)
         if cfg.positions == "learned":
-            self.positions = _param(rngs, _normal, (cfg.position_rows, cfg.d_model), ("length", "embed"), param_dtype)
+            self.positions = _param(rngs, _normal, (cfg.position_rows, cfg.d_model), ("length", "embed"), param_dtype,
+                                    roles.EMBEDDING)
 
         # The blocks are drawn stacked either way: one random draw per kind of parameter, not one per
         # layer, keeps the init program small (each draw compiles to kernels of its own: see

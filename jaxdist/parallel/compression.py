@@ -19,8 +19,9 @@ reduction: what a shard's compression left out is added to its next gradient. Th
 sum, over the shards, to exactly what the reduced gradient lacks. The error buffers (one float32
 gradient per shard) and PowerSGD's Q are part of the train state: checkpointed and resumed.
 
-Vectors, and matrices whose factors would not be smaller, are reduced exactly under powersgd;
-under int8, gradients of fewer than 4,096 numbers. The reduction over data-parallel axes left out of
+Biases and norms (by the roles the model declares, parallel/roles.py) are reduced exactly under
+both methods; so are weights whose factors would not be smaller under powersgd, and, under int8,
+gradients of fewer than 4,096 numbers. The reduction over data-parallel axes left out of
 `Compression.axes` (e.g. `fsdp` within a host) is exact and comes first.
 """
 
@@ -36,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxdist.parallel import roles as roles_lib
 from jaxdist.parallel import rules as rules_lib
 
 METHODS = ("none", "powersgd", "int8")
@@ -92,10 +94,13 @@ def _matrix(shape: tuple[int, ...], names: Sequence[str | None], rank: int):
     return tuple(shape[:stacked]), rows, cols
 
 
-def plan(abstract_params: Any, names: Any, compression: Compression) -> Any:
-    """A `LeafPlan` per parameter (a tree like the parameters)."""
-    def leaf(param, leaf_names):
+def plan(abstract_params: Any, names: Any, roles: Any, compression: Compression) -> Any:
+    """A `LeafPlan` per parameter (a tree like the parameters): weights and embeddings compressed,
+    biases and norms (by their roles, parallel/roles.py) reduced exactly."""
+    def leaf(param, leaf_names, role):
         shape = tuple(param.shape)
+        if not roles_lib.is_weight(role):
+            return LeafPlan(shape)
         if compression.method == "powersgd":
             matrix = _matrix(shape, leaf_names, compression.rank)
             return LeafPlan(shape, "exact" if matrix is None else "powersgd", matrix)
@@ -103,7 +108,7 @@ def plan(abstract_params: Any, names: Any, compression: Compression) -> Any:
             return LeafPlan(shape, "int8")
         return LeafPlan(shape)
 
-    return jax.tree.map(leaf, abstract_params, names)
+    return jax.tree.map(leaf, abstract_params, names, roles)
 
 
 def _is_plan(x: Any) -> bool:
@@ -322,7 +327,7 @@ class Reducer:
         return reduce(shares, state, self.plans, self.compression, self.mesh, self.data_axes, param_shardings)
 
 
-def reducer(abstract_params: Any, names: Any, compression: Compression, mesh: Mesh,
+def reducer(abstract_params: Any, names: Any, roles: Any, compression: Compression, mesh: Mesh,
             data_axes: tuple[str, ...]) -> Reducer | None:
     """The `Reducer` for these parameters, or None for method none. Raises ValueError where
     `compression.axes` are not among the data-parallel axes."""
@@ -336,4 +341,4 @@ def reducer(abstract_params: Any, names: Any, compression: Compression, mesh: Me
                          f"over the data-parallel axes {list(data_axes)}; name one or more of those")
     ordered = tuple(axis for axis in data_axes if axis in compression.axes)
     compression = dataclasses.replace(compression, axes=ordered)
-    return Reducer(compression, plan(abstract_params, names, compression), mesh, data_axes)
+    return Reducer(compression, plan(abstract_params, names, roles, compression), mesh, data_axes)

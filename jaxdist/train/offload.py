@@ -8,7 +8,7 @@ state is updated on a device at a time (the copy out of one overlapping the copy
 whatever the whole state weighs; XLA would otherwise bring it all in at the step's start. Letting
 two parameters' copies be in flight saved no time (the host link is the bound) and held more.
 
-Each parameter has its own optimizer (built for its logical names alone, the masks included), so
+Each parameter has its own optimizer (built for its logical names and role alone, the masks included), so
 the optimizer must act parameter by parameter: AdamW, LAMB and LARS (trust ratios per
 parameter), Adafactor and SGD all do. Global-norm clipping, the one transformation across all
 parameters, is applied to the gradients before, as `optax.clip_by_global_norm` does. The
@@ -55,16 +55,18 @@ def _only_leaf(tree: Any) -> Any:
 class OffloadedOptimizer:
     """The optimizer applied one parameter at a time, its state in pinned host memory.
 
-    `optimizer_for(names)`: the optax transformation, without clipping, for the parameters whose
-    logical names are the tree `names` (here always one parameter's). `clip_norm`: the global
-    gradient norm above which the gradients are scaled down to it (None: no clipping).
+    `optimizer_for(names, roles)`: the optax transformation, without clipping, for the parameters
+    whose logical names and roles are the trees `names` and `roles` (here always one parameter's).
+    `clip_norm`: the global gradient norm above which the gradients are scaled down to it (None: no
+    clipping).
     """
 
-    def __init__(self, optimizer_for: Callable[[Any], optax.GradientTransformation], names: Any,
+    def __init__(self, optimizer_for: Callable[[Any, Any], optax.GradientTransformation], names: Any, roles: Any,
                  clip_norm: float | None):
         flat, self._treedef = jax.tree_util.tree_flatten_with_path(names, is_leaf=lambda x: isinstance(x, tuple))
         self._paths = [path for path, _ in flat]
-        self._optimizers = [optimizer_for(_nested(path, leaf_names)) for path, leaf_names in flat]
+        self._optimizers = [optimizer_for(_nested(path, leaf_names), _nested(path, role))
+                            for (path, leaf_names), role in zip(flat, self._treedef.flatten_up_to(roles))]
         self.clip_norm = clip_norm
 
     def _split(self, tree: Any) -> list[Any]:

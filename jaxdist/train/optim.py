@@ -1,10 +1,11 @@
 """The optimizer a config asks for: the registered optimizer's transformation (train/optimizers/),
 after global-norm clipping, and the learning-rate schedule, with batch-size scaling.
 
-`build_optimizer(cfg.optim, cfg.train, logical_names)` returns the optax transformation and the
-schedule of the effective learning rate (the one the step logs). Weight decay is decoupled and
-scaled by the learning rate in every optimizer; norms, biases and embeddings do not get it unless
-`optim.decay_norms_and_biases` / `optim.decay_embeddings` asks (train/optimizers/parts.py).
+`build_optimizer(cfg.optim, cfg.train, logical_names, roles)` returns the optax transformation and
+the schedule of the effective learning rate (the one the step logs). Weight decay is decoupled and
+scaled by the learning rate in every optimizer; norms, biases and embeddings (by the roles the model
+declares) do not get it unless `optim.decay_norms_and_biases` / `optim.decay_embeddings` asks
+(train/optimizers/parts.py).
 """
 
 from __future__ import annotations
@@ -45,16 +46,17 @@ def learning_rate_schedule(optim: OptimizerSection, train: TrainConfig) -> optax
 
 
 def build_optimizer(
-    optim: OptimizerSection, train: TrainConfig, logical_names: Any, clip: bool = True,
+    optim: OptimizerSection, train: TrainConfig, logical_names: Any, roles: Any, clip: bool = True,
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The optax transformation for `optim.name` (after global-norm clipping) and its LR schedule.
 
-    `logical_names` is a tree like the parameters whose leaves are tuples of logical axis names;
-    the masks are derived from it. `clip` False: without the clipping (for a caller that clips
-    the gradients over all parameters itself, as train/offload.py does).
+    `logical_names` is a tree like the parameters whose leaves are tuples of logical axis names
+    (which say the stacked layers), `roles` one of their roles (parallel/roles.py); the masks are
+    derived from them. `clip` False: without the clipping (for a caller that clips the gradients
+    over all parameters itself, as train/offload.py does).
     """
     schedule = learning_rate_schedule(optim, train)
-    masks = Masks(logical_names, weight_decay_mask(optim, logical_names), stacked_mask(logical_names))
+    masks = Masks(roles, weight_decay_mask(optim, roles), stacked_mask(logical_names))
     tx = optimizers.get(optim.name).build(optim, schedule, masks)
     # Clipping holds no state, and the chain has the same shape with it off: a checkpoint saved
     # without clipping resumes with it (a diverging run's usual remedy), and the other way round.

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.parallel import compression as compression_lib
+from jaxdist.parallel import roles as roles_lib
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.train.precision import LossScale
 from jaxdist.train.spikes import LossStats
@@ -51,11 +52,13 @@ class TrainState(flax.struct.PyTreeNode):
 
 class AbstractModel(NamedTuple):
     """A model described without memory: its graph, abstract parameters and other variables (pure
-    dicts of `jax.ShapeDtypeStruct`s) and the logical names of each."""
+    dicts of `jax.ShapeDtypeStruct`s), the logical names of each and the parameters' roles
+    (`parallel.roles`: weight, bias, norm, embedding)."""
 
     graphdef: nnx.GraphDef
     params: Any
     names: Any
+    roles: Any
     state: Any = None  # the non-parameter variables (`TrainState.model_state`); None without any
     state_names: Any = None
     unnamed: tuple[str, ...] = ()  # the paths of the variables without logical names (`rules.unnamed`)
@@ -76,7 +79,7 @@ def abstract_model(create_model: ModelFactory, seed: int) -> AbstractModel:
         model = nnx.eval_shape(lambda: create_model(nnx.Rngs(seed)))
     graphdef, params, state = nnx.split(model, nnx.Param, ...)
     state_dict = _or_none(nnx.to_pure_dict(state))
-    return AbstractModel(graphdef, nnx.to_pure_dict(params), _names(params), state_dict,
+    return AbstractModel(graphdef, nnx.to_pure_dict(params), _names(params), roles_lib.roles(params), state_dict,
                          None if state_dict is None else _names(state), rules_lib.unnamed(nnx.state(model)))
 
 

@@ -87,7 +87,7 @@ class Trainer:
         abstract = abstract or abstract_model(create_model, seed)
         data_axes = rules_lib.data_parallel_axes(rules)
         compressed = None if compression is None else compression_lib.reducer(
-            abstract.params, abstract.names, compression, mesh, data_axes)
+            abstract.params, abstract.names, abstract.roles, compression, mesh, data_axes)
         if compressed is not None and grad_reduction != "per_step":
             raise ValueError("gradient compression starts from each batch shard's own gradients: use "
                              "grad_reduction='per_step'")
@@ -158,7 +158,7 @@ class Trainer:
         dtypes_lib.check_backend(cfg.precision, platform)
         create_model = entry.create(cfg)
         abstract = abstract or abstract_model(create_model, cfg.seed)
-        tx, schedule = build_optimizer(cfg.optim, cfg.train, abstract.names)
+        tx, schedule = build_optimizer(cfg.optim, cfg.train, abstract.names, abstract.roles)
         make_copies = None
         dtypes = dtypes_lib.policy(cfg.precision, platform)
         if cfg.precision.compute_copies and entry.read_in_compute_dtype is not None:
@@ -177,8 +177,8 @@ class Trainer:
             compute_copies=make_copies, fsdp_gather=cfg.train.fsdp_gather, materialize=materialize,
             loss_spike=cfg.train.loss_spike, params=params, compression=compression_of(cfg, layout.rules),
             offload=None if cfg.train.offload == "none" else offload_lib.OffloadedOptimizer(
-                lambda names: build_optimizer(cfg.optim, cfg.train, names, clip=False)[0], abstract.names,
-                cfg.optim.clip_norm),
+                lambda names, roles: build_optimizer(cfg.optim, cfg.train, names, roles, clip=False)[0],
+                abstract.names, abstract.roles, cfg.optim.clip_norm),
         )
 
     def _has_flax_batch_norm(self) -> bool:

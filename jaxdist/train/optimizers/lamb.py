@@ -25,7 +25,7 @@ def build(optim: LAMBConfig, lr: optax.Schedule, masks: Masks) -> optax.Gradient
     return optax.chain(
         optax.scale_by_adam(b1=optim.b1, b2=optim.b2, eps=optim.eps),
         optax.add_decayed_weights(optim.weight_decay, mask=masks.decay),
-        scale_by_layerwise_trust_ratio(trust_ratio_mask(optim.trust_ratio_norms_and_biases, masks.names),
+        scale_by_layerwise_trust_ratio(trust_ratio_mask(optim.trust_ratio_norms_and_biases, masks.roles),
                                        masks.stacked),
         optax.scale_by_learning_rate(lr),
     )

@@ -27,7 +27,7 @@ class LARSConfig(OptimizerSection):
 def build(optim: LARSConfig, lr: optax.Schedule, masks: Masks) -> optax.GradientTransformation:
     return optax.chain(
         optax.add_decayed_weights(optim.weight_decay, mask=masks.decay),
-        scale_by_layerwise_trust_ratio(trust_ratio_mask(optim.trust_ratio_norms_and_biases, masks.names),
+        scale_by_layerwise_trust_ratio(trust_ratio_mask(optim.trust_ratio_norms_and_biases, masks.roles),
                                        masks.stacked, trust_coefficient=optim.trust_coefficient),
         optax.scale_by_learning_rate(lr),
         optax.trace(decay=optim.momentum, nesterov=optim.nesterov),

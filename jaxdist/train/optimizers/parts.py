@@ -1,16 +1,15 @@
 """What the optimizers share: the keys of Adam's moments, which parameters get weight decay (and
-the trust ratio) by their logical axis names, and the per-layer forms of optax's transformations
-for stacked layers.
+the trust ratio) by their roles, and the per-layer forms of optax's transformations for stacked
+layers.
 
-Masks are decided from each parameter's logical axis names, so they hold for any model that names
-its dimensions:
+Masks are decided from each parameter's role (parallel/roles.py: weight, bias, norm, embedding),
+which the model declares, never from its shape: by default weights get weight decay and the trust
+ratio, embeddings the trust ratio only, biases and norms neither (`optim.decay_norms_and_biases`,
+`optim.decay_embeddings` and `trust_ratio_norms_and_biases` ask otherwise).
 
-- norms and biases: at most one dimension besides a stacked `layers` axis;
-- embeddings (tables looked up by index): first axis, after `layers`, is `vocab` or `length`.
-
-Stacked layers are one array with a leading `layers` axis. LARS and LAMB define the trust ratio
-per layer, so for stacked parameters it is computed per slice along that axis; Adafactor's
-per-parameter statistics are likewise per layer: `per_layer` vmaps them over the axis.
+Stacked layers are one array with a leading `layers` axis (a logical name). LARS and LAMB define the
+trust ratio per layer, so for stacked parameters it is computed per slice along that axis;
+Adafactor's per-parameter statistics are likewise per layer: `per_layer` vmaps them over the axis.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ import optax
 from pydantic import Field
 
 from jaxdist.config import OptimizerSection
+from jaxdist.parallel import roles as roles_lib
 
 
 class AdamMoments(OptimizerSection):
@@ -34,25 +34,20 @@ class AdamMoments(OptimizerSection):
 
 
 class Masks(NamedTuple):
-    """Trees like the parameters: their logical names, whether each gets weight decay, and whether
-    each is a stack of layers."""
+    """Trees like the parameters: their roles, whether each gets weight decay, and whether each is
+    a stack of layers."""
 
-    names: Any
+    roles: Any
     decay: Any
     stacked: Any
 
 
 Names = tuple[str | None, ...]
 STACK_AXIS = "layers"
-EMBEDDING_AXES = ("vocab", "length")
 
 
 def _is_names(x: Any) -> bool:
     return isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)
-
-
-def _unstacked(names: Names) -> Names:
-    return names[1:] if names[:1] == (STACK_AXIS,) else names
 
 
 def is_stacked(names: Names) -> bool:
@@ -60,35 +55,21 @@ def is_stacked(names: Names) -> bool:
     return names[:1] == (STACK_AXIS,)
 
 
-def is_norm_or_bias(names: Names) -> bool:
-    """A vector per layer: norm scales and offsets, biases."""
-    return len(_unstacked(names)) <= 1
+def weight_decay_mask(optim: OptimizerSection, roles: Any) -> Any:
+    """True for the parameters that get weight decay (a tree like the parameters' `roles`)."""
 
-
-def is_embedding(names: Names) -> bool:
-    """A table looked up by token id or position."""
-    own = _unstacked(names)
-    return len(own) >= 2 and own[0] in EMBEDDING_AXES
-
-
-def weight_decay_mask(optim: OptimizerSection, logical_names: Any) -> Any:
-    """True for the parameters that get weight decay (a tree like the parameters)."""
-
-    def decays(names: Names) -> bool:
-        if is_norm_or_bias(names):
-            return optim.decay_norms_and_biases
-        if is_embedding(names):
+    def decays(role: str) -> bool:
+        if role == roles_lib.EMBEDDING:
             return optim.decay_embeddings
-        return True
+        return role == roles_lib.WEIGHT or optim.decay_norms_and_biases
 
-    return jax.tree.map(decays, logical_names, is_leaf=_is_names)
+    return jax.tree.map(decays, roles)
 
 
-def trust_ratio_mask(norms_and_biases: bool, logical_names: Any) -> Any:
-    """True for the parameters whose LARS/LAMB update is scaled by the trust ratio (norms and biases
-    only with `norms_and_biases`)."""
-    return jax.tree.map(lambda names: norms_and_biases or not is_norm_or_bias(names), logical_names,
-                        is_leaf=_is_names)
+def trust_ratio_mask(norms_and_biases: bool, roles: Any) -> Any:
+    """True for the parameters whose LARS/LAMB update is scaled by the trust ratio: weights and
+    embeddings, and norms and biases too with `norms_and_biases`."""
+    return jax.tree.map(lambda role: norms_and_biases or roles_lib.is_weight(role), roles)
 
 
 def stacked_mask(logical_names: Any) -> Any:
