@@ -64,16 +64,30 @@ def _has_fp8(device) -> bool:
 
 
 def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    """`x` as `dtype` (an FP8 type) and its float32 scale: `x ~ quantized * scale`."""
+    """`x` as `dtype` (an FP8 type) and its float32 scale: `x ~ quantized * scale`.
+
+    The absolute maximum and the scale are float32 whatever `x`'s dtype, and the scale is the power
+    of two at or above `amax / largest` (the format's largest value), never below the smallest
+    normal number of `x`'s dtype: so the compute dtype holds it exactly. XLA's GEMM rewriter takes
+    an FP8 GEMM's scale from the compute-dtype multiply of its dequantized operand (dequantized in
+    float32 instead, the product was no FP8 GEMM or a slower one: docs/performance.md), and any
+    other scale would round there (bfloat16) or, for a float16 gradient (1e-3 / 57,344 = 1.7e-8),
+    flush to zero.
+    """
     largest = float(jnp.finfo(dtype).max)
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    scale = jnp.where(amax > 0, amax / largest, jnp.float32(1.0))
+    amax = jnp.max(jnp.abs(x).astype(jnp.float32))
+    ratio = amax / largest
+    mantissa, exponent = jnp.frexp(ratio)  # ratio = mantissa x 2^exponent, mantissa in [0.5, 1)
+    power = jnp.ldexp(jnp.float32(1), jnp.where(mantissa == 0.5, exponent - 1, exponent))  # exact, not exp2's
+    scale = jnp.where(jnp.isfinite(ratio), jnp.maximum(power, jnp.float32(jnp.finfo(x.dtype).tiny)), ratio)
+    scale = jnp.where(amax > 0, scale, jnp.float32(1.0))
     quantized = jnp.clip(x.astype(jnp.float32) / scale, -largest, largest).astype(dtype)
     return quantized, scale
 
 
 def dequantize(quantized: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-    """`quantized * scale` in `dtype`: the form XLA's GEMM rewriter folds into an FP8 GEMM."""
+    """`quantized * scale` in `dtype`, exactly (the scale is a power of two that `dtype` holds): the
+    form XLA's GEMM rewriter folds into an FP8 GEMM."""
     return quantized.astype(dtype) * scale.astype(dtype)
 
 
