@@ -8,7 +8,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import make_config
+from conftest import make_config, undocumented_metrics
 
 from jaxdist import cli, loop
 from jaxdist.checkpoint import Checkpoints, abstract_state
@@ -77,6 +77,7 @@ def test_metrics_keep_the_steps_apart_from_saves_evaluation_and_start_up(tmp_pat
     for r in logged[2:]:  # intervals with a save of 1 s in them: counted apart, not as step time
         assert r["save_blocked_s"] >= 1.0 and r["step_time_s"] < 0.5, r
     assert "eval_time_s" in logged[2] and "eval_loss" in logged[2]
+    assert undocumented_metrics({key for record in logged for key in record}) == set()
     out = capsys.readouterr().out
     summary = next(line for line in out.splitlines() if line.startswith("goodput "))
     saves = float(re.search(r", saves ([\d.]+) s", summary).group(1))
