@@ -197,6 +197,16 @@ def test_a_bad_folder_is_one_line_and_exit_2(tmp_path, capsys, damage, message):
     assert message in err, err
 
 
+@pytest.mark.parametrize("name", ["meta-llama/Llama-3.2-1B", "gpt2"])
+def test_a_model_name_that_is_no_folder_says_how_to_fetch_it(tmp_path, capsys, name):
+    assert cli.main(["train", str(_config_file(tmp_path, Path(name)))]) == 2
+    local = f"models/{name.rpartition('/')[2]}"
+    assert capsys.readouterr().err == (
+        f"jaxdist: error: model.init_from=hf:{name}: no such folder; jaxdist reads local folders and downloads "
+        f"nothing: if {name} is a model on the Hugging Face Hub, fetch it first with `hf download {name} --local-dir "
+        f"{local}` (pip install huggingface_hub), then set model.init_from=hf:{local}\n")
+
+
 def _config_file(tmp_path: Path, folder: Path) -> Path:
     """A run of the tiny GPT's settings whose model section is only `init_from` and `seq_len`."""
     raw = make_config(tmp_path / "run", train={"steps": 1}).model_dump(mode="json")

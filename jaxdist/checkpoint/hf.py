@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,7 +31,7 @@ from jaxdist.config import Config
 from jaxdist.config.files import from_dict
 from jaxdist.data import sources
 from jaxdist.data import tokenizer as tokenizer_lib
-from jaxdist.errors import UserError, check_writable, warn
+from jaxdist.errors import UserError, check_local, check_writable, warn
 from jaxdist.models import hf as hf_models
 
 PREFIX = "hf:"
@@ -39,18 +40,23 @@ SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 # Buffers some published checkpoints hold that are no parameters: RoPE's frequencies, GPT-2's causal masks.
 _BUFFERS = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 MAX_SHARD_BYTES = 5 * 1024**3  # transformers' own default shard size
+# A model's name on the Hugging Face Hub: a name, or its owner's and its own (meta-llama/Llama-3.2-1B).
+_HUB_NAME = re.compile(r"[\w.-]+(/[\w.-]+)?")
 
 
 def folder_of(init_from: str) -> Path:
-    """The folder `model.init_from` names (`hf:FOLDER`)."""
-    return Path(init_from[len(PREFIX):]).expanduser()
+    """The folder `model.init_from` names (`hf:FOLDER`); a `UserError` where it names object storage."""
+    name = init_from[len(PREFIX):]
+    check_local(name, f"model.init_from={init_from}")
+    return Path(name).expanduser()
 
 
 def read_config(folder: Path) -> dict:
-    """A model folder's config.json; a `UserError` for a folder without one or a file that is no JSON object."""
+    """A model folder's config.json; a `UserError` for a missing folder (saying how to fetch one that
+    names a model on the Hub), a folder without config.json or a file that is no JSON object."""
     where = f"model.init_from=hf:{folder}"
     if not folder.is_dir():
-        raise UserError(f"{where}: no such folder")
+        raise UserError(f"{where}: no such folder{_how_to_fetch(folder)}")
     path = folder / "config.json"
     if not path.is_file():
         raise UserError(f"{where}: the folder has no config.json (a Hugging Face model folder holds config.json "
@@ -62,6 +68,18 @@ def read_config(folder: Path) -> dict:
     if not isinstance(config, dict):
         raise UserError(f"{where}: config.json holds no JSON object")
     return config
+
+
+def _how_to_fetch(folder: Path) -> str:
+    """Where a missing folder's name reads as a model's on the Hugging Face Hub (`gpt2`,
+    `meta-llama/Llama-3.2-1B`), how to fetch it into a folder first: jaxdist downloads nothing."""
+    name = str(folder)
+    if not _HUB_NAME.fullmatch(name) or name.startswith("."):
+        return ""
+    local = f"models/{folder.name}"
+    return (f"; jaxdist reads local folders and downloads nothing: if {name} is a model on the Hugging Face Hub, "
+            f"fetch it first with `hf download {name} --local-dir {local}` (pip install huggingface_hub), then set "
+            f"model.init_from=hf:{local}")
 
 
 def resolve(cfg: Config) -> Config:

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from jaxdist.config.base import Section, shown as _shown
+from jaxdist.config.base import Section, local_path, shown as _shown
 
 MESH_AXES = ("data", "stage", "fsdp", "tensor")
 
@@ -91,6 +91,11 @@ class MixtureSource(Section):
             raise ValueError(f"data.mixture name {value!r}: use letters, digits and _ (it names metrics)")
         return value
 
+    @field_validator("path")
+    @classmethod
+    def _local(cls, value: str) -> str:
+        return local_path("data.mixture path", value)
+
 
 class DataConfig(Section):
     """Where examples come from and how they are read."""
@@ -115,6 +120,11 @@ class DataConfig(Section):
     mixture: list[MixtureSource] | None = Field(
         None, description="data.source=arrayrecord: prepared folders mixed by weight ({name, path, weight} each; "
                           "grain's deterministic mixing), each evaluated apart; instead of data.path")
+
+    @field_validator("path")
+    @classmethod
+    def _local(cls, value: str | None) -> str | None:
+        return value if value is None else local_path("data.path", value)
 
     @field_validator("workers", mode="before")
     @classmethod
