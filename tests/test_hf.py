@@ -207,6 +207,18 @@ def test_a_model_name_that_is_no_folder_says_how_to_fetch_it(tmp_path, capsys, n
         f"{local}` (pip install huggingface_hub), then set model.init_from=hf:{local}\n")
 
 
+def test_data_of_a_larger_vocabulary_than_the_folders_names_the_models_tokenizer(tmp_path, capsys, compiles):
+    """Not model.vocab, which the folder decides (setting it is the next error)."""
+    folder = _broken(tmp_path, "llama", _edit_config(vocab_size=200))
+    assert cli.main(["train", str(_config_file(tmp_path, folder))]) == 2
+    assert capsys.readouterr().err == (
+        f"jaxdist: error: model.vocab=200 is smaller than the vocabulary of the stdlib corpus (256 ids); "
+        f"model.init_from=hf:{folder} decides model.vocab, so the data must be tokenized with that model's tokenizer: "
+        f"prepare it with `jaxdist data prepare INPUTS --out DIR --tokenizer {folder / 'tokenizer.json'}` and set "
+        f"data.source=arrayrecord data.path=DIR\n")
+    assert compiles.count == 0
+
+
 def _config_file(tmp_path: Path, folder: Path) -> Path:
     """A run of the tiny GPT's settings whose model section is only `init_from` and `seq_len`."""
     raw = make_config(tmp_path / "run", train={"steps": 1}).model_dump(mode="json")

@@ -28,13 +28,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdist.checkpoint import safetensors_file
 from jaxdist.config import Config
+from jaxdist.config.base import HF_PREFIX
 from jaxdist.config.files import from_dict
 from jaxdist.data import sources
 from jaxdist.data import tokenizer as tokenizer_lib
 from jaxdist.errors import UserError, check_local, check_writable, warn
 from jaxdist.models import hf as hf_models
 
-PREFIX = "hf:"
 # What a folder ships beside the weights that a user of the model needs: the tokenizer and how to sample.
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 # Buffers some published checkpoints hold that are no parameters: RoPE's frequencies, GPT-2's causal masks.
@@ -46,7 +46,7 @@ _HUB_NAME = re.compile(r"[\w.-]+(/[\w.-]+)?")
 
 def folder_of(init_from: str) -> Path:
     """The folder `model.init_from` names (`hf:FOLDER`); a `UserError` where it names object storage."""
-    name = init_from[len(PREFIX):]
+    name = init_from.removeprefix(HF_PREFIX)
     check_local(name, f"model.init_from={init_from}")
     return Path(name).expanduser()
 

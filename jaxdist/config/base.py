@@ -33,6 +33,8 @@ class Section(BaseModel):
 
 
 _NOT_A_BOOLEAN = "not a boolean (YAML reads true/false, yes/no and on/off as booleans)"
+# How `model.init_from` names a Hugging Face model folder: hf:FOLDER.
+HF_PREFIX = "hf:"
 
 
 def shown(value: Any) -> str:

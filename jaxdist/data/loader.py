@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from jaxdist.config import ClassifierSection, Config
+from jaxdist.config.base import HF_PREFIX
 from jaxdist.data import corpus, digits, sources, stream
 from jaxdist.data.augment import Augment
 from jaxdist.data import tokenizer as tokenizer_lib
@@ -148,8 +149,21 @@ def _check_ids(arrays: dict[str, np.ndarray], cfg: Config, name: str) -> None:
             raise UserError(f"{name}: {key} holds the id {low}; ids count from 0 (model.{size_key}={size}): "
                             f"fix the data")
         if high >= size:
+            fix = _fit_vocab(cfg, high + 1) if size_key == "vocab" else f"set model.{size_key}={high + 1} or auto"
             raise UserError(f"{name}: {key} holds the id {high}, beyond model.{size_key}={size} (ids 0 to "
-                            f"{size - 1}); set model.{size_key}={high + 1} or auto, or fix the data")
+                            f"{size - 1}); {fix}, or fix the data")
+
+
+def _fit_vocab(cfg: Config, ids: int) -> str:
+    """How to make the model's vocabulary hold data of `ids` token ids: model.vocab, unless a model
+    folder decides it (model.init_from), whose tokenizer must then tokenize the data."""
+    init_from = getattr(cfg.model, "init_from", None)
+    if init_from is None:
+        return f"set model.vocab={ids} or auto"
+    tokenizer = Path(init_from.removeprefix(HF_PREFIX)) / tokenizer_lib.HUGGINGFACE_FILE
+    where = "point data.path at DIR" if cfg.data.source == "arrayrecord" else "set data.source=arrayrecord data.path=DIR"
+    return (f"model.init_from={init_from} decides model.vocab, so the data must be tokenized with that model's "
+            f"tokenizer: prepare it with `jaxdist data prepare INPUTS --out DIR --tokenizer {tokenizer}` and {where}")
 
 
 def mixture_splits(cfg: Config, split: str) -> dict[str, Any]:
@@ -187,10 +201,8 @@ def _windows(tokens, cfg: Config, name: str, vocab: int, vocab_of: str, empty: s
     """`tokens` as windows of model.seq_len, or with data.packing as rows of whole documents (split at
     `separator`); `empty` says what to do where there are none."""
     if cfg.model.vocab < vocab:
-        raise UserError(
-            f"model.vocab={cfg.model.vocab} is smaller than the vocabulary of {vocab_of} ({vocab} ids); "
-            f"set model.vocab={vocab}"
-        )
+        raise UserError(f"model.vocab={cfg.model.vocab} is smaller than the vocabulary of {vocab_of} ({vocab} ids); "
+                        f"{_fit_vocab(cfg, vocab)}")
     if not len(tokens):
         raise UserError(f"{name} is empty; {empty}")
     if cfg.data.packing:
