@@ -402,10 +402,17 @@ def unnamed(variables: nnx.State) -> tuple[str, ...]:
                                                for key in _SHARDING_METADATA))
 
 
+# The sets of unnamed parameters this process has warned about: a model placed again (a Trainer after
+# rules.place, another Trainer, each layout `jaxdist plan` tries) is not warned about again.
+_WARNED_UNNAMED: set[tuple[str, ...]] = set()
+
+
 def warn_unnamed(paths: Sequence[str]) -> None:
     """One warning naming the parameters without logical names (replicated: legal, but perhaps
-    not meant), if there are any."""
-    if paths:
+    not meant), if there are any and this process has not yet warned about these."""
+    paths = tuple(paths)
+    if paths and paths not in _WARNED_UNNAMED:
+        _WARNED_UNNAMED.add(paths)
         shown = ", ".join(paths[:8]) + (f" and {len(paths) - 8} more" if len(paths) > 8 else "")
         warn(f"rules: {len(paths)} parameter(s) carry no logical names, so every device holds them whole: "
              f"{shown}; name their dimensions (nnx.with_partitioning) for the rules to split them")
