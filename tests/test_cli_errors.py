@@ -121,6 +121,27 @@ def test_a_path_to_object_storage_is_one_line_before_anything_starts(config_file
     assert sorted(path.name for path in tmp_path.iterdir()) == [config_file.name]  # no gs: folder, no run
 
 
+@pytest.mark.parametrize("source, message", [
+    ("arrayrecord", "data.eval_fraction=0.2 does not apply to data.source=arrayrecord: its eval split was made by "
+                    "`jaxdist data prepare` (--eval-fraction); drop data.eval_fraction, or prepare the data again with "
+                    "--eval-fraction 0.2"),
+    ("digits", "data.eval_fraction=0.2 does not apply to data.source=digits, whose split is fixed (360 images held out "
+               "for eval); drop data.eval_fraction"),
+])
+def test_an_eval_fraction_the_source_would_ignore_is_refused(tmp_path, capsys, compiles, source, message):
+    from data_helpers import prepared, random_documents
+
+    if source == "digits":
+        cfg = make_classifier_config(tmp_path / "run", {"name": "mlp"})
+    else:
+        cfg = make_config(tmp_path / "run", data={"source": source, "path": str(prepared(tmp_path, random_documents(4))[0])})
+    path = tmp_path / "run.yaml"
+    path.write_text(cfg.to_yaml())
+    assert cli.main(["train", str(path), "data.eval_fraction=0.2"]) == 2
+    assert one_line_error(capsys) == f"jaxdist: error: {message}\n"
+    assert compiles.count == 0
+
+
 def test_booleans_and_numbers_still_load():
     cfg = config.load(None, ["model.impl.scan_layers=no", "optim.name=sgd", "optim.nesterov=yes", "data.augment.flip=on",
                              "train.steps=3", "optim.lr=1e-3", "optim.clip_norm=2", "model.mlp_ratio=3"])

@@ -422,7 +422,7 @@ def _data_tokenizer(cfg: Config) -> tuple[str | None, Path | None]:
         entry = sources.read_manifest(folder)["tokenizer"]
     except (UserError, KeyError):
         return None, None
-    return entry.get("name"), folder / entry["file"] if "file" in entry else None
+    return entry.get("name"), (folder / entry["file"] if "file" in entry else None)
 
 
 def _check_out(out: Path) -> None:

@@ -22,7 +22,7 @@ import grain
 import jax
 import numpy as np
 
-from jaxdist.config import ClassifierSection, Config
+from jaxdist.config import ClassifierSection, Config, DataConfig
 from jaxdist.config.base import HF_PREFIX
 from jaxdist.data import corpus, digits, sources, stream
 from jaxdist.data.augment import Augment
@@ -44,9 +44,10 @@ def open_split(cfg: Config, split: str, keys: tuple[str, ...] = ()):
     if data.source in ("stdlib", "arrayrecord") and cfg.model.tokens_per_example is None:
         raise UserError(f"data.source={data.source} holds token sequences, but model.name={cfg.model.name} reads "
                         f"images and labels; use data.source=images, digits or arrays")
+    _check_eval_fraction(data)
     if data.source == "stdlib":
-        name = f"the {split} split of the stdlib corpus (data.eval_fraction={data.eval_fraction})"
-        tokens = corpus.stdlib_tokens(split, data.eval_fraction)
+        name = f"the {split} split of the stdlib corpus (data.eval_fraction={data.held_out})"
+        tokens = corpus.stdlib_tokens(split, data.held_out)
         empty = "change data.eval_fraction or set eval.every=0" if split == "eval" else "lower data.eval_fraction"
         return _windows(tokens, cfg, name, tokenizer_lib.ByteTokenizer.vocab_size, "the stdlib corpus", empty,
                         corpus.SEPARATOR)
@@ -74,10 +75,23 @@ def open_split(cfg: Config, split: str, keys: tuple[str, ...] = ()):
         if keys and split == "train" and (ignored := [key for key in held if key not in keys]):
             warn(f"{name}: the array(s) {', '.join(ignored)} are not fed to the model (model.name={cfg.model.name} "
                  f"reads {', '.join(keys)})")
-        arrays = _array_split(path, split, data.eval_fraction, keys or None)
+        arrays = _array_split(path, split, data.held_out, keys or None)
     _check_shapes(arrays, cfg, name)
     _check_ids(arrays, cfg, name)
     return sources.ArraySource(_eight_bit_pixels(arrays, name), name)
+
+
+def _check_eval_fraction(data: DataConfig) -> None:
+    """data.eval_fraction splits what is read whole (the stdlib corpus, an arrays file); given for a
+    source whose split was fixed when it was made, it would change nothing."""
+    if data.eval_fraction is None or data.source in ("stdlib", "arrays"):
+        return
+    if data.source == "digits":
+        raise UserError(f"data.eval_fraction={data.eval_fraction} does not apply to data.source=digits, whose split "
+                        f"is fixed ({digits.EVAL_EXAMPLES} images held out for eval); drop data.eval_fraction")
+    raise UserError(f"data.eval_fraction={data.eval_fraction} does not apply to data.source={data.source}: its eval "
+                    f"split was made by `jaxdist data prepare` (--eval-fraction); drop data.eval_fraction, or prepare "
+                    f"the data again with --eval-fraction {data.eval_fraction}")
 
 
 def _check_shapes(arrays: dict[str, np.ndarray], cfg: Config, name: str) -> None:
