@@ -24,7 +24,7 @@ import time
 
 # Only the standard library and jaxdist.errors (which imports nothing more): anything that imports
 # JAX is imported inside main(), where a Ctrl-C that lands during an import is the one-line exit 130.
-from jaxdist.errors import NonFiniteError, UserError, check_writable, cli_number, discard_output
+from jaxdist.errors import NonFiniteError, UserError, check_local, check_writable, cli_number, discard_output
 
 # The exit code when stdout's reader is gone: 128 + SIGPIPE, what a shell reports for a program that
 # signal stopped.
@@ -448,6 +448,28 @@ def _plot(args) -> None:
     print(f"wrote {plot.plot(args.run_dirs, args.out)}")
 
 
+# The arguments that name a folder or file to read or write, by command: (the command as the user
+# writes it, its (dest, argument name) pairs).
+_PATHS = {
+    "export": ("export", (("run_dir", "RUN_DIR"), ("out", "OUT"))),
+    "sample": ("sample", (("run_dir", "RUN_DIR"),)),
+    "data": ("data prepare", (("inputs", "INPUTS"), ("out", "--out"))),
+    "plot": ("plot", (("run_dirs", "RUN_DIR"), ("out", "--out"))),
+    "bench": ("bench", (("out", "--out"), ("profile", "--profile"), ("checkpoint", "--checkpoint"))),
+}
+
+
+def _check_local_paths(args) -> None:
+    """A path argument that names object storage (gs://, s3://, any URL) is one line, before the
+    command starts: read as a local path, it would make folders named `gs:` in the working directory."""
+    command, arguments = _PATHS.get(args.command, ("", ()))
+    for dest, name in arguments:
+        value = getattr(args, dest)
+        for path in value if isinstance(value, list) else [value]:
+            if path is not None:
+                check_local(path, f"{command}: {name}={path}")
+
+
 # Commands that never run JAX on this process's devices, so they do not join a process group.
 _OFFLINE = {"launch", "scale", "data", "build-kernels", "plot", "config"}
 
@@ -509,6 +531,7 @@ def _run(argv: list[str] | None, started: float) -> int:
         args.overrides = [*args.overrides, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)} ({args.command} takes no key=value overrides)")
+    _check_local_paths(args)
     from jaxdist import runtime  # imports JAX, so only after parsing: --help and usage errors need none
 
     if args.command == "plan" and args.devices and not os.environ.get("JAXDIST_CPU_DEVICES"):

@@ -1,6 +1,6 @@
 """The exceptions the CLI turns into one line on stderr and an exit code, the one-line warning, the
-command line's checked numbers, the check that an output path can be written, and what to do with an
-output whose reader is gone.
+command line's checked numbers, the checks that a path is local and that an output path can be
+written, and what to do with an output whose reader is gone.
 
 `UserError` (exit code 2, before any compile): a mistake in the input; messages name the config
 key, the value and the fix. `NonFiniteError` (exit code 3): training stopped at a non-finite step,
@@ -11,6 +11,7 @@ import argparse
 import importlib
 import math
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -68,6 +69,28 @@ def cli_number(kind: type[int] | type[float], allow_zero: bool = False):
         return value
 
     return parse
+
+
+# A URL's scheme and its "://" (RFC 3986: a letter, then letters, digits, "+", "-" or "."): gs://, s3://, file://.
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def not_local(path: str, what: str) -> str | None:
+    """Why `path` cannot be used, where it names object storage or another URL (`gs://bucket/x`,
+    `s3://`, any `scheme://`), else None. jaxdist reads and writes local (or mounted) paths only:
+    such a path would be read as local folders named `gs:` and so on. `what` names the path as the
+    user gave it (e.g. `run_dir=gs://bucket/run`)."""
+    scheme = _URL.match(path)
+    if scheme is None:
+        return None
+    return (f"{what} names object storage or another URL ({scheme[0]}), which jaxdist does not read or write yet; "
+            f"use a local path, or mount the bucket (gcsfuse, mountpoint-s3) and give the path it is mounted at")
+
+
+def check_local(path: str, what: str) -> None:
+    """Raises a `UserError` if `path` names object storage or another URL (`not_local`)."""
+    if problem := not_local(path, what):
+        raise UserError(problem)
 
 
 def check_writable(path: str | Path, what: str, directory: bool = False) -> None:

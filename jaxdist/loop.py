@@ -65,6 +65,9 @@ def train(cfg: Config, devices: list | None = None, restart: bool = False, start
     clock = RunTime(started)
     clock.add("process", time.perf_counter() - clock.started)
     run = prepare(cfg, devices, clock)
+    mesh = run.layout.mesh
+    log(console.version_line(processes=jax.process_count(), devices=mesh.devices.size,
+                             platform=mesh.devices.flat[0].platform))
     run_dir = Path(cfg.run_dir)
     # Every process checks: each writes its checkpoint shards there.
     check_writable(run_dir, f"run_dir={run_dir}", directory=True)
@@ -179,10 +182,9 @@ def _run(run: Run, clock: RunTime) -> Trainer:
     log(f"mesh {mesh_lib.describe(trainer.mesh)} on {len(trainer.mesh.devices.flat)} devices "
         f"({jax.process_count()} process(es)); rules preset {cfg.rules.preset}{reads}")
     log(loader.describe(cfg))
-    log(console.banner(
-        processes=jax.process_count(), devices=trainer.mesh.devices.size,
-        platform=trainer.mesh.devices.flat[0].platform, params=sum(p.size for p in jax.tree.leaves(trainer.params)),
-        global_batch=cfg.train.global_batch, device_batch=cfg.train.global_batch // layout.batch_shards,
+    log(console.size_line(
+        params=sum(p.size for p in jax.tree.leaves(trainer.params)), global_batch=cfg.train.global_batch,
+        device_batch=cfg.train.global_batch // layout.batch_shards,
         param_bytes=max(state_bytes_per_device(trainer.params).values()),
     ))
     with clock.part("restore"):

@@ -8,6 +8,8 @@ programs or start processes) and runs in about two minutes on 2 cores.
 import importlib.util
 import json
 import os
+import re
+from pathlib import Path
 
 os.environ.setdefault("JAXDIST_CPU_DEVICES", "8")
 # The suite is the CPU-simulated spec on every host: on a GPU host JAX would pick the GPU, where the
@@ -85,6 +87,22 @@ def make_config(run_dir, base: dict | None = None, **sections) -> config_lib.Con
             raw[key] = value
     raw["run_dir"] = str(run_dir)
     return config_lib.from_dict(raw)
+
+
+def logged_keys(run_dir) -> set[str]:
+    """Every key of every line a run wrote to `run_dir/metrics.jsonl`."""
+    return {key for line in (run_dir / "metrics.jsonl").read_text().splitlines() for key in json.loads(line)}
+
+
+def undocumented_metrics(keys) -> set[str]:
+    """The `keys` (of metrics.jsonl lines, or of a step's metrics) that docs/running.md's Metrics
+    table does not list; an upper-case word there (`startup_PART_s`) stands for any name."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "running.md").read_text(encoding="utf-8")
+    rows = text.split("\n| metrics.jsonl key |", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    listed = [key for row in rows for key in re.findall(r"`([^`]+)`", row.split("|")[1])]
+    patterns = [re.compile("".join("[a-z0-9_]+" if part.isupper() else re.escape(part)
+                                   for part in re.split(r"([A-Z]+)", key))) for key in listed]
+    return {key for key in keys if not any(pattern.fullmatch(key) for pattern in patterns)}
 
 
 def logged_losses(run_dir) -> list[float]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import SMALL_RESNET, make_classifier_config
+from conftest import SMALL_RESNET, logged_keys, make_classifier_config, undocumented_metrics
 
 from jaxdist import config, loop
 from jaxdist.checkpoint import export_params
@@ -60,6 +60,7 @@ def test_digits_recipe_reaches_97_percent(tmp_path, recipe, devices):
     final, steps = metrics(tmp_path)[-1], config.load(recipe).train.steps
     assert final["step"] == steps
     assert final["eval_accuracy"] >= 0.97, final
+    assert undocumented_metrics(logged_keys(tmp_path)) == set()
     assert seconds < 120, seconds
     print(f"{recipe}: eval accuracy {final['eval_accuracy']:.4f} after {steps} steps in {seconds:.1f} s")
 

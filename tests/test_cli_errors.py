@@ -92,6 +92,56 @@ def test_a_boolean_is_not_a_number(config_file, capsys, compiles, overrides, mes
     assert compiles.count == 0
 
 
+_OBJECT_STORAGE = ("names object storage or another URL ({scheme}), which jaxdist does not read or write yet; use a "
+                   "local path, or mount the bucket (gcsfuse, mountpoint-s3) and give the path it is mounted at")
+
+
+@pytest.mark.parametrize("argv, named, scheme", [
+    (["train", "CONFIG", "run_dir=gs://bucket/runs/tiny"], "config: run_dir=gs://bucket/runs/tiny", "gs://"),
+    (["train", "CONFIG", "data.source=arrayrecord", "data.path=s3://bucket/corpus"],
+     "config: data.path=s3://bucket/corpus", "s3://"),
+    (["train", "CONFIG", "data.source=arrayrecord", "data.mixture=[{name: web, path: 'az://c/web', weight: 1}]"],
+     "config: data.mixture path=az://c/web", "az://"),
+    (["train", "CONFIG", "model.init_from=hf:gs://bucket/Llama-3.2-1B"],
+     "model.init_from=hf:gs://bucket/Llama-3.2-1B", "gs://"),
+    (["export", "RUN", "gs://bucket/model", "--format", "hf"], "export: OUT=gs://bucket/model", "gs://"),
+    (["export", "s3://bucket/run", "model.npz"], "export: RUN_DIR=s3://bucket/run", "s3://"),
+    (["data", "prepare", "docs.txt", "--out", "file:///data/shards"], "data prepare: --out=file:///data/shards",
+     "file://"),
+], ids=["run_dir", "data.path", "mixture", "init_from", "export_out", "export_run_dir", "prepare_out"])
+def test_a_path_to_object_storage_is_one_line_before_anything_starts(config_file, tmp_path, monkeypatch, capsys,
+                                                                      compiles, argv, named, scheme):
+    """Read as local paths they made folders named gs: here, a TensorBoard thread's traceback and an
+    Orbax KeyError at the first save."""
+    monkeypatch.chdir(tmp_path)
+    argv = [str(config_file) if arg == "CONFIG" else str(tmp_path / "run") if arg == "RUN" else arg for arg in argv]
+    assert cli.main(argv) == 2
+    assert one_line_error(capsys) == f"jaxdist: error: {named} {_OBJECT_STORAGE.format(scheme=scheme)}\n"
+    assert compiles.count == 0
+    assert sorted(path.name for path in tmp_path.iterdir()) == [config_file.name]  # no gs: folder, no run
+
+
+@pytest.mark.parametrize("source, message", [
+    ("arrayrecord", "data.eval_fraction=0.2 does not apply to data.source=arrayrecord: its eval split was made by "
+                    "`jaxdist data prepare` (--eval-fraction); drop data.eval_fraction, or prepare the data again with "
+                    "--eval-fraction 0.2"),
+    ("digits", "data.eval_fraction=0.2 does not apply to data.source=digits, whose split is fixed (360 images held out "
+               "for eval); drop data.eval_fraction"),
+])
+def test_an_eval_fraction_the_source_would_ignore_is_refused(tmp_path, capsys, compiles, source, message):
+    from data_helpers import prepared, random_documents
+
+    if source == "digits":
+        cfg = make_classifier_config(tmp_path / "run", {"name": "mlp"})
+    else:
+        cfg = make_config(tmp_path / "run", data={"source": source, "path": str(prepared(tmp_path, random_documents(4))[0])})
+    path = tmp_path / "run.yaml"
+    path.write_text(cfg.to_yaml())
+    assert cli.main(["train", str(path), "data.eval_fraction=0.2"]) == 2
+    assert one_line_error(capsys) == f"jaxdist: error: {message}\n"
+    assert compiles.count == 0
+
+
 def test_booleans_and_numbers_still_load():
     cfg = config.load(None, ["model.impl.scan_layers=no", "optim.name=sgd", "optim.nesterov=yes", "data.augment.flip=on",
                              "train.steps=3", "optim.lr=1e-3", "optim.clip_norm=2", "model.mlp_ratio=3"])

@@ -1,4 +1,4 @@
-"""What process 0 shows: a banner, a line per checkpoint, plain step lines off a terminal (a live
+"""What process 0 shows: its versions first, a line per checkpoint, plain step lines off a terminal (a live
 bar on one), a summary."""
 
 import io
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 def test_plain_lines_when_stdout_is_not_a_terminal(tmp_path, capsys):
     loop.train(make_config(tmp_path / "run", train={"steps": 3}, checkpoint={"every": 2}))
     out = capsys.readouterr().out.splitlines()
-    assert any(line.startswith("jaxdist ") and ", jax " in line and "8 cpu devices" in line for line in out)
+    assert re.fullmatch(r"jaxdist \S.*, jax \S+; 1 process\(es\), 8 cpu devices", out[0]), out  # the versions first
     assert any(re.match(r"[\d,]+ parameters, [\d.]+ MB of them per device; global batch 16, 2 per device", line)
                for line in out), out  # fsdp=8: 8 batch shards
     assert [int(line.split()[1]) for line in out if re.match(r"step +\d+ +loss", line)] == [1, 2, 3]
@@ -41,7 +41,7 @@ def test_live_progress_on_a_terminal(tmp_path, capsys, monkeypatch):
     assert not re.search(r"^step +\d+ +loss", capsys.readouterr().out, re.MULTILINE)  # the bar replaces the lines
 
 
-def test_the_banner_of_a_source_tree_that_is_not_installed(monkeypatch):
+def test_the_version_line_of_a_source_tree_that_is_not_installed(monkeypatch):
     # PYTHONPATH=. on a checkout: no package metadata, and the run still starts.
     import importlib.metadata
 
@@ -49,6 +49,5 @@ def test_the_banner_of_a_source_tree_that_is_not_installed(monkeypatch):
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(importlib.metadata, "version", not_installed)
-    line = console.banner(processes=1, devices=8, platform="cpu", params=10, global_batch=8, device_batch=1,
-                          param_bytes=40).splitlines()[0]
+    line = console.version_line(processes=1, devices=8, platform="cpu")
     assert re.fullmatch(r"jaxdist \(not installed, from .+\), jax \S+; 1 process\(es\), 8 cpu devices", line), line

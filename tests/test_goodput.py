@@ -8,7 +8,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import make_config
+from conftest import make_config, undocumented_metrics
 
 from jaxdist import cli, loop
 from jaxdist.checkpoint import Checkpoints, abstract_state
@@ -77,6 +77,7 @@ def test_metrics_keep_the_steps_apart_from_saves_evaluation_and_start_up(tmp_pat
     for r in logged[2:]:  # intervals with a save of 1 s in them: counted apart, not as step time
         assert r["save_blocked_s"] >= 1.0 and r["step_time_s"] < 0.5, r
     assert "eval_time_s" in logged[2] and "eval_loss" in logged[2]
+    assert undocumented_metrics({key for record in logged for key in record}) == set()
     out = capsys.readouterr().out
     summary = next(line for line in out.splitlines() if line.startswith("goodput "))
     saves = float(re.search(r", saves ([\d.]+) s", summary).group(1))
@@ -95,9 +96,29 @@ def test_goodput_accounts_the_wall_time_by_cause():
     clock.interval(5, 1.2, 0.8)
     assert clock.steps == 11 and clock.steady_step_s() == pytest.approx(1.1)  # the median of 1.0 and 1.2
     summary = clock.summary()
-    assert re.match(r"goodput 60\.\d% \(12\.1 s of steps in 20\.\d s; 9\d\.\d% from the first step to the last", summary)
+    # Steps at 1.1 s, the first 5 at their own 1.0 s: 1.1 + 5 x 1.0 + 5 x 1.1 = 11.6 s; 12.6 s after start-up.
+    assert re.match(r"goodput 58\.0% \(11\.6 s of steps in 20\.0 s; 92\.1% from the first step to the last", summary)
     assert "compile 5.0 s" in summary and "first step 0.4 s" in summary and "saves 1.0 s" in summary
-    assert "steps slower than steady (input waits 0.8 s) 0.0 s" not in summary  # 11 s of steps, 11 s at steady
+    assert "steps slower than steady (input waits 0.8 s) 0.5 s" in summary  # the last 5, 0.1 s over steady each
+
+
+def test_goodput_from_the_first_step_to_the_last_is_at_most_all_of_that_time():
+    """A 30-step run's numbers (log.every=20): its two intervals' median, 1.458 s, lies above their
+    mean, so 30 steps at it made 43.7 s of steps in the 41.6 s from the first step to the last (105.1%).
+    Each interval counts at most the time it took."""
+    clock = RunTime(started=time.perf_counter() - 64.7)
+    for part, seconds in {"process": 9.1, "data": 0.6, "checks": 0.1, "init": 1.0, "trace": 0.6, "compile": 10.4,
+                          "warm_up": 0.4, "logging": 0.5}.items():
+        clock.add(part, seconds)
+    clock.interval(1, 2.336, 0.0, first=True)
+    clock.interval(19, 1.142, 0.0)
+    clock.interval(10, 1.773, 0.0)
+    assert clock.steady_step_s() == pytest.approx(1.4575)
+    summary = clock.summary()
+    # 1.4575 + 19 x 1.142 + 10 x 1.4575 = 37.7 s of steps; the last 10 took 3.2 s beyond steady.
+    assert re.match(r"goodput 58\.3% \(37\.7 s of steps in 64\.7 s; 90\.7% from the first step to the last", summary)
+    assert "steps slower than steady (input waits 0.0 s) 3.2 s" in summary
+    assert clock.goodput(clock.started + 64.7) == pytest.approx(37.7 / 64.7, abs=1e-3)
 
 
 @pytest.mark.parametrize("host_copy", HOST_COPIES)

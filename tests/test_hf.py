@@ -109,9 +109,11 @@ def _tensors(folder: Path) -> dict[str, np.ndarray]:
 
 
 def test_a_run_starts_from_the_weights_trains_and_exports_what_it_trained(tmp_path, capsys):
+    """From a folder that ships no tokenizer: the export says it holds none, and how to add one."""
     from jaxdist import loop
 
-    folder = FIXTURES / "llama"
+    folder = tmp_path / "llama"
+    shutil.copytree(FIXTURES / "llama", folder, ignore=shutil.ignore_patterns("tokenizer*"))
     run_dir = tmp_path / "run"
     # A learning rate so small that the trained weights stay within 1e-5 of where they started.
     raw = make_config(run_dir, train={"steps": 3, "global_batch": 8}, checkpoint={"every": 3},
@@ -123,6 +125,11 @@ def test_a_run_starts_from_the_weights_trains_and_exports_what_it_trained(tmp_pa
 
     out = tmp_path / "hf"
     assert cli.main(["export", str(run_dir), str(out), "--format", "hf"]) == 0
+    assert capsys.readouterr().err == (
+        f"jaxdist: warning: export --format hf: {out} holds no tokenizer: {folder}, the folder the run started "
+        f"from, has no tokenizer.json; copy the model's tokenizer files (tokenizer.json, tokenizer_config.json) "
+        f"into {out}\n")
+    assert not list(out.glob("tokenizer*"))
     _, trained, _ = export.read_params(run_dir)
     _, _, again, _ = imported(out, seq_len=16)
     for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(again), strict=True):
@@ -131,6 +138,29 @@ def test_a_run_starts_from_the_weights_trains_and_exports_what_it_trained(tmp_pa
     moved = [np.abs(np.asarray(a) - b).max() for a, b in zip(published, jax.tree.leaves(trained), strict=True)]
     assert 0 < max(moved) < 1e-5
     assert trainer.state.step == 3
+
+
+def test_an_export_without_a_tokenizer_says_where_the_runs_tokens_came_from(tmp_path):
+    from data_helpers import prepared, random_documents
+
+    out = tmp_path / "out"
+    said = f"export --format hf: {out} holds no tokenizer: "
+    prepare = ("to export one, prepare the data with a Hugging Face tokenizer (jaxdist data prepare INPUTS --out DIR "
+               "--tokenizer PATH/tokenizer.json) and train on it")
+    assert hf.missing_tokenizer(make_config(tmp_path), out) == (
+        f"{said}the run's tokens are UTF-8 bytes, which no tokenizer.json describes; {prepare}")
+    shards, _ = prepared(tmp_path / "hf", random_documents(3), tokenizer=str(FIXTURES / "qwen2" / "tokenizer.json"))
+    assert hf.missing_tokenizer(make_config(tmp_path, data={"source": "arrayrecord", "path": str(shards)}), out) == (
+        f"{said}the run's data was tokenized with {shards / 'tokenizer.json'}; copy it into {out}")
+    manifest = json.loads((shards / "manifest.json").read_text())
+    manifest["tokenizer"].update(name="sentencepiece", file="tokenizer.model")
+    (shards / "manifest.json").write_text(json.dumps(manifest))
+    assert hf.missing_tokenizer(make_config(tmp_path, data={"source": "arrayrecord", "path": str(shards)}), out) == (
+        f"{said}the run's data was tokenized with a SentencePiece model ({shards / 'tokenizer.model'}); {prepare}")
+    ids = make_config(tmp_path, data={"source": "arrays", "path": "ids.npz"})
+    assert hf.missing_tokenizer(ids, out) == (
+        f"{said}the run started from no Hugging Face folder, and its data (data.path=ids.npz) names no tokenizer; "
+        f"copy the tokenizer.json its token ids come from into {out}")
 
 
 def _broken(tmp_path: Path, family: str, damage) -> Path:
@@ -165,6 +195,28 @@ def test_a_bad_folder_is_one_line_and_exit_2(tmp_path, capsys, damage, message):
     assert code == 2, err
     assert err.count("\n") == 1 and err.startswith("jaxdist: error: "), err
     assert message in err, err
+
+
+@pytest.mark.parametrize("name", ["meta-llama/Llama-3.2-1B", "gpt2"])
+def test_a_model_name_that_is_no_folder_says_how_to_fetch_it(tmp_path, capsys, name):
+    assert cli.main(["train", str(_config_file(tmp_path, Path(name)))]) == 2
+    local = f"models/{name.rpartition('/')[2]}"
+    assert capsys.readouterr().err == (
+        f"jaxdist: error: model.init_from=hf:{name}: no such folder; jaxdist reads local folders and downloads "
+        f"nothing: if {name} is a model on the Hugging Face Hub, fetch it first with `hf download {name} --local-dir "
+        f"{local}` (pip install huggingface_hub), then set model.init_from=hf:{local}\n")
+
+
+def test_data_of_a_larger_vocabulary_than_the_folders_names_the_models_tokenizer(tmp_path, capsys, compiles):
+    """Not model.vocab, which the folder decides (setting it is the next error)."""
+    folder = _broken(tmp_path, "llama", _edit_config(vocab_size=200))
+    assert cli.main(["train", str(_config_file(tmp_path, folder))]) == 2
+    assert capsys.readouterr().err == (
+        f"jaxdist: error: model.vocab=200 is smaller than the vocabulary of the stdlib corpus (256 ids); "
+        f"model.init_from=hf:{folder} decides model.vocab, so the data must be tokenized with that model's tokenizer: "
+        f"prepare it with `jaxdist data prepare INPUTS --out DIR --tokenizer {folder / 'tokenizer.json'}` and set "
+        f"data.source=arrayrecord data.path=DIR\n")
+    assert compiles.count == 0
 
 
 def _config_file(tmp_path: Path, folder: Path) -> Path:

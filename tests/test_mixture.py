@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import make_config
+from conftest import logged_keys, make_config, undocumented_metrics
 from data_helpers import prepared, write_text_files
 
 from jaxdist import cli, loop
@@ -76,6 +76,7 @@ def test_a_mixture_run_reports_each_sources_eval_loss(tmp_path, folders):
     assert {"eval_letters_loss", "eval_digits_loss"} <= set(last)
     assert last["eval_loss"] == pytest.approx(0.75 * last["eval_letters_loss"] + 0.25 * last["eval_digits_loss"])
     assert last["eval_letters_loss"] != last["eval_digits_loss"]
+    assert undocumented_metrics(logged_keys(tmp_path / "run")) == set()
 
 
 @pytest.mark.parametrize("mixture, message", [

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import make_config
+from conftest import make_config, undocumented_metrics
 from flax import nnx
 
 from jaxdist import loop
@@ -82,6 +82,7 @@ def test_float16_inf_gradient_skips_the_step_and_halves_the_scale():
 
     metrics = trainer.step(clean)
     assert (float(metrics["loss_scale"]), int(metrics["skipped_steps"])) == (2.0**15, 0)
+    assert undocumented_metrics(metrics) == set()  # what a float16 step adds to a run's metrics.jsonl
     before = snapshot()
 
     metrics = trainer.step(poisoned)

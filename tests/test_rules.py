@@ -36,15 +36,37 @@ def test_override_in_python_and_yaml(tmp_path):
     assert rules.from_config(cfg.rules).param_spec(("mlp",)) == P("tensor")
 
 
-def test_missing_rule_names_the_parameter():
-    with pytest.raises(UserError, match=r"parameter blocks/moe/w uses logical axis 'experts', which has no rule; add rules.params.experts"):
-        rules.preset("dp").param_spec(("experts", "embed"), "parameter blocks/moe/w")
+class Experts(nnx.Module):
+    """A model with a logical name no preset has."""
+
+    def __init__(self, rngs):
+        self.w = nnx.Param(nnx.with_partitioning(nnx.initializers.lecun_normal(), ("experts", "embed"))(
+            rngs.params(), (4, 16)))
+
+
+def test_missing_rule_names_the_parameter_and_the_fix_in_the_terms_the_rules_were_written_in(tmp_path, devices):
+    python = ("rules: parameter w uses logical axis 'experts', which has no rule; give it one with "
+              ".override(params={'experts': None}) (replicated) or a mesh axis in place of None")
+    with pytest.raises(UserError) as caught:
+        rules.place(Experts, rules.preset("fsdp"), make_mesh(fsdp=8))
+    assert str(caught.value) == python  # not a config key: the rules came from Python
+    with pytest.raises(UserError) as caught:
+        rules.from_config(make_config(tmp_path).rules).param_spec(("experts", "embed"), "parameter w")
+    assert str(caught.value) == (  # a config file cannot name it (test_a_rule_for_a_name_no_model_uses_is_refused)
+        "rules: parameter w uses logical axis 'experts', which has no rule; no preset has one and config files remap "
+        "only the presets' names: place this model from Python (jaxdist.Trainer, rules.place) and give it one with "
+        ".override(params={'experts': None}) (replicated) or a mesh axis in place of None")
+    placed = rules.place(Experts, rules.preset("fsdp").override(params={"experts": None}), make_mesh(fsdp=8))
+    assert placed.layouts["w"].spec == P(None, "fsdp")  # the fix works
 
 
 def test_mesh_axis_used_twice_names_the_parameter():
     both = rules.preset("fsdp").override(params={"mlp": "fsdp"})
-    with pytest.raises(UserError, match=r"parameter mlp/up maps both 'embed' and 'mlp' to mesh axis 'fsdp'"):
+    with pytest.raises(UserError) as caught:
         both.param_spec(("embed", "mlp"), "parameter mlp/up")
+    assert str(caught.value) == ("rules: parameter mlp/up maps both 'embed' and 'mlp' to mesh axis 'fsdp'; a mesh axis "
+                                 "can split only one dimension: change the rule of 'mlp' or of 'embed' with "
+                                 ".override(params={...})")
 
 
 def test_indivisible_dimension_names_the_parameter(tmp_path, devices):
@@ -87,10 +109,12 @@ def test_the_sizes_checked_by_key_are_the_models(tmp_path, model):
     assert {name for name, _ in actual} & split <= set(listed)
 
 
-def test_rule_naming_a_missing_mesh_axis(tmp_path):
+def test_rule_naming_a_missing_mesh_axis(tmp_path, devices):
     cfg = make_config(tmp_path, rules={"preset": "dp", "params": {"mlp": "expert"}})
     with pytest.raises(UserError, match=r"rules.params.mlp names mesh axis 'expert'"):
         param_layouts(cfg)
+    with pytest.raises(UserError, match=r"rules: the params rule of 'embed' names mesh axis 'expert'; the mesh axes"):
+        rules.place(Experts, rules.preset("dp").override(params={"experts": None, "embed": "expert"}), make_mesh(fsdp=8))
 
 
 _PARAM_NAMES = "layers, vocab, embed, mlp, heads, kv_heads, head_dim, length, qkv, classes, kernel_h, kernel_w, conv_in, conv_out"
@@ -223,7 +247,7 @@ UNNAMED_WARNING = ("jaxdist: warning: rules: 4 parameter(s) carry no logical nam
 def test_parameters_without_logical_names_are_replicated_with_one_warning(devices, capsys):
     mesh = make_mesh(fsdp=4, tensor=2)
     placement = rules.place(PartlyNamed, rules.preset("fsdp_tp"), mesh)
-    assert capsys.readouterr().err == UNNAMED_WARNING
+    assert capsys.readouterr().err == UNNAMED_WARNING  # the first placement in this process
     specs = {"/".join(map(str, path)): sharding.spec for path, sharding in nnx.to_flat_state(placement.shardings)}
     assert specs == {"w": P("fsdp", "tensor"), "head/kernel": P(None, None), "head/bias": P(None),
                      "norm/scale": P(None), "norm/bias": P(None), "temperature": P()}
@@ -231,8 +255,9 @@ def test_parameters_without_logical_names_are_replicated_with_one_warning(device
     def loss_fn(model, batch):
         return (model(batch["x"]) ** 2).mean()
 
-    Trainer(PartlyNamed, loss_fn, optax.sgd(0.1), mesh, rules.preset("fsdp_tp"))
-    assert capsys.readouterr().err == UNNAMED_WARNING  # the Trainer places it once, and says so once
+    for _ in range(2):
+        Trainer(PartlyNamed, loss_fn, optax.sgd(0.1), mesh, rules.preset("fsdp_tp"))
+    assert capsys.readouterr().err == ""  # said once a process: not again for each Trainer that places it
 
     rules.place(models.get("gpt").create(make_config("unused")), rules.preset("fsdp_tp"), mesh)
     assert capsys.readouterr().err == ""  # jaxdist's models name every parameter

@@ -4,15 +4,16 @@ parameter norm; and the same values in TensorBoard's event files."""
 import json
 import math
 import struct
+import types
 
 import jax
 import numpy as np
 import pytest
-from conftest import make_config
+from conftest import logged_keys, make_config, undocumented_metrics
 from tensorboardX.proto import event_pb2
 
 from jaxdist import loop
-from jaxdist.observe.metrics import MetricsWriter, mfu, peak_flops
+from jaxdist.observe.metrics import MetricsWriter, device_metrics, mfu, peak_flops, throughput
 from jaxdist.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow
@@ -49,6 +50,17 @@ def test_logged_steps_carry_data_wait_and_param_norm_and_no_device_numbers_on_cp
         assert record["param_norm"] > 0 and math.isfinite(record["param_norm"])
         assert not {"mfu", "memory_gb", "peak_memory_gb"} & record.keys()  # CPU: no peak, no memory statistics
     assert logged[0]["param_norm"] != logged[-1]["param_norm"]  # measured after each update
+
+
+def test_every_key_a_run_writes_is_documented(run_dir):
+    """docs/running.md's Metrics table lists every key: a run's (the spike guard's among them), and
+    what a GPU and a classifier add (the other tests' runs check theirs: mixtures, saves, float16)."""
+    gpu = types.SimpleNamespace(device_kind="NVIDIA H200",
+                                memory_stats=lambda: {"bytes_in_use": 1e9, "peak_bytes_in_use": 2e9})
+    on_gpu = device_metrics(1e9, 1e3, types.SimpleNamespace(local_devices=[gpu], devices=np.empty(8)))
+    keys = logged_keys(run_dir) | on_gpu.keys() | throughput(1.0, None).keys()
+    assert {"loss_spike", "loss_average", "mfu", "memory_gb", "examples_per_sec", "eval_loss"} <= keys
+    assert undocumented_metrics(keys) == set()
 
 
 def test_the_parameter_norm_is_the_sharded_parameters_norm_and_stays_out_of_the_step(tmp_path):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,28 +28,35 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdist.checkpoint import safetensors_file
 from jaxdist.config import Config
+from jaxdist.config.base import HF_PREFIX
 from jaxdist.config.files import from_dict
-from jaxdist.errors import UserError, check_writable
+from jaxdist.data import sources
+from jaxdist.data import tokenizer as tokenizer_lib
+from jaxdist.errors import UserError, check_local, check_writable, warn
 from jaxdist.models import hf as hf_models
 
-PREFIX = "hf:"
 # What a folder ships beside the weights that a user of the model needs: the tokenizer and how to sample.
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 # Buffers some published checkpoints hold that are no parameters: RoPE's frequencies, GPT-2's causal masks.
 _BUFFERS = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 MAX_SHARD_BYTES = 5 * 1024**3  # transformers' own default shard size
+# A model's name on the Hugging Face Hub: a name, or its owner's and its own (meta-llama/Llama-3.2-1B).
+_HUB_NAME = re.compile(r"[\w.-]+(/[\w.-]+)?")
 
 
 def folder_of(init_from: str) -> Path:
-    """The folder `model.init_from` names (`hf:FOLDER`)."""
-    return Path(init_from[len(PREFIX):]).expanduser()
+    """The folder `model.init_from` names (`hf:FOLDER`); a `UserError` where it names object storage."""
+    name = init_from.removeprefix(HF_PREFIX)
+    check_local(name, f"model.init_from={init_from}")
+    return Path(name).expanduser()
 
 
 def read_config(folder: Path) -> dict:
-    """A model folder's config.json; a `UserError` for a folder without one or a file that is no JSON object."""
+    """A model folder's config.json; a `UserError` for a missing folder (saying how to fetch one that
+    names a model on the Hub), a folder without config.json or a file that is no JSON object."""
     where = f"model.init_from=hf:{folder}"
     if not folder.is_dir():
-        raise UserError(f"{where}: no such folder")
+        raise UserError(f"{where}: no such folder{_how_to_fetch(folder)}")
     path = folder / "config.json"
     if not path.is_file():
         raise UserError(f"{where}: the folder has no config.json (a Hugging Face model folder holds config.json "
@@ -60,6 +68,18 @@ def read_config(folder: Path) -> dict:
     if not isinstance(config, dict):
         raise UserError(f"{where}: config.json holds no JSON object")
     return config
+
+
+def _how_to_fetch(folder: Path) -> str:
+    """Where a missing folder's name reads as a model's on the Hugging Face Hub (`gpt2`,
+    `meta-llama/Llama-3.2-1B`), how to fetch it into a folder first: jaxdist downloads nothing."""
+    name = str(folder)
+    if not _HUB_NAME.fullmatch(name) or name.startswith("."):
+        return ""
+    local = f"models/{folder.name}"
+    return (f"; jaxdist reads local folders and downloads nothing: if {name} is a model on the Hugging Face Hub, "
+            f"fetch it first with `hf download {name} --local-dir {local}` (pip install huggingface_hub), then set "
+            f"model.init_from=hf:{local}")
 
 
 def resolve(cfg: Config) -> Config:
@@ -360,8 +380,49 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> tup
         step, params, meta = read_params(run_dir, step)
         cfg = Config.model_validate(meta.get("config", {}))
         hf_models.export_architecture(cfg.model)  # one line before anything is written
-        return step, write_folder(out, cfg.model, hf_tensors(cfg.model, lambda path: leaf_at(params, path)), _source(cfg))
-    return _export_spread(run_dir, out, step)
+        files = write_folder(out, cfg.model, hf_tensors(cfg.model, lambda path: leaf_at(params, path)), _source(cfg))
+    else:
+        step, files, cfg = _export_spread(run_dir, out, step)
+    if tokenizer_lib.HUGGINGFACE_FILE not in files:
+        warn(missing_tokenizer(cfg, out))
+    return step, files
+
+
+def missing_tokenizer(cfg: Config, out: Path) -> str:
+    """What to tell the user whose export OUT of a run of `cfg` holds no tokenizer: why the run had
+    none to copy, and how to add one."""
+    said = f"export --format hf: {out} holds no tokenizer"
+    source = _source(cfg)
+    if source is not None:
+        return (f"{said}: {source}, the folder the run started from, has no {tokenizer_lib.HUGGINGFACE_FILE}; copy "
+                f"the model's tokenizer files ({tokenizer_lib.HUGGINGFACE_FILE}, tokenizer_config.json) into {out}")
+    prepare = (f"to export one, prepare the data with a Hugging Face tokenizer (jaxdist data prepare INPUTS --out DIR "
+               f"--tokenizer PATH/{tokenizer_lib.HUGGINGFACE_FILE}) and train on it")
+    name, file = _data_tokenizer(cfg)
+    if name == tokenizer_lib.HuggingFaceTokenizer.name:
+        return f"{said}: the run's data was tokenized with {file}; copy it into {out}"
+    if name == tokenizer_lib.ByteTokenizer.name:
+        return f"{said}: the run's tokens are UTF-8 bytes, which no {tokenizer_lib.HUGGINGFACE_FILE} describes; {prepare}"
+    if name == tokenizer_lib.SentencePieceTokenizer.name:
+        return f"{said}: the run's data was tokenized with a SentencePiece model ({file}); {prepare}"
+    return (f"{said}: the run started from no Hugging Face folder, and its data (data.path={cfg.data.path}) names no "
+            f"tokenizer; copy the {tokenizer_lib.HUGGINGFACE_FILE} its token ids come from into {out}")
+
+
+def _data_tokenizer(cfg: Config) -> tuple[str | None, Path | None]:
+    """(name, file) of the tokenizer a run's data was made with, as far as it can be read now:
+    bytes for the stdlib corpus, the prepared folder's manifest for token shards; (None, None) for
+    arrays of ids or a folder no longer readable."""
+    if cfg.data.source == "stdlib":
+        return tokenizer_lib.ByteTokenizer.name, None
+    if cfg.data.source != "arrayrecord":
+        return None, None
+    folder = Path(cfg.data.mixture[0].path if cfg.data.mixture else cfg.data.path)
+    try:
+        entry = sources.read_manifest(folder)["tokenizer"]
+    except (UserError, KeyError):
+        return None, None
+    return entry.get("name"), (folder / entry["file"] if "file" in entry else None)
 
 
 def _check_out(out: Path) -> None:
@@ -376,8 +437,9 @@ def _source(cfg: Config) -> Path | None:
     return folder_of(cfg.model.init_from) if getattr(cfg.model, "init_from", None) else None
 
 
-def _export_spread(run_dir: str | Path, out: Path, step: int | None) -> tuple[int, list[str]]:
-    """`export` in several processes: each reads its shards, they gather a parameter at a time."""
+def _export_spread(run_dir: str | Path, out: Path, step: int | None) -> tuple[int, list[str], Config]:
+    """`export` in several processes: each reads its shards, they gather a parameter at a time.
+    Returns (step, files written, the run's config)."""
     from jaxdist import models
     from jaxdist.checkpoint.export import read_checkpoint
     from jaxdist.parallel import layout as layout_lib
@@ -403,4 +465,4 @@ def _export_spread(run_dir: str | Path, out: Path, step: int | None) -> tuple[in
     writer = jax.process_index() == 0
     files = write_folder(out, cfg.model, hf_tensors(cfg.model, gathered), _source(cfg), write=writer)
     multihost_utils.sync_global_devices("jaxdist_export_hf")  # the folder is whole before any process returns
-    return step, files
+    return step, files, cfg

@@ -11,6 +11,8 @@ from typing import Annotated, Any, ClassVar, Literal, NamedTuple, Union, get_arg
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from jaxdist.errors import not_local
+
 
 class Section(BaseModel):
     # No float key means anything at inf or nan: an infinite learning rate trains NaN parameters.
@@ -31,6 +33,8 @@ class Section(BaseModel):
 
 
 _NOT_A_BOOLEAN = "not a boolean (YAML reads true/false, yes/no and on/off as booleans)"
+# How `model.init_from` names a Hugging Face model folder: hf:FOLDER.
+HF_PREFIX = "hf:"
 
 
 def shown(value: Any) -> str:
@@ -117,6 +121,13 @@ class ModelSection(Section):
     def summary(self) -> dict[str, Any]:
         """The sizes that tell models apart in a benchmark record (`jaxdist bench`)."""
         return {}
+
+
+def local_path(key: str, value: str) -> str:
+    """`value` of the path key `key`, refused where it names object storage or another URL (`errors.not_local`)."""
+    if problem := not_local(value, f"{key}={value}"):
+        raise ValueError(problem)
+    return value
 
 
 def positive_or_auto(key: str, value: Any, unit: str, what: str) -> Any:

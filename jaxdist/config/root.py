@@ -9,7 +9,7 @@ import yaml
 from pydantic import Field, SerializeAsAny, ValidatorFunctionWrapHandler, field_validator, model_validator
 
 from jaxdist.config import registry
-from jaxdist.config.base import ModelSection, OptimizerSection, Section
+from jaxdist.config.base import ModelSection, OptimizerSection, Section, local_path
 from jaxdist.config.sections import (CheckpointConfig, DataConfig, EvalConfig, LogConfig, MeshConfig, PipelineConfig,
                                      PrecisionConfig, ProfileConfig, RulesConfig, SampleConfig, TrainConfig)
 
@@ -79,7 +79,7 @@ class Config(Section):
         # An empty path would be the working directory: checkpoints and metrics among other files.
         if not run_dir.strip():
             raise ValueError(f"run_dir={run_dir!r} is empty; give the run's directory, e.g. run_dir=runs/mine")
-        return run_dir
+        return local_path("run_dir", run_dir)
 
     @model_validator(mode="after")
     def _gathered_copies(self) -> Config:

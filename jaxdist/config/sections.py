@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from jaxdist.config.base import Section, shown as _shown
+from jaxdist.config.base import Section, local_path, shown as _shown
 
 MESH_AXES = ("data", "stage", "fsdp", "tensor")
 
@@ -91,6 +91,15 @@ class MixtureSource(Section):
             raise ValueError(f"data.mixture name {value!r}: use letters, digits and _ (it names metrics)")
         return value
 
+    @field_validator("path")
+    @classmethod
+    def _local(cls, value: str) -> str:
+        return local_path("data.mixture path", value)
+
+
+# The share of the stdlib corpus's files or an arrays file's rows held out for eval by default.
+DEFAULT_EVAL_FRACTION = 0.01
+
 
 class DataConfig(Section):
     """Where examples come from and how they are read."""
@@ -100,8 +109,9 @@ class DataConfig(Section):
                               "images: a prepared image folder; arrays: an .npz; digits: scikit-learn's 8x8 digit "
                               "images (fixed split: 1,437 train, 360 eval)")
     path: str | None = Field(None, description="prepared directory or .npz file (not for stdlib)")
-    eval_fraction: float = Field(
-        0.01, ge=0, lt=1, description="share of stdlib files or array rows held out for eval")
+    eval_fraction: float | None = Field(
+        None, ge=0, lt=1, description=f"share of stdlib files or array rows held out for eval (null: "
+        f"{DEFAULT_EVAL_FRACTION}); refused for prepared data and digits, whose split is fixed")
     epochs: int | None = Field(None, gt=0, description="when set, decides train.steps")
     workers: int | Literal["auto"] = Field(
         "auto", description="grain worker processes (0: read in the training process; any count reads the same "
@@ -115,6 +125,16 @@ class DataConfig(Section):
     mixture: list[MixtureSource] | None = Field(
         None, description="data.source=arrayrecord: prepared folders mixed by weight ({name, path, weight} each; "
                           "grain's deterministic mixing), each evaluated apart; instead of data.path")
+
+    @property
+    def held_out(self) -> float:
+        """The share of stdlib files or array rows held out for eval: data.eval_fraction, or its default."""
+        return DEFAULT_EVAL_FRACTION if self.eval_fraction is None else self.eval_fraction
+
+    @field_validator("path")
+    @classmethod
+    def _local(cls, value: str | None) -> str | None:
+        return value if value is None else local_path("data.path", value)
 
     @field_validator("workers", mode="before")
     @classmethod

@@ -4,7 +4,7 @@
 recognition of handwritten digits, test part), shipped inside scikit-learn, so nothing is
 downloaded. Pixels (0 to 16) are scaled to [0, 1] as float32 [8, 8, 1]; labels are int32. The
 split never changes: a permutation seeded 0 holds out its first 360 images for eval and leaves
-1,437 for training (data.eval_fraction does not apply).
+1,437 for training (data.eval_fraction, which would change nothing, is refused).
 """
 
 from __future__ import annotations

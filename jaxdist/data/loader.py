@@ -22,7 +22,8 @@ import grain
 import jax
 import numpy as np
 
-from jaxdist.config import ClassifierSection, Config
+from jaxdist.config import ClassifierSection, Config, DataConfig
+from jaxdist.config.base import HF_PREFIX
 from jaxdist.data import corpus, digits, sources, stream
 from jaxdist.data.augment import Augment
 from jaxdist.data import tokenizer as tokenizer_lib
@@ -43,9 +44,10 @@ def open_split(cfg: Config, split: str, keys: tuple[str, ...] = ()):
     if data.source in ("stdlib", "arrayrecord") and cfg.model.tokens_per_example is None:
         raise UserError(f"data.source={data.source} holds token sequences, but model.name={cfg.model.name} reads "
                         f"images and labels; use data.source=images, digits or arrays")
+    _check_eval_fraction(data)
     if data.source == "stdlib":
-        name = f"the {split} split of the stdlib corpus (data.eval_fraction={data.eval_fraction})"
-        tokens = corpus.stdlib_tokens(split, data.eval_fraction)
+        name = f"the {split} split of the stdlib corpus (data.eval_fraction={data.held_out})"
+        tokens = corpus.stdlib_tokens(split, data.held_out)
         empty = "change data.eval_fraction or set eval.every=0" if split == "eval" else "lower data.eval_fraction"
         return _windows(tokens, cfg, name, tokenizer_lib.ByteTokenizer.vocab_size, "the stdlib corpus", empty,
                         corpus.SEPARATOR)
@@ -73,10 +75,23 @@ def open_split(cfg: Config, split: str, keys: tuple[str, ...] = ()):
         if keys and split == "train" and (ignored := [key for key in held if key not in keys]):
             warn(f"{name}: the array(s) {', '.join(ignored)} are not fed to the model (model.name={cfg.model.name} "
                  f"reads {', '.join(keys)})")
-        arrays = _array_split(path, split, data.eval_fraction, keys or None)
+        arrays = _array_split(path, split, data.held_out, keys or None)
     _check_shapes(arrays, cfg, name)
     _check_ids(arrays, cfg, name)
     return sources.ArraySource(_eight_bit_pixels(arrays, name), name)
+
+
+def _check_eval_fraction(data: DataConfig) -> None:
+    """data.eval_fraction splits what is read whole (the stdlib corpus, an arrays file); given for a
+    source whose split was fixed when it was made, it would change nothing."""
+    if data.eval_fraction is None or data.source in ("stdlib", "arrays"):
+        return
+    if data.source == "digits":
+        raise UserError(f"data.eval_fraction={data.eval_fraction} does not apply to data.source=digits, whose split "
+                        f"is fixed ({digits.EVAL_EXAMPLES} images held out for eval); drop data.eval_fraction")
+    raise UserError(f"data.eval_fraction={data.eval_fraction} does not apply to data.source={data.source}: its eval "
+                    f"split was made by `jaxdist data prepare` (--eval-fraction); drop data.eval_fraction, or prepare "
+                    f"the data again with --eval-fraction {data.eval_fraction}")
 
 
 def _check_shapes(arrays: dict[str, np.ndarray], cfg: Config, name: str) -> None:
@@ -148,8 +163,21 @@ def _check_ids(arrays: dict[str, np.ndarray], cfg: Config, name: str) -> None:
             raise UserError(f"{name}: {key} holds the id {low}; ids count from 0 (model.{size_key}={size}): "
                             f"fix the data")
         if high >= size:
+            fix = _fit_vocab(cfg, high + 1) if size_key == "vocab" else f"set model.{size_key}={high + 1} or auto"
             raise UserError(f"{name}: {key} holds the id {high}, beyond model.{size_key}={size} (ids 0 to "
-                            f"{size - 1}); set model.{size_key}={high + 1} or auto, or fix the data")
+                            f"{size - 1}); {fix}, or fix the data")
+
+
+def _fit_vocab(cfg: Config, ids: int) -> str:
+    """How to make the model's vocabulary hold data of `ids` token ids: model.vocab, unless a model
+    folder decides it (model.init_from), whose tokenizer must then tokenize the data."""
+    init_from = getattr(cfg.model, "init_from", None)
+    if init_from is None:
+        return f"set model.vocab={ids} or auto"
+    tokenizer = Path(init_from.removeprefix(HF_PREFIX)) / tokenizer_lib.HUGGINGFACE_FILE
+    where = "point data.path at DIR" if cfg.data.source == "arrayrecord" else "set data.source=arrayrecord data.path=DIR"
+    return (f"model.init_from={init_from} decides model.vocab, so the data must be tokenized with that model's "
+            f"tokenizer: prepare it with `jaxdist data prepare INPUTS --out DIR --tokenizer {tokenizer}` and {where}")
 
 
 def mixture_splits(cfg: Config, split: str) -> dict[str, Any]:
@@ -187,10 +215,8 @@ def _windows(tokens, cfg: Config, name: str, vocab: int, vocab_of: str, empty: s
     """`tokens` as windows of model.seq_len, or with data.packing as rows of whole documents (split at
     `separator`); `empty` says what to do where there are none."""
     if cfg.model.vocab < vocab:
-        raise UserError(
-            f"model.vocab={cfg.model.vocab} is smaller than the vocabulary of {vocab_of} ({vocab} ids); "
-            f"set model.vocab={vocab}"
-        )
+        raise UserError(f"model.vocab={cfg.model.vocab} is smaller than the vocabulary of {vocab_of} ({vocab} ids); "
+                        f"{_fit_vocab(cfg, vocab)}")
     if not len(tokens):
         raise UserError(f"{name} is empty; {empty}")
     if cfg.data.packing:

@@ -1,4 +1,4 @@
-"""What a run shows on process 0's console: a start banner, progress, a summary at the end.
+"""What a run shows on process 0's console: its versions first, progress, a summary at the end.
 
 On a terminal the progress is a live bar (step, elapsed, ETA, loss, tokens/s or examples/s);
 anywhere else (CI, log files, `jaxdist launch` children) it is one plain line per logged step,
@@ -41,12 +41,14 @@ def _version() -> str:
         return f"(not installed, from {Path(__file__).parents[2]})"
 
 
-def banner(*, processes: int, devices: int, platform: str, params: int, global_batch: int, device_batch: int,
-           param_bytes: int) -> str:
-    """The lines that open a run beside the mesh's: versions, where it runs and what it trains."""
-    return (f"jaxdist {_version()}, jax {jax.__version__}; {processes} process(es), "
-            f"{devices} {platform} devices\n"
-            f"{params:,} parameters, {param_bytes / 1e6:,.1f} MB of them per device; global batch {global_batch}, "
+def version_line(*, processes: int, devices: int, platform: str) -> str:
+    """The line that opens a run, before any other it prints: the versions and where it runs."""
+    return f"jaxdist {_version()}, jax {jax.__version__}; {processes} process(es), {devices} {platform} devices"
+
+
+def size_line(*, params: int, global_batch: int, device_batch: int, param_bytes: int) -> str:
+    """What a run trains, beside the mesh's line: its parameters and its batch."""
+    return (f"{params:,} parameters, {param_bytes / 1e6:,.1f} MB of them per device; global batch {global_batch}, "
             f"{device_batch} per device")
 
 

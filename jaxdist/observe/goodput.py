@@ -1,14 +1,16 @@
 """Where a run's wall time goes: the steps at their steady rate, and everything else by cause.
 
-Goodput is what a run trained per second of wall time, as a share of what its steady step rate
-would train in that time: `steps x steady step time / wall time`. The steady step time is the
-median over the logging intervals of each interval's time per step, measured without the saves,
-evaluations and logging inside it; MFU and tokens/s in the summary are that rate's. What the rest
-of the wall time went to is accounted by cause: start-up (data, init, restore, trace, compile,
-the first step's one-time costs), saves (the loop's blocking part), evaluation, logging, steps
-slower than steady (of which the loop waited on input), the last checkpoint's write, and what is
-left over. The summary also gives goodput between the first step and the last: without the costs
-a run pays once, however long it is (start-up, the last write).
+Goodput is the share of a run's wall time its steps took at their steady rate. The steady step
+time is the median over the logging intervals of each interval's time per step, measured without
+the saves, evaluations and logging inside it; MFU and tokens/s in the summary are that rate's. An
+interval's steps count at the steady time each, or at their own where they ran faster: a step is
+never counted as more than it took, so the steps' part of any stretch of wall time is at most that
+stretch (a median of intervals of different lengths can lie above their mean). What the rest of
+the wall time went to is accounted by cause: start-up (data, init, restore, trace, compile, the
+first step's one-time costs), saves (the loop's blocking part), evaluation, logging, steps slower
+than steady (of which the loop waited on input), the last checkpoint's write, and what is left
+over. The summary also gives goodput between the first step and the last: without the costs a run
+pays once, however long it is (start-up, the last write).
 """
 
 from __future__ import annotations
@@ -75,11 +77,22 @@ class RunTime:
     def startup_s(self) -> float:
         return sum(self.parts.get(name, 0.0) for name in STARTUP)
 
+    def productive_s(self, steady: float) -> float:
+        """The steps' time at the `steady` step time: each interval's steps at `steady`, or at their
+        own time where that is shorter (so never more than the steps took)."""
+        first = [] if self._first_step_s is None else [(1, self._first_step_s)]
+        return sum(steps * min(seconds, steady) for steps, seconds in first + self._intervals)
+
+    def slower_s(self, steady: float) -> float:
+        """What the intervals' steps took beyond the `steady` step time (the first step's excess is
+        start-up, not counted here)."""
+        return sum(steps * max(0.0, seconds - steady) for steps, seconds in self._intervals)
+
     def goodput(self, now: float | None = None) -> float | None:
-        """Steps x steady step time over the wall time so far (None before any step)."""
+        """The steps' time at the steady rate over the wall time so far (None before any step)."""
         steady = self.steady_step_s()
         wall = (time.perf_counter() if now is None else now) - self.started
-        return None if steady is None or wall <= 0 else min(1.0, self.steps * steady / wall)
+        return None if steady is None or wall <= 0 else self.productive_s(steady) / wall
 
     def startup_line(self) -> str:
         """The start-up's parts in words: `ready to train after 12.3 s: data 0.4 s, init 1.1 s, ...`."""
@@ -93,14 +106,12 @@ class RunTime:
         steady = self.steady_step_s()
         if steady is None:
             return f"no step trained in {wall:.1f} s"
-        productive = self.steps * steady
+        productive = self.productive_s(steady)
         first_step = 0.0 if self._first_step_s is None else max(0.0, self._first_step_s - steady)
-        stepping = sum(steps * seconds for steps, seconds in self._intervals)
         once = [(_LABELS.get(name, name), self.parts.get(name, 0.0)) for name in STARTUP]
         once += [(_LABELS["first_step"], first_step), (_LABELS["last_write"], self.parts.get("last_write", 0.0))]
         running = [(name, self.parts.get(name, 0.0)) for name in ("saves", "eval", "logging")]
-        slower = max(0.0, stepping - (productive - (steady if self._first_step_s is not None else 0.0)))
-        running.append((f"steps slower than steady (input waits {self.input_wait_s:.1f} s)", slower))
+        running.append((f"steps slower than steady (input waits {self.input_wait_s:.1f} s)", self.slower_s(steady)))
         accounted = productive + sum(seconds for _, seconds in once + running)
         running.append(("other", max(0.0, wall - accounted)))
         shown = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in once + running if seconds >= 0.05)

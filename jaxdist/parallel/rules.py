@@ -21,7 +21,7 @@ import contextvars
 import dataclasses
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 from flax import nnx
@@ -47,10 +47,15 @@ def _axes(value: RuleValue) -> MeshAxes:
 
 @dataclasses.dataclass(frozen=True)
 class Rules:
-    """Logical name -> mesh axes, for parameters and for activations."""
+    """Logical name -> mesh axes, for parameters and for activations.
+
+    `written_in` says where they were written, so that an error gives its fix in those terms:
+    "python" (`create`, a preset, `override`) or "config" (the `rules:` section, `from_config`).
+    """
 
     params: Mapping[str, MeshAxes]
     activations: Mapping[str, MeshAxes]
+    written_in: Literal["python", "config"] = dataclasses.field(default="python", compare=False)
 
     @classmethod
     def create(cls, params: Mapping[str, RuleValue], activations: Mapping[str, RuleValue]) -> Rules:
@@ -69,6 +74,7 @@ class Rules:
         return Rules(
             params={**self.params, **{k: _axes(v) for k, v in (params or {}).items()}},
             activations={**self.activations, **{k: _axes(v) for k, v in (activations or {}).items()}},
+            written_in=self.written_in,
         )
 
     def to_flax(self, kind: str = "params") -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
@@ -95,34 +101,48 @@ class Rules:
     def param_spec(self, names: Sequence[str | None], where: str = "a parameter") -> PartitionSpec:
         """The PartitionSpec of a parameter whose dimensions carry logical `names` (None: not split);
         a `UserError` naming `where` for a name without a rule or a mesh axis used twice."""
-        return _spec(self.params, names, where, "rules.params")
+        return self._spec("params", names, where)
 
     def activation_spec(self, names: Sequence[str | None], where: str = "an activation") -> PartitionSpec:
         """As `param_spec`, by the activation rules."""
-        return _spec(self.activations, names, where, "rules.activations")
+        return self._spec("activations", names, where)
 
+    def rule_name(self, kind: str, name: str) -> str:
+        """How the user wrote (or writes) the `kind` ("params", "activations") rule of `name`."""
+        return f"rules.{kind}.{name}" if self.written_in == "config" else f"the {kind} rule of '{name}'"
 
-def _spec(table: Mapping[str, MeshAxes], names: Sequence[str | None], where: str, key: str) -> PartitionSpec:
-    entries, used = [], {}
-    for name in names:
-        if name is None:
-            entries.append(None)
-            continue
-        if name not in table:
-            raise UserError(
-                f"rules: {where} uses logical axis '{name}', which has no rule; add "
-                f"{key}.{name}: null (replicated) or a mesh axis"
-            )
-        axes = table[name]
-        for axis in axes:
-            if axis in used:
-                raise UserError(
-                    f"rules: {where} maps both '{used[axis]}' and '{name}' to mesh axis '{axis}'; "
-                    f"a mesh axis can split only one dimension: change {key}.{name} or {key}.{used[axis]}"
-                )
-            used[axis] = name
-        entries.append(spec_entry(axes))
-    return PartitionSpec(*entries)
+    def _spec(self, kind: str, names: Sequence[str | None], where: str) -> PartitionSpec:
+        table: Mapping[str, MeshAxes] = getattr(self, kind)
+        entries, used = [], {}
+        for name in names:
+            if name is None:
+                entries.append(None)
+                continue
+            if name not in table:
+                raise UserError(f"rules: {where} uses logical axis '{name}', which has no rule; {self._add(kind, name)}")
+            axes = table[name]
+            for axis in axes:
+                if axis in used:
+                    raise UserError(
+                        f"rules: {where} maps both '{used[axis]}' and '{name}' to mesh axis '{axis}'; a mesh axis "
+                        f"can split only one dimension: {self._change(kind, name, used[axis])}")
+                used[axis] = name
+            entries.append(spec_entry(axes))
+        return PartitionSpec(*entries)
+
+    def _add(self, kind: str, name: str) -> str:
+        """How to give `name` a rule. Config files remap only the presets' names (`_check_names`), so
+        a name no preset has gets its rule in Python whichever way the rules were written."""
+        add = f"give it one with .override({kind}={{{name!r}: None}}) (replicated) or a mesh axis in place of None"
+        if self.written_in == "config":
+            return (f"no preset has one and config files remap only the presets' names: place this model from "
+                    f"Python (jaxdist.Trainer, rules.place) and {add}")
+        return add
+
+    def _change(self, kind: str, name: str, other: str) -> str:
+        if self.written_in == "config":
+            return f"change rules.{kind}.{name} or rules.{kind}.{other}"
+        return f"change the rule of '{name}' or of '{other}' with .override({kind}={{...}})"
 
 
 def spec_axes(entry: Any) -> MeshAxes:
@@ -198,13 +218,12 @@ def check_divisible(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, where
 
 def check_mesh_axes(rules: Rules, mesh: Mesh) -> None:
     """Every mesh axis named by a rule exists in the mesh."""
-    for key, table in (("rules.params", rules.params), ("rules.activations", rules.activations)):
-        for name, axes in table.items():
+    for kind in ("params", "activations"):
+        for name, axes in getattr(rules, kind).items():
             for axis in axes:
                 if axis not in mesh.shape:
-                    raise UserError(
-                        f"rules: {key}.{name} names mesh axis '{axis}'; the mesh axes are {', '.join(mesh.shape)}"
-                    )
+                    raise UserError(f"rules: {rules.rule_name(kind, name)} names mesh axis '{axis}'; the mesh axes "
+                                    f"are {', '.join(mesh.shape)}")
 
 
 # Transformers name `embed`, `mlp`, `heads`, ... (`kv_heads`: grouped-query attention's key and value
@@ -266,7 +285,8 @@ def from_config(rules_cfg, mesh_shape: Mapping[str, int] | None = None) -> Rules
     """
     _check_names("params", "a parameter", rules_cfg.params)
     _check_names("activations", "an activation", rules_cfg.activations)
-    rules = preset(rules_cfg.preset).override(rules_cfg.params, rules_cfg.activations)
+    rules = dataclasses.replace(preset(rules_cfg.preset), written_in="config").override(
+        rules_cfg.params, rules_cfg.activations)
     if mesh_shape is None or mesh_shape.get(STAGE, 1) == 1:
         return rules
     if LAYERS not in rules_cfg.params:
@@ -382,10 +402,17 @@ def unnamed(variables: nnx.State) -> tuple[str, ...]:
                                                for key in _SHARDING_METADATA))
 
 
+# The sets of unnamed parameters this process has warned about: a model placed again (a Trainer after
+# rules.place, another Trainer, each layout `jaxdist plan` tries) is not warned about again.
+_WARNED_UNNAMED: set[tuple[str, ...]] = set()
+
+
 def warn_unnamed(paths: Sequence[str]) -> None:
     """One warning naming the parameters without logical names (replicated: legal, but perhaps
-    not meant), if there are any."""
-    if paths:
+    not meant), if there are any and this process has not yet warned about these."""
+    paths = tuple(paths)
+    if paths and paths not in _WARNED_UNNAMED:
+        _WARNED_UNNAMED.add(paths)
         shown = ", ".join(paths[:8]) + (f" and {len(paths) - 8} more" if len(paths) > 8 else "")
         warn(f"rules: {len(paths)} parameter(s) carry no logical names, so every device holds them whole: "
              f"{shown}; name their dimensions (nnx.with_partitioning) for the rules to split them")
