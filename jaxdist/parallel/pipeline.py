@@ -208,48 +208,13 @@ def _run_iterations(apply_layers, weights, carried, schedule, carried_names, sta
     What moves between stages is `carried`, a tuple: the activations first, then the riders, which
     every stage passes on as it got them; each array is handled alike, with its logical names from
     `carried_names`. The activations of the last stage are returned."""
-    stages, micro, repeats, hop = schedule.stages, schedule.microbatches, schedule.repeats, schedule.hop
+    stages, micro, repeats = schedule.stages, schedule.microbatches, schedule.repeats
     stage_of = np.arange(stages)
     is_first = tuple(_along_stages(stage_of == 0, part.ndim) for part in carried)
-    is_last = _along_stages(stage_of == stages - 1, carried[0].ndim)
     buffer_names = tuple((STAGE, *names) for names in carried_names)
     stacked_names = tuple((None, *names) for names in buffer_names)
-
-    def constrain(parts, names):
-        return tuple(rules_lib.constrain(part, part_names) for part, part_names in zip(parts, names))
-
-    def select(where, if_true, if_false):
-        return tuple(jnp.where(w, a, b) for w, a, b in zip(where, if_true, if_false))
-
-    # A jit of its own: every iteration calls it with the same shapes, so the stages' layers are
-    # traced (and differentiated) once, not once per iteration; XLA inlines the calls, so the
-    # program is the same.
-    run_layers_of_stages = jax.jit(jax.vmap(functools.partial(apply_layers, unroll=True), spmd_axis_name=stage_axes))
-
-    def run_stages(parts, layers):  # the riders passed on as they came
-        return (run_layers_of_stages(parts[0], layers, riders=parts[1:]), *parts[1:])
-
-    groups = _layer_groups(weights)
-
-    def run_iteration(stage_in: tuple, t) -> tuple:
-        # Stage s runs pass t - hop * s; its repeat is which lap of the M microbatches that pass is in.
-        numbers = np if isinstance(t, int) else jnp
-        repeat = numbers.clip((t - hop * stage_of) // micro, 0, repeats - 1)
-
-        def run(stage_in, groups):
-            layers = [_pick_by_stage(repeat, [group[i] for group in groups]) for i in range(len(groups[0]))]
-            return run_stages(stage_in, layers)
-
-        if remat:
-            # The backward pass keeps only each iteration's stage inputs and recomputes the rest,
-            # the weights picked for the iteration (R > 1) included. Unrolled, the recomputation
-            # shares one straight-line program with the forward it repeats, and XLA merges the two
-            # (keeping the forward's activations after all) unless prevented; a scan's body has
-            # nothing to merge it with, and preventing would only cost speed.
-            run = jax.checkpoint(run, prevent_cse=unroll)
-        return run(stage_in, groups)
-
-    delay = micro - hop * stages if repeats > 1 else 0
+    run_iteration = _iteration_runner(apply_layers, weights, schedule, stage_axes, remat, unroll)
+    delay = micro - schedule.hop * stages if repeats > 1 else 0
 
     def iteration(carry, t, fed_t):
         made, recycled = carry  # the stages' outputs of the last `hop` iterations, oldest first
@@ -265,23 +230,11 @@ def _run_iterations(apply_layers, weights, carried, schedule, carried_names, sta
                 lap = tuple(_slot(line, t % delay) for line in recycled)
                 recycled = tuple(_set_slot(line, t % delay, part) for line, part in zip(recycled, shifted))
             first_in = tuple(jnp.where(t < micro, fed_part, lap_part) for fed_part, lap_part in zip(fed_t, lap))
-        stage_in = constrain(select(is_first, first_in, shifted), buffer_names)
-        out = constrain(run_iteration(stage_in, t), buffer_names)
+        stage_in = _constrain_each(_select_each(is_first, first_in, shifted), buffer_names)
+        out = _constrain_each(run_iteration(stage_in, t), buffer_names)
         return ((*made[1:], out), recycled), out[0]
 
-    # (M, rows / M, ...), whole on every stage
-    microbatches = tuple(split_microbatches(part, micro) for part in carried)
-    fed = constrain(select(is_first, tuple(part[:, None] for part in microbatches), (0,) * len(carried)),
-                    stacked_names)
-    idle = tuple(jnp.zeros(part.shape[1:], part.dtype) for part in fed)  # stage 0's input once every microbatch is in
-    nothing_made = constrain(tuple(jnp.zeros((stages, *part.shape[1:]), part.dtype) for part in microbatches),
-                             buffer_names)
-    recycled = None
-    if delay:
-        recycled = tuple(
-            rules_lib.constrain(jnp.zeros((stages, delay, *part.shape[1:]), part.dtype), (STAGE, None, *names))
-            for part, names in zip(microbatches, carried_names))
-    carry = ((nothing_made,) * hop, recycled)
+    fed, idle, carry = _first_buffers(carried, carried_names, is_first, schedule, delay)
     # Microbatch m leaves the last stage for the last time in iteration (R - 1) M + hop (S - 1) + m.
     last = schedule.iterations - micro
     if unroll:
@@ -296,15 +249,75 @@ def _run_iterations(apply_layers, weights, carried, schedule, carried_names, sta
     else:
         fed = tuple(jnp.concatenate([part, jnp.broadcast_to(zeros, (schedule.iterations - micro, *zeros.shape))])
                     for part, zeros in zip(fed, idle))
-        xs = (jnp.arange(schedule.iterations), constrain(fed, stacked_names))
+        xs = (jnp.arange(schedule.iterations), _constrain_each(fed, stacked_names))
         _, outs = jax.lax.scan(lambda c, xs: iteration(c, *xs), carry, xs)
         outs = outs[last:]
-    x = carried[0]
+    is_last = _along_stages(stage_of == stages - 1, carried[0].ndim)
     finished = jnp.where(is_last, rules_lib.constrain(outs, stacked_names[0]), 0)
     # A sum in the activations' dtype (jnp.sum would add in float32, and move float32 between
     # devices): one of its terms is not zero, so it is exact.
-    outputs = jax.lax.reduce(finished, jnp.zeros((), x.dtype), jax.lax.add, (1,))
+    outputs = jax.lax.reduce(finished, jnp.zeros((), carried[0].dtype), jax.lax.add, (1,))
     return merge_microbatches(outputs)
+
+
+def _iteration_runner(apply_layers, weights, schedule, stage_axes, remat, unroll):
+    """`run_iteration(stage_in, t)`: every stage's layers on its input of iteration `t` (the riders
+    passed on as they came)."""
+    stage_of = np.arange(schedule.stages)
+    # A jit of its own: every iteration calls it with the same shapes, so the stages' layers are
+    # traced (and differentiated) once, not once per iteration; XLA inlines the calls, so the
+    # program is the same.
+    run_layers_of_stages = jax.jit(jax.vmap(functools.partial(apply_layers, unroll=True), spmd_axis_name=stage_axes))
+    groups = _layer_groups(weights)
+
+    def run_iteration(stage_in: tuple, t) -> tuple:
+        # Stage s runs pass t - hop * s; its repeat is which lap of the M microbatches that pass is in.
+        numbers = np if isinstance(t, int) else jnp
+        repeat = numbers.clip((t - schedule.hop * stage_of) // schedule.microbatches, 0, schedule.repeats - 1)
+
+        def run(stage_in, groups):
+            layers = [_pick_by_stage(repeat, [group[i] for group in groups]) for i in range(len(groups[0]))]
+            return (run_layers_of_stages(stage_in[0], layers, riders=stage_in[1:]), *stage_in[1:])
+
+        if remat:
+            # The backward pass keeps only each iteration's stage inputs and recomputes the rest,
+            # the weights picked for the iteration (R > 1) included. Unrolled, the recomputation
+            # shares one straight-line program with the forward it repeats, and XLA merges the two
+            # (keeping the forward's activations after all) unless prevented; a scan's body has
+            # nothing to merge it with, and preventing would only cost speed.
+            run = jax.checkpoint(run, prevent_cse=unroll)
+        return run(stage_in, groups)
+
+    return run_iteration
+
+
+def _first_buffers(carried, carried_names, is_first, schedule, delay):
+    """(stage 0's inputs of the first M iterations, its input once every microbatch is in, the
+    loop's first carry: the stages' outputs of the last `hop` iterations, all zeros, and the delay
+    line of laps waiting at stage 0, or None)."""
+    stages, micro = schedule.stages, schedule.microbatches
+    buffer_names = tuple((STAGE, *names) for names in carried_names)
+    # (M, rows / M, ...), whole on every stage
+    microbatches = tuple(split_microbatches(part, micro) for part in carried)
+    fed = _constrain_each(_select_each(is_first, tuple(part[:, None] for part in microbatches), (0,) * len(carried)),
+                          tuple((None, *names) for names in buffer_names))
+    idle = tuple(jnp.zeros(part.shape[1:], part.dtype) for part in fed)
+    nothing_made = _constrain_each(tuple(jnp.zeros((stages, *part.shape[1:]), part.dtype) for part in microbatches),
+                                   buffer_names)
+    recycled = None
+    if delay:
+        recycled = tuple(
+            rules_lib.constrain(jnp.zeros((stages, delay, *part.shape[1:]), part.dtype), (STAGE, None, *names))
+            for part, names in zip(microbatches, carried_names))
+    return fed, idle, ((nothing_made,) * schedule.hop, recycled)
+
+
+def _constrain_each(parts: tuple, names: tuple) -> tuple:
+    return tuple(rules_lib.constrain(part, part_names) for part, part_names in zip(parts, names))
+
+
+def _select_each(where: tuple, if_true: tuple, if_false: tuple) -> tuple:
+    return tuple(jnp.where(w, a, b) for w, a, b in zip(where, if_true, if_false))
 
 
 def _by_stage(w: jax.Array, schedule: Schedule, mesh: Mesh, stage_axes: tuple[str, ...]) -> jax.Array:
