@@ -127,6 +127,18 @@ def make_classifier_config(run_dir, model: dict, **sections) -> config_lib.Confi
     return make_config(run_dir, {**base, "model": model, "data": {"source": "digits"}}, **sections)
 
 
+@pytest.fixture(scope="session")
+def packed_corpus(tmp_path_factory) -> dict:
+    """The `data:` section of a prepared split of documents from 2 to 90 bytes, packed: rows of a few
+    dozen tokens hold one document or several and real padding, so microbatches and batch shards
+    count different numbers of tokens (the GPT's `model.vocab` is `auto` on it)."""
+    from data_helpers import prepared, random_documents
+
+    out, _ = prepared(tmp_path_factory.mktemp("packed"), random_documents(300, seed=3, shortest=2, longest=90),
+                      eval_fraction=0.1)
+    return {"source": "arrayrecord", "path": str(out), "packing": True}
+
+
 @pytest.fixture
 def devices():
     assert jax.device_count() == 8, "tests expect JAXDIST_CPU_DEVICES=8"

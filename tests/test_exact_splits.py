@@ -17,7 +17,6 @@ import numpy as np
 import optax
 import pytest
 from conftest import make_config
-from data_helpers import prepared, random_documents
 from flax import nnx
 
 import jaxdist
@@ -35,18 +34,9 @@ MODEL = {"vocab": "auto", "d_model": 32, "layers": 2, "heads": 4, "seq_len": 32}
 GLOBAL_BATCH = 16
 
 
-@pytest.fixture(scope="module")
-def packed_data(tmp_path_factory):
-    """A prepared split of documents from 2 to 90 bytes: rows of 32 hold one to several, and padding."""
-    root = tmp_path_factory.mktemp("packed")
-    out, _ = prepared(root, random_documents(300, seed=3, shortest=2, longest=90), eval_fraction=0.1)
-    return str(out)
-
-
-def _config(run_dir, data_path, **sections):
+def _config(run_dir, data, **sections):
     train = {"steps": 1, "global_batch": GLOBAL_BATCH, **sections.pop("train", {})}
-    return make_config(run_dir, model=MODEL, train=train, precision={"compute": "float32"},
-                       data={"source": "arrayrecord", "path": data_path, "packing": True},
+    return make_config(run_dir, model=MODEL, train=train, precision={"compute": "float32"}, data=data,
                        optim={"lr": 1e-3, "warmup_steps": 0, "schedule": "constant", "clip_norm": None},
                        **sections)
 
@@ -56,9 +46,9 @@ def _first_step(run_dir) -> dict:
 
 
 @pytest.fixture(scope="module")
-def one_device(tmp_path_factory, packed_data):
+def one_device(tmp_path_factory, packed_corpus):
     run_dir = tmp_path_factory.mktemp("one_device")
-    loop.train(_config(run_dir, packed_data, mesh={"data": 1, "fsdp": 1, "tensor": 1}, rules={"preset": "dp"}),
+    loop.train(_config(run_dir, packed_corpus, mesh={"data": 1, "fsdp": 1, "tensor": 1}, rules={"preset": "dp"}),
                devices=jax.devices()[:1])
     return _first_step(run_dir)
 
@@ -73,17 +63,17 @@ SPLITS = {
 
 
 @pytest.mark.parametrize("name", SPLITS)
-def test_a_packed_step_is_the_same_under_any_split(tmp_path, packed_data, one_device, name):
+def test_a_packed_step_is_the_same_under_any_split(tmp_path, packed_corpus, one_device, name):
     mesh, rules, sections, devices = SPLITS[name]
-    cfg = _config(tmp_path, packed_data, mesh=mesh, rules=rules, **sections)
+    cfg = _config(tmp_path, packed_corpus, mesh=mesh, rules=rules, **sections)
     loop.train(cfg, devices=None if devices is None else jax.devices()[:devices])
     got = _first_step(tmp_path)
     np.testing.assert_allclose([got["loss"], got["grad_norm"]], [one_device["loss"], one_device["grad_norm"]],
                                rtol=1e-5, atol=0)
 
 
-def test_a_compressed_step_has_the_exact_token_mean_loss(tmp_path, packed_data, one_device):
-    cfg = _config(tmp_path, packed_data, mesh={"data": 8, "fsdp": 1, "tensor": 1}, rules={"preset": "dp"},
+def test_a_compressed_step_has_the_exact_token_mean_loss(tmp_path, packed_corpus, one_device):
+    cfg = _config(tmp_path, packed_corpus, mesh={"data": 8, "fsdp": 1, "tensor": 1}, rules={"preset": "dp"},
                   train={"grad_compression": "int8"})
     loop.train(cfg)
     got = _first_step(tmp_path)
@@ -91,8 +81,8 @@ def test_a_compressed_step_has_the_exact_token_mean_loss(tmp_path, packed_data, 
     np.testing.assert_allclose(got["grad_norm"], one_device["grad_norm"], rtol=2e-2)
 
 
-def test_the_eval_loss_of_a_packed_split_is_its_token_mean(tmp_path, packed_data):
-    cfg = loader.resolve_model(_config(tmp_path, packed_data, mesh={"data": 2, "fsdp": 4, "tensor": 1},
+def test_the_eval_loss_of_a_packed_split_is_its_token_mean(tmp_path, packed_corpus):
+    cfg = loader.resolve_model(_config(tmp_path, packed_corpus, mesh={"data": 2, "fsdp": 4, "tensor": 1},
                                        rules={"preset": "fsdp"}))
     trainer = Trainer.from_config(cfg)
     rows = trainer.process_rows(GLOBAL_BATCH)

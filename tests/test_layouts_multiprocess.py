@@ -1,8 +1,10 @@
 """Principle 8: data follows the mesh. Every layout trains the same under several processes.
 
 Each layout runs as 2 processes x 4 simulated CPU devices (and some as 4 x 2), joined by
-jax.distributed, and must give the losses and the eval loss of the same model on one device (each
-layout, run in one process of 8 devices, gives them to within 4e-7 of each other).
+jax.distributed, and must give the losses, gradient norms and the eval loss of the same model on
+one device (each layout, run in one process of 8 devices, gives them to within 4e-7 of each other).
+The rows pack documents of very different lengths (tests/conftest.py's `packed_corpus`), so the
+processes and shards hold different numbers of counted tokens: the loss is still one token mean.
 Every run, the reference included, compiles at XLA's lowest CPU optimization level (the suite's,
 tests/conftest.py). Whatever axis crosses the processes (data, fsdp, tensor, pipeline stages, or a mix), each
 process feeds the rows of the global batch its devices hold: processes holding the same rows read
@@ -30,7 +32,7 @@ HERE = Path(__file__).parent
 STEPS = 4
 # Eight heads, so that tensor parallelism can span all 8 devices (the only way tensor crosses
 # processes: the mesh gives processes to the outer axes first).
-MODEL = {"d_model": 32, "layers": 4, "heads": 8, "seq_len": 16}
+MODEL = {"d_model": 32, "layers": 4, "heads": 8, "seq_len": 16, "vocab": "auto"}
 PIPE = {"microbatches": 2}
 EVAL = {"every": STEPS, "batches": 2}
 
@@ -64,10 +66,11 @@ LAYOUTS = {
 }
 
 
-def layout_config(run_dir: Path, name: str, **overrides):
-    """The layout's config; `overrides` replace whole sections."""
+def layout_config(run_dir: Path, name: str, data: dict, **overrides):
+    """The layout's config on `data`; `overrides` replace whole sections."""
     sections, _ = LAYOUTS[name]
-    return make_config(run_dir, **{"model": MODEL, "train": {"steps": STEPS}, "eval": EVAL, **sections, **overrides})
+    return make_config(run_dir, **{"model": MODEL, "train": {"steps": STEPS}, "eval": EVAL, "data": data, **sections,
+                                   **overrides})
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -93,10 +96,10 @@ def run_processes(cases: list, processes: int, tmp_path: Path, timeout: float = 
 
 
 @pytest.fixture(scope="module")
-def one_device(tmp_path_factory):
+def one_device(tmp_path_factory, packed_corpus):
     """The reference every layout is held to: the same model, batches and eval on one device."""
     run_dir = tmp_path_factory.mktemp("one_device")
-    loop.train(make_config(run_dir, model=MODEL, train={"steps": STEPS}, eval=EVAL,
+    loop.train(make_config(run_dir, model=MODEL, train={"steps": STEPS}, eval=EVAL, data=packed_corpus,
                            mesh={"data": 1, "fsdp": 1, "tensor": 1}, rules={"preset": "fsdp"}),
                devices=jax.devices()[:1])
     run = metrics(run_dir)
@@ -105,15 +108,16 @@ def one_device(tmp_path_factory):
 
 
 def _assert_same_training(got: list[dict], expected: list[dict]) -> None:
-    np.testing.assert_allclose([m["loss"] for m in got], [m["loss"] for m in expected], rtol=1e-5, atol=0)
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([m[key] for m in got], [m[key] for m in expected], rtol=1e-5, atol=0, err_msg=key)
     assert "eval_loss" in got[-1]
     np.testing.assert_allclose(got[-1]["eval_loss"], expected[-1]["eval_loss"], rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("processes", [2, 4])
-def test_every_layout_across_processes_trains_like_one_device(tmp_path, one_device, processes):
+def test_every_layout_across_processes_trains_like_one_device(tmp_path, one_device, packed_corpus, processes):
     names = [name for name, (_, rows) in LAYOUTS.items() if processes in rows]
-    run_processes([layout_config(tmp_path / name, name) for name in names], processes, tmp_path)
+    run_processes([layout_config(tmp_path / name, name, packed_corpus) for name in names], processes, tmp_path)
     for name in names:
         fed = [json.loads((tmp_path / name / f"rows-{p}.json").read_text()) for p in range(processes)]
         assert fed == [list(rows) for rows in LAYOUTS[name][1][processes]], name
@@ -140,20 +144,20 @@ def test_classifier_eval_is_exact_across_processes(tmp_path):
     assert abs(correct - round(correct)) < 1e-9 and 0 < round(correct) < 360
 
 
-def test_pipeline_saved_by_two_processes_resumes_in_one_under_another_layout(tmp_path):
+def test_pipeline_saved_by_two_processes_resumes_in_one_under_another_layout(tmp_path, packed_corpus):
     """Stages on different processes save; one process with fsdp x tensor resumes; the losses after
     the resume are the uninterrupted run's."""
     steps, saved_at = 6, 3
     reference = tmp_path / "uninterrupted"
-    loop.train(layout_config(reference, "stage_gpipe", train={"steps": steps}, eval={"every": 0}))
+    loop.train(layout_config(reference, "stage_gpipe", packed_corpus, train={"steps": steps}, eval={"every": 0}))
 
     run_dir = tmp_path / "run"
-    first = layout_config(run_dir, "stage_gpipe", train={"steps": saved_at}, eval={"every": 0},
+    first = layout_config(run_dir, "stage_gpipe", packed_corpus, train={"steps": saved_at}, eval={"every": 0},
                           checkpoint={"every": saved_at})
     run_processes([first], 2, tmp_path)
     assert (run_dir / "checkpoints" / str(saved_at)).is_dir()
     resumed = make_config(run_dir, model=MODEL, train={"steps": steps}, mesh={"data": 1, "fsdp": 4, "tensor": 2},
-                          rules={"preset": "fsdp_tp"}, checkpoint={"every": saved_at})
+                          rules={"preset": "fsdp_tp"}, checkpoint={"every": saved_at}, data=packed_corpus)
     loop.train(resumed)
     got = metrics(run_dir)
     assert [m["step"] for m in got] == list(range(1, steps + 1))
@@ -165,14 +169,14 @@ def _cli(*args: str, env: dict) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, cwd=HERE.parent)
 
 
-def test_replicas_that_read_different_rows_stop_before_training(tmp_path):
+def test_replicas_that_read_different_rows_stop_before_training(tmp_path, packed_corpus):
     """Two processes holding the same rows (tensor parallelism across them) but given different data
     (here, by different seeds) stop with one line, exit 2, before compiling the step."""
     port = free_port()
     env = {**os.environ, "JAXDIST_CPU_DEVICES": "4", "PYTHONPATH": os.pathsep.join(sys.path)}
     runs = []
     for process in range(2):
-        cfg = layout_config(tmp_path / "run", "tensor", seed=process)
+        cfg = layout_config(tmp_path / "run", "tensor", packed_corpus, seed=process)
         config_file = tmp_path / f"{process}.yaml"
         config_file.write_text(cfg.to_yaml())
         runs.append(_cli("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(process),
