@@ -1,6 +1,6 @@
 """benchmarks/profile_summary.py reads a JAX profiler trace: kernel time by kind, GPU idle gaps, host events.
 
-The numbers in benchmarks/HISTORY.md's profile tables come from it, so a miscount here would misreport them.
+The numbers in the profile tables of benchmarks/reports/ come from it, so a miscount here would misreport them.
 """
 
 import gzip
