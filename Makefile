@@ -28,7 +28,7 @@ train: install
 # A one-node Slurm on this machine for tests/test_slurm.py: installed (Debian/Ubuntu, as root) and
 # started where missing, else a second's check.
 slurm:
-	bash scripts/slurm/local_cluster.sh
+	bash .ci/local_cluster.sh
 
 test: install slurm
 	$(BIN)/pytest -n 2 --dist worksteal --durations=15 $(ARGS)

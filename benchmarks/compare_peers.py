@@ -29,7 +29,7 @@ GPT_1B4 = ["configs/gpt_1b4.yaml"]
 
 
 def suites(peers: str) -> dict[str, list[tuple[str, list[str]]]]:
-    """The runs behind README.md's current tables, by suite: (label, command) in the order they run.
+    """The runs behind README.md's latest results, by suite: (label, command) in the order they run.
 
     `peers`: the folder of the peers' programs. The multi-GPU suites take the host's first 2 or 4
     GPUs (`--devices`), so they run on a larger host as well.

@@ -22,8 +22,7 @@ import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-from profile_summary import print_summary  # noqa: E402
+from profile_summary import print_summary  # benchmarks/profile_summary.py, beside this file
 
 STEPS = 3
 

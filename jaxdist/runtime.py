@@ -60,7 +60,7 @@ def _count_from_environment() -> int | None:
     return int(text)
 
 
-# XLA GPU flags jaxdist sets unless XLA_FLAGS already names them (each measured in benchmarks/HISTORY.md):
+# XLA GPU flags jaxdist sets unless XLA_FLAGS already names them (each measured in benchmarks/reports/):
 # - dot merger off: XLA merges the q, k and v projections (dots sharing their input) into one and
 #   then copies each out with a slice, forward and backward.
 # - Triton GEMMs off: XLA wraps dots in Triton fusions before its cuBLAS rewriter looks for epilogues,

@@ -1,12 +1,18 @@
 """The docs users copy from name only what exists: every `section.key` and `section.key=value` in
 README.md, docs/*.md, benchmarks/README.md, the recipes' comments and the SLURM and Kubernetes
-templates is a key of jaxdist/config.py that takes that value; every `jaxdist ...` command line parses with the current command line (and
-loads its config, where it names a recipe); every `jaxdist.NAME` and Python import resolves.
-benchmarks/HISTORY.md, a log of the past, is the one place removed options may still be named. docs/config.md is
-generated from the config classes, and is what the command generates now."""
+templates is a key of the config (jaxdist/config/) that takes that value; every `jaxdist ...` command
+line parses with the current command line (and loads its config, where it names a recipe); every
+`jaxdist.NAME` and Python import resolves. benchmarks/reports/, the log of the past, is the one place
+removed options may still be named. docs/config.md is generated from the config classes, and is what
+the command generates now.
+
+The pages read as pages: every relative link reaches its file and heading, no line outside a table
+is over 300 characters, benchmarks/README.md is one page of latest results, and the performance
+figures README.md quotes are that page's."""
 
 import contextlib
 import importlib
+import importlib.util
 import io
 import re
 import shlex
@@ -26,10 +32,13 @@ from jaxdist.parallel import rules as rules_lib
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKDOWN = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
+BENCHMARKS = ROOT / "benchmarks" / "README.md"
+REPORTS = sorted((ROOT / "benchmarks" / "reports").glob("*.md"))  # the past: links and lines checked, not keys
+PAGES = [*MARKDOWN, *REPORTS]
 RECIPES = sorted(config.recipes_folder().glob("*.yaml"))
 LAUNCH_TEMPLATES = sorted((ROOT / "scripts").glob("*/*"))  # SLURM and Kubernetes: their commands' overrides
 
-# Options that were removed: only benchmarks/HISTORY.md may name them.
+# Options that were removed: only the reports of benchmarks/reports/ may name them.
 REMOVED = ("model.overlap_grad_reduce", "precision.grad_reduce", "model.scan_unroll")
 
 SECTIONS = [name for name in Config.model_fields if isinstance(getattr(Config(), name), BaseModel)]
@@ -289,3 +298,112 @@ def test_the_config_reference_is_what_config_show_generates(capsys):
     assert generated == (ROOT / "docs" / "config.md").read_text(), (
         "docs/config.md is not what the config classes give: regenerate it with "
         "`jaxdist config show --format markdown > docs/config.md`")
+
+
+# -- the pages ------------------------------------------------------------------------------------
+
+LINK = re.compile(r"\[(?:[^\[\]]|\[[^\]]*\])*\]\(([^)\s]+)\)")  # [text](target), `[x]` inside the text
+
+
+def _anchors(path: Path) -> set[str]:
+    """The #anchors of a markdown file's headings, as GitHub makes them (repeats get -1, -2, ...)."""
+    anchors: set[str] = set()
+    for heading in re.findall(r"^#+ (.+)$", path.read_text(), re.M):
+        heading = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link's text
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        anchor, repeat = slug, 0
+        while anchor in anchors:
+            repeat += 1
+            anchor = f"{slug}-{repeat}"
+        anchors.add(anchor)
+    return anchors
+
+
+def _broken_links(path: Path) -> list[str]:
+    broken = []
+    for target in LINK.findall(path.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue  # https:, mailto:
+        file, _, anchor = target.partition("#")
+        linked = (path.parent / file).resolve() if file else path
+        if not linked.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+            broken.append(f"{target}: no such heading")
+    return broken
+
+
+@pytest.mark.parametrize("path", PAGES, ids=_name)
+def test_every_link_in_the_docs_reaches_its_file_and_heading(path):
+    assert _broken_links(path) == []
+
+
+def test_the_link_check_sees_links_and_headings(tmp_path):
+    assert {"latest-results", "how-to-reproduce"} <= _anchors(BENCHMARKS)
+    assert "fp8-matmuls-precisionfp8" in _anchors(ROOT / "docs" / "performance.md")  # `code` and punctuation
+    assert LINK.findall("see [`plan` against the\npeak](a.md#b) and [x](https://y)") == ["a.md#b", "https://y"]
+    page = tmp_path / "page.md"
+    page.write_text("# A page\n\n## Twice\n\n## Twice\n\n[up](#a-page) [2](#twice-1) [gone](#thrice) [file](other.md)\n")
+    assert _broken_links(page) == ["#thrice: no such heading", "other.md: no such file"]
+
+
+def test_no_line_of_the_docs_is_over_300_characters_outside_tables():
+    long = [f"{_name(path)}:{number} ({len(line)} characters)" for path in PAGES
+            for number, line in enumerate(path.read_text().splitlines(), 1)
+            if len(line) > 300 and not line.startswith("|")]
+    assert long == []
+
+
+def test_the_benchmark_page_is_one_page_of_latest_results():
+    assert len(BENCHMARKS.read_text().splitlines()) < 200
+    assert REPORTS and BENCHMARKS.parent / "reports" / "README.md" in REPORTS
+    listed = set(re.findall(r"\]\(([\w.-]+\.md)\)", (BENCHMARKS.parent / "reports" / "README.md").read_text()))
+    assert listed == {path.name for path in REPORTS if path.name != "README.md"}  # the index lists every report
+
+
+def _tables(path: Path) -> list[dict[str, str]]:
+    """Every row of a markdown file's tables, as {header: cell}, links made their text."""
+    rows, header = [], None
+    for line in path.read_text().splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", cell).strip() for cell in line.strip("|").split(" | ")]
+        if header is None:
+            header = cells
+        elif not set(line) <= set("|-"):
+            rows.append(dict(zip(header, cells)))
+    return rows
+
+
+def _latest(first: str, card: str, column: str) -> str:
+    """A cell of benchmarks/README.md's tables: the row of that config (or layout) and card."""
+    [row] = [row for row in _tables(BENCHMARKS)
+             if list(row.values())[0] == first and row.get("card", row.get("cards")) == card]
+    return row[column]
+
+
+# The figures README.md's "GPU performance" quotes, in its order: the benchmark page's cells.
+README_FIGURES = [
+    ("gpt_406m, batch 16", "H100", "ratio"),
+    ("gpt_1b4, batch 8", "H100", "ratio"),
+    ("gpt_406m, batch 16", "H200", "ratio"),
+    ("gpt_1b4, batch 8", "H200", "ratio"),
+    ("resnet50_imagenet, 224x224, batch 256", "H200", "ratio"),
+    ("FSDP, gpt_406m", "2 x H200", "per GPU"),
+    ("FSDP, gpt_406m", "2 x H200", "ratio"),
+]
+
+
+def test_the_readme_performance_figures_are_the_benchmark_pages():
+    section = (ROOT / "README.md").read_text().split("## GPU performance", 1)[1].split("\n## ", 1)[0]
+    quoted = re.findall(r"(?<![\w.])\d+(?:\.\d+)?[x%]", section)
+    assert quoted == [_latest(*cell) for cell in README_FIGURES]
+
+
+def test_the_benchmark_page_names_suites_that_exist():
+    spec = importlib.util.spec_from_file_location("compare_peers", BENCHMARKS.parent / "compare_peers.py")
+    compare_peers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare_peers)
+    named = set(re.findall(r"compare_peers\.py (\w+)", BENCHMARKS.read_text()))
+    assert named and named <= set(compare_peers.suites("peers"))

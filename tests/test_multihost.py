@@ -491,8 +491,9 @@ def test_scale_numbers_follow_from_the_parameter_count(capsys):
     hw = scale.Hardware()
     matmul = layers * 12 * d * d  # the blocks' matmul weights: read, copied and differentiated in bf16
     assert model.matmul_params == model.copied_params == matmul
-    # As the compiled 406M data-parallel step all-reduces them (benchmarks/HISTORY.md, 2 x H200): 576.0 MiB
-    # of bf16 matmul gradients and 397.4 MiB of float32 ones (embedding, head, norms, positions).
+    # As the compiled 406M data-parallel step all-reduces them (2 x H200,
+    # benchmarks/reports/2026-11-26-fused-norms.md): 576.0 MiB of bf16 matmul gradients and 397.4 MiB of
+    # float32 ones (embedding, head, norms, positions).
     grads = 2 * matmul + 4 * (model.params - matmul)
     assert model.gradient_bytes == grads
     assert 2 * matmul / 2**20 == pytest.approx(576.0) and grads / 2**20 == pytest.approx(576.0 + 397.4, rel=1e-3)

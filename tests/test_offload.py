@@ -52,7 +52,7 @@ def test_the_optimizer_state_lives_in_host_memory_and_trains_as_on_the_device(tm
 def test_each_parameters_state_comes_in_after_the_update_before(tmp_path):
     """The step copies the state in a parameter at a time: each copy-in from the second on waits on
     an optimization barrier with the update before it, so XLA cannot bring the whole state in at once
-    (the peak this saves is measured on a GPU: benchmarks/README.md)."""
+    (the peak this saves is measured on a GPU: benchmarks/reports/2026-11-28-host-offload.md)."""
     trainer = Trainer.from_config(make_config(tmp_path, **LAYOUT, train={"offload": "optimizer"}))
     batch = trainer.global_batch({key: np.zeros((16, 32), np.int32) for key in ("inputs", "targets")})
     lowered = trainer._step.lower(trainer.state, trainer.current_copies(), batch).as_text()

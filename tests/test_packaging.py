@@ -1,5 +1,6 @@
 """The wheel holds what an install needs outside the clone: the recipes (`configs/`, shipped as
-`jaxdist.configs`) and the kernels' C++ sources; `jaxdist train tiny` runs from it in another folder."""
+`jaxdist.configs`), the kernels' C++ sources and the license; `jaxdist train tiny` runs from it in
+another folder."""
 
 import os
 import shutil
@@ -20,15 +21,19 @@ def test_an_installed_wheel_trains_a_recipe_by_name_outside_the_clone(tmp_path):
     source = tmp_path / "source"
     for name in ("jaxdist", "configs"):
         shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, source / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
                     "--wheel-dir", str(tmp_path / "dist"), str(source)], check=True, capture_output=True)
     [wheel] = (tmp_path / "dist").glob("jaxdist-*.whl")
-    names = set(zipfile.ZipFile(wheel).namelist())
+    archive = zipfile.ZipFile(wheel)
+    names = set(archive.namelist())
     recipes = {path.name for path in (ROOT / "configs").glob("*.yaml")}
     assert {f"jaxdist/configs/{name}" for name in recipes} <= names and "jaxdist/kernels/gelu_matmul.cc" in names
     assert not any(name.startswith(("configs/", "tests/", "benchmarks/")) for name in names)
+    info = wheel.name.rsplit("-", 3)[0] + ".dist-info"  # jaxdist-VERSION.dist-info
+    assert archive.read(f"{info}/licenses/LICENSE") == (ROOT / "LICENSE").read_bytes()
+    assert "License-Expression: Apache-2.0" in archive.read(f"{info}/METADATA").decode().splitlines()
     modules = {str(path.relative_to(ROOT)) for path in (ROOT / "jaxdist").rglob("*.py")}
     assert modules <= names, modules - names  # every package listed in pyproject.toml
 

@@ -1,6 +1,6 @@
-"""scripts/profile_summary.py reads a JAX profiler trace: kernel time by kind, GPU idle gaps, host events.
+"""benchmarks/profile_summary.py reads a JAX profiler trace: kernel time by kind, GPU idle gaps, host events.
 
-The numbers in benchmarks/HISTORY.md's profile tables come from it, so a miscount here would misreport them.
+The numbers in the profile tables of benchmarks/reports/ come from it, so a miscount here would misreport them.
 """
 
 import gzip
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-spec = importlib.util.spec_from_file_location("profile_summary", Path(__file__).parents[1] / "scripts" / "profile_summary.py")
+spec = importlib.util.spec_from_file_location("profile_summary", Path(__file__).parents[1] / "benchmarks" / "profile_summary.py")
 profile_summary = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(profile_summary)
 

@@ -1,5 +1,5 @@
 """The SLURM template under a real Slurm: a one-node cluster on this machine (`make slurm`,
-scripts/slurm/local_cluster.sh) runs scripts/slurm/train_per_gpu.sbatch as submitted with `sbatch`.
+.ci/local_cluster.sh) runs scripts/slurm/train_per_gpu.sbatch as submitted with `sbatch`.
 
 The template runs unchanged on a node without GPUs: the submission asks for one node, 2 tasks of one
 CPU and no GPUs (`--gpus-per-node=0` overrides the template's 8), and each task gets 4 simulated CPU

@@ -174,8 +174,8 @@ def _numpy_handler() -> ocp.type_handlers.NumpyHandler:
 # - pinned: the transfer into pinned host memory dispatched from `save`, for a state that cannot
 #   be held twice on the devices: the next step waits for the copy of the buffers it overwrites,
 #   and the loop for the allocation of the pinned buffers (about 1 GB/s).
-# A GPU uses `device` where the device has room for the copy, else `pinned` (benchmarks/README.md
-# has the measurements).
+# A GPU uses `device` where the device has room for the copy, else `pinned` (the measurements:
+# benchmarks/reports/2026-11-28-run-around-the-step.md).
 HostCopy = Literal["numpy", "pinned", "device"]
 HOST_COPIES: tuple[HostCopy, ...] = ("numpy", "pinned", "device")
 _ROOM = 1.25  # free device memory a device copy needs, over the state's bytes on that device

@@ -48,7 +48,8 @@ class Hardware:
     network_bw: float = 50 * GB  # per GPU, one direction (one 400 Gb/s InfiniBand NIC per GPU)
     storage_bw: float = 2 * GB  # checkpoint write bandwidth per host (parallel filesystem client)
     peak_flops: float = PEAK_FLOPS_BF16["H100"]
-    mfu: float = 0.45  # the 406M recipe's first versions on one H100/H200 (benchmarks/HISTORY.md)
+    # The 406M recipe's first versions on one H100/H200 (benchmarks/reports/2026-11-26-first-one-gpu.md).
+    mfu: float = 0.45
     usable_memory: float = 0.9  # of gpu_memory; XLA and CUDA keep the rest
 
 

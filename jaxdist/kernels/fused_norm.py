@@ -15,7 +15,7 @@ be removed). `IMPLEMENTATIONS` lists them in order of preference: Mosaic GPU fir
 backend and the faster in the 406M step on H100 and H200; Triton's where Mosaic GPU declines a
 shape, and XLA's fusions where neither takes it. Rows over 1024 features, which Mosaic GPU takes in
 chunks (the 1.4B model's 2048), take Triton's first while a jax has it: the 1.4B step ran as fast
-with either, and traced and compiled about 12 s sooner with Triton's (benchmarks/README.md).
+with either, and traced and compiled about 12 s sooner with Triton's (benchmarks/reports/2026-11-27-first-start.md).
 Off the GPU both run in their interpreters, so the CPU tests check the same code (Mosaic GPU's
 interpreter hangs on a kernel batched by `vmap`, as a pipeline's stages batch it; on a GPU it
 runs). Under a mesh the kernels run per shard (`shard_map` over the rows' mesh axes); the feature

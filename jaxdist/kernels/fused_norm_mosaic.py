@@ -24,14 +24,14 @@ from jaxdist.kernels import mosaic
 
 # Blocks in flight per program (copies issued ahead of the block being computed) and programs per
 # multiprocessor, where shared memory allows: the fastest of those timed on one H100
-# (benchmarks/HISTORY.md, tenth set; benchmarks/bench_fused_norm.py --sweep times them).
+# (benchmarks/reports/2026-11-27-pallas-on-mosaic-gpu.md; benchmarks/bench_fused_norm.py --sweep times them).
 FORWARD_STAGES = 2
 FORWARD_PROGRAMS_PER_SM = 3
 BACKWARD_STAGES = 3
 BACKWARD_PROGRAMS_PER_SM = 2
 # Columns of a row a lane works on at once: 32 values per lane of each row-sized array. A whole row
 # of 2048 features per warp (64 values each) spilled registers in the backward and ran slower than
-# XLA's fusions (benchmarks/HISTORY.md, sixteenth set).
+# XLA's fusions (benchmarks/reports/2026-11-27-pallas-on-mosaic-gpu.md).
 CHUNK = 1024
 SHARED_MEMORY = 227 * 1024  # bytes of shared memory one multiprocessor gives its programs (Hopper)
 

@@ -1,7 +1,7 @@
 """The fused norms' kernels on Pallas's Triton backend (the interface of fused_norm_mosaic.py).
 
 The backend is deprecated since jax 0.11 and to be removed; while a jax has it, fused_norm.py
-prefers these kernels for rows over 1024 features (benchmarks/README.md). The forward takes
+prefers these kernels for rows over 1024 features (benchmarks/reports/2026-11-27-first-start.md). The forward takes
 8 rows per program; the backward 512 programs that each walk their rows 4 at a time, keeping the
 scale/bias gradient sums in registers. Triton blocks need powers of two. Off the GPU they run in
 Pallas's interpreter.

@@ -231,7 +231,8 @@ def documents(segments: jax.Array, positions: jax.Array) -> Documents:
 # The residual stream between blocks (and through the norms) names its length axis `seq`, apart
 # from `length` inside attention and the MLP: rules may split `seq` over `tensor` (sequence
 # parallelism), so that norms and residual adds are not repeated on every tensor-parallel device
-# (off in the presets: measured slower at tensor=4 on H200, see benchmarks/HISTORY.md).
+# (off in the presets: measured slower at tensor=4 on H200, see
+# benchmarks/reports/2026-11-27-stage4-unrolled-tensor4.md).
 RESIDUAL: Names = ("batch", "seq", "embed")
 HEADS: Names = ("batch", "length", "heads", "head_dim")  # q, k, v and attention's output
 

@@ -130,7 +130,7 @@ class Trainer:
         )
         # Its own program, run only where a step is logged: inside the step, the norm's reduction
         # kept XLA from writing the compute copies in the update's pass (a second read of every
-        # parameter per step; benchmarks/HISTORY.md).
+        # parameter per step; benchmarks/reports/2026-11-27-param-norm-qkv-sums.md).
         self._param_norm = jax.jit(optax.tree.norm, out_shardings=NamedSharding(mesh, PartitionSpec()))
         self._compiled = None
         self.trace_time_s: float | None = None

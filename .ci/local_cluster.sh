@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# A one-node Slurm on this machine, to run the templates here (`make slurm`; tests/test_slurm.py).
+# A one-node Slurm on this machine, to run the SLURM templates of scripts/slurm/ under a real Slurm
+# (`make slurm`; tests/test_slurm.py).
 #
 # Installs what is missing of slurmctld, slurmd, the client commands and munge from the Debian or
 # Ubuntu packages (as root), writes a minimal config for one node named `localhost` with this
@@ -18,7 +19,9 @@ set -euo pipefail
 STATE=${JAXDIST_SLURM_STATE:-/var/lib/jaxdist-slurm}
 CONF=/etc/slurm/slurm.conf
 NODE=localhost
-MARK="# written by jaxdist scripts/slurm/local_cluster.sh"
+MARK="# written by jaxdist .ci/local_cluster.sh"
+# The same script's mark from when it lived under scripts/slurm/: its config is rewritten with the one above.
+EARLIER_MARK="# written by jaxdist scripts/slurm/local_cluster.sh"
 
 say() { echo "local_cluster: $*"; }
 fail() { echo "local_cluster: error: $*" >&2; exit 1; }
@@ -41,7 +44,7 @@ install_packages() {
 }
 
 write_config() {
-    if [ -e "$CONF" ] && ! grep -qxF "$MARK" "$CONF"; then
+    if [ -e "$CONF" ] && ! grep -qxF -e "$MARK" -e "$EARLIER_MARK" "$CONF"; then
         fail "$CONF exists and was not written by this script; it is left alone (this machine has its own Slurm)"
     fi
     mkdir -p "$STATE/slurmctld" "$STATE/slurmd" /etc/slurm

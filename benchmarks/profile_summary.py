@@ -1,6 +1,6 @@
 """Where a profiled step spends its GPU time: kernel time by kind, and the top kernels.
 
-    python3 scripts/profile_summary.py PROFILE_DIR [--steps 3] [--top 25] [--against OTHER_DIR]
+    python3 benchmarks/profile_summary.py PROFILE_DIR [--steps 3] [--top 25] [--against OTHER_DIR]
 
 Reads the newest `perfetto_trace.json.gz` under PROFILE_DIR (written by `jaxdist bench
 --profile PROFILE_DIR`, which traces 3 steps, or by `jaxdist train` into RUN_DIR/profile/process_<i>
