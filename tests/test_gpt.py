@@ -105,11 +105,11 @@ def test_attention_sums_its_input_gradients_each_new_product_first(monkeypatch):
     """The q, k and v projections' input gradients are summed with each new product as the first
     operand, the order in which XLA folds every sum into a matmul on GPU (cuBLAS's beta), with the
     same values as autodiff's order, and the same matmuls saved under the `dots` remat policy."""
-    from jaxdist.models import gpt
+    from jaxdist.models.layers import attention as attention_lib
 
     cfg = GPTConfig(vocab=64, d_model=32, layers=1, heads=4, seq_len=16)
     with nnx.use_eager_sharding(False):
-        graphdef, params = nnx.split(gpt.Attention(cfg, ImplConfig(attention="xla"), jnp.float32, nnx.Rngs(0)))
+        graphdef, params = nnx.split(attention_lib.Attention(cfg, ImplConfig(attention="xla"), jnp.float32, nnx.Rngs(0)))
     x = jax.random.normal(jax.random.key(1), (2, 16, 32))
     weights = jax.random.normal(jax.random.key(2), (2, 16, 32))
 
@@ -128,6 +128,6 @@ def test_attention_sums_its_input_gradients_each_new_product_first(monkeypatch):
         return sum(eqn.primitive.name == "dot_general" for eqn, _ in equations(program))
 
     summed, matmuls = input_grad(x), matmuls_under_remat_dots()
-    monkeypatch.setattr(gpt, "_fan_out", lambda x, count: (x,) * count)  # autodiff's own order
+    monkeypatch.setattr(attention_lib, "_fan_out", lambda x, count: (x,) * count)  # autodiff's own order
     np.testing.assert_array_equal(summed, input_grad(x))
     assert matmuls == matmuls_under_remat_dots()

@@ -1,5 +1,5 @@
 """The Llama family (Llama 2 and 3, Qwen2 and 2.5, Mistral without its sliding window) as
-`model.name=llama`: the decoder of gpt.py with Llama's defaults, RMSNorm, RoPE and a SwiGLU MLP.
+`model.name=llama`: the decoder of gpt/ with Llama's defaults, RMSNorm, RoPE and a SwiGLU MLP.
 
 Grouped-query attention is `model.kv_heads`, RoPE's base `model.rope_base` (Llama 3's frequency
 scaling `model.rope_scaling`), the SwiGLU hidden width `model.mlp_hidden`, Qwen2's q/k/v biases

@@ -1,0 +1,183 @@
+"""The GPT decoder's config section (`model:` with `model.name=gpt`) and how it runs (`model.impl`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from jaxdist.config import MODEL_NAME, ModelSection, ParamSize, Section
+from jaxdist.config.base import positive_or_auto
+
+
+class ImplConfig(Section):
+    """How the model runs: layer stacking, recomputation, kernels and loss chunking.
+
+    None of these changes the math beyond float rounding; they trade compile time, memory and speed
+    (docs/performance.md says what each was measured to do). For a kernel switch, auto uses it where
+    it is possible and known to be faster, xla never, the explicit value always (or errors).
+    """
+
+    scan_layers: bool = Field(
+        True, description="true: layers stacked in a lax.scan (fast compile, needed by pipelines); false: unrolled")
+    remat: Literal["none", "mlp", "full", "dots"] = Field(
+        "none", description="recomputed in the backward: nothing, the MLP activation, whole blocks, or all but matmuls")
+    attention: Literal["auto", "xla", "cudnn"] = Field("auto", description="attention implementation")
+    norm_impl: Literal["auto", "xla", "pallas"] = Field(
+        "auto", description="residual add + norm as one Pallas kernel (kernels/fused_norm.py)")
+    gelu_grad_impl: Literal["auto", "xla", "cublaslt"] = Field(
+        "auto", description="GELU's gradient in the MLP backward matmul's cuBLASLt epilogue (kernels/gelu_matmul.py)")
+    logits_dtype: Literal["float32", "compute"] = Field(
+        "float32", description="dtype of the output projection's logits (the softmax is float32 either way)")
+    loss_chunk: int = Field(
+        0, ge=0, description="> 0: the loss projects this many positions at a time, never the full logits")
+    loss_impl: Literal["auto", "xla", "pallas"] = Field(
+        "auto", description="the chunked loss's softmax and gradient as one Pallas kernel (needs loss_chunk > 0)")
+
+    @model_validator(mode="after")
+    def _combinations(self) -> ImplConfig:
+        if self.loss_impl == "pallas" and not self.loss_chunk:
+            raise ValueError("model.impl.loss_impl=pallas needs model.impl.loss_chunk > 0 (the kernel runs inside the "
+                             "chunked loss)")
+        return self
+
+
+class RopeScaling(Section):
+    """Llama 3's stretch of RoPE's low frequencies to a longer context (`rope_type: llama3` in a
+    Hugging Face config): wavelengths above `original_length / low_freq_factor` are divided by
+    `factor`, those below `original_length / high_freq_factor` kept, those between blended."""
+
+    kind: Literal["none", "llama3"] = Field("none", description="none: plain RoPE; llama3: Llama 3.1's scaling")
+    factor: float = Field(8.0, gt=0, description="how much the low frequencies are slowed")
+    low_freq_factor: float = Field(1.0, gt=0, description="original_length / this: the longest kept wavelength's bound")
+    high_freq_factor: float = Field(4.0, gt=0, description="original_length / this: the shortest scaled wavelength's bound")
+    original_length: int = Field(8192, gt=0, description="the context length the model was first trained at")
+
+    @model_validator(mode="after")
+    def _factors(self) -> RopeScaling:
+        if self.kind == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"model.rope_scaling.high_freq_factor={self.high_freq_factor} must exceed "
+                             f"model.rope_scaling.low_freq_factor={self.low_freq_factor}")
+        return self
+
+
+class GPTConfig(ModelSection):
+    """The `model:` section of a decoder-only transformer language model (`model.name=gpt`).
+
+    The same decoder covers GPT-2 (learned positions, LayerNorm, GELU, biases, tied embeddings) and,
+    as `model.name=llama`, the Llama family (RMSNorm, RoPE, SwiGLU, grouped-query attention).
+    """
+
+    name: Literal["gpt"] = Field("gpt", description=MODEL_NAME)
+    vocab: int | Literal["auto"] = Field(
+        256, description="vocabulary size; auto: the configured data's (resolved before the model is built)")
+    d_model: int = Field(256, gt=0, description="width of the residual stream")
+    layers: int = Field(4, gt=0, description="number of transformer blocks")
+    heads: int = Field(8, gt=0, description="attention heads (must divide d_model)")
+    kv_heads: int | None = Field(
+        None, gt=0, description="key and value heads, shared by groups of query heads (must divide heads); "
+                                "null: as many as heads")
+    mlp_ratio: float = Field(4.0, gt=0, description="MLP hidden width as a multiple of d_model")
+    mlp_hidden: int | None = Field(None, gt=0, description="MLP hidden width; null: int(d_model x mlp_ratio)")
+    seq_len: int = Field(256, gt=0, description="tokens per sequence")
+    max_positions: int | None = Field(
+        None, gt=0, description="rows of the learned position table (at least seq_len); null: seq_len")
+    norm: Literal["layernorm", "rmsnorm"] = Field("layernorm", description="normalization layer")
+    norm_eps: float = Field(1e-5, gt=0, description="the norms' epsilon")
+    positions: Literal["learned", "rope"] = Field("learned", description="position encoding")
+    rope_base: float = Field(10000.0, gt=0, description="RoPE's base period (rope_theta)")
+    rope_scaling: RopeScaling = Field(RopeScaling(), description="RoPE's frequency scaling")
+    activation: Literal["gelu", "swiglu"] = Field("gelu", description="MLP activation (gelu: its tanh form)")
+    biases: Literal["none", "qkv", "all"] = Field(
+        "none", description="additive biases: none; on the q, k and v projections (Qwen2); on every projection (GPT-2)")
+    tied_embeddings: bool = Field(False, description="the output projection reuses the token embedding")
+    init_from: str | None = Field(
+        None, description="hf:FOLDER: a fresh run starts from a Hugging Face model's weights, and takes the "
+                          "architecture from its config.json")
+    impl: ImplConfig = Field(ImplConfig(), description="how the model runs (the same math)")
+
+    @field_validator("vocab", mode="before")
+    @classmethod
+    def _vocab(cls, value: Any) -> Any:
+        return positive_or_auto("model.vocab", value, "ids", "vocabulary")
+
+    @model_validator(mode="after")
+    def _shapes(self) -> GPTConfig:
+        if self.d_model % self.heads:
+            raise ValueError(f"model.d_model={self.d_model} is not divisible by model.heads={self.heads}")
+        if self.heads % self.key_value_heads:
+            raise ValueError(f"model.kv_heads={self.kv_heads} does not divide model.heads={self.heads}")
+        if self.positions == "learned" and self.position_rows < self.seq_len:
+            raise ValueError(f"model.max_positions={self.max_positions} is below model.seq_len={self.seq_len}: the "
+                             f"learned position table needs a row per position")
+        if self.init_from is not None and not self.init_from.startswith("hf:"):
+            raise ValueError(f"model.init_from={self.init_from!r}: write hf:FOLDER, a Hugging Face model folder")
+        if self.positions == "rope" and (self.d_model // self.heads) % 2:
+            raise ValueError("model.positions=rope needs an even head dimension (d_model / heads)")
+        if self.mlp_dim < 1:
+            raise ValueError(f"model.mlp_ratio={self.mlp_ratio} makes the MLP's hidden width int(model.d_model x "
+                             f"model.mlp_ratio) = {self.mlp_dim}; it needs at least 1: model.mlp_ratio >= "
+                             f"1/{self.d_model}")
+        chunk = self.impl.loss_chunk
+        if chunk and self.seq_len % chunk:
+            raise ValueError(f"model.impl.loss_chunk={chunk} does not divide model.seq_len={self.seq_len}; use a "
+                             f"divisor of {self.seq_len}, or 0 for the unchunked loss")
+        if self.impl.gelu_grad_impl == "cublaslt" and self.activation != "gelu":
+            raise ValueError(f"model.impl.gelu_grad_impl=cublaslt needs model.activation=gelu, not {self.activation}")
+        return self
+
+    @property
+    def mlp_dim(self) -> int:
+        return self.mlp_hidden or int(self.d_model * self.mlp_ratio)
+
+    @property
+    def key_value_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def position_rows(self) -> int:
+        return self.max_positions or self.seq_len
+
+    @property
+    def layer_stack(self) -> int:
+        return self.layers
+
+    @property
+    def stacked_layers(self) -> bool:
+        return self.impl.scan_layers
+
+    @property
+    def wants_native_kernels(self) -> bool:
+        """The MLP's GELU gradient in cuBLASLt's epilogue (`model.impl.gelu_grad_impl` auto or cublaslt, with GELU)."""
+        return self.impl.gelu_grad_impl != "xla" and self.activation == "gelu"
+
+    @property
+    def tokens_per_example(self) -> int:
+        return self.seq_len
+
+    def param_sizes(self) -> list[ParamSize]:
+        # Not the stacked `layers`: that dim exists only with model.impl.scan_layers, and the layout's pipeline
+        # check checks model.layers against mesh.stage.
+        sizes = [
+            ParamSize("embed", "model.d_model", self.d_model, self.d_model, "the embedding dimension of every weight"),
+            ParamSize("heads", "model.heads", self.heads, self.heads, "the attention heads of every attention weight"),
+            ParamSize("mlp", "model.mlp_hidden", self.mlp_hidden, self.mlp_dim, "the MLP's hidden width")
+            if self.mlp_hidden else ParamSize("mlp", "model.mlp_ratio", self.mlp_ratio, self.mlp_dim,
+                                              "the MLP's hidden width int(model.d_model x model.mlp_ratio)"),
+            ParamSize("head_dim", "model.d_model", self.d_model, self.d_model // self.heads,
+                      "the head dimension model.d_model / model.heads"),
+        ]
+        if self.vocab != "auto":
+            sizes.append(ParamSize("vocab", "model.vocab", self.vocab, self.vocab,
+                                   "the vocabulary of the token embedding and the output head"))
+        if self.key_value_heads != self.heads:
+            sizes.append(ParamSize("kv_heads", "model.kv_heads", self.kv_heads, self.key_value_heads,
+                                   "the key and value heads of grouped-query attention"))
+        if self.positions == "learned":
+            key, value = ("model.max_positions", self.max_positions) if self.max_positions else ("model.seq_len", self.seq_len)
+            sizes.append(ParamSize("length", key, value, self.position_rows,
+                                   "the positions of the learned position embedding"))
+        return sizes
+
+    def summary(self) -> dict[str, Any]:
+        return {"d": self.d_model, "layers": self.layers, "seq": self.seq_len}
