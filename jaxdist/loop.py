@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxdist import kernels, models, runtime
+from jaxdist import atomic, kernels, models, runtime
 from jaxdist.checkpoint import ResumePlan, RunCheckpoints, hf, plan_resume, rundir
 from jaxdist.checkpoint.rundir import RunDirLock
 from jaxdist.config import Config, TrainConfig
@@ -188,7 +188,7 @@ def _run(run: Run, clock: RunTime) -> Trainer:
     with clock.part("restore"):
         start = checkpoints.resume(trainer)
     if is_writer:  # once the checkpoint has taken this config: a refused resume leaves the old file
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        atomic.write_text(run_dir / "config.yaml", cfg.to_yaml())
     if start != planned:  # the planned checkpoint failed to read: an older one was restored
         with clock.part("data"):
             batches.close()

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
-from conftest import TINY_GPT, logged_steps, make_config
+from conftest import TINY_GPT, disk_full_past, logged_steps, make_config
 from jax.sharding import NamedSharding, PartitionSpec
 from safetensors.numpy import load_file
 
@@ -263,6 +263,23 @@ def test_export_writes_the_params(tiny_checkpoint, tmp_path, capsys, suffix):
     assert sorted(exported) == sorted(params) and len(params) > 10
     for name, value in params.items():
         np.testing.assert_array_equal(exported[name], value)
+
+
+@pytest.mark.parametrize("suffix", ["safetensors", "npz"])
+def test_an_export_over_an_older_one_that_fills_the_disk_leaves_the_older_one(tiny_checkpoint, tmp_path, capsys,
+                                                                               monkeypatch, suffix):
+    run_dir, _ = tiny_checkpoint
+    out = tmp_path / f"model.{suffix}"
+    assert cli.main(["export", str(run_dir), str(out), "--step", "3"]) == 0
+    older = out.read_bytes()
+    capsys.readouterr()
+    with disk_full_past(4096):  # the disk fills as the new file is written
+        code = cli.main(["export", str(run_dir), str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and err == (f"jaxdist: error: could not write {out} (File too large); the file there is left as "
+                                 f"it was; free space there or fix the folder, then run again\n")
+    assert out.read_bytes() == older
+    assert sorted(path.name for path in tmp_path.glob(f"*model.{suffix}*")) == [out.name]
 
 
 def one_line_error(capsys) -> str:

@@ -1,6 +1,7 @@
 """One writer per run directory, no rewritten history, and writers that fail (a full disk) or stop
 answering (a lost mount) end in the loop's error path, with signals honoured."""
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -16,11 +17,12 @@ from pathlib import Path
 import jax
 import pytest
 import yaml
-from conftest import TINY_GPT, make_config
+from conftest import TINY_GPT, disk_full_past, make_config
 
 from jaxdist import cli, loop
 from jaxdist.checkpoint import Checkpoints
 from jaxdist.checkpoint.rundir import LOCK_FILE, RunDirLock
+from jaxdist.config import Config
 from jaxdist.errors import UserError
 
 pytestmark = pytest.mark.slow
@@ -294,6 +296,30 @@ def test_a_full_disk_under_tensorboard_stops_the_run_with_one_line(tmp_path, sma
     assert time.monotonic() - started < 120
     line = one_line(capsys.readouterr().err)
     assert line.startswith(f"jaxdist: error: could not write {run_dir / 'tb'}") and "No space left on device" in line, line
+
+
+def test_a_disk_that_fills_while_config_yaml_is_written_leaves_the_old_one(tmp_path, capsys, monkeypatch):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    old = "# the resolved config of an earlier start\nseed: 0\n"
+    (run_dir / "config.yaml").write_text(old)
+    path = config_file(run_dir, train={"steps": 1})
+    to_yaml, full = Config.to_yaml, contextlib.ExitStack()
+
+    def filling_the_disk(cfg):  # the disk fills as config.yaml is written: 1 KiB of it fits
+        text = to_yaml(cfg)
+        full.enter_context(disk_full_past(1024))
+        return text
+
+    monkeypatch.setattr(Config, "to_yaml", filling_the_disk)
+    with full:
+        code = cli.main(["train", str(path)])
+    line = one_line(capsys.readouterr().err)
+    assert code == 2
+    assert line == (f"jaxdist: error: could not write {run_dir / 'config.yaml'} (File too large); the file there is "
+                    f"left as it was; free space there or fix the folder, then run again")
+    assert (run_dir / "config.yaml").read_text() == old
+    assert not list(run_dir.glob(".config.yaml*"))  # nothing half-written beside it
 
 
 STUCK = textwrap.dedent("""

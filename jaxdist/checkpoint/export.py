@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdist import atomic
+from jaxdist.checkpoint import safetensors_file
 from jaxdist.checkpoint.integrity import is_damage
 from jaxdist.checkpoint.store import Checkpoints, dotted_name, first_line
 from jaxdist.errors import UserError, check_writable
@@ -40,12 +42,12 @@ def export_params(run_dir: str | Path, out: str | Path, step: int | None = None)
     step, parts, meta = read_parts(run_dir, step, check)
     arrays = {dotted_name(path): np.ascontiguousarray(leaf)
               for part in parts.values() for path, leaf in jax.tree_util.tree_flatten_with_path(part)[0]}
-    if out.suffix == ".npz":
-        np.savez(out, **arrays)
-    else:
-        from safetensors.numpy import save_file
-
-        save_file(arrays, str(out), metadata={"step": str(step), "config": json.dumps(meta.get("config", {}))})
+    with atomic.replacing(out) as partial:  # an older OUT stays whole until the new one is
+        if out.suffix == ".npz":
+            with open(partial, "wb") as file:  # a file object: np.savez would add .npz to a name
+                np.savez(file, **arrays)
+        else:
+            safetensors_file.write(partial, arrays, {"step": str(step), "config": json.dumps(meta.get("config", {}))})
     return step, len(arrays)
 
 

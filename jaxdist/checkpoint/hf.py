@@ -25,6 +25,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxdist import atomic
 from jaxdist.checkpoint import safetensors_file
 from jaxdist.config import Config
 from jaxdist.config.files import from_dict
@@ -314,7 +315,7 @@ def write_folder(out: Path, model, tensors: Iterator[tuple[str, np.ndarray]], so
         return []
     source_config = read_config(source) if source is not None and (source / "config.json").is_file() else None
     config = {**hf_models.hf_config(model, source_config), "dtype": dtype}
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    atomic.write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
     names = (["model.safetensors"] if len(groups) == 1 else
              [f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)])
     for temporary, final in zip(groups, names, strict=True):
@@ -324,7 +325,7 @@ def write_folder(out: Path, model, tensors: Iterator[tuple[str, np.ndarray]], so
         final_of = dict(zip(groups, names, strict=True))
         index = {"metadata": {"total_parameters": total_count, "total_size": total_size},
                  "weight_map": {name: final_of[file] for name, file in sorted(weight_map.items())}}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        atomic.write_text(out / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
         written.append("model.safetensors.index.json")
     for name in SIDE_FILES:
         if source is not None and (source / name).is_file():

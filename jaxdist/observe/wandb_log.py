@@ -13,6 +13,7 @@ import importlib.util
 import secrets
 from pathlib import Path
 
+from jaxdist import atomic
 from jaxdist.config import Config
 from jaxdist.errors import UserError
 from jaxdist.observe.metrics import tensorboard_tag
@@ -36,7 +37,7 @@ class WandbRun:
         files.mkdir(parents=True, exist_ok=True)
         id_file = files / RUN_ID
         if not id_file.is_file():
-            id_file.write_text(secrets.token_hex(6))
+            atomic.write_text(id_file, secrets.token_hex(6))
         try:
             self._run = wandb.init(
                 project=cfg.log.wandb_project, entity=cfg.log.wandb_entity,
