@@ -11,6 +11,8 @@ through one.
 from __future__ import annotations
 
 import contextlib
+import datetime
+import itertools
 import os
 import secrets
 from collections.abc import Iterator
@@ -53,6 +55,17 @@ def write_bytes(path: str | Path, data: bytes) -> None:
 def write_text(path: str | Path, text: str) -> None:
     """Replaces `path` with `text`, UTF-8 encoded (see `replacing`)."""
     write_bytes(path, text.encode("utf-8"))
+
+
+def set_aside_path(folder: Path, prefix: str) -> Path:
+    """A name no file in `folder` has, for something set aside there: `<prefix><UTC time>`, with
+    `-2`, `-3`, ... after it where that is taken."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
+    path = folder / f"{prefix}{stamp}"
+    for copy in itertools.count(2):
+        if not os.path.lexists(path):
+            return path
+        path = folder / f"{prefix}{stamp}-{copy}"
 
 
 def _new_file_beside(path: Path) -> Path:

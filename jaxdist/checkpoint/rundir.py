@@ -29,11 +29,14 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxdist import atomic
 from jaxdist.checkpoint.store import SET_ASIDE_PREFIXES
 from jaxdist.errors import UserError
+from jaxdist.observe.metrics import METRICS_SET_ASIDE
 
 LOCK_FILE = "jaxdist.lock"
-# What a start moves aside with --restart, and what makes a directory hold history.
+# What a start moves aside with --restart (with the metrics lines set aside: METRICS_SET_ASIDE), and
+# what makes a directory hold history.
 HISTORY = ("metrics.jsonl", "tb", "checkpoints", "config.yaml", "wandb")
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
 
@@ -146,7 +149,7 @@ def history(run_dir: Path) -> list[str]:
     """What an earlier run left in `run_dir` that a fresh start would overwrite, in words."""
     found = []
     metrics = run_dir / "metrics.jsonl"
-    if metrics.is_file() and (lines := sum(1 for line in metrics.read_text().splitlines() if line.strip())):
+    if metrics.is_file() and (lines := sum(1 for line in metrics.read_bytes().split(b"\n") if line.strip())):
         found.append(f"metrics.jsonl with {lines} logged steps")
     if (run_dir / "tb").is_dir() and any((run_dir / "tb").glob("events.out.tfevents.*")):
         found.append("TensorBoard events in tb/")
@@ -170,13 +173,10 @@ def set_history_aside(run_dir: Path) -> Path | None:
     """Moves an earlier run's files (`HISTORY`) into `run_dir/replaced-<UTC time>/`; returns that
     folder (None where there was nothing to move). Process 0 moves; call it from process 0 only."""
     present = [run_dir / name for name in HISTORY if (run_dir / name).exists()]
+    present += sorted(run_dir.glob(f"{METRICS_SET_ASIDE}*"))
     if not present:
         return None
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
-    folder = run_dir / f"replaced-{stamp}"
-    suffix = 2
-    while folder.exists():
-        folder, suffix = run_dir / f"replaced-{stamp}-{suffix}", suffix + 1
+    folder = atomic.set_aside_path(run_dir, "replaced-")
     folder.mkdir()
     for path in present:
         path.rename(folder / path.name)
