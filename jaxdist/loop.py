@@ -231,7 +231,8 @@ def _run(run: Run, clock: RunTime) -> Trainer:
                  f"system stuck?)")
     if steps.stopped:
         return trainer
-    log(steps.progress.summary(steps.steady_values(), checkpoints.last_saved, checkpoints.directory))
+    log(steps.progress.summary(steps.steady_values(), checkpoints.last_saved, checkpoints.directory,
+                               sorted(checkpoints.undeletable)))
     log(clock.summary())
 
     if run.tokenizer is not None:

@@ -124,6 +124,24 @@ def test_partial_write_is_never_listed(tmp_path, mesh):
         assert store.steps() == [3]
 
 
+def test_rotation_goes_past_a_step_it_must_not_delete_and_says_why(tmp_path, mesh):
+    """A step that is a link (its checkpoint moved elsewhere by hand) is not jaxdist's to delete; the
+    steps after it are rotated all the same, and the link is tried again at the next rotation."""
+    store = Checkpoints(tmp_path / "checkpoints", keep=None)
+    for step in (1, 2, 3, 4):
+        store.save(step, sharded_tree(mesh, step), {"step": step})
+    store.wait()
+    moved = tmp_path / "moved-1"
+    (tmp_path / "checkpoints" / "1").rename(moved)
+    (tmp_path / "checkpoints" / "1").symlink_to(moved, target_is_directory=True)
+    store.prune(keep=1)
+    store.close()
+    with Checkpoints(tmp_path / "checkpoints", create=False) as reopened:
+        assert reopened.steps() == [1, 4]
+    assert (moved / "meta").is_dir()  # what the link points to is untouched
+    assert store.undeletable == {1: "a symbolic link, which jaxdist does not delete through; remove it yourself"}
+
+
 def test_other_structure_is_a_mismatch_not_damage(tmp_path, mesh):
     store = Checkpoints(tmp_path)
     store.save(1, sharded_tree(mesh, 1), {"step": 1})
