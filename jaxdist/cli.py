@@ -512,7 +512,8 @@ def _run(argv: list[str] | None, started: float) -> int:
     from jaxdist import runtime  # imports JAX, so only after parsing: --help and usage errors need none
 
     if args.command == "plan" and args.devices and not os.environ.get("JAXDIST_CPU_DEVICES"):
-        runtime.use_cpu_devices(args.devices)  # simulated where there is no accelerator
+        # Simulated where there is no accelerator.
+        runtime.use_cpu_devices(args.devices, f"plan --devices {args.devices}")
     if args.command == "plan" and args.mock_gpus:
         runtime.mock_gpus(args.mock_gpus)
     runtime.remember_interrupts()

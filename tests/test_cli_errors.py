@@ -421,6 +421,15 @@ def test_bad_numbers_on_the_command_line(argv, message, capsys):
     assert message in one_line_error(capsys)
 
 
+def test_a_doctor_buffer_the_host_cannot_hold_is_one_line_before_anything_runs(capsys, compiles):
+    assert cli.main(["doctor", "--megabytes", "1e7"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        "jaxdist: error: doctor --megabytes 1e+07: timing collectives of 1e+07 MB per device needs at least "
+        "251,658.2 GB of memory, more than this host has ("), err
+    assert "); pass at most --megabytes " in err and compiles.count == 0
+
+
 @pytest.mark.parametrize("value", ["-5GB", "=-5GB"], ids=["spaced", "joined"])
 def test_a_negative_device_memory_is_named(config_file, capsys, compiles, value):
     """A value starting with '-' is the option's value, not an unknown option."""

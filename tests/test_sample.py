@@ -64,3 +64,9 @@ def test_the_sample_command_continues_a_run_and_reports_its_speed(tmp_path, caps
         assert cli.main(["sample", str(run_dir), "--prompt", prompt]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, err
+    # 10**8 rows of a KV cache of 2 layers x 32 positions x 64 features, keys and values, in float32
+    assert cli.main(["sample", str(run_dir), "--prompt", "def ", "--rows", str(10**8)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxdist: error: sample --rows 100000000: sampling 100,000,000 rows (their KV cache and the "
+                          "prompt's logits) needs at least 3,699.2 GB of memory, more than this host has ("), err
+    assert err.count("\n") == 1 and "); pass at most --rows " in err

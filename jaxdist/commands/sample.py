@@ -11,9 +11,10 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from flax import nnx
 
 from jaxdist import config as config_lib
-from jaxdist import models
+from jaxdist import models, runtime
 from jaxdist.checkpoint.export import read_params
 from jaxdist.config import Config
 from jaxdist.data import loader
@@ -43,11 +44,13 @@ def run(run_dir: str, prompt: str, tokens: int, temperature: float, top_p: float
                         f"leaves no room to continue it")
     layout = layout_lib.from_config(cfg, None, entry.activations)
     abstract = abstract_model(entry.create(cfg), cfg.seed)
+    # Rows are split over the batch shards: a mesh of more shards than rows samples some rows it drops.
+    computed = -(-rows // layout.batch_shards) * layout.batch_shards
+    _check_rows_fit(abstract, rows, computed, len(ids), min(cfg.model.seq_len, len(ids) + tokens), cfg.model.vocab,
+                    layout.mesh)
     shardings = param_shardings(abstract, layout.rules, layout.mesh)
     placed = jax.tree.map(lambda array, sharding: jax.make_array_from_callback(
         array.shape, sharding, lambda index: array[index]), params, shardings)
-    # Rows are split over the batch shards: a mesh of more shards than rows samples some rows it drops.
-    computed = -(-rows // layout.batch_shards) * layout.batch_shards
     cast = None if entry.read_in_compute_dtype is None else generate.compute_dtype_params(
         entry.read_in_compute_dtype, dtypes.policy(cfg.precision).compute_dtype)
     out = generate.timed_sample(abstract.graphdef, placed, ids, tokens, cfg.model.seq_len, temperature, seed,
@@ -58,3 +61,22 @@ def run(run_dir: str, prompt: str, tokens: int, temperature: float, top_p: float
     speed = (f"{made} tokens in {out.seconds:.2f} s ({made / out.seconds:,.0f} tokens/s, {rows} row(s), step "
              f"{step} of {Path(run_dir)})")
     return "\n----\n".join(texts) + "\n" + speed
+
+
+def sampling_bytes(abstract, rows: int, prompt_length: int, length: int, vocab: int) -> int:
+    """What sampling `rows` rows of `length` tokens holds at the least: the KV cache (its shape asked
+    of the model, nothing allocated), the prompt pass's float32 logits and the tokens."""
+    cache = jax.eval_shape(lambda params: nnx.merge(abstract.graphdef, params).init_cache(rows, length), abstract.params)
+    cache_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(cache))
+    return cache_bytes + rows * (prompt_length * vocab * 4 + length * 4)
+
+
+def _check_rows_fit(abstract, rows: int, computed: int, prompt_length: int, length: int, vocab: int, mesh) -> None:
+    """Refuses `--rows` whose sampling this process's devices cannot hold their part of (on a CPU,
+    this host's memory), before anything is allocated."""
+    available, where = runtime.memory_of(mesh.local_devices)
+    share = len(mesh.local_devices) / mesh.devices.size
+    per_row = sampling_bytes(abstract, 1, prompt_length, length, vocab) * share
+    runtime.check_memory(int(sampling_bytes(abstract, computed, prompt_length, length, vocab) * share),
+                         f"sample --rows {rows}: sampling {computed:,} rows (their KV cache and the prompt's logits)",
+                         f"pass at most --rows {max(int(available // per_row) - (computed - rows), 0)}", available, where)
