@@ -16,7 +16,7 @@ import functools
 import json
 import shutil
 from collections.abc import Callable, Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import jax
@@ -91,7 +91,10 @@ def resolve(cfg: Config) -> Config:
 
 
 class Shards:
-    """A folder's safetensors tensors by name, across its shards (`model.safetensors.index.json`)."""
+    """A folder's safetensors tensors by name, across its shards (`model.safetensors.index.json`).
+
+    Every shard's header is read and checked when the folder is opened, and the index may name only
+    files inside the folder: a crafted folder is one line before anything is built from it."""
 
     def __init__(self, folder: Path):
         self.folder = folder
@@ -99,10 +102,7 @@ class Shards:
         where = f"model.init_from=hf:{folder}"
         index = folder / "model.safetensors.index.json"
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise UserError(f"{where}: {index.name} has no readable weight_map ({err})") from None
+            weight_map = _weight_map(index, where)
         elif (folder / "model.safetensors").is_file():
             weight_map = {name: "model.safetensors" for name in self._file("model.safetensors").keys()}
         else:
@@ -111,6 +111,8 @@ class Shards:
         missing = sorted({file for file in weight_map.values() if not (folder / file).is_file()})
         if missing:
             raise UserError(f"{where}: {len(missing)} shard(s) the index names are missing: {', '.join(missing[:3])}")
+        for file in sorted(set(weight_map.values())):
+            self._file(file)
         self.weight_map: dict[str, str] = weight_map
 
     def _file(self, name: str) -> safetensors_file.File:
@@ -144,6 +146,23 @@ class Shards:
     def unused(self, used: set[str]) -> list[str]:
         return sorted(name for name in self.weight_map
                       if name not in used and not name.endswith(_BUFFERS))
+
+
+def _weight_map(index: Path, where: str) -> dict[str, str]:
+    """An index's tensor -> file map; a `UserError` for one that is not an object of names, or that
+    names a file outside the folder (an absolute path, or one that climbs out with `..`)."""
+    try:
+        read = json.loads(index.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"{where}: {index.name} is not valid JSON ({err})") from None
+    weight_map = read.get("weight_map") if isinstance(read, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(x, str) for item in weight_map.items() for x in item):
+        raise UserError(f"{where}: {index.name}: its weight_map is not an object of tensor names to file names")
+    outside = sorted(file for file in set(weight_map.values())
+                     if not file or PurePosixPath(file).is_absolute() or ".." in PurePosixPath(file).parts)
+    if outside:
+        raise UserError(f"{where}: {index.name} names {outside[0]}, which is not a file name inside the folder")
+    return weight_map
 
 
 def load_params(cfg: Config, abstract_params: Any, shardings: Any) -> Any:
