@@ -7,6 +7,7 @@ and placed by the config's rules. Sampling keeps a KV cache (train/generate.py).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import jax
@@ -28,8 +29,7 @@ from jaxdist.train.state import abstract_model, param_shardings
 def run(run_dir: str, prompt: str, tokens: int, temperature: float, top_p: float, rows: int, seed: int,
         step: int | None, overrides: list[str]) -> str:
     """The sampled text of each row and a line on the speed (tokens/s of the compiled generation)."""
-    if not 0 < top_p <= 1:
-        raise UserError(f"sample --top-p {top_p}: use a probability in (0, 1]")
+    check_options(prompt, temperature, top_p, seed)
     step, params, meta = read_params(run_dir, step)
     cfg = config_lib.with_overrides(Config.model_validate(meta.get("config", {})), overrides)
     entry = models.get(cfg.model.name)
@@ -61,6 +61,27 @@ def run(run_dir: str, prompt: str, tokens: int, temperature: float, top_p: float
     speed = (f"{made} tokens in {out.seconds:.2f} s ({made / out.seconds:,.0f} tokens/s, {rows} row(s), step "
              f"{step} of {Path(run_dir)})")
     return "\n----\n".join(texts) + "\n" + speed
+
+
+def check_options(prompt: str, temperature: float, top_p: float, seed: int) -> None:
+    """Raises `UserError` for an option sampling cannot use, before anything is read: a temperature
+    that is not finite or is negative (NaN would sample garbage), a top-p outside (0, 1], a seed
+    outside 32 bits (as `seed` in a config), a prompt that is not text (bytes of the command line
+    that are not UTF-8)."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise UserError(f"sample --temperature {temperature}: use a finite number, 0 (greedy) or more")
+    if not 0 < top_p <= 1:
+        raise UserError(f"sample --top-p {top_p}: use a probability in (0, 1]")
+    if not 0 <= seed < 2**32:
+        raise UserError(f"sample --seed {seed}: use an integer from 0 to {2**32 - 1}")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as err:
+        # Python keeps a command line's byte that is not UTF-8 as the lone surrogate U+DC00 + byte.
+        char = ord(prompt[err.start])
+        what = f"byte {char - 0xDC00:#04x}" if 0xDC80 <= char <= 0xDCFF else f"lone surrogate U+{char:04X}"
+        raise UserError(f"sample --prompt: it is not UTF-8 text ({what} at character {err.start}); pass UTF-8 "
+                        f"text") from None
 
 
 def sampling_bytes(abstract, rows: int, prompt_length: int, length: int, vocab: int) -> int:
