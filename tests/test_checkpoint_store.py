@@ -336,6 +336,32 @@ def test_export_of_a_damaged_checkpoint_names_the_older_ones(tiny_checkpoint, tm
     assert cli.main(["export", str(run_dir), str(out), "--step", "3"]) == 0
 
 
+@pytest.mark.parametrize("command", ["export", "sample"])
+@pytest.mark.parametrize("key, value, problem", [
+    ("layers", 1, "the model its meta describes does not fit its saved arrays: blocks.attn.out has shape (2, 4, 16, "
+                  "64) in the checkpoint but (1, 4, 16, 64) in this model"),
+    ("layers", "abc", "the config in its meta is not valid (config: model.layers='abc': input should be a valid "
+                      "integer"),
+], ids=["layers-1-of-2", "layers-string"])
+def test_checkpoint_meta_that_is_not_the_saved_model_is_one_line(tiny_checkpoint, tmp_path, capsys, command, key,
+                                                                 value, problem):
+    """Export and sample build the model from the checkpoint's meta: a meta edited to another model
+    (or to no config at all) is one line, never a traceback nor a model cut to the meta's shapes."""
+    run_dir, _ = tiny_checkpoint
+    newest = run_dir / "checkpoints" / "5"
+    meta = json.loads((newest / "meta" / "metadata").read_text())
+    meta["config"]["model"][key] = value
+    (newest / "meta" / "metadata").write_text(json.dumps(meta))
+    out = tmp_path / "hf"
+    argv = {"export": ["export", str(run_dir), str(out), "--format", "hf"],
+            "sample": ["sample", str(run_dir), "--prompt", "def ", "--tokens", "2"]}[command]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"jaxdist: error: checkpoint {newest}: {problem}"), err
+    assert err.endswith("; the meta was edited or is damaged\n"), err
+    assert not out.exists()
+
+
 def test_bfloat16_params_export_to_safetensors_not_npz(tmp_path, capsys):
     run_dir = tmp_path / "run"
     params = saved_run(run_dir, precision={"params": "bfloat16"})

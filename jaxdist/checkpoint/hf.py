@@ -362,7 +362,9 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> tup
     and they gather one parameter at a time: process 0 writes, holding one parameter and one
     safetensors shard at a time. Collective there: every process must call it.
     """
-    from jaxdist.checkpoint.export import read_params
+    from jaxdist import models
+    from jaxdist.checkpoint.export import check_saved_model, checkpoint_path, read_params, saved_config
+    from jaxdist.train.state import abstract_model
 
     out = Path(out)
     err = None
@@ -378,8 +380,10 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> tup
         raise err
     if jax.process_count() == 1:
         step, params, meta = read_params(run_dir, step)
-        cfg = Config.model_validate(meta.get("config", {}))
+        cfg = saved_config(meta, checkpoint_path(run_dir, step))
         hf_models.export_architecture(cfg.model)  # one line before anything is written
+        abstract = abstract_model(models.get(cfg.model.name).create(cfg), cfg.seed)
+        check_saved_model(params, abstract.params, checkpoint_path(run_dir, step))
         return step, write_folder(out, cfg.model, hf_tensors(cfg.model, lambda path: leaf_at(params, path)), _source(cfg))
     return _export_spread(run_dir, out, step)
 
@@ -399,12 +403,12 @@ def _source(cfg: Config) -> Path | None:
 def _export_spread(run_dir: str | Path, out: Path, step: int | None) -> tuple[int, list[str]]:
     """`export` in several processes: each reads its shards, they gather a parameter at a time."""
     from jaxdist import models
-    from jaxdist.checkpoint.export import read_checkpoint
+    from jaxdist.checkpoint.export import read_checkpoint, saved_config
     from jaxdist.parallel import layout as layout_lib
     from jaxdist.train.state import abstract_model, param_shardings, with_shardings
 
     def read(store, step: int) -> tuple[Config, Any]:
-        cfg = Config.model_validate(store.meta(step).get("config", {}))
+        cfg = saved_config(store.meta(step), store.path(step))
         hf_models.export_architecture(cfg.model)
         spread = cfg.model_copy(update={
             "mesh": cfg.mesh.model_copy(update={"data": 1, "stage": 1, "fsdp": -1, "tensor": 1}),

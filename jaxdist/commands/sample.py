@@ -16,8 +16,7 @@ from flax import nnx
 
 from jaxdist import config as config_lib
 from jaxdist import models, runtime
-from jaxdist.checkpoint.export import read_params
-from jaxdist.config import Config
+from jaxdist.checkpoint.export import check_saved_model, checkpoint_path, read_params, saved_config
 from jaxdist.data import loader
 from jaxdist.errors import UserError
 from jaxdist.models import dtypes
@@ -31,7 +30,7 @@ def run(run_dir: str, prompt: str, tokens: int, temperature: float, top_p: float
     """The sampled text of each row and a line on the speed (tokens/s of the compiled generation)."""
     check_options(prompt, temperature, top_p, seed)
     step, params, meta = read_params(run_dir, step)
-    cfg = config_lib.with_overrides(Config.model_validate(meta.get("config", {})), overrides)
+    cfg = config_lib.with_overrides(saved_config(meta, checkpoint_path(run_dir, step)), overrides)
     entry = models.get(cfg.model.name)
     if not entry.samples_text:
         raise UserError(f"sample: RUN_DIR={run_dir} trained model.name={cfg.model.name}, which makes no text")
@@ -44,6 +43,7 @@ def run(run_dir: str, prompt: str, tokens: int, temperature: float, top_p: float
                         f"leaves no room to continue it")
     layout = layout_lib.from_config(cfg, None, entry.activations)
     abstract = abstract_model(entry.create(cfg), cfg.seed)
+    check_saved_model(params, abstract.params, checkpoint_path(run_dir, step))
     # Rows are split over the batch shards: a mesh of more shards than rows samples some rows it drops.
     computed = -(-rows // layout.batch_shards) * layout.batch_shards
     _check_rows_fit(abstract, rows, computed, len(ids), min(cfg.model.seq_len, len(ids) + tokens), cfg.model.vocab,
@@ -87,7 +87,10 @@ def check_options(prompt: str, temperature: float, top_p: float, seed: int) -> N
 def sampling_bytes(abstract, rows: int, prompt_length: int, length: int, vocab: int) -> int:
     """What sampling `rows` rows of `length` tokens holds at the least: the KV cache (its shape asked
     of the model, nothing allocated), the prompt pass's float32 logits and the tokens."""
-    cache = jax.eval_shape(lambda params: nnx.merge(abstract.graphdef, params).init_cache(rows, length), abstract.params)
+    def empty_cache(params):
+        return nnx.merge(abstract.graphdef, params).init_cache(rows, length)
+
+    cache = jax.eval_shape(empty_cache, abstract.params)
     cache_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(cache))
     return cache_bytes + rows * (prompt_length * vocab * 4 + length * 4)
 
@@ -98,6 +101,7 @@ def _check_rows_fit(abstract, rows: int, computed: int, prompt_length: int, leng
     available, where = runtime.memory_of(mesh.local_devices)
     share = len(mesh.local_devices) / mesh.devices.size
     per_row = sampling_bytes(abstract, 1, prompt_length, length, vocab) * share
+    most = max(int(available // per_row) - (computed - rows), 0)
     runtime.check_memory(int(sampling_bytes(abstract, computed, prompt_length, length, vocab) * share),
                          f"sample --rows {rows}: sampling {computed:,} rows (their KV cache and the prompt's logits)",
-                         f"pass at most --rows {max(int(available // per_row) - (computed - rows), 0)}", available, where)
+                         f"pass at most --rows {most}", available, where)
