@@ -129,7 +129,8 @@ def test_an_old_checkpoint_that_cannot_be_deleted_is_one_warning_and_the_rest_st
     out, err = capsys.readouterr()
     assert err.splitlines() == [f"jaxdist: warning: could not delete old checkpoint {busy} (Device or resource busy); "
                                 f"it is kept, and deleting it is tried again at the next save"]
-    assert f"last checkpoint: step 8 in {run_dir / 'checkpoints'}; 1 old checkpoint could not be removed (step 2)" in out
+    summary = f"last checkpoint: step 8 in {run_dir / 'checkpoints'}; 1 old checkpoint could not be removed (step 2)"
+    assert summary in out
 
 
 def test_a_checkpoint_saved_before_the_loss_statistics_existed_resumes(tmp_path, capsys):

@@ -206,7 +206,8 @@ def _rope(value):
 
 @pytest.mark.parametrize("family, damage, message", [
     ("llama", _header(lambda header: 2**63), f"{SHARD}: its header claims 9,223,372,036,854,775,808 bytes, more than "
-                                             f"the 180,960 after its length: the file is cut short, or no safetensors file"),
+                                             f"the 180,960 after its length: the file is cut short, or no "
+                                             f"safetensors file"),
     ("llama", _header(lambda header: b"[1, 2, 3]"), f"{SHARD}: its header is not a JSON object"),
     ("llama", _first_tensor(lambda entry: entry.pop("data_offsets")),
      f"{SHARD}: model.embed_tokens.weight's data_offsets None are not two integers within its 180,224 bytes of data"),

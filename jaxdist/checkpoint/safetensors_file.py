@@ -52,7 +52,8 @@ class File:
             (size,) = struct.unpack("<Q", head)
             if size > self._size - 8:
                 raise SafetensorsError(f"{self.path.name}: its header claims {size:,} bytes, more than the "
-                                       f"{self._size - 8:,} after its length: the file is cut short, or no safetensors file")
+                                       f"{self._size - 8:,} after its length: the file is cut short, or no "
+                                       f"safetensors file")
             if size > MAX_HEADER_BYTES:
                 raise SafetensorsError(f"{self.path.name}: its header of {size:,} bytes is longer than the format "
                                        f"allows ({MAX_HEADER_BYTES:,})")
