@@ -243,6 +243,16 @@ def test_prepare_skips_unreadable_metadata(tiny_checkpoint, capsys):
     assert "checkpoint" in capsys.readouterr().err and (run_dir / "checkpoints" / "unreadable-5").is_dir()
 
 
+def test_a_meta_whose_config_sections_are_not_objects_is_damage_not_a_traceback(tiny_checkpoint, capsys):
+    run_dir, _ = tiny_checkpoint
+    meta_file = run_dir / "checkpoints" / "5" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    meta["config"]["data"] = "abc"  # what a resume reads of it: data.workers
+    meta_file.write_text(json.dumps(meta))
+    assert plan(make_config(run_dir, mesh={"data": 2, "fsdp": 2, "tensor": 2})) == DataPosition(step=3, example=48)
+    assert "its meta is malformed (config.data: " in capsys.readouterr().err
+
+
 def test_set_aside_checkpoints_are_counted_with_the_space_they_hold(tiny_checkpoint, capsys):
     """Nothing deletes a set-aside checkpoint: a run that sets one aside, or starts with some
     present, says in one line how many there are and how much space they hold."""
