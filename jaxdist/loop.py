@@ -215,7 +215,7 @@ def _run(run: Run, clock: RunTime) -> Trainer:
             evaluate.warm_up()
         trainer.param_norm().block_until_ready()
     if runtime.interrupted():  # a Ctrl-C during start-up that Python dropped (runtime.remember_interrupts)
-        raise KeyboardInterrupt
+        raise runtime.interruption()
     log(clock.startup_line())
 
     wandb = wandb_log.WandbRun(cfg, run_dir) if is_writer and cfg.log.wandb else None

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import jax
 
-from jaxdist.errors import UserError
+from jaxdist.errors import Terminated, UserError
 
 
 # What one simulated CPU device costs the host at the least (measured: 0.1 MiB each to create 8192),
@@ -158,22 +158,27 @@ def check_memory(needed: int, what: str, fix: str, available: int | None = None,
 
 
 _INTERRUPTED = threading.Event()
+# What the signal `_INTERRUPTED` remembers raises: KeyboardInterrupt (SIGINT) or Terminated (SIGTERM).
+_interruption: type[KeyboardInterrupt] = KeyboardInterrupt
 # The hook that reports what `_drop_interrupts` lets through: the one in place when it was installed.
 _report_unraisable = sys.unraisablehook
 
 
 def remember_interrupts() -> None:
-    """Ctrl-C (SIGINT) raises KeyboardInterrupt as Python's own handler does, and is remembered
-    from now on (an earlier command's interrupt is forgotten).
+    """Ctrl-C (SIGINT) raises KeyboardInterrupt as Python's own handler does, and SIGTERM raises
+    `Terminated` (a KeyboardInterrupt too: the command stops the same way); either is remembered from
+    now on (an earlier command's interrupt is forgotten).
 
     A KeyboardInterrupt raised while Python runs a garbage-collector callback (JAX registers one) is
     printed and dropped, and the program would go on as if no key was pressed; `interrupted()` still
-    tells, and such a dropped interrupt prints nothing. The `jaxdist` command calls it from the main
-    thread; the training loop's own handlers (train/preemption.py) take over while it steps.
+    tells, `interruption()` gives it again, and such a dropped interrupt prints nothing. The `jaxdist`
+    command calls it from the main thread; the training loop's own handlers (train/preemption.py)
+    take over while it steps, and with several processes JAX's preemption notifier takes SIGTERM.
     """
     global _report_unraisable
     _INTERRUPTED.clear()
-    signal.signal(signal.SIGINT, _interrupt)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _interrupt)
     if sys.unraisablehook is not _drop_interrupts:  # installed once, however many commands run
         _report_unraisable, sys.unraisablehook = sys.unraisablehook, _drop_interrupts
 
@@ -184,10 +189,17 @@ def _drop_interrupts(unraisable) -> None:
 
 
 def _interrupt(signum, frame) -> None:
+    global _interruption
+    _interruption = Terminated if signum == signal.SIGTERM else KeyboardInterrupt
     _INTERRUPTED.set()
-    raise KeyboardInterrupt
+    raise _interruption
 
 
 def interrupted() -> bool:
-    """Whether a Ctrl-C arrived since `remember_interrupts()`."""
+    """Whether a Ctrl-C (or a SIGTERM) arrived since `remember_interrupts()`."""
     return _INTERRUPTED.is_set()
+
+
+def interruption() -> KeyboardInterrupt:
+    """The exception of the signal `interrupted()` remembers, to raise where Python dropped it."""
+    return _interruption()

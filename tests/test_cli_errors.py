@@ -495,6 +495,36 @@ def test_ctrl_c_before_the_step_compiled_exits_130(config_file, tmp_path):
     assert "ready to train" not in out
 
 
+# A train whose start-up (the step's compile, say) takes minutes: the signal lands before the loop's
+# own handlers are in place.
+_SLOW_START = """
+import sys, time
+from jaxdist import cli
+
+def starting(args):
+    print("compiling", flush=True)
+    time.sleep(120)
+
+cli._train = starting
+sys.exit(cli.main(["train", sys.argv[1]]))
+"""
+
+
+def test_sigterm_before_the_steps_is_the_one_line_of_an_interrupt_and_exit_143(config_file):
+    """A scheduler's SIGTERM while the step compiles stops the command as a Ctrl-C does: the same one
+    line, and exit code 143 (128 + SIGTERM), as a shell reports a program that SIGTERM stopped."""
+    run = subprocess.Popen([sys.executable, "-c", _SLOW_START, str(config_file)], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
+    try:
+        assert run.stdout.readline() == "compiling\n"
+        run.send_signal(signal.SIGTERM)
+        out, err = run.communicate(timeout=60)
+    finally:
+        run.kill()
+    assert (run.returncode, err) == (cli.TERMINATED_EXIT, "jaxdist: interrupted\n")
+    assert cli.TERMINATED_EXIT == 128 + signal.SIGTERM
+
+
 _DROPPED_INTERRUPT = """
 import gc, os, signal
 from jaxdist import runtime
