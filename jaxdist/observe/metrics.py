@@ -21,12 +21,13 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol, TextIO
-
-from jax.sharding import Mesh
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from jaxdist import atomic
 from jaxdist.errors import UserError, warn
+
+if TYPE_CHECKING:  # an annotation only: the metrics files are written and read without importing JAX
+    from jax.sharding import Mesh
 
 # Dense bf16 peak FLOP/s per device from the datasheets, matched on substrings of `device_kind`.
 PEAK_FLOPS_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
