@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import threading
 
@@ -212,11 +213,20 @@ def saved_run(run_dir, **sections):
     return {k: np.asarray(v) for k, v in _flat(trainer.params).items()}
 
 
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """The tiny GPT's initial state saved as checkpoints 3 and 5, made once: tests get copies."""
+    run_dir = tmp_path_factory.mktemp("tiny") / "run"
+    return run_dir, saved_run(run_dir)
+
+
 @pytest.fixture
-def tiny_checkpoint(tmp_path):
-    """A run_dir whose checkpoints hold the tiny GPT's initial state, as steps 3 and 5."""
+def tiny_checkpoint(tmp_path, tiny_run):
+    """A run_dir whose checkpoints hold the tiny GPT's initial state, as steps 3 and 5 (its own copy,
+    which the test may damage)."""
+    source, params = tiny_run
     run_dir = tmp_path / "run"
-    params = saved_run(run_dir)
+    shutil.copytree(source, run_dir)
     raw = {**TINY_GPT, "run_dir": str(run_dir), "mesh": {"data": 2, "fsdp": 2, "tensor": 2}}
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(raw))
     return run_dir, params
