@@ -117,7 +117,7 @@ class RunDirLock:
                 return _read_holder(self.path) or {}
             if _same_file(file, self.path):
                 self._descriptors.append(file)
-                _write_holder(file, {**_me(), "released": False})
+                _write_holder(file, _me())
                 return None
             os.close(file)  # deleted or replaced between the open and the lock: open the one there now
         raise UserError(f"run_dir={self.directory}: {self.path} keeps being replaced while it is locked; is "
@@ -200,7 +200,7 @@ def _read_holder(path: Path) -> dict[str, Any] | None:
 
 def _holds(holder: dict[str, Any]) -> bool:
     """Whether the run a lock file names still holds it (where the file system has no locks)."""
-    if holder.get("released"):
+    if holder.get("released"):  # a run removes its lock file as it ends; earlier versions marked it released
         return False
     if holder.get("host") != socket.gethostname():
         return True  # no way to tell from here: the other host must release it (or the file be deleted)

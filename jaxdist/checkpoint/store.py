@@ -405,6 +405,7 @@ class Checkpoints:
         self._write_failed = False
         # Old checkpoints a prune could not delete, with why (a prune tries them again).
         self.undeletable: dict[int, str] = {}
+        self._prunes = itertools.count()  # each prune's barrier needs a name of its own
 
     def __enter__(self) -> Checkpoints:
         return self
@@ -543,7 +544,11 @@ class Checkpoints:
         def delete_old() -> None:
             upto = [step for step in self._manager.all_steps() if through is None or step <= through]
             doomed = [step for step in sorted(upto)[:-keep] if not (keep_every and step % keep_every == 0)]
-            failed = {step: why for step in doomed if (why := self._delete(step)) is not None}
+            failed = {}
+            if jax.process_index() == 0:  # process 0 deletes; the others wait for it
+                failed = {step: why for step in doomed if (why := _delete_tree(self.path(step))) is not None}
+            if jax.process_count() > 1:
+                ocp.multihost.sync_global_processes(f"jaxdist_prune_{next(self._prunes)}")
             self._manager.reload()
             self.undeletable = {**{step: why for step, why in self.undeletable.items() if step not in doomed},
                                 **failed}
@@ -554,13 +559,6 @@ class Checkpoints:
             delete_old()
         else:
             self._writer_thread().submit(delete_old)
-
-    def _delete(self, step: int) -> str | None:
-        """Deletes checkpoint `step` (process 0 deletes, the others wait for it); why it could not, or None."""
-        why = _delete_tree(self.path(step)) if jax.process_index() == 0 else None
-        if jax.process_count() > 1:
-            ocp.multihost.sync_global_processes(f"jaxdist_delete_{step}")
-        return why
 
     def _writer_thread(self) -> _Writer:
         if self._writer is None:
