@@ -3,7 +3,8 @@ sample | plot`: the command line.
 
 Exit codes: 0 done, 1 crash, 2 user error, 3 `train` stopped at a non-finite loss or gradients
 (nothing of that step saved; the last checkpoint is intact), 130 interrupted (Ctrl-C) outside the
-training steps (before them, or in the sample after them), 141 stdout closed (`jaxdist config show | head`:
+training steps (before them, or in the sample after them), 143 the same for a SIGTERM (one line,
+`jaxdist: interrupted`, either way), 141 stdout closed (`jaxdist config show | head`:
 the command stops quietly where its next output found the reader gone, as a program that SIGPIPE
 stops; `train` first saves the last good state, as on any error); `launch` also 124 when it stopped a stuck run;
 `build-kernels` 1 where a kernel is unavailable on a GPU. Before anything else every command
@@ -18,17 +19,20 @@ import argparse
 import logging
 import os
 import re
+import signal
 import sys
 import threading
 import time
 
 # Only the standard library and jaxdist.errors (which imports nothing more): anything that imports
 # JAX is imported inside main(), where a Ctrl-C that lands during an import is the one-line exit 130.
-from jaxdist.errors import NonFiniteError, UserError, check_local, check_writable, cli_number, discard_output
+from jaxdist.errors import NonFiniteError, Terminated, UserError, check_local, check_writable, cli_number, discard_output
 
-# The exit code when stdout's reader is gone: 128 + SIGPIPE, what a shell reports for a program that
-# signal stopped.
-STDOUT_CLOSED_EXIT = 141
+# The exit codes of a command a signal stopped (128 + the signal, what a shell reports for a program
+# that signal ended): stdout's reader gone (SIGPIPE), Ctrl-C (SIGINT), SIGTERM before the steps.
+STDOUT_CLOSED_EXIT = 128 + signal.SIGPIPE
+INTERRUPTED_EXIT = 128 + signal.SIGINT
+TERMINATED_EXIT = 128 + signal.SIGTERM
 
 
 class _OneLineErrors(argparse.ArgumentParser):
@@ -505,7 +509,7 @@ def _main(argv: list[str] | None) -> int:
     except NonFiniteError as err:
         print(f"jaxdist: error: {err}", file=sys.stderr)
         return 3
-    except KeyboardInterrupt:  # Ctrl-C before training started; once it runs, a SIGINT saves and stops
+    except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM before training started; once it runs, either saves
         # What the interrupt cut short (Orbax's async checkpointer, say) may fail as the process
         # exits, in a finalizer or in a background thread that logs or raises it: the promise is this
         # one line.
@@ -513,7 +517,7 @@ def _main(argv: list[str] | None) -> int:
         threading.excepthook = lambda failure: None
         logging.disable(logging.CRITICAL)
         print("jaxdist: interrupted", file=sys.stderr)
-        return 130
+        return TERMINATED_EXIT if isinstance(err, Terminated) else INTERRUPTED_EXIT
 
 
 def _run(argv: list[str] | None, started: float) -> int:
@@ -535,7 +539,8 @@ def _run(argv: list[str] | None, started: float) -> int:
     from jaxdist import runtime  # imports JAX, so only after parsing: --help and usage errors need none
 
     if args.command == "plan" and args.devices and not os.environ.get("JAXDIST_CPU_DEVICES"):
-        runtime.use_cpu_devices(args.devices)  # simulated where there is no accelerator
+        # Simulated where there is no accelerator.
+        runtime.use_cpu_devices(args.devices, f"plan --devices {args.devices}")
     if args.command == "plan" and args.mock_gpus:
         runtime.mock_gpus(args.mock_gpus)
     runtime.remember_interrupts()
@@ -553,7 +558,7 @@ def _run(argv: list[str] | None, started: float) -> int:
     }
     code = commands[args.command](args) or 0
     if runtime.interrupted():
-        raise KeyboardInterrupt  # one that a garbage-collector callback dropped
+        raise runtime.interruption()  # one that a garbage-collector callback dropped
     return code
 
 

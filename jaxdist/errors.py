@@ -4,7 +4,7 @@ written, and what to do with an output whose reader is gone.
 
 `UserError` (exit code 2, before any compile): a mistake in the input; messages name the config
 key, the value and the fix. `NonFiniteError` (exit code 3): training stopped at a non-finite step,
-with nothing of that step saved.
+with nothing of that step saved. `Terminated` (exit code 143): a SIGTERM outside the training steps.
 """
 
 import argparse
@@ -33,6 +33,12 @@ class NonFiniteError(Exception):
     def __init__(self, message: str, first_bad_step: int | None = None):
         super().__init__(message)
         self.first_bad_step = first_bad_step
+
+
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM outside the training steps (while a command starts, or the step compiles): it stops
+    the command as a Ctrl-C does, with the same one line, and exit code 143 (128 + SIGTERM) where a
+    Ctrl-C's is 130."""
 
 
 def warn(message: str) -> None:

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxdist import kernels, models, runtime
+from jaxdist import atomic, kernels, models, runtime
 from jaxdist.checkpoint import ResumePlan, RunCheckpoints, hf, plan_resume, rundir
 from jaxdist.checkpoint.rundir import RunDirLock
 from jaxdist.config import Config, TrainConfig
@@ -190,7 +190,7 @@ def _run(run: Run, clock: RunTime) -> Trainer:
     with clock.part("restore"):
         start = checkpoints.resume(trainer)
     if is_writer:  # once the checkpoint has taken this config: a refused resume leaves the old file
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        atomic.write_text(run_dir / "config.yaml", cfg.to_yaml())
     if start != planned:  # the planned checkpoint failed to read: an older one was restored
         with clock.part("data"):
             batches.close()
@@ -217,7 +217,7 @@ def _run(run: Run, clock: RunTime) -> Trainer:
             evaluate.warm_up()
         trainer.param_norm().block_until_ready()
     if runtime.interrupted():  # a Ctrl-C during start-up that Python dropped (runtime.remember_interrupts)
-        raise KeyboardInterrupt
+        raise runtime.interruption()
     log(clock.startup_line())
 
     wandb = wandb_log.WandbRun(cfg, run_dir) if is_writer and cfg.log.wandb else None
@@ -233,7 +233,8 @@ def _run(run: Run, clock: RunTime) -> Trainer:
                  f"system stuck?)")
     if steps.stopped:
         return trainer
-    log(steps.progress.summary(steps.steady_values(), checkpoints.last_saved, checkpoints.directory))
+    log(steps.progress.summary(steps.steady_values(), checkpoints.last_saved, checkpoints.directory,
+                               sorted(checkpoints.undeletable)))
     log(clock.summary())
 
     if run.tokenizer is not None:

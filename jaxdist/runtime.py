@@ -1,6 +1,7 @@
 """Process-wide settings jaxdist offers but never applies on import: simulated CPU devices
 (`JAXDIST_CPU_DEVICES`), GPUs to compile for that are not there (`mock_gpus`), jaxdist's default
-XLA GPU flags, JAX's persistent compilation cache and a Ctrl-C that cannot be lost.
+XLA GPU flags, JAX's persistent compilation cache and a Ctrl-C that cannot be lost; and the host's
+memory, which bounds the inputs that size what a command allocates (`check_memory`).
 
 The first three take effect only before JAX starts its backend (the first computation or device
 query), the cache before the first compile, so a program calls them first thing; the `jaxdist`
@@ -15,22 +16,33 @@ from pathlib import Path
 
 import jax
 
-from jaxdist.errors import UserError
+from jaxdist.errors import Terminated, UserError
 
 
-def use_cpu_devices(n: int | None = None) -> None:
+# What one simulated CPU device costs the host at the least (measured: 0.1 MiB each to create 8192),
+# with room for the buffers of a program that runs on it.
+CPU_DEVICE_BYTES = 2**20
+
+
+def use_cpu_devices(n: int | None = None, what: str | None = None) -> None:
     """Gives JAX `n` simulated CPU devices; with `n` None, the count in `JAXDIST_CPU_DEVICES`.
 
-    Unset or empty, the variable changes nothing. A count that is not a positive integer raises
-    `UserError`. Call it before the first JAX computation. Where an accelerator exists it stays
-    the default backend, so the setting is harmless there.
+    Unset or empty, the variable changes nothing. A count that is not a positive integer, or that
+    the host's memory cannot hold (`CPU_DEVICE_BYTES` each), raises `UserError` naming `what` (how
+    the count was given; default the variable, or this call). Call it before the first JAX
+    computation. Where an accelerator exists it stays the default backend, so the setting is
+    harmless there.
     """
     if n is None:
         n = _count_from_environment()
         if n is None:
             return
+        what = f"JAXDIST_CPU_DEVICES={n}"
+    what = what or f"use_cpu_devices({n})"
     if n < 1:
-        raise UserError(f"use_cpu_devices({n}): the device count must be a positive integer")
+        raise UserError(f"{what}: the device count must be a positive integer")
+    check_memory(n * CPU_DEVICE_BYTES, f"{what}: simulating {n:,} devices ({CPU_DEVICE_BYTES // 2**20} MiB each)",
+                 f"use at most {host_memory_bytes() // CPU_DEVICE_BYTES:,}")
     # JAX refuses any update once its backend started, even to the current value: skipping it
     # lets a second call with the same count pass (a test session and the code it runs).
     if jax.config.jax_num_cpu_devices != n:
@@ -108,23 +120,65 @@ def compilation_cache() -> None:
         jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "jax"))
 
 
+def host_memory_bytes() -> int:
+    """The memory this process may use: the host's physical memory, or a container's limit (its
+    control group's) where that is less."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(physical, _control_group_limit() or physical)
+
+
+def _control_group_limit() -> int | None:
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):  # v2, v1
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            return int(text)
+    return None
+
+
+def memory_of(devices) -> tuple[int, str]:
+    """The memory `devices` hold together, and how an error names it: the sum of their `bytes_limit`
+    where the platform reports one (GPUs), else this host's memory, which CPU devices share."""
+    limits = [(device.memory_stats() or {}).get("bytes_limit") for device in devices]
+    if all(limits):
+        return sum(limits), f"the {len(limits)} device(s) have"
+    return host_memory_bytes(), "this host has"
+
+
+def check_memory(needed: int, what: str, fix: str, available: int | None = None, where: str = "this host has") -> None:
+    """Raises `UserError` ("`what` needs at least N GB of memory, more than `where` (M GB); `fix`")
+    where `needed` bytes exceed `available` (default: `host_memory_bytes()`): said before anything is
+    allocated, not found by the kernel's out-of-memory killer."""
+    available = host_memory_bytes() if available is None else available
+    if needed > available:
+        raise UserError(f"{what} needs at least {needed / 1e9:,.1f} GB of memory, more than {where} "
+                        f"({available / 1e9:,.1f} GB); {fix}")
+
+
 _INTERRUPTED = threading.Event()
+# What the signal `_INTERRUPTED` remembers raises: KeyboardInterrupt (SIGINT) or Terminated (SIGTERM).
+_interruption: type[KeyboardInterrupt] = KeyboardInterrupt
 # The hook that reports what `_drop_interrupts` lets through: the one in place when it was installed.
 _report_unraisable = sys.unraisablehook
 
 
 def remember_interrupts() -> None:
-    """Ctrl-C (SIGINT) raises KeyboardInterrupt as Python's own handler does, and is remembered
-    from now on (an earlier command's interrupt is forgotten).
+    """Ctrl-C (SIGINT) raises KeyboardInterrupt as Python's own handler does, and SIGTERM raises
+    `Terminated` (a KeyboardInterrupt too: the command stops the same way); either is remembered from
+    now on (an earlier command's interrupt is forgotten).
 
     A KeyboardInterrupt raised while Python runs a garbage-collector callback (JAX registers one) is
     printed and dropped, and the program would go on as if no key was pressed; `interrupted()` still
-    tells, and such a dropped interrupt prints nothing. The `jaxdist` command calls it from the main
-    thread; the training loop's own handlers (train/preemption.py) take over while it steps.
+    tells, `interruption()` gives it again, and such a dropped interrupt prints nothing. The `jaxdist`
+    command calls it from the main thread; the training loop's own handlers (train/preemption.py)
+    take over while it steps, and with several processes JAX's preemption notifier takes SIGTERM.
     """
     global _report_unraisable
     _INTERRUPTED.clear()
-    signal.signal(signal.SIGINT, _interrupt)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _interrupt)
     if sys.unraisablehook is not _drop_interrupts:  # installed once, however many commands run
         _report_unraisable, sys.unraisablehook = sys.unraisablehook, _drop_interrupts
 
@@ -135,10 +189,17 @@ def _drop_interrupts(unraisable) -> None:
 
 
 def _interrupt(signum, frame) -> None:
+    global _interruption
+    _interruption = Terminated if signum == signal.SIGTERM else KeyboardInterrupt
     _INTERRUPTED.set()
-    raise KeyboardInterrupt
+    raise _interruption
 
 
 def interrupted() -> bool:
-    """Whether a Ctrl-C arrived since `remember_interrupts()`."""
+    """Whether a Ctrl-C (or a SIGTERM) arrived since `remember_interrupts()`."""
     return _INTERRUPTED.is_set()
+
+
+def interruption() -> KeyboardInterrupt:
+    """The exception of the signal `interrupted()` remembers, to raise where Python dropped it."""
+    return _interruption()

@@ -32,8 +32,11 @@ if not GPU_PLUGIN:
                                        "--xla_cpu_parallel_codegen_split_count=1")
 
 import atexit  # noqa: E402
+import contextlib  # noqa: E402
 import gc  # noqa: E402
+import resource  # noqa: E402
 import shutil  # noqa: E402
+import signal  # noqa: E402
 import tempfile  # noqa: E402
 
 import jax  # noqa: E402
@@ -113,6 +116,21 @@ def logged_losses(run_dir) -> list[float]:
 def logged_steps(run_dir) -> list[int]:
     """The steps a run logged in `run_dir/metrics.jsonl`, in order."""
     return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@contextlib.contextmanager
+def disk_full_past(nbytes: int):
+    """A disk that fills up, for this process: while active, a write that would grow any file past
+    `nbytes` writes what fits and fails (EFBIG, the kernel's limit on a process's file size: no mount
+    and no root needed). Call it from the main thread (it ignores SIGXFSZ meanwhile)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
 
 
 # A ResNet-18 at width 8 (8 to 64 channels) with the stem for small images: a classifier with

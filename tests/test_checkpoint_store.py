@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import threading
 
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
-from conftest import TINY_GPT, logged_steps, make_config
+from conftest import TINY_GPT, disk_full_past, logged_steps, make_config
 from jax.sharding import NamedSharding, PartitionSpec
 from safetensors.numpy import load_file
 
@@ -124,6 +125,24 @@ def test_partial_write_is_never_listed(tmp_path, mesh):
         assert store.steps() == [3]
 
 
+def test_rotation_goes_past_a_step_it_must_not_delete_and_says_why(tmp_path, mesh):
+    """A step that is a link (its checkpoint moved elsewhere by hand) is not jaxdist's to delete; the
+    steps after it are rotated all the same, and the link is tried again at the next rotation."""
+    store = Checkpoints(tmp_path / "checkpoints", keep=None)
+    for step in (1, 2, 3, 4):
+        store.save(step, sharded_tree(mesh, step), {"step": step})
+    store.wait()
+    moved = tmp_path / "moved-1"
+    (tmp_path / "checkpoints" / "1").rename(moved)
+    (tmp_path / "checkpoints" / "1").symlink_to(moved, target_is_directory=True)
+    store.prune(keep=1)
+    store.close()
+    with Checkpoints(tmp_path / "checkpoints", create=False) as reopened:
+        assert reopened.steps() == [1, 4]
+    assert (moved / "meta").is_dir()  # what the link points to is untouched
+    assert store.undeletable == {1: "a symbolic link, which jaxdist does not delete through; remove it yourself"}
+
+
 def test_other_structure_is_a_mismatch_not_damage(tmp_path, mesh):
     store = Checkpoints(tmp_path)
     store.save(1, sharded_tree(mesh, 1), {"step": 1})
@@ -194,11 +213,20 @@ def saved_run(run_dir, **sections):
     return {k: np.asarray(v) for k, v in _flat(trainer.params).items()}
 
 
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """The tiny GPT's initial state saved as checkpoints 3 and 5, made once: tests get copies."""
+    run_dir = tmp_path_factory.mktemp("tiny") / "run"
+    return run_dir, saved_run(run_dir)
+
+
 @pytest.fixture
-def tiny_checkpoint(tmp_path):
-    """A run_dir whose checkpoints hold the tiny GPT's initial state, as steps 3 and 5."""
+def tiny_checkpoint(tmp_path, tiny_run):
+    """A run_dir whose checkpoints hold the tiny GPT's initial state, as steps 3 and 5 (its own copy,
+    which the test may damage)."""
+    source, params = tiny_run
     run_dir = tmp_path / "run"
-    params = saved_run(run_dir)
+    shutil.copytree(source, run_dir)
     raw = {**TINY_GPT, "run_dir": str(run_dir), "mesh": {"data": 2, "fsdp": 2, "tensor": 2}}
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(raw))
     return run_dir, params
@@ -223,6 +251,16 @@ def test_prepare_skips_unreadable_metadata(tiny_checkpoint, capsys):
     cfg = make_config(run_dir, mesh={"data": 2, "fsdp": 2, "tensor": 2})
     assert plan(cfg) == DataPosition(step=3, example=48)
     assert "checkpoint" in capsys.readouterr().err and (run_dir / "checkpoints" / "unreadable-5").is_dir()
+
+
+def test_a_meta_whose_config_sections_are_not_objects_is_damage_not_a_traceback(tiny_checkpoint, capsys):
+    run_dir, _ = tiny_checkpoint
+    meta_file = run_dir / "checkpoints" / "5" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    meta["config"]["data"] = "abc"  # what a resume reads of it: data.workers
+    meta_file.write_text(json.dumps(meta))
+    assert plan(make_config(run_dir, mesh={"data": 2, "fsdp": 2, "tensor": 2})) == DataPosition(step=3, example=48)
+    assert "its meta is malformed (config.data: " in capsys.readouterr().err
 
 
 def test_set_aside_checkpoints_are_counted_with_the_space_they_hold(tiny_checkpoint, capsys):
@@ -265,6 +303,23 @@ def test_export_writes_the_params(tiny_checkpoint, tmp_path, capsys, suffix):
         np.testing.assert_array_equal(exported[name], value)
 
 
+@pytest.mark.parametrize("suffix", ["safetensors", "npz"])
+def test_an_export_over_an_older_one_that_fills_the_disk_leaves_the_older_one(tiny_checkpoint, tmp_path, capsys,
+                                                                               monkeypatch, suffix):
+    run_dir, _ = tiny_checkpoint
+    out = tmp_path / f"model.{suffix}"
+    assert cli.main(["export", str(run_dir), str(out), "--step", "3"]) == 0
+    older = out.read_bytes()
+    capsys.readouterr()
+    with disk_full_past(4096):  # the disk fills as the new file is written
+        code = cli.main(["export", str(run_dir), str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and err == (f"jaxdist: error: could not write {out} (File too large); the file there is left as "
+                                 f"it was; free space there or fix the folder, then run again\n")
+    assert out.read_bytes() == older
+    assert sorted(path.name for path in tmp_path.glob(f"*model.{suffix}*")) == [out.name]
+
+
 def one_line_error(capsys) -> str:
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("jaxdist: error: export: "), err
@@ -299,6 +354,32 @@ def test_export_of_a_damaged_checkpoint_names_the_older_ones(tiny_checkpoint, tm
     assert f"checkpoint {newest} is damaged (" in err and err.endswith("; pass --step with an older one: 3\n"), err
     assert not out.exists()
     assert cli.main(["export", str(run_dir), str(out), "--step", "3"]) == 0
+
+
+@pytest.mark.parametrize("command", ["export", "sample"])
+@pytest.mark.parametrize("key, value, problem", [
+    ("layers", 1, "the model its meta describes does not fit its saved arrays: blocks.attn.out has shape (2, 4, 16, "
+                  "64) in the checkpoint but (1, 4, 16, 64) in this model"),
+    ("layers", "abc", "the config in its meta is not valid (config: model.layers='abc': input should be a valid "
+                      "integer"),
+], ids=["layers-1-of-2", "layers-string"])
+def test_checkpoint_meta_that_is_not_the_saved_model_is_one_line(tiny_checkpoint, tmp_path, capsys, command, key,
+                                                                 value, problem):
+    """Export and sample build the model from the checkpoint's meta: a meta edited to another model
+    (or to no config at all) is one line, never a traceback nor a model cut to the meta's shapes."""
+    run_dir, _ = tiny_checkpoint
+    newest = run_dir / "checkpoints" / "5"
+    meta = json.loads((newest / "meta" / "metadata").read_text())
+    meta["config"]["model"][key] = value
+    (newest / "meta" / "metadata").write_text(json.dumps(meta))
+    out = tmp_path / "hf"
+    argv = {"export": ["export", str(run_dir), str(out), "--format", "hf"],
+            "sample": ["sample", str(run_dir), "--prompt", "def ", "--tokens", "2"]}[command]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"jaxdist: error: checkpoint {newest}: {problem}"), err
+    assert err.endswith("; the meta was edited or is damaged\n"), err
+    assert not out.exists()
 
 
 def test_bfloat16_params_export_to_safetensors_not_npz(tmp_path, capsys):

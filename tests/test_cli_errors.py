@@ -471,6 +471,15 @@ def test_bad_numbers_on_the_command_line(argv, message, capsys):
     assert message in one_line_error(capsys)
 
 
+def test_a_doctor_buffer_the_host_cannot_hold_is_one_line_before_anything_runs(capsys, compiles):
+    assert cli.main(["doctor", "--megabytes", "1e7"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        "jaxdist: error: doctor --megabytes 1e+07: timing collectives of 1e+07 MB per device needs at least "
+        "251,658.2 GB of memory, more than this host has ("), err
+    assert "); pass at most --megabytes " in err and compiles.count == 0
+
+
 @pytest.mark.parametrize("value", ["-5GB", "=-5GB"], ids=["spaced", "joined"])
 def test_a_negative_device_memory_is_named(config_file, capsys, compiles, value):
     """A value starting with '-' is the option's value, not an unknown option."""
@@ -534,6 +543,36 @@ def test_ctrl_c_before_the_step_compiled_exits_130(config_file, tmp_path):
     assert run.returncode == 130, err[-3000:]
     assert err == "jaxdist: interrupted\n"
     assert "ready to train" not in out
+
+
+# A train whose start-up (the step's compile, say) takes minutes: the signal lands before the loop's
+# own handlers are in place.
+_SLOW_START = """
+import sys, time
+from jaxdist import cli
+
+def starting(args):
+    print("compiling", flush=True)
+    time.sleep(120)
+
+cli._train = starting
+sys.exit(cli.main(["train", sys.argv[1]]))
+"""
+
+
+def test_sigterm_before_the_steps_is_the_one_line_of_an_interrupt_and_exit_143(config_file):
+    """A scheduler's SIGTERM while the step compiles stops the command as a Ctrl-C does: the same one
+    line, and exit code 143 (128 + SIGTERM), as a shell reports a program that SIGTERM stopped."""
+    run = subprocess.Popen([sys.executable, "-c", _SLOW_START, str(config_file)], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
+    try:
+        assert run.stdout.readline() == "compiling\n"
+        run.send_signal(signal.SIGTERM)
+        out, err = run.communicate(timeout=60)
+    finally:
+        run.kill()
+    assert (run.returncode, err) == (cli.TERMINATED_EXIT, "jaxdist: interrupted\n")
+    assert cli.TERMINATED_EXIT == 128 + signal.SIGTERM
 
 
 _DROPPED_INTERRUPT = """

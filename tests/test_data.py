@@ -9,6 +9,7 @@ import pytest
 from conftest import make_classifier_config, make_config
 from data_helpers import prepared, random_documents, window_ids
 
+from jaxdist import cli
 from jaxdist.config import TrainConfig
 from jaxdist.data import loader, prepare, sources
 from jaxdist.data import stream as data_stream
@@ -472,6 +473,41 @@ def test_processes_whose_data_differ_are_told_apart(tmp_path):
 def no_eval_split(tmp_path_factory):
     """Byte-token shards of 6 short documents, none held out."""
     return prepared(tmp_path_factory.mktemp("no_eval"), random_documents(6), eval_fraction=0.0)[0]
+
+
+def _tampered(manifest: dict, dotted: str, value) -> None:
+    *parents, last = dotted.split(".")
+    for key in parents:
+        manifest = manifest[key]
+    manifest[last] = value
+
+
+@pytest.mark.parametrize("dotted, value, expected", [
+    ("dtype", "float64", "dtype='float64': Input should be 'uint8', 'uint16' or 'uint32'"),
+    ("dtype", 5, "dtype=5: Input should be 'uint8', 'uint16' or 'uint32'"),
+    ("chunk_tokens", "64", "chunk_tokens='64': Input should be a valid integer"),
+    ("chunk_tokens", 0, "chunk_tokens=0: Input should be greater than 0"),
+    ("tokenizer.vocab_size", "256", "tokenizer.vocab_size='256': Input should be a valid integer"),
+    ("splits.train.records", ["1"], "splits.train.records.0='1': Input should be a valid integer"),
+    ("splits.train.files", ["../../elsewhere.array_record"],
+     "splits.train.files.0='../../elsewhere.array_record': a shard is a file name in the folder, not a path"),
+    ("splits.train.records", [], "splits.train: lists 1 file(s) but 0 record count(s)"),
+], ids=["dtype-name", "dtype-number", "chunk-string", "chunk-zero", "vocab-string", "records-strings", "file-outside",
+        "records-missing"])
+def test_a_tampered_manifest_is_one_line_naming_the_value(tmp_path, no_eval_split, capsys, compiles, dotted, value,
+                                                          expected):
+    path = tmp_path / "edited"
+    shutil.copytree(no_eval_split, path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    _tampered(manifest, dotted, value)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps(make_config(tmp_path / "run", data={"source": "arrayrecord", "path": str(path)},
+                                             model={"seq_len": 16, "vocab": "auto"}).model_dump(mode="json")))
+    assert cli.main(["train", str(config)]) == 2
+    assert capsys.readouterr().err == (f"jaxdist: error: data.path={path}: manifest.json: {expected}; prepare the data "
+                                       f"again\n")
+    assert compiles.count == 0
 
 
 @pytest.mark.parametrize("case", ["manifest_key", "arrays_on_prepared", "images_on_npz", "arrays_on_text",

@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 
 from jaxdist import cli
 from jaxdist.data import loader, prepare, sources
+from jaxdist.data.shards import SCRATCH_MARKER
 from jaxdist.data import tokenizer as tokenizer_lib
 from jaxdist.errors import UserError
 from jaxdist.commands import bench
@@ -312,6 +313,28 @@ def test_an_out_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, capfd, m
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith("jaxdist: error: data prepare: --out=") and expected in err[0], err
     assert sorted(path.name for path in tmp_path.iterdir()) == ["a_file", "full", "good.txt"]
+
+
+def test_a_partial_folder_jaxdist_did_not_make_is_never_deleted(tmp_path, capfd):
+    """`--out keep` writes into keep.partial/ first: a folder of that name that is the user's own is
+    in the way (one line, exit 2, its files untouched); one a killed prepare left is removed."""
+    (tmp_path / "a.txt").write_text("some text")
+    mine = tmp_path / "keep.partial"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my notes")
+    code, err = run_cli(["data", "prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "keep")], capfd)
+    assert code == 2 and err == [
+        f"jaxdist: error: data prepare: --out={tmp_path / 'keep'}: {mine} is in the way, and jaxdist did not make it "
+        f"(a prepare writes there before renaming it to the output); move it away or pass another --out"]
+    assert (mine / "notes.txt").read_text() == "my notes" and not (tmp_path / "keep").exists()
+
+    left = tmp_path / "out.partial"  # what a killed prepare leaves: its marker and half its shards
+    left.mkdir()
+    (left / SCRATCH_MARKER).write_text("")
+    (left / "train-00000.array_record").write_bytes(b"half a shard")
+    assert run_cli(["data", "prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "out")], capfd)[0] == 0
+    assert not left.exists() and (tmp_path / "out" / sources.MANIFEST).is_file()
+    assert not (tmp_path / "out" / SCRATCH_MARKER).exists()
 
 
 def truncate(file):

@@ -2,9 +2,13 @@
 guard before a diverged checkpoint replaces a sane one, and can go on from an older checkpoint with
 a sane learning rate and clipping added."""
 
+import errno
 import json
 import math
+import os
 import re
+import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -104,6 +108,29 @@ def test_a_missing_resume_step_names_the_checkpoints_there(tmp_path):
 def test_keep_every_keeps_those_checkpoints_for_good(tmp_path):
     train(tmp_path / "run", train={"steps": 10}, checkpoint={"every": 1, "keep": 2, "keep_every": 4})
     assert saved(tmp_path / "run") == [4, 8, 9, 10]
+
+
+def test_an_old_checkpoint_that_cannot_be_deleted_is_one_warning_and_the_rest_still_rotate(tmp_path, capsys,
+                                                                                          monkeypatch):
+    """An old step the file system will not delete (EBUSY on NFS, say) is said once and tried again at
+    each save; the steps after it still rotate, and the summary counts what is left behind."""
+    run_dir = tmp_path / "run"
+    busy = run_dir / "checkpoints" / "2"
+    rmtree = shutil.rmtree
+
+    def busy_for_step_2(path, *args, **kwargs):
+        if Path(path) == busy:
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(path))
+        rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", busy_for_step_2)
+    train(run_dir, train={"steps": 5}, checkpoint={"every": 1, "keep": 1})
+    assert saved(run_dir) == [2, 4, 5]  # 1 and 3 deleted; the confirmed newest, the last, and the one that stayed
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [f"jaxdist: warning: could not delete old checkpoint {busy} (Device or resource busy); "
+                                f"it is kept, and deleting it is tried again at the next save"]
+    summary = f"last checkpoint: step 5 in {run_dir / 'checkpoints'}; 1 old checkpoint could not be removed (step 2)"
+    assert summary in out
 
 
 def test_a_checkpoint_saved_before_the_loss_statistics_existed_resumes(tmp_path, capsys):

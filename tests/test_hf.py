@@ -7,6 +7,7 @@ logits transformers computed for fixed tokens (tests/fixtures/hf/make.py made th
 
 import json
 import shutil
+import struct
 from pathlib import Path
 
 import jax
@@ -219,6 +220,85 @@ def test_data_of_a_larger_vocabulary_than_the_folders_names_the_models_tokenizer
     assert compiles.count == 0
 
 
+SHARD = "model-00001-of-00003.safetensors"  # its first tensor: model.embed_tokens.weight, F32 [320, 64]
+
+
+def _header(change):
+    """A damage that rewrites the first shard's header: `change(header)` edits it, or returns what to
+    write instead (bytes: the header's text; an int: the length field alone, the header kept)."""
+    def edit(folder):
+        path = folder / SHARD
+        data = path.read_bytes()
+        size = struct.unpack("<Q", data[:8])[0]
+        header = json.loads(data[8:8 + size])
+        new = change(header)
+        if isinstance(new, int):
+            path.write_bytes(struct.pack("<Q", new) + data[8:])
+            return
+        text = new if isinstance(new, bytes) else json.dumps(header).encode()
+        path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + size:])
+    return edit
+
+
+def _first_tensor(change):
+    return _header(lambda header: change(header["model.embed_tokens.weight"]))
+
+
+def _index(weight_map):
+    def edit(folder):
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        (folder.parent / "outside").mkdir()
+        shutil.copyfile(folder / SHARD, folder.parent / "outside" / "x.safetensors")  # a file to read, if followed
+    return edit
+
+
+def _rope(value):
+    return _edit_config(rope_parameters=value)
+
+
+@pytest.mark.parametrize("family, damage, message", [
+    ("llama", _header(lambda header: 2**63), f"{SHARD}: its header claims 9,223,372,036,854,775,808 bytes, more than "
+                                             f"the 180,960 after its length: the file is cut short, or no "
+                                             f"safetensors file"),
+    ("llama", _header(lambda header: b"[1, 2, 3]"), f"{SHARD}: its header is not a JSON object"),
+    ("llama", _first_tensor(lambda entry: entry.pop("data_offsets")),
+     f"{SHARD}: model.embed_tokens.weight's data_offsets None are not two integers within its 180,224 bytes of data"),
+    ("llama", _first_tensor(lambda entry: entry.update(data_offsets=["0", "81920"])),
+     f"{SHARD}: model.embed_tokens.weight's data_offsets ['0', '81920'] are not two integers within"),
+    ("llama", _first_tensor(lambda entry: entry.update(data_offsets=[-744, 81176])),
+     f"{SHARD}: model.embed_tokens.weight's data_offsets [-744, 81176] are not two integers within"),
+    ("llama", _first_tensor(lambda entry: entry.update(data_offsets=[0, 999999])),
+     f"{SHARD}: model.embed_tokens.weight's data_offsets [0, 999999] are not two integers within"),
+    ("llama", _first_tensor(lambda entry: entry.update(shape=["320", "64"])),
+     f"{SHARD}: model.embed_tokens.weight's shape ['320', '64'] is not a list of non-negative integers"),
+    ("llama", _first_tensor(lambda entry: entry.update(shape=[320, 32])),
+     f"{SHARD}: model.embed_tokens.weight holds 81,920 bytes, not the 40,960 of its shape [320, 32] in F32"),
+    ("llama", _header(lambda header: header.update(x=5)), f"{SHARD}: the header's entry 'x' is not an object"),
+    ("llama", _edit_config(rms_norm_eps="abc"), "config.json: rms_norm_eps='abc' is not a positive number"),
+    ("gpt2", _edit_config(layer_norm_epsilon=None), "config.json: layer_norm_epsilon=None is not a positive number"),
+    ("llama", _rope({"rope_type": "llama3", "rope_theta": 5e5}), "config.json: has no 'rope_parameters.factor', which a "
+                                                                 "LlamaForCausalLM config needs"),
+    ("llama", _rope("abc"), "config.json: rope_parameters='abc' is not an object"),
+    ("gpt2", _edit_config(tie_word_embeddings="false"), "config.json: tie_word_embeddings='false' is not true or false"),
+    ("llama", _index(["model-00001-of-00003.safetensors"]), "model.safetensors.index.json: its weight_map is not an "
+                                                            "object of tensor names to file names"),
+    ("llama", _index({"model.embed_tokens.weight": "../outside/x.safetensors"}),
+     "model.safetensors.index.json names ../outside/x.safetensors, which is not a file name inside the folder"),
+], ids=["header-2**63", "header-list", "no-offsets", "string-offsets", "negative-offsets", "offsets-past-the-data",
+        "string-shape", "shape-not-the-span", "entry-not-object", "eps-string", "eps-null", "rope-no-factor",
+        "rope-string", "tied-string", "index-list", "index-outside"])
+def test_a_crafted_folder_is_one_line_and_exit_2_before_anything_is_read_from_it(tmp_path, capsys, compiles, family,
+                                                                                damage, message):
+    """Headers, config values and index entries of the wrong type or out of bounds: never a traceback,
+    and never bytes of the header, or of a file outside the folder, read as weights."""
+    folder = _broken(tmp_path, family, damage)
+    code = cli.main(["train", str(_config_file(tmp_path, folder)), "mesh.fsdp=-1"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"jaxdist: error: model.init_from=hf:{folder}: ") and message in err, err
+    assert compiles.count == 0
+
+
 def _config_file(tmp_path: Path, folder: Path) -> Path:
     """A run of the tiny GPT's settings whose model section is only `init_from` and `seq_len`."""
     raw = make_config(tmp_path / "run", train={"steps": 1}).model_dump(mode="json")
@@ -273,8 +353,8 @@ def test_safetensors_files_round_trip_bfloat16_and_agree_with_the_safetensors_pa
         np.testing.assert_array_equal(theirs.get(name), array)
     truncated = tmp_path / "cut.safetensors"
     truncated.write_bytes((tmp_path / "ours.safetensors").read_bytes()[:-4])
-    with pytest.raises(safetensors_file.SafetensorsError, match="do not match its shape"):
-        safetensors_file.File(truncated).get("x")
+    with pytest.raises(safetensors_file.SafetensorsError, match="not two integers within its 114 bytes of data"):
+        safetensors_file.File(truncated)  # refused as it is opened, before anything is read
 
 
 def test_the_fine_tuning_walkthrough_in_the_docs_runs(tmp_path, capsys):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 from jaxdist import cli, runtime
@@ -156,6 +157,17 @@ def test_a_bad_device_count_is_a_user_error(monkeypatch, value):
         runtime.use_cpu_devices()
     with pytest.raises(UserError, match="positive integer"):
         runtime.use_cpu_devices(0)
+
+
+def test_a_device_count_the_host_cannot_hold_is_refused_before_jax_sees_it(monkeypatch):
+    monkeypatch.setenv("JAXDIST_CPU_DEVICES", "99999999")
+    with pytest.raises(UserError) as refused:
+        runtime.use_cpu_devices()
+    most = runtime.host_memory_bytes() // runtime.CPU_DEVICE_BYTES
+    assert str(refused.value) == (
+        f"JAXDIST_CPU_DEVICES=99999999: simulating 99,999,999 devices (1 MiB each) needs at least 104,857.6 GB of "
+        f"memory, more than this host has ({runtime.host_memory_bytes() / 1e9:,.1f} GB); use at most {most:,}")
+    assert jax.config.jax_num_cpu_devices == 8  # untouched
 
 
 def test_the_cli_exits_2_with_one_line_on_a_bad_device_count():

@@ -8,7 +8,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "jaxdist"
 
 # Lowest first; a module may import from its own layer and the layers below it.
 LAYERS = (
-    {"errors", "config", "runtime"},
+    {"errors", "atomic", "config", "runtime"},
     {"parallel"},
     {"data", "kernels"},
     {"models"},

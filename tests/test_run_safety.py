@@ -1,6 +1,7 @@
 """One writer per run directory, no rewritten history, and writers that fail (a full disk) or stop
 answering (a lost mount) end in the loop's error path, with signals honoured."""
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -16,12 +17,14 @@ from pathlib import Path
 import jax
 import pytest
 import yaml
-from conftest import TINY_GPT, make_config
+from conftest import TINY_GPT, disk_full_past, make_config
 
 from jaxdist import cli, loop
-from jaxdist.checkpoint import Checkpoints
+from jaxdist.checkpoint import Checkpoints, rundir
 from jaxdist.checkpoint.rundir import LOCK_FILE, RunDirLock
+from jaxdist.config import Config
 from jaxdist.errors import UserError
+from jaxdist.observe.metrics import drop_after
 
 pytestmark = pytest.mark.slow
 
@@ -119,8 +122,37 @@ def test_a_dead_runs_lock_is_taken_over(tmp_path, capsys):
     holder.wait()
     with RunDirLock(run_dir):
         assert json.loads((run_dir / LOCK_FILE).read_text())["pid"] == os.getpid()
-    assert json.loads((run_dir / LOCK_FILE).read_text())["released"] is True
+    assert not (run_dir / LOCK_FILE).exists()
 
+
+def test_a_deleted_or_swapped_lock_file_never_lets_a_second_run_in(tmp_path):
+    """People delete RUN/jaxdist.lock (or put another file there) while a run is live: the run holds
+    the directory itself, so a second start is still refused. (A flock is held by an open file
+    description: a second one in this process is refused as another process's would be; a killed
+    holder: test_a_dead_runs_lock_is_taken_over.)"""
+    run_dir = tmp_path / "run"
+    with RunDirLock(run_dir):  # the live run
+        (run_dir / LOCK_FILE).unlink()
+        with pytest.raises(UserError, match=f"run_dir={run_dir} is in use by another run"), RunDirLock(run_dir):
+            pass
+        (run_dir / LOCK_FILE).write_text('{"pid": 1, "host": "elsewhere", "released": true}')
+        with pytest.raises(UserError, match="is in use by another run"), RunDirLock(run_dir):
+            pass
+    with RunDirLock(run_dir):
+        assert json.loads((run_dir / LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert not (run_dir / LOCK_FILE).exists()  # a run leaves no lock file to clean up
+
+
+def test_a_lock_file_that_is_a_link_is_refused_and_its_target_untouched(tmp_path):
+    run_dir, target = tmp_path / "run", tmp_path / "precious.txt"
+    run_dir.mkdir()
+    target.write_text("someone's notes\n")
+    (run_dir / LOCK_FILE).symlink_to(target)
+    with pytest.raises(UserError) as refused, RunDirLock(run_dir):
+        pass
+    assert str(refused.value) == (f"run_dir={run_dir}: {run_dir / LOCK_FILE} is a symbolic link, and jaxdist never "
+                                  f"writes through one; remove it (a run makes its own lock file)")
+    assert target.read_text() == "someone's notes\n" and (run_dir / LOCK_FILE).is_symlink()
 
 @pytest.mark.parametrize("holder, refused", [
     ({"pid": 2**22 + 7, "host": socket.gethostname(), "released": False}, False),  # a dead process here
@@ -210,6 +242,88 @@ def test_a_rerun_after_every_checkpoint_was_unreadable_is_refused(tmp_path, caps
     assert (run_dir / "metrics.jsonl").read_bytes() == metrics
 
 
+def test_malformed_metrics_lines_are_set_aside_and_the_history_kept(tmp_path, capsys):
+    """A line that is no logged step (cut short by a kill, edited: `{}`, `5`, bytes that are not UTF-8)
+    never stops a resume and is never lost: it moves to a side file named in one warning."""
+    logged = [json.dumps({"step": step, "loss": 1.0 / step}).encode() for step in (1, 2, 3, 4, 5)]
+    malformed = [b"{}", b"5", b"\xff\xfe not UTF-8", b'{"step": "3"}', b'{"step": true}', b"[1, 2]"]
+    lines = [*logged[:2], *malformed, *logged[2:], b'{"step": 6, "lo']  # the last cut short by a kill
+    (tmp_path / "metrics.jsonl").write_bytes(b"\n".join(lines))
+    assert rundir.history(tmp_path) == ["metrics.jsonl with 12 logged steps"]  # what a fresh start is told
+    drop_after(tmp_path, 4)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == b"".join(line + b"\n" for line in logged[:4])
+    [aside] = tmp_path.glob("metrics.jsonl.set-aside-*")
+    assert aside.read_bytes() == b"".join(line + b"\n" for line in [*malformed, b'{"step": 6, "lo'])
+    assert capsys.readouterr().err == (
+        f"jaxdist: warning: {tmp_path / 'metrics.jsonl'}: moved 7 line(s) that are no logged step's JSON object (the "
+        f"first: line 3) to {aside}; the other lines are kept\n")
+    drop_after(tmp_path, 4)  # nothing more to move or drop: the file is left as it is
+    assert len(list(tmp_path.glob("metrics.jsonl.set-aside-*"))) == 1 and not capsys.readouterr().err
+
+
+# Runs metrics.drop_after(RUN_DIR, 50) in forked children, each killed with SIGKILL at another file
+# call of the rewrite (just before it, or just after it returns), picked at random; after each
+# kill the file must be the old one or the new one, and the next start's rewrite must finish it.
+KILLED_REWRITES = textwrap.dedent("""
+    import json, os, random, signal, sys
+    from pathlib import Path
+    from jaxdist.observe.metrics import drop_after
+
+    FILE_CALLS = {"open", "read", "write", "flush", "fsync", "close", "replace", "rename", "truncate", "unlink",
+                  "__exit__"}
+    run_dir, points, seed = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    path = run_dir / "metrics.jsonl"
+    old = path.read_bytes()
+    new = b"".join(line + b"\\n" for line in old.splitlines() if json.loads(line)["step"] <= 50)
+
+    def rewrite_killed_at(point):
+        pid = os.fork()
+        if pid == 0:
+            calls = 0
+            def profile(frame, event, arg):
+                nonlocal calls
+                if event in ("c_call", "c_return") and getattr(arg, "__name__", None) in FILE_CALLS:
+                    calls += event == "c_call"
+                    if (calls, event) == point:
+                        os.kill(os.getpid(), signal.SIGKILL)
+            sys.setprofile(profile)
+            drop_after(run_dir, 50)
+            sys.setprofile(None)
+            os._exit(min(calls, 255))
+        _, status = os.waitpid(pid, 0)
+        return os.WEXITSTATUS(status) if os.WIFEXITED(status) else -os.WTERMSIG(status)
+
+    calls = rewrite_killed_at(None)  # a whole rewrite, to count its file calls
+    path.write_bytes(old)
+    every = [(call, event) for call in range(1, calls + 1) for event in ("c_call", "c_return")]
+    chosen = random.Random(seed).sample(every, min(points, len(every)))
+    chosen += random.Random(seed).choices(every, k=points - len(chosen))
+    outcomes = []
+    for point in chosen:
+        code = rewrite_killed_at(point)
+        found = path.read_bytes()
+        drop_after(run_dir, 50)  # the next start
+        outcomes.append({"point": point, "code": code, "file": "old" if found == old else "new" if found == new
+                         else f"cut: {len(found)} bytes", "then": "new" if path.read_bytes() == new else "broken"})
+        path.write_bytes(old)
+    print(json.dumps({"calls": calls, "outcomes": outcomes}))
+""")
+
+
+def test_a_kill_at_any_point_of_a_resumes_metrics_rewrite_leaves_the_history_whole(tmp_path):
+    lines = [json.dumps({"step": step, "loss": 1.0 / step, "tokens_per_sec": 1e5 + step}) for step in range(1, 101)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    seed = int.from_bytes(os.urandom(4), "little")
+    run = subprocess.run([sys.executable, "-c", KILLED_REWRITES, str(tmp_path), "20", str(seed)], env=env(),
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    outcomes = report["outcomes"]
+    assert len(outcomes) == 20 and report["calls"] >= 3
+    assert sum(outcome["code"] == -signal.SIGKILL for outcome in outcomes) == 20, outcomes
+    assert all(outcome["file"] in ("old", "new") and outcome["then"] == "new" for outcome in outcomes), (seed, outcomes)
+
+
 def tensorboard_scalars(tb_dir: Path, tag: str) -> dict[int, float]:
     """`tag`'s values by step as TensorBoard shows them: events a later run purged are gone."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -294,6 +408,30 @@ def test_a_full_disk_under_tensorboard_stops_the_run_with_one_line(tmp_path, sma
     assert time.monotonic() - started < 120
     line = one_line(capsys.readouterr().err)
     assert line.startswith(f"jaxdist: error: could not write {run_dir / 'tb'}") and "No space left on device" in line, line
+
+
+def test_a_disk_that_fills_while_config_yaml_is_written_leaves_the_old_one(tmp_path, capsys, monkeypatch):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    old = "# the resolved config of an earlier start\nseed: 0\n"
+    (run_dir / "config.yaml").write_text(old)
+    path = config_file(run_dir, train={"steps": 1})
+    to_yaml, full = Config.to_yaml, contextlib.ExitStack()
+
+    def filling_the_disk(cfg):  # the disk fills as config.yaml is written: 1 KiB of it fits
+        text = to_yaml(cfg)
+        full.enter_context(disk_full_past(1024))
+        return text
+
+    monkeypatch.setattr(Config, "to_yaml", filling_the_disk)
+    with full:
+        code = cli.main(["train", str(path)])
+    line = one_line(capsys.readouterr().err)
+    assert code == 2
+    assert line == (f"jaxdist: error: could not write {run_dir / 'config.yaml'} (File too large); the file there is "
+                    f"left as it was; free space there or fix the folder, then run again")
+    assert (run_dir / "config.yaml").read_text() == old
+    assert not list(run_dir.glob(".config.yaml*"))  # nothing half-written beside it
 
 
 STUCK = textwrap.dedent("""

@@ -1,6 +1,8 @@
 """Sampling with a KV cache: greedy output is the full recompute's, token for token, under any
 layout; nucleus sampling keeps to its nucleus; `jaxdist sample` continues a run's prompt."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,3 +66,19 @@ def test_the_sample_command_continues_a_run_and_reports_its_speed(tmp_path, caps
         assert cli.main(["sample", str(run_dir), "--prompt", prompt]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, err
+    for option, value, message in [
+        ("--temperature", "nan", "sample --temperature nan: use a finite number, 0 (greedy) or more"),
+        ("--temperature", "-1", "sample --temperature -1.0: use a finite number, 0 (greedy) or more"),
+        ("--temperature", "inf", "sample --temperature inf: use a finite number, 0 (greedy) or more"),
+        ("--seed", str(10**23), f"sample --seed {10**23}: use an integer from 0 to 4294967295"),
+        ("--prompt", os.fsdecode(b"def \xff"), "sample --prompt: it is not UTF-8 text (byte 0xff at character 4); pass UTF-8 text"),
+    ]:
+        arguments = {"--prompt": "def ", option: value}
+        assert cli.main(["sample", str(run_dir), *(x for pair in arguments.items() for x in pair)]) == 2
+        assert capsys.readouterr().err == f"jaxdist: error: {message}\n"
+    # 10**8 rows of a KV cache of 2 layers x 32 positions x 64 features, keys and values, in float32
+    assert cli.main(["sample", str(run_dir), "--prompt", "def ", "--rows", str(10**8)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxdist: error: sample --rows 100000000: sampling 100,000,000 rows (their KV cache and the "
+                          "prompt's logits) needs at least 3,699.2 GB of memory, more than this host has ("), err
+    assert err.count("\n") == 1 and "); pass at most --rows " in err

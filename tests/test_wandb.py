@@ -95,3 +95,29 @@ def test_online_without_a_login_is_one_line(tmp_path, monkeypatch):
         wandb_log.WandbRun(cfg, tmp_path / "run")
     assert str(err.value) == ("log.wandb=true: Weights & Biases did not start: No API key configured. Use `wandb login` "
                               "to log in. Or set log.wandb_mode=offline to keep the run in run_dir/wandb only")
+
+
+class _FailingRun:
+    step = 0
+
+    def log(self, values, step):
+        raise OSError(28, "No space left on device")
+
+    def finish(self):
+        raise RuntimeError("the W&B service is gone")
+
+
+def test_a_failing_wandb_is_one_warning_and_the_run_goes_on(capsys):
+    run = wandb_log.WandbRun.__new__(wandb_log.WandbRun)  # as `__init__` leaves it, with a run that fails
+    run._run = _FailingRun()
+    run.log(3, {"loss": 1.0})
+    run.log(4, {"loss": 0.9})  # not asked again
+    run.close()
+    assert capsys.readouterr().err.splitlines() == [
+        "jaxdist: warning: log.wandb: Weights & Biases failed at step 3 ([Errno 28] No space left on device); it gets "
+        "no more of this run's steps, which metrics.jsonl and tb/ hold"]
+    run._run = _FailingRun()
+    run.close()
+    assert capsys.readouterr().err.splitlines() == [
+        "jaxdist: warning: log.wandb: Weights & Biases failed to finish the run (the W&B service is gone); "
+        "metrics.jsonl and tb/ hold every step"]

@@ -11,8 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdist import atomic
+from jaxdist.checkpoint import safetensors_file
 from jaxdist.checkpoint.integrity import is_damage
-from jaxdist.checkpoint.store import Checkpoints, dotted_name, first_line
+from jaxdist.checkpoint.store import Checkpoints, dotted_name, first_line, first_mismatch, leaf_shapes
+from jaxdist.config import Config
+from jaxdist.config.files import from_dict
 from jaxdist.errors import UserError, check_writable
 
 
@@ -40,13 +44,41 @@ def export_params(run_dir: str | Path, out: str | Path, step: int | None = None)
     step, parts, meta = read_parts(run_dir, step, check)
     arrays = {dotted_name(path): np.ascontiguousarray(leaf)
               for part in parts.values() for path, leaf in jax.tree_util.tree_flatten_with_path(part)[0]}
-    if out.suffix == ".npz":
-        np.savez(out, **arrays)
-    else:
-        from safetensors.numpy import save_file
-
-        save_file(arrays, str(out), metadata={"step": str(step), "config": json.dumps(meta.get("config", {}))})
+    with atomic.replacing(out) as partial:  # an older OUT stays whole until the new one is
+        if out.suffix == ".npz":
+            with open(partial, "wb") as file:  # a file object: np.savez would add .npz to a name
+                np.savez(file, **arrays)
+        else:
+            safetensors_file.write(partial, arrays, {"step": str(step), "config": json.dumps(meta.get("config", {}))})
     return step, len(arrays)
+
+
+def checkpoint_path(run_dir: str | Path, step: int) -> Path:
+    """The directory of a run's checkpoint `step`, as the store names it in its lines."""
+    return Path(run_dir).absolute() / "checkpoints" / str(step)
+
+
+def saved_config(meta: dict, checkpoint: Path) -> Config:
+    """The resolved config a checkpoint's meta holds; a `UserError` naming the key where it is not a
+    config (the meta edited or damaged)."""
+    config = meta.get("config")
+    if not isinstance(config, dict):
+        raise UserError(f"checkpoint {checkpoint}: its meta holds no config object; the meta was edited or is damaged")
+    try:
+        return from_dict(config)
+    except UserError as err:
+        raise UserError(f"checkpoint {checkpoint}: the config in its meta is not valid ({err}); the meta was edited "
+                        f"or is damaged") from None
+
+
+def check_saved_model(saved_params: Any, abstract_params: Any, checkpoint: Path) -> None:
+    """Raises `UserError` where the model a checkpoint's meta describes (`abstract_params`, built from
+    its config) is not the one of its saved arrays (`saved_params`): what is built from the meta
+    must take its shapes from the arrays, never cut them to the meta's."""
+    problem = first_mismatch(leaf_shapes(saved_params), leaf_shapes(abstract_params))
+    if problem:
+        raise UserError(f"checkpoint {checkpoint}: the model its meta describes does not fit its saved arrays: "
+                        f"{problem}; the meta was edited or is damaged")
 
 
 def read_params(run_dir: str | Path, step: int | None = None) -> tuple[int, Any, dict]:

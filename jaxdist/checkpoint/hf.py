@@ -17,7 +17,7 @@ import json
 import re
 import shutil
 from collections.abc import Callable, Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import jax
@@ -26,6 +26,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxdist import atomic
 from jaxdist.checkpoint import safetensors_file
 from jaxdist.config import Config
 from jaxdist.config.base import HF_PREFIX
@@ -110,7 +111,10 @@ def resolve(cfg: Config) -> Config:
 
 
 class Shards:
-    """A folder's safetensors tensors by name, across its shards (`model.safetensors.index.json`)."""
+    """A folder's safetensors tensors by name, across its shards (`model.safetensors.index.json`).
+
+    Every shard's header is read and checked when the folder is opened, and the index may name only
+    files inside the folder: a crafted folder is one line before anything is built from it."""
 
     def __init__(self, folder: Path):
         self.folder = folder
@@ -118,10 +122,7 @@ class Shards:
         where = f"model.init_from=hf:{folder}"
         index = folder / "model.safetensors.index.json"
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise UserError(f"{where}: {index.name} has no readable weight_map ({err})") from None
+            weight_map = _weight_map(index, where)
         elif (folder / "model.safetensors").is_file():
             weight_map = {name: "model.safetensors" for name in self._file("model.safetensors").keys()}
         else:
@@ -130,6 +131,8 @@ class Shards:
         missing = sorted({file for file in weight_map.values() if not (folder / file).is_file()})
         if missing:
             raise UserError(f"{where}: {len(missing)} shard(s) the index names are missing: {', '.join(missing[:3])}")
+        for file in sorted(set(weight_map.values())):
+            self._file(file)
         self.weight_map: dict[str, str] = weight_map
 
     def _file(self, name: str) -> safetensors_file.File:
@@ -163,6 +166,23 @@ class Shards:
     def unused(self, used: set[str]) -> list[str]:
         return sorted(name for name in self.weight_map
                       if name not in used and not name.endswith(_BUFFERS))
+
+
+def _weight_map(index: Path, where: str) -> dict[str, str]:
+    """An index's tensor -> file map; a `UserError` for one that is not an object of names, or that
+    names a file outside the folder (an absolute path, or one that climbs out with `..`)."""
+    try:
+        read = json.loads(index.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"{where}: {index.name} is not valid JSON ({err})") from None
+    weight_map = read.get("weight_map") if isinstance(read, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(x, str) for item in weight_map.items() for x in item):
+        raise UserError(f"{where}: {index.name}: its weight_map is not an object of tensor names to file names")
+    outside = sorted(file for file in set(weight_map.values())
+                     if not file or PurePosixPath(file).is_absolute() or ".." in PurePosixPath(file).parts)
+    if outside:
+        raise UserError(f"{where}: {index.name} names {outside[0]}, which is not a file name inside the folder")
+    return weight_map
 
 
 def load_params(cfg: Config, abstract_params: Any, shardings: Any) -> Any:
@@ -334,7 +354,7 @@ def write_folder(out: Path, model, tensors: Iterator[tuple[str, np.ndarray]], so
         return []
     source_config = read_config(source) if source is not None and (source / "config.json").is_file() else None
     config = {**hf_models.hf_config(model, source_config), "dtype": dtype}
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    atomic.write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
     names = (["model.safetensors"] if len(groups) == 1 else
              [f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)])
     for temporary, final in zip(groups, names, strict=True):
@@ -344,7 +364,7 @@ def write_folder(out: Path, model, tensors: Iterator[tuple[str, np.ndarray]], so
         final_of = dict(zip(groups, names, strict=True))
         index = {"metadata": {"total_parameters": total_count, "total_size": total_size},
                  "weight_map": {name: final_of[file] for name, file in sorted(weight_map.items())}}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        atomic.write_text(out / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
         written.append("model.safetensors.index.json")
     for name in SIDE_FILES:
         if source is not None and (source / name).is_file():
@@ -362,7 +382,9 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> tup
     and they gather one parameter at a time: process 0 writes, holding one parameter and one
     safetensors shard at a time. Collective there: every process must call it.
     """
-    from jaxdist.checkpoint.export import read_params
+    from jaxdist import models
+    from jaxdist.checkpoint.export import check_saved_model, checkpoint_path, read_params, saved_config
+    from jaxdist.train.state import abstract_model
 
     out = Path(out)
     err = None
@@ -378,8 +400,10 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> tup
         raise err
     if jax.process_count() == 1:
         step, params, meta = read_params(run_dir, step)
-        cfg = Config.model_validate(meta.get("config", {}))
+        cfg = saved_config(meta, checkpoint_path(run_dir, step))
         hf_models.export_architecture(cfg.model)  # one line before anything is written
+        abstract = abstract_model(models.get(cfg.model.name).create(cfg), cfg.seed)
+        check_saved_model(params, abstract.params, checkpoint_path(run_dir, step))
         files = write_folder(out, cfg.model, hf_tensors(cfg.model, lambda path: leaf_at(params, path)), _source(cfg))
     else:
         step, files, cfg = _export_spread(run_dir, out, step)
@@ -441,12 +465,12 @@ def _export_spread(run_dir: str | Path, out: Path, step: int | None) -> tuple[in
     """`export` in several processes: each reads its shards, they gather a parameter at a time.
     Returns (step, files written, the run's config)."""
     from jaxdist import models
-    from jaxdist.checkpoint.export import read_checkpoint
+    from jaxdist.checkpoint.export import read_checkpoint, saved_config
     from jaxdist.parallel import layout as layout_lib
     from jaxdist.train.state import abstract_model, param_shardings, with_shardings
 
     def read(store, step: int) -> tuple[Config, Any]:
-        cfg = Config.model_validate(store.meta(step).get("config", {}))
+        cfg = saved_config(store.meta(step), store.path(step))
         hf_models.export_architecture(cfg.model)
         spread = cfg.model_copy(update={
             "mesh": cfg.mesh.model_copy(update={"data": 1, "stage": 1, "fsdp": -1, "tensor": 1}),

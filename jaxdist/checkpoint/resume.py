@@ -134,6 +134,7 @@ class _SavedTrain(pydantic.BaseModel):
 
 class _SavedConfig(pydantic.BaseModel):
     train: _SavedTrain
+    data: dict[str, Any] = {}  # its `workers`, compared with the new config's
 
 
 class _SavedMeta(pydantic.BaseModel):

@@ -100,6 +100,7 @@ class RunCheckpoints:
         self._mesh: Mesh | None = None
         self._unconfirmed: list[int] = []  # checkpoints whose next step is not judged yet
         self._prune_through: int | None = None  # rotation due through this step
+        self._said_undeletable: set[int] = set()  # old checkpoints a warning said could not be deleted
 
     def resume(self, trainer) -> DataPosition:
         """Restores the prepared checkpoint (or, if its arrays fail to read, the newest one before
@@ -217,9 +218,23 @@ class RunCheckpoints:
             self.save(step, state, bad_steps_in_a_row)
 
     def poll(self) -> None:
-        """Says which save completed since the last call; raises if one failed (a full disk)."""
+        """Says which save completed since the last call, and which old checkpoint rotation could not
+        delete (once each); raises if a save failed (a full disk)."""
         if self._store is not None and (step := self._store.poll()) is not None:
             self._saved(step)
+        self._warn_undeletable()
+
+    def _warn_undeletable(self) -> None:
+        for step, why in sorted(self.undeletable.items()):
+            if step not in self._said_undeletable:
+                self._said_undeletable.add(step)
+                warn(f"could not delete old checkpoint {self._store.path(step)} ({why}); it is kept, and deleting it "
+                     f"is tried again at the next save")
+
+    @property
+    def undeletable(self) -> dict[int, str]:
+        """The old checkpoints rotation could not delete (step: why), as of the last rotation done."""
+        return {} if self._store is None else dict(self._store.undeletable)
 
     def _finish_write(self) -> None:
         """Waits for the write in progress (at most `checkpoint.write_timeout`) and says it is done."""
@@ -317,6 +332,8 @@ class RunCheckpoints:
             self._finish_write()
             self.confirm(None)  # a rotation that waited for the write
         self._store.close(wait)
+        if wait:
+            self._warn_undeletable()
 
 
 class _Completion:

@@ -30,6 +30,7 @@ import functools
 import itertools
 import math
 import queue
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -402,6 +403,9 @@ class Checkpoints:
         self._writer: _Writer | None = None
         self._warming: concurrent.futures.Future | None = None
         self._write_failed = False
+        # Old checkpoints a prune could not delete, with why (a prune tries them again).
+        self.undeletable: dict[int, str] = {}
+        self._prunes = itertools.count()  # each prune's barrier needs a name of its own
 
     def __enter__(self) -> Checkpoints:
         return self
@@ -533,12 +537,21 @@ class Checkpoints:
 
     def prune(self, keep: int, keep_every: int | None = None, through: int | None = None) -> None:
         """Deletes, on the writer thread after the writes before it, the checkpoints up to step
-        `through` (default: all) but the newest `keep` of them and those at multiples of `keep_every`."""
+        `through` (default: all) but the newest `keep` of them and those at multiples of `keep_every`.
+
+        A checkpoint that cannot be deleted (the file system refuses, or it is a symbolic link) is
+        kept and passed over, and listed in `undeletable` with why; the next prune tries it again."""
         def delete_old() -> None:
             upto = [step for step in self._manager.all_steps() if through is None or step <= through]
-            for step in sorted(upto)[:-keep]:
-                if not (keep_every and step % keep_every == 0):
-                    self._manager.delete(step)
+            doomed = [step for step in sorted(upto)[:-keep] if not (keep_every and step % keep_every == 0)]
+            failed = {}
+            if jax.process_index() == 0:  # process 0 deletes; the others wait for it
+                failed = {step: why for step in doomed if (why := _delete_tree(self.path(step))) is not None}
+            if jax.process_count() > 1:
+                ocp.multihost.sync_global_processes(f"jaxdist_prune_{next(self._prunes)}")
+            self._manager.reload()
+            self.undeletable = {**{step: why for step, why in self.undeletable.items() if step not in doomed},
+                                **failed}
 
         if jax.process_count() > 1:  # every process deletes together, as it saves (see `save`)
             if self.writing is not None:
@@ -781,6 +794,17 @@ class Checkpoints:
             if note := set_aside_summary(self.directory):
                 warn(note)
         return aside
+
+
+def _delete_tree(path: Path) -> str | None:
+    """Deletes a checkpoint's directory; why it could not (one that is a link is not jaxdist's), or None."""
+    if path.is_symlink():
+        return "a symbolic link, which jaxdist does not delete through; remove it yourself"
+    try:
+        shutil.rmtree(path)
+    except OSError as err:
+        return err.strerror or str(err)
+    return None
 
 
 def _platform(state: Any) -> str:

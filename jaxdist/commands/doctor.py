@@ -22,6 +22,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist import config as config_lib
+from jaxdist import runtime
 from jaxdist.config import Config
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.parallel import rules as rules_lib
@@ -30,6 +31,9 @@ COLLECTIVES = ("all-reduce", "all-gather", "ppermute")
 CHECK_WIDTH = 8  # values per device in the correctness checks
 TIMED_RUNS = 5  # calls timed; the median is reported
 TIMED_REPEATS = 10  # collectives per timed call
+# Buffers of the timed size a device holds while it times a collective: the input, the result, and
+# the one the next collective in a row writes.
+TIMED_BUFFERS = 3
 _HOSTNAME_BYTES = 64
 
 
@@ -161,6 +165,16 @@ def run_checks(mesh: Mesh) -> list[CheckResult]:
     return [CheckResult(c, axes, int(n)) for (c, axes), n in zip(cases, totals)]
 
 
+def check_buffer_fits(mesh: Mesh, megabytes: float) -> None:
+    """Raises `UserError` where the devices cannot hold the timed buffers of `megabytes` each (on a
+    CPU they share this host's memory), before anything is allocated."""
+    available, where = runtime.memory_of(mesh.local_devices)
+    buffers = TIMED_BUFFERS * len(mesh.local_devices)
+    runtime.check_memory(int(buffers * megabytes * 2**20),
+                         f"doctor --megabytes {megabytes:g}: timing collectives of {megabytes:g} MB per device",
+                         f"pass at most --megabytes {available / (buffers * 2**20):.0f}", available, where)
+
+
 def measure_bandwidth(mesh: Mesh, megabytes: float) -> list[Bandwidth]:
     """Time of one all-reduce and one ppermute of `megabytes` per device, per axis group."""
     width = max(1, int(megabytes * 2**20) // 4)
@@ -247,6 +261,7 @@ def run(cfg: Config, megabytes: float) -> int:
     """Checks and times the collectives of `cfg`'s mesh on all devices; 0 if all passed, else 1."""
     shape = mesh_lib.resolve_mesh_shape(cfg.mesh, jax.device_count())
     mesh = mesh_lib.build_mesh(shape)
+    check_buffer_fits(mesh, megabytes)
     hosts = hostnames()
     checks = run_checks(mesh)
     bandwidth = measure_bandwidth(mesh, megabytes)

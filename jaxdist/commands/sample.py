@@ -7,15 +7,16 @@ and placed by the config's rules. Sampling keeps a KV cache (train/generate.py).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import jax
 import numpy as np
+from flax import nnx
 
 from jaxdist import config as config_lib
-from jaxdist import models
-from jaxdist.checkpoint.export import read_params
-from jaxdist.config import Config
+from jaxdist import models, runtime
+from jaxdist.checkpoint.export import check_saved_model, checkpoint_path, read_params, saved_config
 from jaxdist.data import loader
 from jaxdist.errors import UserError
 from jaxdist.models import dtypes
@@ -27,10 +28,9 @@ from jaxdist.train.state import abstract_model, param_shardings
 def run(run_dir: str, prompt: str, tokens: int, temperature: float, top_p: float, rows: int, seed: int,
         step: int | None, overrides: list[str]) -> str:
     """The sampled text of each row and a line on the speed (tokens/s of the compiled generation)."""
-    if not 0 < top_p <= 1:
-        raise UserError(f"sample --top-p {top_p}: use a probability in (0, 1]")
+    check_options(prompt, temperature, top_p, seed)
     step, params, meta = read_params(run_dir, step)
-    cfg = config_lib.with_overrides(Config.model_validate(meta.get("config", {})), overrides)
+    cfg = config_lib.with_overrides(saved_config(meta, checkpoint_path(run_dir, step)), overrides)
     entry = models.get(cfg.model.name)
     if not entry.samples_text:
         raise UserError(f"sample: RUN_DIR={run_dir} trained model.name={cfg.model.name}, which makes no text")
@@ -43,11 +43,14 @@ def run(run_dir: str, prompt: str, tokens: int, temperature: float, top_p: float
                         f"leaves no room to continue it")
     layout = layout_lib.from_config(cfg, None, entry.activations)
     abstract = abstract_model(entry.create(cfg), cfg.seed)
+    check_saved_model(params, abstract.params, checkpoint_path(run_dir, step))
+    # Rows are split over the batch shards: a mesh of more shards than rows samples some rows it drops.
+    computed = -(-rows // layout.batch_shards) * layout.batch_shards
+    _check_rows_fit(abstract, rows, computed, len(ids), min(cfg.model.seq_len, len(ids) + tokens), cfg.model.vocab,
+                    layout.mesh)
     shardings = param_shardings(abstract, layout.rules, layout.mesh)
     placed = jax.tree.map(lambda array, sharding: jax.make_array_from_callback(
         array.shape, sharding, lambda index: array[index]), params, shardings)
-    # Rows are split over the batch shards: a mesh of more shards than rows samples some rows it drops.
-    computed = -(-rows // layout.batch_shards) * layout.batch_shards
     cast = None if entry.read_in_compute_dtype is None else generate.compute_dtype_params(
         entry.read_in_compute_dtype, dtypes.policy(cfg.precision).compute_dtype)
     out = generate.timed_sample(abstract.graphdef, placed, ids, tokens, cfg.model.seq_len, temperature, seed,
@@ -58,3 +61,47 @@ def run(run_dir: str, prompt: str, tokens: int, temperature: float, top_p: float
     speed = (f"{made} tokens in {out.seconds:.2f} s ({made / out.seconds:,.0f} tokens/s, {rows} row(s), step "
              f"{step} of {Path(run_dir)})")
     return "\n----\n".join(texts) + "\n" + speed
+
+
+def check_options(prompt: str, temperature: float, top_p: float, seed: int) -> None:
+    """Raises `UserError` for an option sampling cannot use, before anything is read: a temperature
+    that is not finite or is negative (NaN would sample garbage), a top-p outside (0, 1], a seed
+    outside 32 bits (as `seed` in a config), a prompt that is not text (bytes of the command line
+    that are not UTF-8)."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise UserError(f"sample --temperature {temperature}: use a finite number, 0 (greedy) or more")
+    if not 0 < top_p <= 1:
+        raise UserError(f"sample --top-p {top_p}: use a probability in (0, 1]")
+    if not 0 <= seed < 2**32:
+        raise UserError(f"sample --seed {seed}: use an integer from 0 to {2**32 - 1}")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as err:
+        # Python keeps a command line's byte that is not UTF-8 as the lone surrogate U+DC00 + byte.
+        char = ord(prompt[err.start])
+        what = f"byte {char - 0xDC00:#04x}" if 0xDC80 <= char <= 0xDCFF else f"lone surrogate U+{char:04X}"
+        raise UserError(f"sample --prompt: it is not UTF-8 text ({what} at character {err.start}); pass UTF-8 "
+                        f"text") from None
+
+
+def sampling_bytes(abstract, rows: int, prompt_length: int, length: int, vocab: int) -> int:
+    """What sampling `rows` rows of `length` tokens holds at the least: the KV cache (its shape asked
+    of the model, nothing allocated), the prompt pass's float32 logits and the tokens."""
+    def empty_cache(params):
+        return nnx.merge(abstract.graphdef, params).init_cache(rows, length)
+
+    cache = jax.eval_shape(empty_cache, abstract.params)
+    cache_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(cache))
+    return cache_bytes + rows * (prompt_length * vocab * 4 + length * 4)
+
+
+def _check_rows_fit(abstract, rows: int, computed: int, prompt_length: int, length: int, vocab: int, mesh) -> None:
+    """Refuses `--rows` whose sampling this process's devices cannot hold their part of (on a CPU,
+    this host's memory), before anything is allocated."""
+    available, where = runtime.memory_of(mesh.local_devices)
+    share = len(mesh.local_devices) / mesh.devices.size
+    per_row = sampling_bytes(abstract, 1, prompt_length, length, vocab) * share
+    most = max(int(available // per_row) - (computed - rows), 0)
+    runtime.check_memory(int(sampling_bytes(abstract, computed, prompt_length, length, vocab) * share),
+                         f"sample --rows {rows}: sampling {computed:,} rows (their KV cache and the prompt's logits)",
+                         f"pass at most --rows {most}", available, where)

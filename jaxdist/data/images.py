@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxdist import atomic
 from jaxdist.data import shards, sources
 from jaxdist.errors import UserError, optional_import
 
@@ -188,7 +189,7 @@ def prepare(
                 for split in SPLITS
             },
         }
-        (scratch / sources.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        atomic.write_text(scratch / sources.MANIFEST, json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxdist import atomic
 from jaxdist.data import images, shards, sources
 from jaxdist.data import tokenizer as tokenizer_lib
 from jaxdist.errors import UserError, optional_import, warn
@@ -309,7 +310,7 @@ def prepare(
             "inputs": [str(path) for path, _ in files],
             "splits": splits,
         }
-        (scratch / sources.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        atomic.write_text(scratch / sources.MANIFEST, json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 

@@ -3,13 +3,14 @@
 A split is `SPLIT-00000.array_record`, `SPLIT-00001.array_record`, ... of at most
 `records_per_shard` records each; the manifest lists the files and their record counts. Reading
 checks both, so a missing, truncated or corrupt shard is a `UserError` naming it. `new_directory`
-writes a prepared directory in full or not at all.
+writes a prepared directory in full or not at all, and deletes only the scratch folder it made.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,8 @@ from jaxdist.errors import UserError, check_writable
 
 # One record per chunk (group_size:1) keeps random access to a record cheap; zstd:1 decodes fast.
 WRITER_OPTIONS = "group_size:1,zstd:1"
+# The file that marks a scratch directory as made by `new_directory` (see there).
+SCRATCH_MARKER = ".jaxdist-partial"
 
 
 def first_line(err: Exception) -> str:
@@ -30,8 +33,12 @@ def first_line(err: Exception) -> str:
 
 @contextlib.contextmanager
 def new_directory(out: str) -> Iterator[Path]:
-    """A scratch directory that becomes `out` when the block completes; on any error it is removed
-    and `out` is left as it was. `out` must be new or empty."""
+    """A scratch directory, `NAME.partial` beside `out`, that becomes `out` when the block completes;
+    on any error it is removed and `out` is left as it was. `out` must be new or empty.
+
+    The scratch directory holds a marker file (`SCRATCH_MARKER`) from the moment it is made: one a
+    killed prepare left is removed, but a `NAME.partial` jaxdist did not make (no marker, and not
+    empty) is the user's, and a `UserError`: jaxdist deletes only what it made."""
     directory = Path(out)
     # "", ".", "/" and "a/.." name no folder of their own, to be built beside it as `NAME.partial`.
     if directory.name in ("", ".."):
@@ -41,8 +48,13 @@ def new_directory(out: str) -> Iterator[Path]:
     if directory.is_dir() and any(directory.iterdir()):
         raise UserError(f"data prepare: --out={out} is not empty; pass a new or empty directory")
     scratch = directory.with_name(directory.name + ".partial")
-    shutil.rmtree(scratch, ignore_errors=True)
+    if _made_here(scratch):
+        shutil.rmtree(scratch)
+    elif os.path.lexists(scratch) and not _empty_folder(scratch):
+        raise UserError(f"data prepare: --out={out}: {scratch} is in the way, and jaxdist did not make it (a prepare "
+                        f"writes there before renaming it to the output); move it away or pass another --out")
     check_writable(scratch, f"data prepare: --out={out}", directory=True)  # creates it
+    (scratch / SCRATCH_MARKER).touch()
     try:
         yield scratch
     except BaseException:
@@ -51,6 +63,16 @@ def new_directory(out: str) -> Iterator[Path]:
     if directory.exists():
         directory.rmdir()
     scratch.rename(directory)
+    (directory / SCRATCH_MARKER).unlink()
+
+
+def _made_here(scratch: Path) -> bool:
+    """Whether `scratch` is a scratch directory `new_directory` made (its marker inside; never a link)."""
+    return not scratch.is_symlink() and scratch.is_dir() and (scratch / SCRATCH_MARKER).is_file()
+
+
+def _empty_folder(path: Path) -> bool:
+    return not path.is_symlink() and path.is_dir() and not any(path.iterdir())
 
 
 class RecordWriter:

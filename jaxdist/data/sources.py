@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Annotated, Literal
 
 import numpy as np
+import pydantic
 
 from jaxdist.data.shards import RecordReader, first_line
 from jaxdist.errors import UserError
@@ -24,14 +26,44 @@ IMAGES_MANIFEST_FORMAT = "jaxdist-labeled-images/1"
 SOURCE_OF_FORMAT = {MANIFEST_FORMAT: "arrayrecord", IMAGES_MANIFEST_FORMAT: "images"}
 # An image record: the label, then the pixels.
 LABEL_DTYPE = np.dtype("<i4")
-# What the loader reads of each format's manifest (dotted: nested keys): an edited or cut-short
-# manifest without one is one line naming it, not a KeyError.
-_SPLIT_KEYS = {MANIFEST_FORMAT: ("files", "records", "tokens"), IMAGES_MANIFEST_FORMAT: ("files", "records", "examples")}
-_READ_KEYS = {
-    fmt: (*top, *(f"splits.{split}.{key}" for split in ("train", "eval") for key in _SPLIT_KEYS[fmt]))
-    for fmt, top in ((MANIFEST_FORMAT, ("tokenizer.name", "tokenizer.vocab_size", "dtype", "chunk_tokens")),
-                     (IMAGES_MANIFEST_FORMAT, ("classes", "image_shape")))
-}
+# What the loader reads of each format's manifest, with its type: a manifest that was edited or cut
+# short is one line naming the key and its value, never a traceback (other keys are not read).
+_Count = Annotated[int, pydantic.Field(ge=0)]
+_Size = Annotated[int, pydantic.Field(gt=0)]
+
+
+class _Split(pydantic.BaseModel, strict=True):
+    files: list[str]
+    records: list[_Count]
+
+
+class _TokenSplit(_Split):
+    tokens: _Count
+
+
+class _ImageSplit(_Split):
+    examples: _Count
+
+
+class _Tokenizer(pydantic.BaseModel, strict=True):
+    name: str
+    vocab_size: _Size
+
+
+class _TokensManifest(pydantic.BaseModel, strict=True):
+    tokenizer: _Tokenizer
+    dtype: Literal["uint8", "uint16", "uint32"]  # what `data prepare` writes (prepare.token_dtype)
+    chunk_tokens: _Size
+    splits: dict[Literal["train", "eval"], _TokenSplit]
+
+
+class _ImagesManifest(pydantic.BaseModel, strict=True):
+    classes: dict[str, _Count]
+    image_shape: Annotated[list[_Size], pydantic.Field(min_length=3, max_length=3)]  # height, width, channels
+    splits: dict[Literal["train", "eval"], _ImageSplit]
+
+
+_SCHEMAS = {MANIFEST_FORMAT: _TokensManifest, IMAGES_MANIFEST_FORMAT: _ImagesManifest}
 
 
 def read_manifest(directory: Path, expected: str = MANIFEST_FORMAT) -> dict:
@@ -65,13 +97,29 @@ def read_manifest(directory: Path, expected: str = MANIFEST_FORMAT) -> dict:
         raise UserError(
             f"data.path={directory}: {MANIFEST} is not a {expected} manifest; prepare the data again"
         )
-    for dotted in _READ_KEYS[expected]:
-        value = manifest
-        for key in dotted.split("."):
-            if not isinstance(value, dict) or key not in value:
-                raise UserError(f"data.path={directory}: {MANIFEST} lacks the key {dotted}; prepare the data again")
-            value = value[key]
+    problem = _manifest_problem(manifest, _SCHEMAS[expected])
+    if problem is not None:
+        raise UserError(f"data.path={directory}: {MANIFEST}{problem}; prepare the data again")
     return manifest
+
+
+def _manifest_problem(manifest: dict, schema: type[pydantic.BaseModel]) -> str | None:
+    """What is wrong with a manifest's first wrong value, as words (None: every value read is sound)."""
+    try:
+        read = schema.model_validate(manifest)
+    except pydantic.ValidationError as err:
+        problem = err.errors()[0]
+        where = ".".join(map(str, problem["loc"]))
+        if problem["type"] == "missing":
+            return f" lacks the key {where}"
+        return f": {where}={problem['input']!r}: {problem['msg']}"
+    for split, entry in read.splits.items():
+        for index, name in enumerate(entry.files):
+            if name in ("", ".", "..") or Path(name).name != name:  # read from the folder, never outside it
+                return f": splits.{split}.files.{index}={name!r}: a shard is a file name in the folder, not a path"
+        if len(entry.files) != len(entry.records):
+            return f": splits.{split}: lists {len(entry.files)} file(s) but {len(entry.records)} record count(s)"
+    return None
 
 
 def prepared_source(directory: Path) -> str | None:

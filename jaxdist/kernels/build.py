@@ -36,7 +36,7 @@ from pathlib import Path
 
 import jax
 
-from jaxdist import runtime
+from jaxdist import atomic, runtime
 
 
 RUNTIME_HEADERS = ("driver_types.h", "crt/host_defines.h")  # what CUDA libraries' headers include
@@ -236,14 +236,7 @@ def _compile(plan: _Plan) -> None:
     record = {"sha256": _sha256(Path(partial)), "command": [*plan.command, "-o", str(plan.library)]}
     plan.record.unlink(missing_ok=True)  # never a new library beside an old record
     os.replace(partial, plan.library)
-    _write_aside(plan.record, json.dumps(record, indent=1))
-
-
-def _write_aside(path: Path, text: str) -> None:
-    handle, partial = tempfile.mkstemp(dir=path.parent, suffix=path.suffix)
-    with os.fdopen(handle, "w") as file:
-        file.write(text)
-    os.replace(partial, path)
+    atomic.write_text(plan.record, json.dumps(record, indent=1))
 
 
 def register_handler(library: Path, symbol: str, target_name: str, platform: str = "CUDA") -> None:

@@ -25,7 +25,7 @@ ARCHITECTURES = (*LLAMA_FAMILY, GPT2)
 def architecture(hf_config: dict, where: str) -> str:
     """The one architecture a config.json names, if jaxdist covers it; a `UserError` otherwise."""
     named = hf_config.get("architectures") or []
-    if len(named) != 1 or named[0] not in ARCHITECTURES:
+    if not isinstance(named, list) or len(named) != 1 or named[0] not in ARCHITECTURES:
         raise UserError(f"{where}: architectures={named} is not one jaxdist imports; it reads "
                         f"{', '.join(ARCHITECTURES)}")
     return named[0]
@@ -38,11 +38,11 @@ def model_keys(hf_config: dict, where: str) -> dict[str, Any]:
     line (`UserError`) rather than ignored.
     """
     arch = architecture(hf_config, where)
-    get = _Reader(hf_config, where)
+    get = _Reader(hf_config, where, arch)
     if arch == GPT2:
         return _gpt2_keys(get)
     d, heads = get.int("hidden_size"), get.int("num_attention_heads")
-    head_dim = hf_config.get("head_dim") or d // heads
+    head_dim = get.int_or_none("head_dim") or d // heads
     get.require(head_dim * heads == d, f"head_dim={head_dim} x num_attention_heads={heads} != hidden_size={d}; "
                                        f"jaxdist's heads are hidden_size / num_attention_heads wide")
     get.require(hf_config.get("hidden_act", "silu") == "silu", f"hidden_act={hf_config.get('hidden_act')!r} (SwiGLU "
@@ -56,11 +56,11 @@ def model_keys(hf_config: dict, where: str) -> dict[str, Any]:
         "name": "llama", "vocab": get.int("vocab_size"), "d_model": d, "layers": get.int("num_hidden_layers"),
         "heads": heads, "kv_heads": get.int("num_key_value_heads", heads), "mlp_hidden": get.int("intermediate_size"),
         "max_positions": get.int("max_position_embeddings"), "norm": "rmsnorm",
-        "norm_eps": float(get.value("rms_norm_eps", 1e-6)), "positions": "rope", "activation": "swiglu",
+        "norm_eps": get.number("rms_norm_eps", 1e-6), "positions": "rope", "activation": "swiglu",
         "biases": "qkv" if arch == "Qwen2ForCausalLM" else "none",
-        "tied_embeddings": bool(hf_config.get("tie_word_embeddings", False)),
+        "tied_embeddings": get.flag("tie_word_embeddings", False),
     }
-    keys.update(_rope_keys(hf_config, get))
+    keys.update(_rope_keys(get))
     return keys
 
 
@@ -73,42 +73,69 @@ def _gpt2_keys(get: _Reader) -> dict[str, Any]:
     d = get.int("n_embd")
     return {
         "name": "gpt", "vocab": get.int("vocab_size"), "d_model": d, "layers": get.int("n_layer"),
-        "heads": get.int("n_head"), "mlp_hidden": config.get("n_inner") or 4 * d,
+        "heads": get.int("n_head"), "mlp_hidden": get.int_or_none("n_inner") or 4 * d,
         "max_positions": get.int("n_positions"), "norm": "layernorm",
-        "norm_eps": float(get.value("layer_norm_epsilon", 1e-5)), "positions": "learned", "activation": "gelu",
-        "biases": "all", "tied_embeddings": bool(config.get("tie_word_embeddings", True)),
+        "norm_eps": get.number("layer_norm_epsilon", 1e-5), "positions": "learned", "activation": "gelu",
+        "biases": "all", "tied_embeddings": get.flag("tie_word_embeddings", True),
     }
 
 
-def _rope_keys(config: dict, get: _Reader) -> dict[str, Any]:
+def _rope_keys(get: _Reader) -> dict[str, Any]:
     # transformers 5 writes `rope_parameters`; published folders (and transformers 4) `rope_theta` and
     # `rope_scaling`.
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    base = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    key = "rope_parameters" if get.config.get("rope_parameters") is not None else "rope_scaling"
+    rope = get.within(key)
+    base = rope.number("rope_theta", get.number("rope_theta", 10000.0))
+    kind = rope.value("rope_type", rope.value("type", "default"))
     if kind == "default":
-        return {"rope_base": float(base)}
+        return {"rope_base": base}
     get.require(kind == "llama3", f"rope type {kind!r} (jaxdist has default and llama3)")
-    return {"rope_base": float(base), "rope_scaling": {
-        "kind": "llama3", "factor": float(rope["factor"]), "low_freq_factor": float(rope["low_freq_factor"]),
-        "high_freq_factor": float(rope["high_freq_factor"]),
-        "original_length": int(rope["original_max_position_embeddings"])}}
+    return {"rope_base": base, "rope_scaling": {
+        "kind": "llama3", "factor": rope.number("factor"), "low_freq_factor": rope.number("low_freq_factor"),
+        "high_freq_factor": rope.number("high_freq_factor"),
+        "original_length": rope.int("original_max_position_embeddings")}}
 
 
 class _Reader:
-    def __init__(self, config: dict, where: str):
-        self.config, self.where = config, where
+    """Reads a config.json's values, each checked for its type: a missing one or one of the wrong type
+    is a `UserError` naming the key (`prefix` + key, for an object inside) and the file (`where`)."""
+
+    def __init__(self, config: dict, where: str, arch: str, prefix: str = ""):
+        self.config, self.where, self.arch, self.prefix = config, where, arch, prefix
 
     def value(self, key: str, default: Any = None) -> Any:
         if key not in self.config and default is None:
-            raise UserError(f"{self.where}: has no {key!r}, which a {self.config['architectures'][0]} config needs")
+            raise UserError(f"{self.where}: has no {self.prefix + key!r}, which a {self.arch} config needs")
         return self.config.get(key, default)
 
     def int(self, key: str, default: int | None = None) -> int:
         value = self.value(key, default)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise UserError(f"{self.where}: {key}={value!r} is not a positive integer")
+            raise UserError(f"{self.where}: {self.prefix}{key}={value!r} is not a positive integer")
         return value
+
+    def int_or_none(self, key: str) -> int | None:
+        """A positive integer where the key is set, None where it is absent or null."""
+        return None if self.config.get(key) is None else self.int(key)
+
+    def number(self, key: str, default: float | None = None) -> float:
+        value = self.value(key, default)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+            raise UserError(f"{self.where}: {self.prefix}{key}={value!r} is not a positive number")
+        return float(value)
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.value(key, default)
+        if not isinstance(value, bool):
+            raise UserError(f"{self.where}: {self.prefix}{key}={value!r} is not true or false")
+        return value
+
+    def within(self, key: str) -> _Reader:
+        """A reader of the object at `key` (none, or null: an empty one)."""
+        value = self.config.get(key) or {}
+        if not isinstance(value, dict):
+            raise UserError(f"{self.where}: {self.prefix}{key}={value!r} is not an object")
+        return _Reader(value, self.where, self.arch, f"{self.prefix}{key}.")
 
     def require(self, holds: bool, what: str) -> None:
         if not holds:

@@ -104,9 +104,11 @@ class StepProgress:
         if self._bar is not None:
             self._bar.stop()
 
-    def summary(self, steady: dict[str, float], last_saved: int | None, checkpoints: Path) -> str:
+    def summary(self, steady: dict[str, float], last_saved: int | None, checkpoints: Path,
+                undeletable: list[int] = ()) -> str:
         """The closing lines: steps, the steady step time with its throughput (and MFU where known)
-        (`steady`, observe/goodput.py), the last losses (and accuracies), and the last checkpoint."""
+        (`steady`, observe/goodput.py), the last losses (and accuracies), the last checkpoint, and the
+        old checkpoints rotation could not delete (`undeletable`, their steps)."""
         if steady:
             unit, per_sec = _throughput(steady)
             utilization = f", MFU {steady['mfu']:.1%}" if "mfu" in steady else ""
@@ -117,4 +119,8 @@ class StepProgress:
                            for k in ("loss", "accuracy", "eval_loss", "eval_accuracy") if k in self.last)
         checkpoint = ("no checkpoint saved" if last_saved is None else
                       f"last checkpoint: step {last_saved} in {checkpoints}")
+        if undeletable:
+            many = len(undeletable) > 1
+            checkpoint += (f"; {len(undeletable)} old checkpoint{'s' if many else ''} could not be removed "
+                           f"(step{'s' if many else ''} {', '.join(map(str, undeletable))})")
         return f"trained {self.steps} steps{rate}; last {losses}\n{checkpoint}"

@@ -21,11 +21,13 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
-from jax.sharding import Mesh
+from jaxdist import atomic
+from jaxdist.errors import UserError, warn
 
-from jaxdist.errors import UserError
+if TYPE_CHECKING:  # an annotation only: the metrics files are written and read without importing JAX
+    from jax.sharding import Mesh
 
 # Dense bf16 peak FLOP/s per device from the datasheets, matched on substrings of `device_kind`.
 PEAK_FLOPS_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -33,6 +35,8 @@ PEAK_FLOPS_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e
 STUCK_AFTER_S = 120.0
 # How long `close` waits for the steps not yet written.
 CLOSE_WAIT_S = 10.0
+# Where a resume moves the metrics.jsonl lines that are no logged step: this, then the UTC time.
+METRICS_SET_ASIDE = "metrics.jsonl.set-aside-"
 _EVENT_FILES = itertools.count()
 
 
@@ -219,17 +223,47 @@ def memory_gb(device) -> dict[str, float]:
 
 
 def drop_after(run_dir: Path, step: int) -> None:
-    """Removes the `metrics.jsonl` lines of steps after `step` (they are run again after a resume),
-    and any line cut short by a killed process."""
+    """Removes the `metrics.jsonl` lines of steps after `step` (they are run again after a resume).
+
+    A line that is no logged step (one cut short by a killed process, or edited: not UTF-8, not JSON,
+    not an object with an integer `step`) is moved to `metrics.jsonl.set-aside-<UTC time>`, named in
+    one warning, never dropped. The file is replaced whole (`jaxdist.atomic`), and only where a line
+    goes: a kill or a full disk meanwhile leaves it as it was."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
+    old = path.read_bytes()
+    kept, malformed = split_history(old, step)
+    if malformed:
+        aside = atomic.set_aside_path(run_dir, METRICS_SET_ASIDE)
+        atomic.write_bytes(aside, b"".join(line + b"\n" for _, line in malformed))
+        warn(f"{path}: moved {len(malformed)} line(s) that are no logged step's JSON object (the first: line "
+             f"{malformed[0][0]}) to {aside}; the other lines are kept")
+    new = b"".join(line + b"\n" for line in kept)
+    if new != old:
+        atomic.write_bytes(path, new)
+
+
+def split_history(data: bytes, step: int) -> tuple[list[bytes], list[tuple[int, bytes]]]:
+    """The lines of `metrics.jsonl` (its bytes) of the steps up to `step`, and the lines that are no
+    logged step, each with its line number; blank lines are neither."""
+    kept, malformed = [], []
+    for number, line in enumerate(data.split(b"\n"), 1):
+        if not line.strip():
             continue
-        if record["step"] <= step:
-            kept.append(line + "\n")
-    path.write_text("".join(kept))
+        logged = _logged_step(line)
+        if logged is None:
+            malformed.append((number, line))
+        elif logged <= step:
+            kept.append(line)
+    return kept, malformed
+
+
+def _logged_step(line: bytes) -> int | None:
+    """The step a `metrics.jsonl` line logs; None where it is no logged step's JSON object."""
+    try:
+        record = json.loads(line)
+    except ValueError:  # not JSON, or not UTF-8
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None

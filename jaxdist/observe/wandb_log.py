@@ -13,8 +13,9 @@ import importlib.util
 import secrets
 from pathlib import Path
 
+from jaxdist import atomic
 from jaxdist.config import Config
-from jaxdist.errors import UserError
+from jaxdist.errors import UserError, warn
 from jaxdist.observe.metrics import tensorboard_tag
 
 RUN_ID = "run_id"
@@ -36,7 +37,7 @@ class WandbRun:
         files.mkdir(parents=True, exist_ok=True)
         id_file = files / RUN_ID
         if not id_file.is_file():
-            id_file.write_text(secrets.token_hex(6))
+            atomic.write_text(id_file, secrets.token_hex(6))
         try:
             self._run = wandb.init(
                 project=cfg.log.wandb_project, entity=cfg.log.wandb_entity,
@@ -46,13 +47,31 @@ class WandbRun:
                 settings=wandb.Settings(mode=cfg.log.wandb_mode, console="off"),
             )
         except wandb.errors.Error as err:  # not logged in, no network, an unknown entity
-            why = str(err).strip().splitlines()[0]
-            raise UserError(f"log.wandb=true: Weights & Biases did not start: {why} Or set log.wandb_mode=offline to "
-                            f"keep the run in run_dir/wandb only") from None
+            raise UserError(f"log.wandb=true: Weights & Biases did not start: {_first_line(err)} Or set "
+                            f"log.wandb_mode=offline to keep the run in run_dir/wandb only") from None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        if step >= self._run.step:  # W&B keeps the first values of a step trained again after a resume
+        """Logs one step's values; a W&B that fails is one warning, and is not asked again (the run
+        goes on: metrics.jsonl and tb/ hold every step)."""
+        if self._run is None or step < self._run.step:  # W&B keeps the first values of a step trained again
+            return
+        try:
             self._run.log({tensorboard_tag(key): value for key, value in metrics.items()}, step=step)
+        except Exception as err:  # noqa: BLE001  (any failure of W&B's; the run's own files have the values)
+            warn(f"log.wandb: Weights & Biases failed at step {step} ({_first_line(err)}); it gets no more of this "
+                 f"run's steps, which metrics.jsonl and tb/ hold")
+            self._run = None
 
     def close(self) -> None:
-        self._run.finish()
+        """Finishes the W&B run; a failure there is one warning."""
+        if self._run is None:
+            return
+        try:
+            self._run.finish()
+        except Exception as err:  # noqa: BLE001  (as in `log`)
+            warn(f"log.wandb: Weights & Biases failed to finish the run ({_first_line(err)}); metrics.jsonl and tb/ "
+                 f"hold every step")
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

@@ -1,8 +1,9 @@
 """Preemption: a SIGTERM or SIGINT asks the loop to stop at the next step boundary.
 
-In one process, Python handlers record the first signal (a second one acts as usual: SIGINT
-raises KeyboardInterrupt, SIGTERM terminates). With several processes, the signal may reach only
-some of them, and stopping must happen at the same step everywhere because saving is collective:
+In one process, Python handlers record the first signal (a second one acts as outside the steps:
+SIGINT raises KeyboardInterrupt, SIGTERM `Terminated`, and the loop leaves at once). With several
+processes, the signal may reach only some of them, and stopping must happen at the same step
+everywhere because saving is collective:
 there JAX's preemption service (started by `jax.distributed.initialize`) catches SIGTERM, tells
 every process, and `reached_preemption_sync_point` names the step at which all of them stop.
 """
@@ -29,7 +30,7 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if runtime.interrupted():
-            raise KeyboardInterrupt  # a Ctrl-C before the steps that was dropped (runtime.remember_interrupts)
+            raise runtime.interruption()  # a Ctrl-C before the steps that was dropped (runtime.remember_interrupts)
         # Handlers can only be installed from the main thread; with several processes JAX's own
         # SIGTERM notifier must stay in place (a Python handler would replace it).
         if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
