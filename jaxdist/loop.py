@@ -36,7 +36,7 @@ from jaxdist.parallel import feed
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.train.evaluate import Evaluator, MixtureEvaluator
-from jaxdist.train.generate import compute_dtype_params, sample
+from jaxdist.train.generate import Sampling, compute_dtype_params, sample
 from jaxdist.train.preemption import StopSignals
 from jaxdist.train.state import AbstractModel, abstract_model
 from jaxdist.train.trainer import Trainer, state_bytes_per_device
@@ -476,10 +476,8 @@ def write_sample(cfg: Config, trainer: Trainer, rows: int, tokenizer: Tokenizer)
     drawn, one per batch shard."""
     picks = models.get(cfg.model.name).read_in_compute_dtype
     cast = None if picks is None else compute_dtype_params(picks, dtypes.policy(cfg.precision).compute_dtype)
-    tokens = sample(
-        trainer.graphdef, trainer.params, tokenizer.encode(cfg.sample.prompt), cfg.sample.tokens,
-        cfg.model.seq_len, cfg.sample.temperature, cfg.seed, trainer.mesh, trainer.rules, rows=rows,
-        top_p=cfg.sample.top_p, cast=cast,
-    )
+    sampling = Sampling(cfg.sample.tokens, cfg.sample.temperature, cfg.sample.top_p, rows=rows, seed=cfg.seed)
+    tokens = sample(trainer.graphdef, trainer.params, tokenizer.encode(cfg.sample.prompt), cfg.model.seq_len, sampling,
+                    trainer.mesh, trainer.rules, cast)
     text = tokenizer.decode(np.asarray(tokens[0]))
     log("--- sample ---\n" + text + "\n--------------")

@@ -7,6 +7,7 @@ and placed by the config's rules. Sampling keeps a KV cache (train/generate.py).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -24,11 +25,11 @@ from jaxdist.train import generate
 from jaxdist.train.state import abstract_model, param_shardings
 
 
-def run(run_dir: str, prompt: str, tokens: int, temperature: float, top_p: float, rows: int, seed: int,
-        step: int | None, overrides: list[str]) -> str:
-    """The sampled text of each row and a line on the speed (tokens/s of the compiled generation)."""
-    if not 0 < top_p <= 1:
-        raise UserError(f"sample --top-p {top_p}: use a probability in (0, 1]")
+def run(run_dir: str, prompt: str, sampling: generate.Sampling, step: int | None, overrides: list[str]) -> str:
+    """The sampled text of each of `sampling.rows` rows and a line on the speed (tokens/s of the
+    compiled generation)."""
+    if not 0 < sampling.top_p <= 1:
+        raise UserError(f"sample --top-p {sampling.top_p}: use a probability in (0, 1]")
     step, params, meta = read_params(run_dir, step)
     cfg = config_lib.with_overrides(Config.model_validate(meta.get("config", {})), overrides)
     entry = models.get(cfg.model.name)
@@ -47,11 +48,12 @@ def run(run_dir: str, prompt: str, tokens: int, temperature: float, top_p: float
     placed = jax.tree.map(lambda array, sharding: jax.make_array_from_callback(
         array.shape, sharding, lambda index: array[index]), params, shardings)
     # Rows are split over the batch shards: a mesh of more shards than rows samples some rows it drops.
+    rows = sampling.rows
     computed = -(-rows // layout.batch_shards) * layout.batch_shards
     cast = None if entry.read_in_compute_dtype is None else generate.compute_dtype_params(
         entry.read_in_compute_dtype, dtypes.policy(cfg.precision).compute_dtype)
-    out = generate.timed_sample(abstract.graphdef, placed, ids, tokens, cfg.model.seq_len, temperature, seed,
-                                layout.mesh, layout.rules, rows=computed, top_p=top_p, cast=cast)
+    out = generate.timed_sample(abstract.graphdef, placed, ids, cfg.model.seq_len,
+                                dataclasses.replace(sampling, rows=computed), layout.mesh, layout.rules, cast)
     kept = out.tokens[:rows]
     made = (kept.shape[1] - len(ids)) * rows
     texts = [tokenizer.decode(row) for row in kept]
