@@ -55,8 +55,8 @@ def main(argv: list[str]) -> None:
     for rows in (int(r) for r in args.rows.split(",")):
         cast = generate.compute_dtype_params(models.get(cfg.model.name).read_in_compute_dtype,
                                              dtypes.policy(cfg.precision).compute_dtype)
-        cached = generate.timed_sample(trainer.graphdef, trainer.params, prompt, args.new, cfg.model.seq_len, 0.0, 0,
-                                       trainer.mesh, trainer.rules, rows=rows, cast=cast)
+        cached = generate.timed_sample(trainer.graphdef, trainer.params, prompt, cfg.model.seq_len,
+                                       generate.Sampling(args.new, 0.0, rows=rows), trainer.mesh, trainer.rules, cast)
         tokens = np.zeros((rows, cfg.model.seq_len), np.int32)
         tokens[:, : len(prompt)] = prompt
         with rules_lib.activation_rules(trainer.mesh, trainer.rules):

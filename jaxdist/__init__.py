@@ -25,12 +25,15 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__
     from jaxdist.parallel import distributed  # jaxdist.distributed.initialize()
     from jaxdist.parallel.mesh import make_mesh
     from jaxdist.runtime import gpu_defaults, use_cpu_devices
+    from jaxdist.train.options import InitOptions, StepOptions
     from jaxdist.train.trainer import Trainer
 
 # Each public name: (module, attribute); attribute None: the name is the module itself.
 _PUBLIC = {
     "Config": ("jaxdist.config", "Config"),
+    "InitOptions": ("jaxdist.train.options", "InitOptions"),
     "Loss": ("jaxdist.models.loss", "Loss"),
+    "StepOptions": ("jaxdist.train.options", "StepOptions"),
     "Trainer": ("jaxdist.train.trainer", "Trainer"),
     "UserError": ("jaxdist.errors", "UserError"),
     "distributed": ("jaxdist.parallel.distributed", None),
@@ -40,8 +43,8 @@ _PUBLIC = {
     "use_cpu_devices": ("jaxdist.runtime", "use_cpu_devices"),
 }
 __all__ = [
-    "Config", "Loss", "Trainer", "UserError", "distributed", "gpu_defaults", "load_config", "make_mesh",
-    "use_cpu_devices",
+    "Config", "InitOptions", "Loss", "StepOptions", "Trainer", "UserError", "distributed", "gpu_defaults",
+    "load_config", "make_mesh", "use_cpu_devices",
 ]
 
 

@@ -439,9 +439,10 @@ def _sample(args) -> None:
     import jax
 
     from jaxdist.commands import sample
+    from jaxdist.train.generate import Sampling
 
-    text = sample.run(args.run_dir, args.prompt, args.tokens, args.temperature, args.top_p, args.rows, args.seed,
-                      args.step, args.overrides)
+    sampling = Sampling(args.tokens, args.temperature, args.top_p, args.rows, args.seed)
+    text = sample.run(args.run_dir, args.prompt, sampling, args.step, args.overrides)
     if jax.process_index() == 0:
         print(text)
 

@@ -36,7 +36,7 @@ from jaxdist.parallel import feed
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.train.evaluate import Evaluator, MixtureEvaluator
-from jaxdist.train.generate import compute_dtype_params, sample
+from jaxdist.train.generate import Sampling, compute_dtype_params, sample
 from jaxdist.train.preemption import StopSignals
 from jaxdist.train.state import AbstractModel, abstract_model
 from jaxdist.train.trainer import Trainer, state_bytes_per_device
@@ -173,20 +173,8 @@ def _run(run: Run, clock: RunTime) -> Trainer:
             params = functools.partial(hf.load_params, cfg, run.abstract.params)
             log(f"starting from the weights of {cfg.model.init_from}")
         trainer = Trainer.from_config(cfg, layout=layout, abstract=run.abstract, params=params)
-    no_fp8 = dtypes.fp8_unavailable(cfg.precision, trainer.mesh.devices.flat[0].platform)
-    if no_fp8:
-        log(no_fp8)
+    _log_setup(cfg, trainer, layout, rows)
     is_writer = jax.process_index() == 0
-    reads = "" if jax.process_count() == 1 else (
-        f"; process 0 feeds rows {_ranges(rows.rows)} of each global batch of {rows.global_batch}")
-    log(f"mesh {mesh_lib.describe(trainer.mesh)} on {len(trainer.mesh.devices.flat)} devices "
-        f"({jax.process_count()} process(es)); rules preset {cfg.rules.preset}{reads}")
-    log(loader.describe(cfg))
-    log(console.size_line(
-        params=sum(p.size for p in jax.tree.leaves(trainer.params)), global_batch=cfg.train.global_batch,
-        device_batch=cfg.train.global_batch // layout.batch_shards,
-        param_bytes=max(state_bytes_per_device(trainer.params).values()),
-    ))
     with clock.part("restore"):
         start = checkpoints.resume(trainer)
     if is_writer:  # once the checkpoint has taken this config: a refused resume leaves the old file
@@ -240,6 +228,23 @@ def _run(run: Run, clock: RunTime) -> Trainer:
     if run.tokenizer is not None:
         write_sample(cfg, trainer, layout.batch_shards, run.tokenizer)
     return trainer
+
+
+def _log_setup(cfg: Config, trainer: Trainer, layout: layout_lib.Layout, rows: feed.BatchRows) -> None:
+    """The start-up lines on the precision, the mesh, the data and the sizes."""
+    no_fp8 = dtypes.fp8_unavailable(cfg.precision, trainer.mesh.devices.flat[0].platform)
+    if no_fp8:
+        log(no_fp8)
+    reads = "" if jax.process_count() == 1 else (
+        f"; process 0 feeds rows {_ranges(rows.rows)} of each global batch of {rows.global_batch}")
+    log(f"mesh {mesh_lib.describe(trainer.mesh)} on {len(trainer.mesh.devices.flat)} devices "
+        f"({jax.process_count()} process(es)); rules preset {cfg.rules.preset}{reads}")
+    log(loader.describe(cfg))
+    log(console.size_line(
+        params=sum(p.size for p in jax.tree.leaves(trainer.params)), global_batch=cfg.train.global_batch,
+        device_batch=cfg.train.global_batch // layout.batch_shards,
+        param_bytes=max(state_bytes_per_device(trainer.params).values()),
+    ))
 
 
 class _Steps:
@@ -477,10 +482,8 @@ def write_sample(cfg: Config, trainer: Trainer, rows: int, tokenizer: Tokenizer)
     drawn, one per batch shard."""
     picks = models.get(cfg.model.name).read_in_compute_dtype
     cast = None if picks is None else compute_dtype_params(picks, dtypes.policy(cfg.precision).compute_dtype)
-    tokens = sample(
-        trainer.graphdef, trainer.params, tokenizer.encode(cfg.sample.prompt), cfg.sample.tokens,
-        cfg.model.seq_len, cfg.sample.temperature, cfg.seed, trainer.mesh, trainer.rules, rows=rows,
-        top_p=cfg.sample.top_p, cast=cast,
-    )
+    sampling = Sampling(cfg.sample.tokens, cfg.sample.temperature, cfg.sample.top_p, rows=rows, seed=cfg.seed)
+    tokens = sample(trainer.graphdef, trainer.params, tokenizer.encode(cfg.sample.prompt), cfg.model.seq_len, sampling,
+                    trainer.mesh, trainer.rules, cast)
     text = tokenizer.decode(np.asarray(tokens[0]))
     log("--- sample ---\n" + text + "\n--------------")

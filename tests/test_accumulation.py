@@ -15,6 +15,7 @@ from jaxdist.parallel import feed
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.train.optim import build_optimizer
+from jaxdist.train.options import StepLayout, StepOptions
 from jaxdist.train.state import TrainState, abstract_model, opt_state_shardings, param_dict
 from jaxdist.train.step import make_train_step
 
@@ -82,10 +83,9 @@ def _one_step(cfg, initial_params) -> Step:
         TrainState(step=np.int32(0), params=initial_params, opt_state=tx.init(initial_params),
                    skipped_steps=np.int32(0)), shardings
     )
-    step = make_train_step(
-        graphdef, models.get("gpt").loss, tx, schedule, mesh, rules, shardings,
-        cfg.train.microbatches, cfg.train.grad_reduction,
-    )
+    options = StepOptions(microbatches=cfg.train.microbatches, grad_reduction=cfg.train.grad_reduction,
+                          schedule=schedule)
+    step = make_train_step(graphdef, models.get("gpt").loss, tx, StepLayout(mesh, rules), shardings, options)
     batch = feed.assemble(_batch(cfg.model.seq_len), feed.batch_sharding(mesh, rules))
     compiled = step.lower(state, None, batch).compile()
     state, _, metrics = compiled(state, None, batch)

@@ -21,7 +21,8 @@ from jaxdist.models.batchnorm import BatchNorm
 from jaxdist.parallel import feed
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.parallel.mesh import build_mesh
-from jaxdist.train.accumulate import loss_and_grads
+from jaxdist.train.accumulate import GradInputs, loss_and_grads
+from jaxdist.train.options import StepLayout, StepOptions
 from jaxdist.train.state import abstract_model, model_variables
 from jaxdist.train.trainer import Trainer
 
@@ -62,8 +63,8 @@ def _run(mesh_shape: dict[str, int], microbatches: int, reduction: str):
     def step(params, model_state, batch):
         with rules_lib.activation_rules(mesh, rules):
             _, _, grads, model_state, _ = loss_and_grads(
-                abstract.graphdef, classifier.loss, params, batch, microbatches=microbatches, reduction=reduction,
-                mesh=mesh, rules=rules, param_shardings=param_shardings, model_state=model_state)
+                abstract.graphdef, classifier.loss, GradInputs(params, model_state), batch, StepLayout(mesh, rules),
+                param_shardings, StepOptions(microbatches=microbatches, grad_reduction=reduction))
         return model_state, grads
 
     batch = feed.assemble(_batch(), feed.batch_sharding(mesh, rules))
@@ -167,7 +168,7 @@ def test_flax_batch_norm_under_per_shard_gradients_is_refused(devices):
     mesh = build_mesh({"data": 8, "stage": 1, "fsdp": 1, "tensor": 1}, devices)
     make = functools.partial(Trainer, FlaxBatchNormNet, classifier.loss, optax.sgd(0.1), mesh, rules_lib.preset("dp"))
     with pytest.raises(ValueError, match="flax's nnx.BatchNorm would take its statistics from one batch shard"):
-        make(microbatches=2)
-    trainer = make(microbatches=2, grad_reduction="per_microbatch")
+        make(options=StepOptions(microbatches=2))
+    trainer = make(options=StepOptions(microbatches=2, grad_reduction="per_microbatch"))
     trainer.step(_batch())
     assert trainer.state.model_state["norm"]["mean"].shape == (3,)

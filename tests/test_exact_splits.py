@@ -127,7 +127,7 @@ def test_a_user_loss_of_sums_is_the_same_under_any_split():
                                      ("data2_microbatches4", {"data": 2}, 4)):
         devices = jax.devices()[:mesh["data"]]
         trainer = jaxdist.Trainer(_Tagger, _masked_loss, optax.sgd(0.1), mesh_lib.make_mesh(**mesh, devices=devices),
-                                  user_rules, microbatches=microbatches)
+                                  user_rules, options=jaxdist.StepOptions(microbatches=microbatches))
         steps[name] = {key: float(value) for key, value in trainer.step(batch).items() if key in ("loss", "grad_norm")}
     for name, got in steps.items():
         np.testing.assert_allclose([got["loss"], got["grad_norm"]], [steps["one"]["loss"], steps["one"]["grad_norm"]],

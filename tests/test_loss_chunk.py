@@ -26,7 +26,8 @@ from jaxdist.parallel import feed
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.parallel import rules as rules_lib
-from jaxdist.train.accumulate import loss_and_grads
+from jaxdist.train.accumulate import GradInputs, loss_and_grads
+from jaxdist.train.options import InitOptions, StepLayout, StepOptions
 from jaxdist.train.state import abstract_model, init_state, param_dict
 from jaxdist.train.step import make_train_step
 
@@ -59,8 +60,8 @@ def _losses_and_grads(cfg, params, batch, microbatches):
         with rules_lib.activation_rules(mesh, rules):
             results = {
                 name: (lambda out: (out.loss, out.grads))(loss_and_grads(
-                    graphdef, gpt.loss, p, inputs, microbatches=microbatches, reduction="per_step",
-                    mesh=mesh, rules=rules, param_shardings=param_shardings,
+                    graphdef, gpt.loss, GradInputs(p), inputs, StepLayout(mesh, rules), param_shardings,
+                    StepOptions(microbatches=microbatches),
                 ))
                 for name, inputs in (("weighted", b), ("unweighted", unweighted))
             }
@@ -173,8 +174,9 @@ def _step_temp_bytes(cfg) -> int:
     mesh = layout_lib.from_config(cfg, jax.devices()[:1]).mesh
     rules = rules_lib.from_config(cfg.rules)
     tx = optax.adamw(1e-3)
-    state, shardings, graphdef, _ = init_state(models.get("gpt").create(cfg), tx, mesh, rules, cfg.seed)
-    step = make_train_step(graphdef, gpt.loss, tx, None, mesh, rules, shardings)
+    layout = StepLayout(mesh, rules)
+    state, shardings, graphdef, _ = init_state(models.get("gpt").create(cfg), tx, layout, InitOptions(seed=cfg.seed))
+    step = make_train_step(graphdef, gpt.loss, tx, layout, shardings)
     tokens = np.zeros((cfg.train.global_batch, cfg.model.seq_len), np.int32)
     batch = feed.assemble({"inputs": tokens, "targets": tokens}, feed.batch_sharding(mesh, rules))
     return step.lower(state, None, batch).compile().memory_analysis().temp_size_in_bytes

@@ -23,6 +23,7 @@ from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.train import precision
 from jaxdist.train.optim import build_optimizer
+from jaxdist.train.options import InitOptions, StepLayout, StepOptions
 from jaxdist.train.state import abstract_model, init_state
 from jaxdist.train.step import make_train_step
 from jaxdist.train.trainer import Trainer
@@ -218,14 +219,15 @@ def test_guard_adds_no_copy_of_the_state_and_keeps_donation(tmp_path):
     entry = models.get("gpt")
     abstract = abstract_model(entry.create(cfg), cfg.seed)
     tx, schedule = build_optimizer(cfg.optim, cfg.train, abstract.names, abstract.roles)
-    state, shardings, graphdef, _ = init_state(entry.create(cfg), tx, layout.mesh, layout.rules, cfg.seed,
-                                               abstract=abstract)
+    step_layout = StepLayout(layout.mesh, layout.rules)
+    state, shardings, graphdef, _ = init_state(entry.create(cfg), tx, step_layout,
+                                               InitOptions(seed=cfg.seed, abstract=abstract))
     tokens = np.zeros((cfg.train.global_batch, cfg.model.seq_len), np.int32)
     batch = feed.assemble({"inputs": tokens, "targets": tokens}, feed.batch_sharding(layout.mesh, layout.rules))
     memory = {}
     for guard in (False, True):
-        step = make_train_step(graphdef, entry.loss, tx, schedule, layout.mesh, layout.rules, shardings,
-                               nonfinite_guard=guard)
+        step = make_train_step(graphdef, entry.loss, tx, step_layout, shardings,
+                               StepOptions(schedule=schedule, nonfinite_guard=guard))
         memory[guard] = step.lower(state, None, batch).compile().memory_analysis()
     off, on = memory[False], memory[True]
     state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state))

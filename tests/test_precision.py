@@ -18,6 +18,7 @@ from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.models import dtypes
 from jaxdist.train import precision
+from jaxdist.train.options import StepOptions
 from jaxdist.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow
@@ -69,8 +70,8 @@ def _classifier_loss(model, batch):
 def test_float16_inf_gradient_skips_the_step_and_halves_the_scale():
     mesh = mesh_lib.make_mesh(data=8, fsdp=1)
     trainer = Trainer(
-        Float16Mlp, _classifier_loss, optax.adam(1e-2), mesh, rules_lib.preset("dp"),
-        loss_scale=precision.initial_loss_scale(PrecisionConfig(compute="float16", loss_scale_period=2)),
+        Float16Mlp, _classifier_loss, optax.adam(1e-2), mesh, rules_lib.preset("dp"), options=StepOptions(
+            loss_scale=precision.initial_loss_scale(PrecisionConfig(compute="float16", loss_scale_period=2))),
     )
     rng = np.random.default_rng(0)
     clean = {"x": rng.normal(size=(16, 16)).astype(np.float32), "y": rng.integers(0, 4, 16).astype(np.int32)}
@@ -104,7 +105,8 @@ def test_float16_overflow_is_skipped_but_not_bad():
     skip share one count."""
     trainer = Trainer(
         Float16Mlp, _classifier_loss, optax.adam(1e-2), mesh_lib.make_mesh(data=8, fsdp=1), rules_lib.preset("dp"),
-        loss_scale=precision.initial_loss_scale(PrecisionConfig(compute="float16", loss_scale_init=2.0**30)),
+        options=StepOptions(
+            loss_scale=precision.initial_loss_scale(PrecisionConfig(compute="float16", loss_scale_init=2.0**30))),
     )
     rng = np.random.default_rng(0)
     clean = {"x": rng.normal(size=(16, 16)).astype(np.float32), "y": rng.integers(0, 4, 16).astype(np.int32)}

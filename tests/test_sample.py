@@ -38,8 +38,8 @@ def test_greedy_sampling_with_the_cache_is_the_full_recompute(tmp_path, model, i
     trainer = Trainer.from_config(cfg)
     prompt = np.array([3, 17, 42, 5, 99], np.int32)
     length = cfg.model.seq_len
-    cached = generate.sample(trainer.graphdef, trainer.params, prompt, length, length, 0.0, 0, trainer.mesh,
-                             trainer.rules, rows=4)
+    cached = generate.sample(trainer.graphdef, trainer.params, prompt, length, generate.Sampling(length, 0.0, rows=4),
+                             trainer.mesh, trainer.rules)
     expected = _recomputed(trainer, prompt, length)
     np.testing.assert_array_equal(cached, expected)
     assert len(set(cached[0, len(prompt):].tolist())) > 3  # a real continuation, not one token repeated

@@ -7,6 +7,7 @@ and placed by the config's rules. Sampling keeps a KV cache (train/generate.py).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -25,10 +26,11 @@ from jaxdist.train import generate
 from jaxdist.train.state import abstract_model, param_shardings
 
 
-def run(run_dir: str, prompt: str, tokens: int, temperature: float, top_p: float, rows: int, seed: int,
-        step: int | None, overrides: list[str]) -> str:
-    """The sampled text of each row and a line on the speed (tokens/s of the compiled generation)."""
-    check_options(prompt, temperature, top_p, seed)
+def run(run_dir: str, prompt: str, sampling: generate.Sampling, step: int | None, overrides: list[str]) -> str:
+    """The sampled text of each of `sampling.rows` rows and a line on the speed (tokens/s of the
+    compiled generation)."""
+    check_options(prompt, sampling.temperature, sampling.top_p, sampling.seed)
+    rows, tokens = sampling.rows, sampling.new_tokens
     step, params, meta = read_params(run_dir, step)
     cfg = config_lib.with_overrides(saved_config(meta, checkpoint_path(run_dir, step)), overrides)
     entry = models.get(cfg.model.name)
@@ -53,8 +55,8 @@ def run(run_dir: str, prompt: str, tokens: int, temperature: float, top_p: float
         array.shape, sharding, lambda index: array[index]), params, shardings)
     cast = None if entry.read_in_compute_dtype is None else generate.compute_dtype_params(
         entry.read_in_compute_dtype, dtypes.policy(cfg.precision).compute_dtype)
-    out = generate.timed_sample(abstract.graphdef, placed, ids, tokens, cfg.model.seq_len, temperature, seed,
-                                layout.mesh, layout.rules, rows=computed, top_p=top_p, cast=cast)
+    out = generate.timed_sample(abstract.graphdef, placed, ids, cfg.model.seq_len,
+                                dataclasses.replace(sampling, rows=computed), layout.mesh, layout.rules, cast)
     kept = out.tokens[:rows]
     made = (kept.shape[1] - len(ids)) * rows
     texts = [tokenizer.decode(row) for row in kept]

@@ -48,11 +48,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.models.loss import Loss, as_loss
 from jaxdist.parallel import batch_stats
-from jaxdist.parallel import compression as compression_lib
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.parallel.microbatches import split_microbatches
 from jaxdist.train import copies
 from jaxdist.train import state as state_lib
+from jaxdist.train.options import StepLayout, StepOptions
 
 Batch = dict[str, jax.Array]
 # A loss function returns a `Loss` (its weighted sum and weight: models/loss.py), or a plain mean
@@ -62,8 +62,6 @@ LossFn = Callable[[nnx.Module, Batch], "Loss | jax.Array | tuple[jax.Array, dict
 GradFn = Callable[[Any, Any, Batch], tuple[tuple[jax.Array, tuple[Loss, Any]], Any]]
 # The vmapped axis of per_step's batch shards (a name collectives inside the vmap can use).
 SHARDS = "batch_shards"
-
-GRAD_REDUCTIONS = ("per_step", "per_microbatch")
 
 
 def scaled_grad_fn(graphdef: nnx.GraphDef, loss_fn: LossFn, loss_scale: jax.Array | None,
@@ -168,6 +166,19 @@ def _per_step_shards(
     return (jax.tree.map(lambda t: t.sum(0), loss), grads), model_state
 
 
+class GradInputs(NamedTuple):
+    """What `loss_and_grads` reads besides the batch: the parameters, the model state
+    (`TrainState.model_state`; None without any), the parameters' compute-dtype copies the model
+    reads (train/copies.py; None without), the loss scale (None without loss scaling) and the
+    compressed reduction's error feedback (`TrainState.compression`; None without compression)."""
+
+    params: Any
+    model_state: Any = None
+    copies: Any = None
+    loss_scale: jax.Array | None = None
+    compression: Any = None
+
+
 class Gradients(NamedTuple):
     """What `loss_and_grads` returns: the mean loss and metrics over the global batch (each global
     sum divided once by the global weight), its float32 gradients (reduced across devices, in the
@@ -184,49 +195,37 @@ class Gradients(NamedTuple):
 def loss_and_grads(
     graphdef: nnx.GraphDef,
     loss_fn: LossFn,
-    params: Any,
+    inputs: GradInputs,
     batch: Batch,
-    *,
-    microbatches: int,
-    reduction: str,
-    mesh: Mesh,
-    rules: rules_lib.Rules,
+    layout: StepLayout,
     param_shardings: Any,
-    loss_scale: jax.Array | None = None,
-    compute_copies: Any = None,
-    copies_gather: copies.Gather | None = None,
-    model_state: Any = None,
-    compressed: compression_lib.Reducer | None = None,
-    compression_state: Any = None,
+    options: StepOptions = StepOptions(),
 ) -> Gradients:
     """The global batch's mean loss and metrics and the float32 gradients of the unscaled mean, and
     the model state (`TrainState.model_state`) after the forward passes (None stays None).
 
     The mean is the global total over the global weight at any split: microbatches and batch
     shards each add their totals, weights and weighted gradients, divided once at the end.
-    Must be traced under `rules_lib.activation_rules(mesh, rules)`. With `loss_scale`, the loss
-    is multiplied by it before differentiation and the float32 gradients divided by it after.
-    `compute_copies`: the parameters' compute-dtype copies the model reads (train/copies.py);
-    `copies_gather`: where they are gathered to first (train.fsdp_gather=per_step).
-    `compressed`: the gradients cross the data-parallel axes compressed (parallel/compression.py),
-    from each batch shard's own gradients (per_step at any microbatch count), with
-    `compression_state` (its error feedback) in and the new one out.
+    Must be traced under `rules_lib.activation_rules(layout.mesh, layout.rules)`. With a loss scale,
+    the loss is multiplied by it before differentiation and the float32 gradients divided by it
+    after. The model reads `inputs.copies` where there are any, gathered first to
+    `layout.copies_gather`. `layout.compressed`: the gradients cross the data-parallel axes
+    compressed (parallel/compression.py), from each batch shard's own gradients (per_step at any
+    microbatch count), with `inputs.compression` (its error feedback) in and the new one out.
     """
-    if reduction not in GRAD_REDUCTIONS:
-        raise ValueError(f"reduction={reduction!r}: use one of {GRAD_REDUCTIONS}")
-    if compressed is not None and reduction != "per_step":
-        raise ValueError("a compressed reduction starts from each batch shard's gradients: use reduction='per_step'")
+    mesh, rules, microbatches, compressed = layout.mesh, layout.rules, options.microbatches, layout.compressed
+    params, model_state, loss_scale = inputs.params, inputs.model_state, inputs.loss_scale
     shards = rules_lib.axes_size(mesh, rules_lib.data_parallel_axes(rules))
-    per_shard = reduction == "per_step" and shards > 1 and (microbatches > 1 or compressed is not None)
+    per_shard = options.grad_reduction == "per_step" and shards > 1 and (microbatches > 1 or compressed is not None)
     if per_shard:
         # Each shard's gradients stay unreduced until after the scan: none reduce-scattered inside.
-        per_shard_gather = None if copies_gather is None else dataclasses.replace(copies_gather, split=None)
-        grad_fn = scaled_grad_fn(graphdef, loss_fn, loss_scale, compute_copies, per_shard_gather)
+        gather = None if layout.copies_gather is None else dataclasses.replace(layout.copies_gather, split=None)
+        grad_fn = scaled_grad_fn(graphdef, loss_fn, loss_scale, inputs.copies, gather)
         (loss, grads), model_state = _per_step_shards(
             grad_fn, params, model_state, batch, microbatches, mesh, rules, param_shardings
         )
     else:
-        grad_fn = scaled_grad_fn(graphdef, loss_fn, loss_scale, compute_copies, copies_gather)
+        grad_fn = scaled_grad_fn(graphdef, loss_fn, loss_scale, inputs.copies, layout.copies_gather)
         if microbatches > 1:
             (loss, grads), model_state = _reduce_per_microbatch(grad_fn, params, model_state, batch, microbatches)
         else:  # one call over the whole batch: its mean's gradients are the global mean's
@@ -236,6 +235,7 @@ def loss_and_grads(
     weight = loss.weight if per_shard or microbatches > 1 else jnp.float32(1)
     grad_divisor = weight if loss_scale is None else weight * loss_scale
     aux = {name: total / loss.weight for name, total in loss.metrics.items()}
+    compression_state = inputs.compression
     if compressed is not None:
         # Each shard's share of the mean goes in: the error feedback is in the gradients' own units.
         shares = jax.tree.map(lambda g: g / grad_divisor if per_shard else g[None] / grad_divisor, grads)

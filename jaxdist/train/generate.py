@@ -3,6 +3,7 @@ step per new token that computes only that token's keys and values (`GPT.decode`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
+from jax.sharding import Mesh
 
 from jaxdist.parallel import rules as rules_lib
 
@@ -33,13 +35,12 @@ def choose(logits: jax.Array, key: jax.Array, temperature: float, top_p: float) 
     return jax.random.categorical(key, logits, axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "prompt_length", "length", "temperature", "top_p",
-                                             "cast"))
-def _generate(graphdef, params, prompt, key, prompt_length, length, temperature, top_p, cast):
+@functools.partial(jax.jit, static_argnames=("graphdef", "length", "temperature", "top_p", "cast"))
+def _generate(graphdef, params, prompt, key, length, temperature, top_p, cast):
     # The weights the model reads only in the compute dtype are cast once, not at every token: a
     # token's step then reads each weight once, in the smaller dtype.
     model = nnx.merge(graphdef, params if cast is None else cast(params))
-    rows = prompt.shape[0]
+    rows, prompt_length = prompt.shape
     tokens = jnp.zeros((rows, length), prompt.dtype).at[:, :prompt_length].set(prompt)
     logits, cache = model.decode(prompt, model.init_cache(rows, length), jnp.int32(0))
     key, sub = jax.random.split(key)
@@ -57,6 +58,19 @@ def _generate(graphdef, params, prompt, key, prompt_length, length, temperature,
     return tokens
 
 
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How `sample` continues a prompt: `new_tokens` more tokens (up to the model's context), drawn at
+    `temperature` (0: the most likely) from the likeliest tokens up to `top_p` of the probability
+    (nucleus sampling; 1: every token), for `rows` rows from the key `seed`."""
+
+    new_tokens: int
+    temperature: float
+    top_p: float = 1.0
+    rows: int = 1
+    seed: int = 0
+
+
 class Sampled(NamedTuple):
     """Sampled rows (prompt included) and the generation's seconds, compile excluded."""
 
@@ -64,24 +78,11 @@ class Sampled(NamedTuple):
     seconds: float
 
 
-def sample(
-    graphdef: nnx.GraphDef,
-    params: Any,
-    prompt: np.ndarray,
-    new_tokens: int,
-    seq_len: int,
-    temperature: float,
-    seed: int,
-    mesh,
-    rules: rules_lib.Rules,
-    rows: int = 1,
-    top_p: float = 1.0,
-    cast: Callable[[Any], Any] | None = None,
-) -> np.ndarray:
-    """`rows` continuations of `prompt` (token ids), at most `seq_len` tokens each, prompt included.
+def sample(graphdef: nnx.GraphDef, params: Any, prompt: np.ndarray, seq_len: int, sampling: Sampling, mesh: Mesh,
+           rules: rules_lib.Rules, cast: Callable[[Any], Any] | None = None) -> np.ndarray:
+    """`sampling.rows` continuations of `prompt` (token ids), at most `seq_len` tokens each, prompt included.
     `cast(params)`: the parameters as the model reads them (`compute_dtype_params`); None: as they are."""
-    return timed_sample(graphdef, params, prompt, new_tokens, seq_len, temperature, seed, mesh, rules, rows,
-                        top_p, cast).tokens
+    return timed_sample(graphdef, params, prompt, seq_len, sampling, mesh, rules, cast).tokens
 
 
 def compute_dtype_params(picks: Callable[[tuple], bool], dtype) -> Callable[[Any], Any]:
@@ -93,17 +94,16 @@ def _cast_picked(picks, dtype, params):
     return jax.tree_util.tree_map_with_path(lambda path, leaf: leaf.astype(dtype) if picks(path) else leaf, params)
 
 
-def timed_sample(graphdef, params, prompt, new_tokens: int, seq_len: int, temperature: float, seed: int, mesh,
-                 rules: rules_lib.Rules, rows: int = 1, top_p: float = 1.0,
-                 cast: Callable[[Any], Any] | None = None) -> Sampled:
+def timed_sample(graphdef: nnx.GraphDef, params: Any, prompt: np.ndarray, seq_len: int, sampling: Sampling, mesh: Mesh,
+                 rules: rules_lib.Rules, cast: Callable[[Any], Any] | None = None) -> Sampled:
     """`sample`, with the seconds the generation took once compiled (for tokens/s)."""
     prompt = np.asarray(prompt, np.int32)[: seq_len - 1]
     if not len(prompt):
         raise ValueError("sampling needs a prompt of at least one token")
-    length = min(seq_len, len(prompt) + new_tokens)
-    prompts = jnp.asarray(np.tile(prompt, (rows, 1)))
-    key = jax.random.key(seed)
-    static = dict(prompt_length=len(prompt), length=length, temperature=temperature, top_p=top_p, cast=cast)
+    length = min(seq_len, len(prompt) + sampling.new_tokens)
+    prompts = jnp.asarray(np.tile(prompt, (sampling.rows, 1)))
+    key = jax.random.key(sampling.seed)
+    static = dict(length=length, temperature=sampling.temperature, top_p=sampling.top_p, cast=cast)
     with rules_lib.activation_rules(mesh, rules):
         compiled = _generate.lower(graphdef, params, prompts, key, **static).compile()
         start = time.perf_counter()

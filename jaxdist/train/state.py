@@ -18,9 +18,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxdist.parallel import compression as compression_lib
 from jaxdist.parallel import roles as roles_lib
 from jaxdist.parallel import rules as rules_lib
+from jaxdist.train.options import InitOptions, StepLayout, StepOptions
 from jaxdist.train.precision import LossScale
 from jaxdist.train.spikes import LossStats
 
@@ -135,27 +135,19 @@ def param_shardings(abstract: AbstractModel, rules: rules_lib.Rules, mesh: Mesh)
 def init_state(
     create_model: ModelFactory,
     tx: optax.GradientTransformation,
-    mesh: Mesh,
-    rules: rules_lib.Rules,
-    seed: int,
-    loss_scale: LossScale | None = None,
-    abstract: AbstractModel | None = None,
-    materialize: bool = True,
-    params: Callable[[Any], Any] | None = None,
-    compressed: compression_lib.Reducer | None = None,
-    offload: Any = None,
+    layout: StepLayout,
+    init: InitOptions = InitOptions(),
+    options: StepOptions = StepOptions(),
 ) -> tuple[TrainState, TrainState, nnx.GraphDef, Any]:
-    """Creates the sharded train state; returns (state, state shardings, graphdef, layouts).
+    """Creates the sharded train state on `layout`'s mesh; returns (state, state shardings, graphdef, layouts).
 
-    `abstract` is `abstract_model(create_model, seed)` where the caller already has it. With
-    `materialize` False the state is only described (`jax.ShapeDtypeStruct`s with their shardings),
-    to compile for it without allocating it (`jaxdist plan`). `params(param_shardings)`: the
-    parameters to start from (e.g. published weights, made in those shardings) instead of the
-    model's random init; the optimizer state starts as ever. `compressed`: the compressed gradient
-    reduction whose state the train state carries. `offload`: a `train.offload.OffloadedOptimizer`
-    whose state (in pinned host memory) stands in for `tx`'s.
+    `init` says how it starts (the seed, given parameters, described or allocated). What the
+    options add to it: the loss scale's state (`options.loss_scale`), the compressed reduction's
+    (`layout.compressed`), and under `options.offload` the offloaded optimizer's state (in pinned
+    host memory) in place of `tx`'s.
     """
-    abstract = abstract or abstract_model(create_model, seed)
+    mesh, rules, compressed, offload = layout.mesh, layout.rules, layout.compressed, options.offload
+    abstract = init.abstract or abstract_model(create_model, init.seed)
     rules_lib.warn_unnamed(abstract.unnamed)
     layouts = rules_lib.param_layouts(abstract.params, abstract.names, rules, mesh)
     param_shardings = rules_lib.layout_shardings(layouts, mesh)
@@ -169,31 +161,31 @@ def init_state(
         skipped_steps=NamedSharding(mesh, PartitionSpec()),
         opt_state=(opt_state_shardings(tx, abstract.params, param_shardings, mesh) if offload is None
                    else offload.shardings(abstract.params, param_shardings, mesh)),
-        loss_scale=jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), loss_scale),
+        loss_scale=jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), options.loss_scale),
         model_state=model_state_shardings,
         loss_stats=jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), LossStats.create()),
         compression=None if compressed is None else compressed.state_shardings(param_shardings),
     )
 
-    def init(params: Any = None) -> TrainState:
+    def initial(params: Any = None) -> TrainState:
         model_state = None  # given parameters come only for models without other variables (checked below)
         if params is None:
-            params, model_state = model_variables(create_model, seed)
+            params, model_state = model_variables(create_model, init.seed)
         return TrainState(
             step=jnp.zeros((), jnp.int32), params=params,
             opt_state=tx.init(params) if offload is None else offload.init(params),
-            skipped_steps=jnp.zeros((), jnp.int32), loss_scale=loss_scale, model_state=model_state,
+            skipped_steps=jnp.zeros((), jnp.int32), loss_scale=options.loss_scale, model_state=model_state,
             loss_stats=LossStats.create(), compression=None if compressed is None else compressed.init(),
         )
 
-    if materialize and params is not None:
+    if init.materialize and init.params is not None:
         if abstract.state is not None:
             raise ValueError("starting from given parameters needs a model without other variables (BatchNorm's)")
-        state = jax.jit(init, out_shardings=shardings, donate_argnums=0)(params(param_shardings))
-    elif materialize:
-        state = jax.jit(init, out_shardings=shardings)()
+        state = jax.jit(initial, out_shardings=shardings, donate_argnums=0)(init.params(param_shardings))
+    elif init.materialize:
+        state = jax.jit(initial, out_shardings=shardings)()
     else:
-        state = with_shardings(jax.eval_shape(init), shardings)
+        state = with_shardings(jax.eval_shape(initial), shardings)
     return state, shardings, abstract.graphdef, layouts
 
 

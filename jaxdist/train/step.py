@@ -17,15 +17,13 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxdist.parallel import compression as compression_lib
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.parallel.feed import batch_sharding
-from jaxdist.train import copies as copies_lib
-from jaxdist.train import offload as offload_lib
 from jaxdist.train import precision
-from jaxdist.train.accumulate import Batch, LossFn, loss_and_grads
+from jaxdist.train.accumulate import Batch, GradInputs, LossFn, loss_and_grads
+from jaxdist.train.options import StepLayout, StepOptions
 from jaxdist.train.state import TrainState
 
 
@@ -33,53 +31,35 @@ def make_train_step(
     graphdef: nnx.GraphDef,
     loss_fn: LossFn,
     tx: optax.GradientTransformation,
-    schedule: optax.Schedule | None,
-    mesh: Mesh,
-    rules: rules_lib.Rules,
+    layout: StepLayout,
     state_shardings: TrainState,
-    microbatches: int = 1,
-    grad_reduction: str = "per_step",
-    make_copies: Callable[[Any], Any] | None = None,
-    copy_shardings: Any = None,
-    copies_gather: copies_lib.Gather | None = None,
-    nonfinite_guard: bool = True,
-    loss_spike: float | None = None,
-    compressed: compression_lib.Reducer | None = None,
-    offload: offload_lib.OffloadedOptimizer | None = None,
+    options: StepOptions = StepOptions(),
 ) -> Callable[[TrainState, Any, Batch], tuple[TrainState, Any, dict[str, jax.Array]]]:
     """The jitted `step(state, copies, batch) -> (state, copies, metrics)`; state and copies are donated.
 
-    `copies` are the parameters' compute-dtype copies that the model reads (`make_copies(params)`,
-    train/copies.py, sharded as `copy_shardings`), made anew from the updated parameters; None
-    without `make_copies`. `copies_gather`: where the model's reads gather them to first.
-    Metrics: `loss`, `grad_norm` (before clipping), the effective `learning_rate` (the schedule
-    at the optimizer's own step count), the loss function's aux values, `nonfinite` (1 when this
-    step was bad, else 0), `skipped_steps` (dropped updates so far) and under loss scaling
-    `loss_scale`. `nonfinite_guard=False` applies every update, finite or not (to measure the
-    guard's cost); loss scaling keeps its own check. `loss_spike`: a loss above this factor times
-    the running average of the applied steps' losses is a bad step too (train/spikes.py), flagged
-    in `loss_spike` with the average in `loss_average`; None: off. `compressed`: the gradients
-    cross the data-parallel axes compressed (parallel/compression.py), its state in `state.compression`.
-    `offload`: the optimizer state lives in host memory and is updated a parameter at a time
-    (train/offload.py; `tx` is then unused).
+    `copies` are the parameters' compute-dtype copies that the model reads (`options.compute_copies(params)`,
+    train/copies.py, sharded as `layout.copy_shardings`), made anew from the updated parameters; None
+    without them. Metrics: `loss`, `grad_norm` (before clipping), the effective `learning_rate`
+    (`options.schedule` at the optimizer's own step count), the loss function's aux values,
+    `nonfinite` (1 when this step was bad, else 0), `skipped_steps` (dropped updates so far), under
+    loss scaling `loss_scale`, and with `options.loss_spike` the flag `loss_spike` and the running
+    average `loss_average`. Under `options.offload` the optimizer state lives in host memory and is
+    updated a parameter at a time (train/offload.py; `tx` is then unused).
     """
+    mesh, rules, loss_spike, offload = layout.mesh, layout.rules, options.loss_spike, options.offload
 
     def step(state: TrainState, copies: Any, batch: Batch):
         scale = state.loss_scale
         with rules_lib.activation_rules(mesh, rules):
+            inputs = GradInputs(state.params, state.model_state, copies, None if scale is None else scale.scale,
+                                state.compression)
             loss, aux, grads, model_state, compression = loss_and_grads(
-                graphdef, loss_fn, state.params, batch,
-                microbatches=microbatches, reduction=grad_reduction,
-                mesh=mesh, rules=rules,
-                param_shardings=state_shardings.params, loss_scale=None if scale is None else scale.scale,
-                compute_copies=copies, copies_gather=copies_gather, model_state=state.model_state,
-                compressed=compressed, compression_state=state.compression,
-            )
+                graphdef, loss_fn, inputs, batch, layout, state_shardings.params, options)
         grad_norm = optax.tree.norm(grads)
         metrics = {"loss": loss, "grad_norm": grad_norm, **aux}
         skipped = state.skipped_steps
         applied = jnp.isfinite(loss)  # which losses the running average takes in
-        guarded = nonfinite_guard or scale is not None
+        guarded = options.nonfinite_guard or scale is not None
         if guarded:
             finite, bad = precision.verdict(loss, grad_norm, scale)
             applied = finite
@@ -111,19 +91,19 @@ def make_train_step(
                     applied, (params, opt_state), (state.params, state.opt_state))
         metrics["skipped_steps"] = skipped
         loss_stats = None if state.loss_stats is None else state.loss_stats.updated(loss, applied)
-        if schedule is not None:  # dropped steps leave the optimizer's own count behind
-            metrics["learning_rate"] = schedule(state.step - state.skipped_steps)
+        if options.schedule is not None:  # dropped steps leave the optimizer's own count behind
+            metrics["learning_rate"] = options.schedule(state.step - state.skipped_steps)
         new_state = TrainState(
             step=state.step + 1, params=params, opt_state=opt_state, skipped_steps=skipped, loss_scale=scale,
             model_state=model_state, loss_stats=loss_stats, compression=compression,
         )
-        return new_state, None if make_copies is None else make_copies(params), metrics
+        return new_state, None if options.compute_copies is None else options.compute_copies(params), metrics
 
     replicated = NamedSharding(mesh, PartitionSpec())
     return jax.jit(
         step,
-        in_shardings=(state_shardings, copy_shardings, batch_sharding(mesh, rules)),
-        out_shardings=(state_shardings, copy_shardings, replicated),
+        in_shardings=(state_shardings, layout.copy_shardings, batch_sharding(mesh, rules)),
+        out_shardings=(state_shardings, layout.copy_shardings, replicated),
         donate_argnums=(0, 1),
     )
 

@@ -1,7 +1,8 @@
 """`Trainer`: the Python API. Any flax NNX model with logical axis names trains through it.
 
     trainer = Trainer(lambda rngs: MyModel(rngs=rngs), my_loss, optax.adamw(1e-3),
-                      mesh=make_mesh(fsdp=4, tensor=2), rules=rules.preset("fsdp_tp"))
+                      mesh=make_mesh(fsdp=4, tensor=2), rules=rules.preset("fsdp_tp"),
+                      options=StepOptions(microbatches=4))
     metrics = trainer.step({"x": local_x, "y": local_y})
 
 The CLI's training loop is built on the same object, from a config: `Trainer.from_config(cfg)`.
@@ -9,6 +10,7 @@ The CLI's training loop is built on the same object, from a config: `Trainer.fro
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -32,12 +34,10 @@ from jaxdist.models import dtypes as dtypes_lib
 from jaxdist.train import offload as offload_lib
 from jaxdist.train import precision
 from jaxdist.train.optim import build_optimizer
-from jaxdist.train.precision import LossScale
+from jaxdist.train.options import InitOptions, StepLayout, StepOptions
 from jaxdist.train.state import (AbstractModel, ModelFactory, TrainState, abstract_model, init_state, merge,
-                                 with_shardings)
+                                 param_shardings, with_shardings)
 from jaxdist.train.step import LossFn, copies_shardings, make_train_step
-
-FSDP_GATHERS = ("per_layer", "per_step")
 
 
 class Trainer:
@@ -51,83 +51,31 @@ class Trainer:
         mesh: Mesh,
         rules: rules_lib.Rules,
         *,
-        seed: int = 0,
-        microbatches: int = 1,
-        grad_reduction: str = "per_step",
-        schedule: optax.Schedule | None = None,
-        loss_scale: LossScale | None = None,
-        abstract: AbstractModel | None = None,
-        compute_copies: Callable[[Any], Any] | None = None,
-        fsdp_gather: str = "per_layer",
-        materialize: bool = True,
-        loss_spike: float | None = None,
-        params: Callable[[Any], Any] | None = None,
-        compression: compression_lib.Compression | None = None,
-        offload: offload_lib.OffloadedOptimizer | None = None,
+        options: StepOptions = StepOptions(),
+        init: InitOptions = InitOptions(),
     ):
-        """`abstract`: `state.abstract_model(create_model, seed)`, if already computed (saves a trace).
-
-        `compute_copies(params)`: the compute-dtype copies the model reads in place of some
-        parameters (e.g. `functools.partial(copies.compute_copies, picks=..., dtype=...)`),
-        kept between steps and made anew by each step; None: the model casts as it goes.
-        `fsdp_gather` (`train.fsdp_gather`, config.py): per_layer, XLA gathers each copy split over
-        the batch axes (fsdp) at each use; per_step, the step gathers the copies whole once and keeps them for the
-        backward (ZeRO-2; needs `compute_copies`). `materialize` False describes the state without
-        allocating it: the step can then be compiled (`compile` with an abstract batch) but not run.
-        `loss_spike`: a loss above this factor times the running average of the applied steps'
-        losses is dropped like a non-finite step (train/spikes.py); None: off. `params(param_shardings)`:
-        the parameters to start from instead of the random init (`state.init_state`).
-        `compression`: the gradients cross the data-parallel axes compressed (PowerSGD or int8 with
-        error feedback, parallel/compression.py); needs grad_reduction per_step. `offload`: the
-        optimizer state in pinned host memory, updated a parameter at a time (train/offload.py); it
-        stands in for `optimizer`, which then only names the optimizer for the schedule and logs.
+        """`options`: how the step computes (microbatches, gradient reduction, compute copies, guards,
+        compression, offload; `StepOptions`). `init`: how the state starts (the seed, given
+        parameters, described or allocated; `InitOptions`). Under `options.offload` the offloaded
+        optimizer stands in for `optimizer`, which then only names the optimizer for the schedule and logs.
         """
         self.mesh = mesh
         self.rules = rules
-        abstract = abstract or abstract_model(create_model, seed)
-        data_axes = rules_lib.data_parallel_axes(rules)
-        compressed = None if compression is None else compression_lib.reducer(
-            abstract.params, abstract.names, abstract.roles, compression, mesh, data_axes)
-        if compressed is not None and grad_reduction != "per_step":
-            raise ValueError("gradient compression starts from each batch shard's own gradients: use "
-                             "grad_reduction='per_step'")
+        init = dataclasses.replace(init, abstract=init.abstract or abstract_model(create_model, init.seed))
+        layout = step_layout(init.abstract, mesh, rules, options)
         self.state, self.state_shardings, self.graphdef, self.layouts = init_state(
-            create_model, optimizer, mesh, rules, seed, loss_scale, abstract, materialize, params, compressed, offload
-        )
+            create_model, optimizer, layout, init, options)
         # The first step donates these buffers; let their init finish first (an in-flight
         # donated init aborted the XLA CPU runtime under load).
-        self.state = jax.block_until_ready(self.state) if materialize else self.state
-        self.materialized = materialize
+        self.state = jax.block_until_ready(self.state) if init.materialize else self.state
+        self.materialized = init.materialize
         self.batch_sharding = feed.batch_sharding(mesh, rules)
-        shards = rules_lib.axes_size(mesh, data_axes)  # as train/accumulate.py splits them
-        per_shard = microbatches > 1 or compressed is not None
-        if per_shard and grad_reduction == "per_step" and shards > 1 and self._has_flax_batch_norm():
-            raise ValueError(
-                "flax's nnx.BatchNorm would take its statistics from one batch shard inside grad_reduction="
-                "'per_step''s per-shard gradients: use jaxdist.models.batchnorm.BatchNorm (statistics over the "
-                "whole batch everywhere) or grad_reduction='per_microbatch'")
-        if fsdp_gather not in FSDP_GATHERS:
-            raise ValueError(f"fsdp_gather={fsdp_gather!r}: use one of {FSDP_GATHERS}")
-        if fsdp_gather == "per_step" and compute_copies is None:
-            raise ValueError("fsdp_gather=per_step gathers the compute-dtype copies: pass compute_copies")
-        copy_shardings, copies_gather = None, None
+        self._check_batch_norm(options, layout)
         self._make_copies = None
-        if compute_copies is not None:
-            copy_shardings = copies_shardings(compute_copies, self.state.params, self.state_shardings.params)
-            if fsdp_gather == "per_step":
-                # ZeRO-2: each copy whole along the data-parallel axes (data, fsdp), still split
-                # along the others (tensor, stage).
-                batch_axes = rules_lib.data_parallel_axes(rules)
-                whole = jax.tree.map(lambda s: NamedSharding(s.mesh, rules_lib.spec_without(s.spec, batch_axes)),
-                                     copy_shardings)
-                copies_gather = copies_lib.Gather(whole=whole, split=copy_shardings)
-            self._make_copies = jax.jit(compute_copies, out_shardings=copy_shardings)
-        self._copies, self._copies_of, self._copy_shardings = None, None, copy_shardings
-        self._step = make_train_step(
-            self.graphdef, loss_fn, optimizer, schedule, mesh, rules, self.state_shardings, microbatches,
-            grad_reduction, compute_copies, copy_shardings, copies_gather, loss_spike=loss_spike,
-            compressed=compressed, offload=offload,
-        )
+        if options.compute_copies is not None:
+            self._make_copies = jax.jit(options.compute_copies, out_shardings=layout.copy_shardings)
+        self._copies, self._copies_of, self._copy_shardings = None, None, layout.copy_shardings
+        self._step = make_train_step(self.graphdef, loss_fn, optimizer, layout, self.state_shardings, options)
         # Its own program, run only where a step is logged: inside the step, the norm's reduction
         # kept XLA from writing the compute copies in the update's pass (a second read of every
         # parameter per step; benchmarks/reports/2026-11-27-param-norm-qkv-sums.md).
@@ -148,8 +96,7 @@ class Trainer:
         for the registered model `cfg.model.name`.
 
         `layout`: `jaxdist.parallel.layout.from_config(cfg, devices)`, where the caller already has it.
-        `materialize` False: the state is described, not allocated (see `__init__`). `abstract`: the
-        model's `state.abstract_model`, where the caller already has it. `params`: as `__init__`'s.
+        `materialize`, `abstract` and `params`: as `InitOptions`' (the seed is `cfg.seed`).
         """
         entry = models.get(cfg.model.name)
         layout = layout or layout_lib.from_config(cfg, devices, entry.activations)
@@ -170,16 +117,28 @@ class Trainer:
                 f"(model {cfg.model.name}, compute {dtypes.compute_dtype.name}, params {dtypes.param_dtype.name}): "
                 f"use per_layer, or a compute dtype other than the parameters'"
             )
-        return cls(
-            create_model, entry.loss, tx, mesh, rules,
-            seed=cfg.seed, microbatches=cfg.train.microbatches, grad_reduction=cfg.train.grad_reduction,
-            schedule=schedule, loss_scale=precision.initial_loss_scale(cfg.precision), abstract=abstract,
-            compute_copies=make_copies, fsdp_gather=cfg.train.fsdp_gather, materialize=materialize,
-            loss_spike=cfg.train.loss_spike, params=params, compression=compression_of(cfg, layout.rules),
-            offload=None if cfg.train.offload == "none" else offload_lib.OffloadedOptimizer(
-                lambda names, roles: build_optimizer(cfg.optim, cfg.train, names, roles, clip=False)[0],
-                abstract.names, abstract.roles, cfg.optim.clip_norm),
+        offload = None if cfg.train.offload == "none" else offload_lib.OffloadedOptimizer(
+            lambda names, roles: build_optimizer(cfg.optim, cfg.train, names, roles, clip=False)[0],
+            abstract.names, abstract.roles, cfg.optim.clip_norm)
+        options = StepOptions(
+            microbatches=cfg.train.microbatches, grad_reduction=cfg.train.grad_reduction, schedule=schedule,
+            loss_scale=precision.initial_loss_scale(cfg.precision), compute_copies=make_copies,
+            fsdp_gather=cfg.train.fsdp_gather, loss_spike=cfg.train.loss_spike,
+            compression=compression_of(cfg, layout.rules), offload=offload,
         )
+        init = InitOptions(seed=cfg.seed, params=params, materialize=materialize, abstract=abstract)
+        return cls(create_model, entry.loss, tx, mesh, rules, options=options, init=init)
+
+    def _check_batch_norm(self, options: StepOptions, layout: StepLayout) -> None:
+        """flax's BatchNorm takes its statistics from the rows it sees: refused where those are one
+        batch shard's (train/accumulate.py's per-shard gradients)."""
+        shards = rules_lib.axes_size(self.mesh, rules_lib.data_parallel_axes(self.rules))
+        per_shard = options.microbatches > 1 or layout.compressed is not None
+        if per_shard and options.grad_reduction == "per_step" and shards > 1 and self._has_flax_batch_norm():
+            raise ValueError(
+                "flax's nnx.BatchNorm would take its statistics from one batch shard inside grad_reduction="
+                "'per_step''s per-shard gradients: use jaxdist.models.batchnorm.BatchNorm (statistics over the "
+                "whole batch everywhere) or grad_reduction='per_microbatch'")
 
     def _has_flax_batch_norm(self) -> bool:
         if self.state.model_state is None:  # no batch statistics at all
@@ -251,6 +210,28 @@ class Trainer:
     def params(self) -> Any:
         """The current parameters (a pytree of sharded arrays, in `precision.params`)."""
         return self.state.params
+
+
+def step_layout(abstract: AbstractModel, mesh: Mesh, rules: rules_lib.Rules, options: StepOptions) -> StepLayout:
+    """What `options` make of `mesh` and `rules` for this model: the copies' shardings and gather, and
+    the compressed reduction."""
+    data_axes = rules_lib.data_parallel_axes(rules)
+    compressed = None if options.compression is None else compression_lib.reducer(
+        abstract.params, abstract.names, abstract.roles, options.compression, mesh, data_axes)
+    if compressed is not None and options.grad_reduction != "per_step":
+        raise ValueError("gradient compression starts from each batch shard's own gradients: use "
+                         "grad_reduction='per_step'")
+    copy_shardings, copies_gather = None, None
+    if options.compute_copies is not None:
+        copy_shardings = copies_shardings(options.compute_copies, abstract.params,
+                                          param_shardings(abstract, rules, mesh))
+        if options.fsdp_gather == "per_step":
+            # ZeRO-2: each copy whole along the data-parallel axes (data, fsdp), still split
+            # along the others (tensor, stage).
+            whole = jax.tree.map(lambda s: NamedSharding(s.mesh, rules_lib.spec_without(s.spec, data_axes)),
+                                 copy_shardings)
+            copies_gather = copies_lib.Gather(whole=whole, split=copy_shardings)
+    return StepLayout(mesh, rules, copy_shardings, copies_gather, compressed)
 
 
 def compression_of(cfg: Config, rules: rules_lib.Rules) -> compression_lib.Compression | None:
