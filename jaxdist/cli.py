@@ -61,7 +61,7 @@ class _Version(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, help="print the versions of jaxdist, Python and its libraries")
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from jaxdist.checkpoint.run import library_versions
+        from jaxdist.checkpoint.policy import library_versions
 
         print(", ".join(f"{name} {version}" for name, version in library_versions().items()))
         parser.exit(0)

@@ -21,8 +21,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxdist import atomic, kernels, models, runtime
-from jaxdist.checkpoint import ResumePlan, RunCheckpoints, hf, plan_resume, rundir
-from jaxdist.checkpoint.rundir import RunDirLock
+from jaxdist.checkpoint import ResumePlan, RunCheckpoints, hf, plan_resume, run_dir_guard
+from jaxdist.checkpoint.run_dir_guard import RunDirLock
 from jaxdist.config import Config, TrainConfig
 from jaxdist.data import loader
 from jaxdist.data.tokenizer import Tokenizer
@@ -138,13 +138,13 @@ def plan(run: Run, restart: bool = False, clock: RunTime | None = None) -> Run:
     cfg = run.cfg
     run_dir = Path(cfg.run_dir)
     with clock.part("checks"):
-        if restart and jax.process_index() == 0 and (moved := rundir.set_history_aside(run_dir)):
+        if restart and jax.process_index() == 0 and (moved := run_dir_guard.set_history_aside(run_dir)):
             log(f"--restart: moved the earlier run's files to {moved}")
         if restart and jax.process_count() > 1:
             multihost_utils.sync_global_devices("jaxdist_restart")  # before anyone reads checkpoints/
         resume = plan_resume(cfg, run.abstract.params, log)
         if resume.step is None:
-            rundir.check_history(run_dir)
+            run_dir_guard.check_history(run_dir)
     # data.epochs ends the run where a resumed one counts the examples left from its checkpoint.
     cfg = loader.resolve_steps(cfg, len(run.train_source), resume.position.step, resume.position.example, log)
     _warn_if_warmup_outlasts_the_run(cfg)

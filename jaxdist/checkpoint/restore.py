@@ -98,7 +98,7 @@ class CheckpointReader:
         return value
 
     def meta(self, step: int) -> dict[str, Any]:
-        """The JSON meta of checkpoint `step` (see `jaxdist.checkpoint.run.run_meta`)."""
+        """The JSON meta of checkpoint `step` (see `jaxdist.checkpoint.policy.run_meta`)."""
         restored = self._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))
         return self._json_object(step, META, restored[META])
 

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 
 from jaxdist.checkpoint.resume import DataPosition
-from jaxdist.checkpoint.run import run_meta
+from jaxdist.checkpoint.policy import run_meta
 from jaxdist.checkpoint.restore import abstract_state
 from jaxdist.checkpoint.store import Checkpoints, HostCopy, default_host_copy
 
