@@ -21,7 +21,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxdist import atomic, kernels, models, runtime
-from jaxdist.checkpoint import ResumePlan, RunCheckpoints, hf, plan_resume, run_dir_guard
+from jaxdist.checkpoint import ResumePlan, RunCheckpoints, hf_folder, plan_resume, run_dir_guard
 from jaxdist.checkpoint.run_dir_guard import RunDirLock
 from jaxdist.config import Config, TrainConfig
 from jaxdist.data import loader
@@ -106,7 +106,7 @@ def prepare(cfg: Config, devices: list | None = None, clock: RunTime | None = No
     wandb_log.check_installed(cfg)
     with clock.part("data"):
         # Resolved, so config.yaml and checkpoints hold them.
-        cfg = loader.resolve_workers(loader.resolve_model(hf.resolve(cfg)))
+        cfg = loader.resolve_workers(loader.resolve_model(hf_folder.resolve(cfg)))
         entry = models.get(cfg.model.name)
         train_source = loader.open_split(cfg, "train", entry.batch_keys)
         eval_source = None
@@ -170,7 +170,7 @@ def _run(run: Run, clock: RunTime) -> Trainer:
     with clock.part("init"):
         params = None
         if getattr(cfg.model, "init_from", None) and run.resume.step is None:
-            params = functools.partial(hf.load_params, cfg, run.abstract.params)
+            params = functools.partial(hf_folder.load_params, cfg, run.abstract.params)
             log(f"starting from the weights of {cfg.model.init_from}")
         trainer = Trainer.from_config(cfg, layout=layout, abstract=run.abstract, params=params)
     no_fp8 = dtypes.fp8_unavailable(cfg.precision, trainer.mesh.devices.flat[0].platform)
