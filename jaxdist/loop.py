@@ -72,7 +72,7 @@ def train(cfg: Config, devices: list | None = None, restart: bool = False, start
     # Every process checks: each writes its checkpoint shards there.
     check_writable(run_dir, f"run_dir={run_dir}", directory=True)
     with RunDirLock(run_dir):
-        run = plan(run, restart, clock)
+        run = prepare_start(run, restart, clock)
         try:
             return _run(run, clock)
         finally:
@@ -129,7 +129,7 @@ def prepare(cfg: Config, devices: list | None = None, clock: RunTime | None = No
     return Run(cfg, entry, abstract, layout, rows, train_source, eval_source, tokenizer)
 
 
-def plan(run: Run, restart: bool = False, clock: RunTime | None = None) -> Run:
+def prepare_start(run: Run, restart: bool = False, clock: RunTime | None = None) -> Run:
     """`run` with where it resumes from in its run directory, and its length resolved from there: a
     checkpoint of another model and a fresh start over an earlier run's history stop here
     (`UserError`); `restart` first moves an earlier run's files aside. Call it holding the run
