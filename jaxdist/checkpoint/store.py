@@ -5,7 +5,7 @@
 - `state`: the whole train-state pytree (step, params, optimizer state, and any field added to it
   later), in OCDBT. With several processes, every process writes only the shards it holds; nobody
   gathers the model. A single process holds every shard: it copies the state to host memory in one
-  batched transfer and writes each array whole (see `_state_to_write`).
+  batched transfer and writes each array whole (see `_Snapshot`).
 - `meta`: JSON written by process 0: the step, the data position (global example index and data
   seed), the resolved config, and where it was written (mesh, process and device counts, versions).
 - `digests`: JSON written by process 0: two checksums per array of the state, computed on the
