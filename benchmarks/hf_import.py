@@ -65,7 +65,7 @@ def load(folder: Path, overrides: list[str]) -> None:
 
     from jaxdist import config as config_lib
     from jaxdist import models
-    from jaxdist.checkpoint import hf
+    from jaxdist.checkpoint import hf_folder
     from jaxdist.parallel import layout as layout_lib
     from jaxdist.parallel import rules as rules_lib
     from jaxdist.train.state import abstract_model, merge, param_shardings
@@ -79,12 +79,12 @@ def load(folder: Path, overrides: list[str]) -> None:
     recipe.write_text(json.dumps(raw))
     cfg = config_lib.load(recipe, overrides)
     start = time.perf_counter()
-    cfg = hf.resolve(cfg)
+    cfg = hf_folder.resolve(cfg)
     entry = models.get(cfg.model.name)
     placed = layout_lib.from_config(cfg, None, entry.activations)
     abstract = abstract_model(entry.create(cfg), 0)
     shardings = param_shardings(abstract, placed.rules, placed.mesh)
-    params = jax.block_until_ready(hf.load_params(cfg, abstract.params, shardings))
+    params = jax.block_until_ready(hf_folder.load_params(cfg, abstract.params, shardings))
     seconds = time.perf_counter() - start
     after = _peak_rss_gib()
     with rules_lib.activation_rules(placed.mesh, placed.rules), jax.default_matmul_precision("highest"):

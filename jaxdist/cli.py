@@ -61,7 +61,7 @@ class _Version(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, help="print the versions of jaxdist, Python and its libraries")
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from jaxdist.checkpoint.run import library_versions
+        from jaxdist.checkpoint.policy import library_versions
 
         print(", ".join(f"{name} {version}" for name, version in library_versions().items()))
         parser.exit(0)
@@ -249,10 +249,10 @@ def _train(args) -> None:
 def _config_with_data_sizes(args):
     """The command's config with the model's `auto` sizes taken from its data, as `train` takes them."""
     from jaxdist import config
-    from jaxdist.checkpoint import hf
+    from jaxdist.checkpoint import hf_folder
     from jaxdist.data import loader
 
-    return loader.resolve_model(hf.resolve(config.load(args.config, args.overrides)))
+    return loader.resolve_model(hf_folder.resolve(config.load(args.config, args.overrides)))
 
 
 def _rules(args) -> None:
@@ -422,9 +422,9 @@ def _export(args) -> None:
     import jax
 
     if args.format == "hf":
-        from jaxdist.checkpoint import hf
+        from jaxdist.checkpoint import hf_folder
 
-        step, files = hf.export(args.run_dir, args.out, args.step)
+        step, files = hf_folder.export(args.run_dir, args.out, args.step)
         if jax.process_index() == 0:
             print(f"wrote a Hugging Face folder (params at step {step}) to {args.out}: {', '.join(files)}")
         return

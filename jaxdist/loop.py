@@ -21,8 +21,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxdist import atomic, kernels, models, runtime
-from jaxdist.checkpoint import ResumePlan, RunCheckpoints, hf, plan_resume, rundir
-from jaxdist.checkpoint.rundir import RunDirLock
+from jaxdist.checkpoint import ResumePlan, RunCheckpoints, hf_folder, plan_resume, run_dir_guard
+from jaxdist.checkpoint.run_dir_guard import RunDirLock
 from jaxdist.config import Config, TrainConfig
 from jaxdist.data import loader
 from jaxdist.data.tokenizer import Tokenizer
@@ -72,7 +72,7 @@ def train(cfg: Config, devices: list | None = None, restart: bool = False, start
     # Every process checks: each writes its checkpoint shards there.
     check_writable(run_dir, f"run_dir={run_dir}", directory=True)
     with RunDirLock(run_dir):
-        run = plan(run, restart, clock)
+        run = prepare_start(run, restart, clock)
         try:
             return _run(run, clock)
         finally:
@@ -106,7 +106,7 @@ def prepare(cfg: Config, devices: list | None = None, clock: RunTime | None = No
     wandb_log.check_installed(cfg)
     with clock.part("data"):
         # Resolved, so config.yaml and checkpoints hold them.
-        cfg = loader.resolve_workers(loader.resolve_model(hf.resolve(cfg)))
+        cfg = loader.resolve_workers(loader.resolve_model(hf_folder.resolve(cfg)))
         entry = models.get(cfg.model.name)
         train_source = loader.open_split(cfg, "train", entry.batch_keys)
         eval_source = None
@@ -129,7 +129,7 @@ def prepare(cfg: Config, devices: list | None = None, clock: RunTime | None = No
     return Run(cfg, entry, abstract, layout, rows, train_source, eval_source, tokenizer)
 
 
-def plan(run: Run, restart: bool = False, clock: RunTime | None = None) -> Run:
+def prepare_start(run: Run, restart: bool = False, clock: RunTime | None = None) -> Run:
     """`run` with where it resumes from in its run directory, and its length resolved from there: a
     checkpoint of another model and a fresh start over an earlier run's history stop here
     (`UserError`); `restart` first moves an earlier run's files aside. Call it holding the run
@@ -138,13 +138,13 @@ def plan(run: Run, restart: bool = False, clock: RunTime | None = None) -> Run:
     cfg = run.cfg
     run_dir = Path(cfg.run_dir)
     with clock.part("checks"):
-        if restart and jax.process_index() == 0 and (moved := rundir.set_history_aside(run_dir)):
+        if restart and jax.process_index() == 0 and (moved := run_dir_guard.set_history_aside(run_dir)):
             log(f"--restart: moved the earlier run's files to {moved}")
         if restart and jax.process_count() > 1:
             multihost_utils.sync_global_devices("jaxdist_restart")  # before anyone reads checkpoints/
         resume = plan_resume(cfg, run.abstract.params, log)
         if resume.step is None:
-            rundir.check_history(run_dir)
+            run_dir_guard.check_history(run_dir)
     # data.epochs ends the run where a resumed one counts the examples left from its checkpoint.
     cfg = loader.resolve_steps(cfg, len(run.train_source), resume.position.step, resume.position.example, log)
     _warn_if_warmup_outlasts_the_run(cfg)
@@ -170,7 +170,7 @@ def _run(run: Run, clock: RunTime) -> Trainer:
     with clock.part("init"):
         params = None
         if getattr(cfg.model, "init_from", None) and run.resume.step is None:
-            params = functools.partial(hf.load_params, cfg, run.abstract.params)
+            params = functools.partial(hf_folder.load_params, cfg, run.abstract.params)
             log(f"starting from the weights of {cfg.model.init_from}")
         trainer = Trainer.from_config(cfg, layout=layout, abstract=run.abstract, params=params)
     _log_setup(cfg, trainer, layout, rows)

@@ -582,7 +582,7 @@ def test_processes_agree_on_the_metadata_before_resuming(saved_run, tmp_path, mo
     def with_another_process(err):
         integrity.agree(err, gather=lambda code: [code, next(others, integrity.OK)])
 
-    monkeypatch.setattr("jaxdist.checkpoint.store.agree", with_another_process)
+    monkeypatch.setattr("jaxdist.checkpoint.restore.agree", with_another_process)
     position = plan(make_config(run_dir))
     assert position.step == 1
     assert "process 1 found it damaged" in capsys.readouterr().err
@@ -599,7 +599,7 @@ def test_saved_digests_are_read_before_the_processes_agree(two_steps, mesh, monk
         outcomes.append(integrity.outcome(err))
         integrity.agree(err, gather=lambda code: [code])
 
-    monkeypatch.setattr("jaxdist.checkpoint.store.agree", recording)
+    monkeypatch.setattr("jaxdist.checkpoint.restore.agree", recording)
     with Checkpoints(two_steps, create=False) as checkpoints:
         with pytest.raises(UnicodeDecodeError) as caught:
             checkpoints.restore(2, abstract_state(state_on(mesh, 0)))

@@ -138,7 +138,7 @@ def test_plans_compress_the_matrices_and_send_vectors_exactly():
     roles = {"qkv": "weight", "out": "weight", "norm": "norm", "conv": "weight"}
     shapes = {"qkv": (24, 3, 1024, 16, 64), "out": (24, 16, 64, 1024), "norm": (24, 1024), "conv": (3, 3, 64, 64)}
     abstract = {key: jax.ShapeDtypeStruct(shape, np.float32) for key, shape in shapes.items()}
-    plans = compression.plan(abstract, names, roles, compression.Compression("powersgd", ("data",), rank=4))
+    plans = compression.leaf_plans(abstract, names, roles, compression.Compression("powersgd", ("data",), rank=4))
     assert plans["qkv"].matrix == ((24, 3), 1024, 1024)  # stacked layers and q/k/v; the squarest split
     assert plans["out"].matrix == ((24,), 1024, 1024)
     assert plans["conv"].matrix == ((), 576, 64)
@@ -146,7 +146,7 @@ def test_plans_compress_the_matrices_and_send_vectors_exactly():
     exact, compressed = compression.bytes_sent(plans, compression.Compression("powersgd", ("data",), rank=4))
     assert exact == 4 * sum(int(np.prod(s)) for s in shapes.values())
     assert compressed == 4 * (72 * 2048 * 4 + 24 * 2048 * 4 + 640 * 4 + 24 * 1024)
-    int8 = compression.plan(abstract, names, roles, compression.Compression("int8", ("data",)))
+    int8 = compression.leaf_plans(abstract, names, roles, compression.Compression("int8", ("data",)))
     assert {key: plan.method for key, plan in int8.items()} == {"qkv": "int8", "out": "int8", "norm": "exact",
                                                                  "conv": "int8"}
 
@@ -214,7 +214,7 @@ def test_powersgd_sends_every_bias_and_norm_exactly(model):
     cfg = make_config("unused", model={**model, "d_model": 1024, "heads": 16, "layers": 2, "vocab": 512})
     abstract = abstract_model(models.get(cfg.model.name).create(cfg), 0)
     chosen = compression.Compression("powersgd", ("data",), rank=4)
-    plans = compression.plan(abstract.params, abstract.names, abstract.roles, chosen)
+    plans = compression.leaf_plans(abstract.params, abstract.names, abstract.roles, chosen)
     leaves = list(zip(jax.tree.leaves(plans, is_leaf=lambda x: isinstance(x, compression.LeafPlan)),
                       jax.tree.leaves(abstract.roles)))
     vectors = [plan for plan, role in leaves if role in ("bias", "norm")]

@@ -18,7 +18,7 @@ from conftest import make_config
 from safetensors.numpy import load_file
 
 from jaxdist import cli, models
-from jaxdist.checkpoint import export, hf
+from jaxdist.checkpoint import export, hf_folder
 from jaxdist.config import Config
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import rules as rules_lib
@@ -40,12 +40,12 @@ def imported(folder: Path, layout: dict | None = None, seq_len: int = 12):
     layout = layout or LAYOUTS["data8"]
     raw = {key: value for key, value in layout.items() if key != "model"}
     raw["model"] = {"init_from": f"hf:{folder}", "seq_len": seq_len, **layout.get("model", {})}
-    cfg = hf.resolve(Config.model_validate(raw))
+    cfg = hf_folder.resolve(Config.model_validate(raw))
     entry = models.get(cfg.model.name)
     placed = layout_lib.from_config(cfg, None, entry.activations)
     abstract = abstract_model(entry.create(cfg), 0)
     shardings = param_shardings(abstract, placed.rules, placed.mesh)
-    return cfg, abstract.graphdef, hf.load_params(cfg, abstract.params, shardings), placed
+    return cfg, abstract.graphdef, hf_folder.load_params(cfg, abstract.params, shardings), placed
 
 
 def logits_of(graphdef, params, placed, tokens: np.ndarray) -> np.ndarray:
@@ -68,7 +68,7 @@ def test_imported_models_give_the_logits_transformers_gave(family, layout):
 
 
 def test_the_fixtures_cover_what_the_families_differ_in():
-    llama, qwen2, gpt2 = (hf.resolve(Config.model_validate({"model": {"init_from": f"hf:{FIXTURES / f}",
+    llama, qwen2, gpt2 = (hf_folder.resolve(Config.model_validate({"model": {"init_from": f"hf:{FIXTURES / f}",
                                                                       "seq_len": 64}})).model for f in FAMILIES)
     assert (llama.kv_heads, llama.heads, llama.rope_scaling.kind, llama.tied_embeddings) == (2, 4, "llama3", False)
     assert (llama.mlp_dim, llama.norm_eps, llama.rope_base) == (96, 1e-6, 500000.0)
@@ -82,8 +82,8 @@ def test_an_export_holds_the_fixture_tensors_and_config_keys_and_reimports_bitwi
     cfg, _, params, _ = imported(source)
     params = jax.tree.map(np.asarray, params)
     out = tmp_path / "export"
-    written = hf.write_folder(out, cfg.model, hf.hf_tensors(cfg.model, lambda path: hf.leaf_at(params, path)), source,
-                              max_shard_bytes=150_000)
+    tensors = hf_folder.hf_tensors(cfg.model, lambda path: hf_folder.leaf_at(params, path))
+    written = hf_folder.write_folder(out, cfg.model, tensors, source, max_shard_bytes=150_000)
     assert "model.safetensors.index.json" in written and "tokenizer.json" in written
 
     exported, published = _tensors(out), _tensors(source)
@@ -148,18 +148,18 @@ def test_an_export_without_a_tokenizer_says_where_the_runs_tokens_came_from(tmp_
     said = f"export --format hf: {out} holds no tokenizer: "
     prepare = ("to export one, prepare the data with a Hugging Face tokenizer (jaxdist data prepare INPUTS --out DIR "
                "--tokenizer PATH/tokenizer.json) and train on it")
-    assert hf.missing_tokenizer(make_config(tmp_path), out) == (
+    assert hf_folder.missing_tokenizer(make_config(tmp_path), out) == (
         f"{said}the run's tokens are UTF-8 bytes, which no tokenizer.json describes; {prepare}")
     shards, _ = prepared(tmp_path / "hf", random_documents(3), tokenizer=str(FIXTURES / "qwen2" / "tokenizer.json"))
-    assert hf.missing_tokenizer(make_config(tmp_path, data={"source": "arrayrecord", "path": str(shards)}), out) == (
+    assert hf_folder.missing_tokenizer(make_config(tmp_path, data={"source": "arrayrecord", "path": str(shards)}), out) == (
         f"{said}the run's data was tokenized with {shards / 'tokenizer.json'}; copy it into {out}")
     manifest = json.loads((shards / "manifest.json").read_text())
     manifest["tokenizer"].update(name="sentencepiece", file="tokenizer.model")
     (shards / "manifest.json").write_text(json.dumps(manifest))
-    assert hf.missing_tokenizer(make_config(tmp_path, data={"source": "arrayrecord", "path": str(shards)}), out) == (
+    assert hf_folder.missing_tokenizer(make_config(tmp_path, data={"source": "arrayrecord", "path": str(shards)}), out) == (
         f"{said}the run's data was tokenized with a SentencePiece model ({shards / 'tokenizer.model'}); {prepare}")
     ids = make_config(tmp_path, data={"source": "arrays", "path": "ids.npz"})
-    assert hf.missing_tokenizer(ids, out) == (
+    assert hf_folder.missing_tokenizer(ids, out) == (
         f"{said}the run started from no Hugging Face folder, and its data (data.path=ids.npz) names no tokenizer; "
         f"copy the tokenizer.json its token ids come from into {out}")
 

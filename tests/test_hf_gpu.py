@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxdist import models
-from jaxdist.checkpoint import hf
+from jaxdist.checkpoint import hf_folder
 from jaxdist.config import Config
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import rules as rules_lib
@@ -25,14 +25,14 @@ FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
 
 def _jaxdist_logits(folder: Path, compute: str, tokens: np.ndarray) -> tuple[Config, dict, np.ndarray]:
-    cfg = hf.resolve(Config.model_validate({
+    cfg = hf_folder.resolve(Config.model_validate({
         "model": {"init_from": f"hf:{folder}", "seq_len": tokens.shape[1]}, "mesh": {"data": -1, "fsdp": 1, "tensor": 1},
         "rules": {"preset": "dp"}, "precision": {"compute": compute}}))
     entry = models.get(cfg.model.name)
     placed = layout_lib.from_config(cfg, None, entry.activations)
     abstract = abstract_model(entry.create(cfg), 0)
     shardings = param_shardings(abstract, placed.rules, placed.mesh)
-    params = hf.load_params(cfg, abstract.params, shardings)
+    params = hf_folder.load_params(cfg, abstract.params, shardings)
     with rules_lib.activation_rules(placed.mesh, placed.rules), jax.default_matmul_precision("highest"):
         logits = jax.jit(lambda p, t: merge(abstract.graphdef, p)(t))(params, jnp.asarray(tokens))
     return cfg, jax.tree.map(np.asarray, params), np.asarray(logits, np.float32)
@@ -46,8 +46,8 @@ def test_transformers_loads_the_export_and_gives_jaxdist_logits(family, compute,
     torch.backends.cuda.matmul.allow_tf32 = False
     tokens = np.load(FIXTURES / family / "reference.npz")["input_ids"]
     cfg, params, ours = _jaxdist_logits(FIXTURES / family, compute, tokens)
-    hf.write_folder(tmp_path / "export", cfg.model, hf.hf_tensors(cfg.model, lambda path: hf.leaf_at(params, path)),
-                    FIXTURES / family)
+    tensors = hf_folder.hf_tensors(cfg.model, lambda path: hf_folder.leaf_at(params, path))
+    hf_folder.write_folder(tmp_path / "export", cfg.model, tensors, FIXTURES / family)
 
     def logits(dtype) -> np.ndarray:
         model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=dtype,

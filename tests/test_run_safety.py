@@ -20,8 +20,8 @@ import yaml
 from conftest import TINY_GPT, disk_full_past, make_config
 
 from jaxdist import cli, loop
-from jaxdist.checkpoint import Checkpoints, rundir
-from jaxdist.checkpoint.rundir import LOCK_FILE, RunDirLock
+from jaxdist.checkpoint import Checkpoints, run_dir_guard
+from jaxdist.checkpoint.run_dir_guard import LOCK_FILE, RunDirLock
 from jaxdist.config import Config
 from jaxdist.errors import UserError
 from jaxdist.observe.metrics import drop_after
@@ -249,7 +249,7 @@ def test_malformed_metrics_lines_are_set_aside_and_the_history_kept(tmp_path, ca
     malformed = [b"{}", b"5", b"\xff\xfe not UTF-8", b'{"step": "3"}', b'{"step": true}', b"[1, 2]"]
     lines = [*logged[:2], *malformed, *logged[2:], b'{"step": 6, "lo']  # the last cut short by a kill
     (tmp_path / "metrics.jsonl").write_bytes(b"\n".join(lines))
-    assert rundir.history(tmp_path) == ["metrics.jsonl with 12 logged steps"]  # what a fresh start is told
+    assert run_dir_guard.history(tmp_path) == ["metrics.jsonl with 12 logged steps"]  # what a fresh start is told
     drop_after(tmp_path, 4)
     assert (tmp_path / "metrics.jsonl").read_bytes() == b"".join(line + b"\n" for line in logged[:4])
     [aside] = tmp_path.glob("metrics.jsonl.set-aside-*")

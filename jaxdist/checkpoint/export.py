@@ -14,7 +14,9 @@ import numpy as np
 from jaxdist import atomic
 from jaxdist.checkpoint import safetensors_file
 from jaxdist.checkpoint.integrity import is_damage
-from jaxdist.checkpoint.store import Checkpoints, dotted_name, first_line, first_mismatch, leaf_shapes
+from jaxdist.checkpoint.names import dotted_name, leaf_shapes
+from jaxdist.checkpoint.restore import first_mismatch
+from jaxdist.checkpoint.store import Checkpoints, first_line
 from jaxdist.config import Config
 from jaxdist.config.files import from_dict
 from jaxdist.errors import UserError, check_writable

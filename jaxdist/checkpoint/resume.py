@@ -18,7 +18,8 @@ from typing import Any
 import pydantic
 
 from jaxdist.checkpoint.integrity import DamagedCheckpoint, is_damage
-from jaxdist.checkpoint.store import CheckpointMismatch, Checkpoints, set_aside_summary
+from jaxdist.checkpoint.restore import CheckpointMismatch
+from jaxdist.checkpoint.store import Checkpoints, set_aside_summary
 from jaxdist.config import Config
 from jaxdist.errors import UserError, warn
 

@@ -20,8 +20,9 @@ from typing import Any
 import jax
 
 from jaxdist.checkpoint.resume import DataPosition
-from jaxdist.checkpoint.run import run_meta
-from jaxdist.checkpoint.store import Checkpoints, HostCopy, abstract_state, default_host_copy
+from jaxdist.checkpoint.policy import run_meta
+from jaxdist.checkpoint.restore import abstract_state
+from jaxdist.checkpoint.store import Checkpoints, HostCopy, default_host_copy
 
 
 def measure(trainer, batch: dict, cfg, directory: str | Path, saves: int = 4, window: int = 10,

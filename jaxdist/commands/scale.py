@@ -203,7 +203,7 @@ def compressed_payloads(cfg: Config) -> dict[str, float]:
     payloads = {}
     for method in compression.METHODS[1:]:
         chosen = compression.Compression(method, ("data",), cfg.train.grad_compression_rank)
-        plans = compression.plan(abstract.params, abstract.names, abstract.roles, chosen)
+        plans = compression.leaf_plans(abstract.params, abstract.names, abstract.roles, chosen)
         payloads[method] = compression.bytes_sent(plans, chosen)[1]
     return payloads
 

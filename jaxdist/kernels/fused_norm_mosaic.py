@@ -98,6 +98,17 @@ def _shared_chunks(blocks, chunks: int, layout):
     return get
 
 
+def _write_sums(sum_refs, final, held_refs, chunks: int, chunk: int, layout):
+    """Writes a program's running sums (the scale's gradient terms, and the bias's) to its rows of
+    `sum_refs`, once: from the registers (`final`, what the stream carried) with one chunk, else
+    from the shared buffers (`held_refs`, a buffer per sum and chunk)."""
+    sums = len(sum_refs)
+    program_rows = mosaic.block_rows(mosaic.program())
+    for s, ref in enumerate(sum_refs):
+        for c in range(chunks):
+            value = final[s] if chunks == 1 else mosaic.load(held_refs[c * sums + s], layout)
+            ref[program_rows, pl.ds(c * chunk, chunk)] = value
+
 def forward_local(rms, eps, x, delta, scale, bias):
     shape, features = x.shape, x.shape[-1]
     rows, dtype = x.size // features, x.dtype
@@ -221,14 +232,11 @@ def backward_local(rms, eps, has_bias, total, d_normed, d_total, scale):
         # Each lane keeps its columns' running sums over its rows; the program writes them out once.
         carry = (zeros,) * sums if chunks == 1 else None
         final = mosaic.stream(step, streamed_refs, programs, stages, carry=carry, chunks=chunks)
-        program_rows = mosaic.block_rows(mosaic.program())
-        for s, ref in enumerate(sum_refs):
-            for c in range(chunks):
-                value = final[s] if chunks == 1 else mosaic.load(held_refs[c * sums + s], layout)
-                ref[program_rows, pl.ds(c * chunk, chunk)] = value
+        _write_sums(sum_refs, final, held_refs, chunks, chunk, layout)
 
     partial = jax.ShapeDtypeStruct((programs * mosaic.ROWS, features), jnp.float32)
     out_type = [jax.ShapeDtypeStruct((rows, features), dtype)] + [partial] * sums
     d_sum, d_scale, *d_bias = mosaic.kernel(add_norm_backward, out_type, programs, "add_norm_backward", held)(
         *streamed, scale)
     return d_sum.reshape(shape), d_scale, d_bias[0] if has_bias else None
+

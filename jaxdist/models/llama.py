@@ -3,7 +3,7 @@
 
 Grouped-query attention is `model.kv_heads`, RoPE's base `model.rope_base` (Llama 3's frequency
 scaling `model.rope_scaling`), the SwiGLU hidden width `model.mlp_hidden`, Qwen2's q/k/v biases
-`model.biases=qkv`. models/hf.py maps each published architecture's config.json onto these keys.
+`model.biases=qkv`. models/hf_mapping.py maps each published architecture's config.json onto these keys.
 """
 
 from __future__ import annotations

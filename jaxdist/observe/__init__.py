@@ -1,2 +1,3 @@
-"""Observing a run: metrics writers (JSONL, TensorBoard, W&B) and the console, and the commands that
-measure or predict one: bench, plan, doctor, scale, profile summaries, plots and HLO reading."""
+"""What a run uses to observe itself: metrics writers (JSONL, TensorBoard, W&B), the console, goodput
+and the profiler. The commands that measure or predict a run (bench, plan, doctor, scale, plot) are
+in `jaxdist.commands`."""

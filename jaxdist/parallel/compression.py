@@ -94,7 +94,7 @@ def _matrix(shape: tuple[int, ...], names: Sequence[str | None], rank: int):
     return tuple(shape[:stacked]), rows, cols
 
 
-def plan(abstract_params: Any, names: Any, roles: Any, compression: Compression) -> Any:
+def leaf_plans(abstract_params: Any, names: Any, roles: Any, compression: Compression) -> Any:
     """A `LeafPlan` per parameter (a tree like the parameters): weights and embeddings compressed,
     biases and norms (by their roles, parallel/roles.py) reduced exactly."""
     def leaf(param, leaf_names, role):
@@ -111,14 +111,14 @@ def plan(abstract_params: Any, names: Any, roles: Any, compression: Compression)
     return jax.tree.map(leaf, abstract_params, names, roles)
 
 
-def _is_plan(x: Any) -> bool:
+def _is_leaf_plan(x: Any) -> bool:
     return isinstance(x, LeafPlan)
 
 
 def init(plans: Any, compression: Compression, shards: int) -> CompressionState:
     """The state before the first step: no error yet; Q drawn from `compression.seed` (the same on
     every process)."""
-    leaves, treedef = jax.tree.flatten(plans, is_leaf=_is_plan)
+    leaves, treedef = jax.tree.flatten(plans, is_leaf=_is_leaf_plan)
     keys = jax.random.split(jax.random.key(compression.seed), max(len(leaves), 1))
     errors, bases = [], []
     for key, leaf in zip(keys, leaves):
@@ -234,7 +234,7 @@ def _reduce(grads: Any, state: CompressionState, plans: Any, compression: Compre
         return jax.lax.with_sharding_constraint(g, NamedSharding(mesh, PartitionSpec(rules_lib.spec_entry(axes), *rest)))
 
     grads = jax.tree.map(over_compressed_axes, grads, param_shardings)
-    leaves, treedef = jax.tree.flatten(plans, is_leaf=_is_plan)
+    leaves, treedef = jax.tree.flatten(plans, is_leaf=_is_leaf_plan)
     flat_grads = treedef.flatten_up_to(grads)
     flat_errors = treedef.flatten_up_to(state.error)
     flat_bases = treedef.flatten_up_to(state.basis)
@@ -291,7 +291,7 @@ def bytes_sent(plans: Any, compression: Compression) -> tuple[int, int]:
     """(bytes of the whole gradient in float32, bytes the compression sends for it), per shard: the
     payloads, before any algorithm's factor (a ring all-reduce moves about twice)."""
     exact = compressed = 0
-    for leaf in jax.tree.leaves(plans, is_leaf=_is_plan):
+    for leaf in jax.tree.leaves(plans, is_leaf=_is_leaf_plan):
         size = math.prod(leaf.shape)
         exact += 4 * size
         if leaf.method == "int8":
@@ -341,4 +341,4 @@ def reducer(abstract_params: Any, names: Any, roles: Any, compression: Compressi
                          f"over the data-parallel axes {list(data_axes)}; name one or more of those")
     ordered = tuple(axis for axis in data_axes if axis in compression.axes)
     compression = dataclasses.replace(compression, axes=ordered)
-    return Reducer(compression, plan(abstract_params, names, roles, compression), mesh, data_axes)
+    return Reducer(compression, leaf_plans(abstract_params, names, roles, compression), mesh, data_axes)

@@ -3,7 +3,7 @@ tensor as the jaxdist parameter it becomes, both ways.
 
 Covered: `LlamaForCausalLM`, `MistralForCausalLM` (no sliding window) and `Qwen2ForCausalLM` as
 `model.name=llama`; `GPT2LMHeadModel` as `model.name=gpt`. Pure functions on dicts and numpy
-arrays; reading and writing the files is checkpoint/hf.py's.
+arrays; reading and writing the files is checkpoint/hf_folder.py's.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ layout: the devices of this process ask for their slices, and only the layers th
 read, one parameter at a time, so no host ever holds a whole copy of the model.
 
 Out: `jaxdist export RUN_DIR OUT --format hf` (`export`) writes a folder `transformers` loads with
-`AutoModelForCausalLM.from_pretrained(OUT)`. Which tensors map to which parameters is models/hf.py's.
+`AutoModelForCausalLM.from_pretrained(OUT)`. Which tensors map to which parameters is
+models/hf_mapping.py's.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from jaxdist.config.files import from_dict
 from jaxdist.data import sources
 from jaxdist.data import tokenizer as tokenizer_lib
 from jaxdist.errors import UserError, check_local, check_writable, warn
-from jaxdist.models import hf as hf_models
+from jaxdist.models import hf_mapping
 
 # What a folder ships beside the weights that a user of the model needs: the tokenizer and how to sample.
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
@@ -95,7 +96,7 @@ def resolve(cfg: Config) -> Config:
     if init_from is None:
         return cfg
     folder = folder_of(init_from)
-    found = hf_models.model_keys(read_config(folder), f"model.init_from={init_from}: config.json")
+    found = hf_mapping.model_keys(read_config(folder), f"model.init_from={init_from}: config.json")
     Shards(folder)  # an index without its shards stops here, before anything is built
     mine = model.model_dump(mode="json")
     for key in sorted(model.model_fields_set & found.keys()):
@@ -194,7 +195,7 @@ def load_params(cfg: Config, abstract_params: Any, shardings: Any) -> Any:
     stacked = model.impl.scan_layers
     params: dict = jax.tree.map(lambda leaf: None, abstract_params)
     used: set[str] = set()
-    for tensor in hf_models.tensors(model):
+    for tensor in hf_mapping.tensors(model):
         if tensor.path is None:
             continue
         if not tensor.in_block:
@@ -204,7 +205,7 @@ def load_params(cfg: Config, abstract_params: Any, shardings: Any) -> Any:
             _set(params, tensor.path, leaf)
             continue
         for layer in range(model.layers):
-            used.update(shards.name(n) for n in hf_models.layer_names(tensor, layer))
+            used.update(shards.name(n) for n in hf_mapping.layer_names(tensor, layer))
         if stacked:
             path = ("blocks", *tensor.path)
             leaf = _placed(lambda layer, t=tensor: _read(shards, t, layer), leaf_at(abstract_params, path),
@@ -217,7 +218,8 @@ def load_params(cfg: Config, abstract_params: Any, shardings: Any) -> Any:
                                leaf_at(shardings, path), None, tensor)
                 _set(params, path, leaf)
     if len(jax.tree.leaves(params)) != len(jax.tree.leaves(abstract_params)):  # a parameter no tensor maps to
-        raise ValueError(f"models/hf.py maps no Hugging Face tensor to some of model.name={model.name}'s parameters")
+        raise ValueError(f"models/hf_mapping.py maps no Hugging Face tensor to some of model.name={model.name}'s "
+                         f"parameters")
     extra = shards.unused(used)
     if extra:
         raise UserError(f"model.init_from=hf:{shards.folder}: the weights hold {len(extra)} tensor(s) the model has "
@@ -225,8 +227,8 @@ def load_params(cfg: Config, abstract_params: Any, shardings: Any) -> Any:
     return params
 
 
-def _read(shards: Shards, tensor: hf_models.Tensor, layer: int | None) -> np.ndarray:
-    names = tensor.names if layer is None else hf_models.layer_names(tensor, layer)
+def _read(shards: Shards, tensor: hf_mapping.Tensor, layer: int | None) -> np.ndarray:
+    names = tensor.names if layer is None else hf_mapping.layer_names(tensor, layer)
     try:
         return tensor.read([shards.get(name) for name in names])
     except ValueError as err:  # a reshape that does not fit: the folder's shapes are not its config's
@@ -236,7 +238,7 @@ def _read(shards: Shards, tensor: hf_models.Tensor, layer: int | None) -> np.nda
 
 
 def _placed(read_layer, abstract: jax.ShapeDtypeStruct, sharding: NamedSharding, layers: int | None,
-            tensor: hf_models.Tensor) -> jax.Array:
+            tensor: hf_mapping.Tensor) -> jax.Array:
     """One parameter made in `sharding` from `read_layer(layer)` (`layers` None: a parameter without
     a layer axis, `read_layer(None)`). The host holds one layer of it at a time: each is placed on
     the devices as it is read and the layers are stacked there, unless the layer axis itself is split
@@ -300,7 +302,7 @@ def hf_tensors(model, leaf: Callable[[tuple], np.ndarray]) -> Iterator[tuple[str
     parameter at `path` of the params dict (numpy); it is asked for each parameter once, in turn."""
     stacked = model.impl.scan_layers
     dtype = None
-    for tensor in hf_models.tensors(model):
+    for tensor in hf_mapping.tensors(model):
         if not tensor.in_block:
             array = leaf(tensor.path)
             dtype = array.dtype
@@ -308,7 +310,7 @@ def hf_tensors(model, leaf: Callable[[tuple], np.ndarray]) -> Iterator[tuple[str
             continue
         whole = leaf(("blocks", *tensor.path)) if stacked and tensor.path is not None else None
         for layer in range(model.layers):
-            names = hf_models.layer_names(tensor, layer)
+            names = hf_mapping.layer_names(tensor, layer)
             if tensor.path is None:  # GPT-2's biases for a model without them
                 yield from ((name, np.zeros(tensor.zero_shape, dtype)) for name in names)
                 continue
@@ -353,7 +355,7 @@ def write_folder(out: Path, model, tensors: Iterator[tuple[str, np.ndarray]], so
     if not write:
         return []
     source_config = read_config(source) if source is not None and (source / "config.json").is_file() else None
-    config = {**hf_models.hf_config(model, source_config), "dtype": dtype}
+    config = {**hf_mapping.hf_config(model, source_config), "dtype": dtype}
     atomic.write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
     names = (["model.safetensors"] if len(groups) == 1 else
              [f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)])
@@ -401,7 +403,7 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> tup
     if jax.process_count() == 1:
         step, params, meta = read_params(run_dir, step)
         cfg = saved_config(meta, checkpoint_path(run_dir, step))
-        hf_models.export_architecture(cfg.model)  # one line before anything is written
+        hf_mapping.export_architecture(cfg.model)  # one line before anything is written
         abstract = abstract_model(models.get(cfg.model.name).create(cfg), cfg.seed)
         check_saved_model(params, abstract.params, checkpoint_path(run_dir, step))
         files = write_folder(out, cfg.model, hf_tensors(cfg.model, lambda path: leaf_at(params, path)), _source(cfg))
@@ -471,7 +473,7 @@ def _export_spread(run_dir: str | Path, out: Path, step: int | None) -> tuple[in
 
     def read(store, step: int) -> tuple[Config, Any]:
         cfg = saved_config(store.meta(step), store.path(step))
-        hf_models.export_architecture(cfg.model)
+        hf_mapping.export_architecture(cfg.model)
         spread = cfg.model_copy(update={
             "mesh": cfg.mesh.model_copy(update={"data": 1, "stage": 1, "fsdp": -1, "tensor": 1}),
             "rules": cfg.rules.model_copy(update={"preset": "fsdp"})})

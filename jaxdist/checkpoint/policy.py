@@ -22,17 +22,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.checkpoint.resume import (DataPosition, ResumePlan, changed_keys, check_meta, explaining_mismatch,
                                        position_of)
+from jaxdist.checkpoint.names import leaf_shapes
+from jaxdist.checkpoint.restore import Restored, abstract_state
 from jaxdist.checkpoint.store import (
     DIVERGED_PREFIX,
     SUPERSEDED_PREFIX,
     UNREADABLE_PREFIX,
     Checkpoints,
     CheckpointWriteError,
-    Restored,
-    abstract_state,
     first_line,
     is_intact,
-    leaf_shapes,
 )
 from jaxdist.config import Config
 from jaxdist.errors import NonFiniteError, UserError, warn
