@@ -544,23 +544,26 @@ def _run(argv: list[str] | None, started: float) -> int:
         runtime.use_cpu_devices(args.devices, f"plan --devices {args.devices}")
     if args.command == "plan" and args.mock_gpus:
         runtime.mock_gpus(args.mock_gpus)
-    runtime.remember_interrupts()
-    runtime.use_cpu_devices()
-    runtime.gpu_defaults()
-    runtime.compilation_cache()
-    if args.command not in _OFFLINE:
-        from jaxdist.parallel import distributed
+    previous_handlers = runtime.remember_interrupts()
+    try:
+        runtime.use_cpu_devices()
+        runtime.gpu_defaults()
+        runtime.compilation_cache()
+        if args.command not in _OFFLINE:
+            from jaxdist.parallel import distributed
 
-        distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.init_timeout)
-    commands = {
-        "train": _train, "rules": _rules, "bench": _bench, "plan": _plan, "build-kernels": _build_kernels,
-        "launch": _launch, "doctor": _doctor, "scale": _scale, "data": _data_prepare, "export": _export,
-        "plot": _plot, "config": _config_show, "sample": _sample,
-    }
-    code = commands[args.command](args) or 0
-    if runtime.interrupted():
-        raise runtime.interruption()  # one that a garbage-collector callback dropped
-    return code
+            distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.init_timeout)
+        commands = {
+            "train": _train, "rules": _rules, "bench": _bench, "plan": _plan, "build-kernels": _build_kernels,
+            "launch": _launch, "doctor": _doctor, "scale": _scale, "data": _data_prepare, "export": _export,
+            "plot": _plot, "config": _config_show, "sample": _sample,
+        }
+        code = commands[args.command](args) or 0
+        if runtime.interrupted():
+            raise runtime.interruption()  # one that a garbage-collector callback dropped
+        return code
+    finally:
+        runtime.restore_handlers(previous_handlers)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import jax
 
@@ -164,10 +165,11 @@ _interruption: type[KeyboardInterrupt] = KeyboardInterrupt
 _report_unraisable = sys.unraisablehook
 
 
-def remember_interrupts() -> None:
+def remember_interrupts() -> dict[int, Any]:
     """Ctrl-C (SIGINT) raises KeyboardInterrupt as Python's own handler does, and SIGTERM raises
     `Terminated` (a KeyboardInterrupt too: the command stops the same way); either is remembered from
-    now on (an earlier command's interrupt is forgotten).
+    now on (an earlier command's interrupt is forgotten). Returns the handlers it replaced, for
+    `restore_handlers` once the command is done.
 
     A KeyboardInterrupt raised while Python runs a garbage-collector callback (JAX registers one) is
     printed and dropped, and the program would go on as if no key was pressed; `interrupted()` still
@@ -177,10 +179,17 @@ def remember_interrupts() -> None:
     """
     global _report_unraisable
     _INTERRUPTED.clear()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, _interrupt)
+    previous = {signum: signal.signal(signum, _interrupt) for signum in (signal.SIGINT, signal.SIGTERM)}
     if sys.unraisablehook is not _drop_interrupts:  # installed once, however many commands run
         _report_unraisable, sys.unraisablehook = sys.unraisablehook, _drop_interrupts
+    return previous
+
+
+def restore_handlers(previous: dict[int, Any]) -> None:
+    """The signal handlers `remember_interrupts` replaced, back in place (a program that called the
+    `jaxdist` command keeps its own)."""
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
 
 
 def _drop_interrupts(unraisable) -> None:

@@ -1,0 +1,204 @@
+"""Mixture of experts (models/layers/moe.py): the routers and losses against the papers' formulas in
+numpy, the grouped and exchanged experts against every expert run on every token, the same training
+under every layout, capacity's dropped share, and the sigmoid router's bias balancing the load."""
+
+import json
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_config
+from flax import nnx
+from jax.sharding import AxisType, Mesh
+
+from jaxdist import cli, loop
+from jaxdist.models.layers import moe as moe_lib
+from jaxdist.parallel import rules as rules_lib
+
+pytestmark = pytest.mark.slow
+
+
+def _softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def _top_k(scores, k):
+    order = np.argsort(-scores, axis=-1, kind="stable")[..., :k]
+    return order
+
+
+@pytest.mark.parametrize("router, renormalize", [("softmax", True), ("softmax", False), ("sigmoid", True)])
+def test_the_router_is_the_papers(router, renormalize):
+    """Mixtral / Qwen3-MoE: softmax over the experts, the top k, renormalized over them (Mixtral) or
+    not (Qwen3-MoE's norm_topk_prob false); DeepSeek-V3: sigmoid scores, the top k of scores plus a
+    bias chosen, their scores (renormalized) times the routed scale the weights."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(32, 8)).astype(np.float32)
+    bias = rng.normal(size=(8,)).astype(np.float32)
+    cfg = moe_lib.MoEConfig(experts=8, experts_per_token=3, router=router, renormalize=renormalize,
+                            routed_scale=2.5 if router == "sigmoid" else 1.0)
+    got = moe_lib.route(jnp.asarray(logits), cfg, jnp.asarray(bias) if router == "sigmoid" else None)
+    if router == "softmax":
+        probs = _softmax(logits)
+        experts = _top_k(probs, 3)
+    else:
+        probs = 1 / (1 + np.exp(-logits))
+        experts = _top_k(probs + bias, 3)
+    weights = np.take_along_axis(probs, experts, -1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdims=True)
+    weights = weights * cfg.routed_scale
+    np.testing.assert_array_equal(got.experts, experts)
+    np.testing.assert_allclose(got.weights, weights, rtol=1e-6)
+    np.testing.assert_allclose(got.probs, probs, rtol=1e-6)
+
+
+def test_the_auxiliary_and_z_losses_are_switch_and_st_moe():
+    """Switch Transformers' load balancing, E x sum_e f_e P_e (f_e: the tokens sent to e per token,
+    over the k choices, as Mixtral's load_balancing_loss_func), and ST-MoE's z-loss, the mean of
+    logsumexp(logits)^2; tokens that do not count (padding) left out of both."""
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(40, 4)).astype(np.float32)
+    counted = (rng.random(40) > 0.25).astype(np.float32)
+    cfg = moe_lib.MoEConfig(experts=4, experts_per_token=2)
+    routing = moe_lib.route(jnp.asarray(logits), cfg)
+    stats = moe_lib.statistics(routing, jnp.asarray(counted), jnp.ones((40, 2), bool), 4)
+    probs = _softmax(logits)[counted > 0]
+    chosen = _top_k(_softmax(logits), 2)[counted > 0]
+    f = np.stack([(chosen == e).any(-1).sum() for e in range(4)]) / len(chosen)
+    np.testing.assert_allclose(moe_lib.aux_loss(stats), 4 * np.sum(f * probs.mean(0)), rtol=1e-5)
+    lse = np.log(np.exp(logits).sum(-1))[counted > 0]
+    np.testing.assert_allclose(moe_lib.z_loss(stats), np.mean(lse**2), rtol=1e-5)
+    balanced = moe_lib.Stats(jnp.float32(8), jnp.full((4,), 4.0), jnp.full((4,), 2.0), jnp.float32(0), jnp.float32(0))
+    assert float(moe_lib.aux_loss(balanced)) == pytest.approx(2.0)  # k, for a router that balances perfectly
+
+
+def _layer(**keys):
+    cfg = types.SimpleNamespace(moe=moe_lib.MoEConfig(experts=8, experts_per_token=2, **keys), mlp_dim=24, d_model=16,
+                                layers=2, activation="swiglu")
+    with nnx.use_eager_sharding(False):
+        return moe_lib.MoE(cfg, None, jnp.float32, nnx.Rngs(0))
+
+
+def _every_expert(layer, x):
+    """Each token's output with every expert run on it, the chosen ones weighed and summed."""
+    routing = moe_lib.route(jnp.einsum("bld,de->ble", x, layer.router[...]), layer.cfg)
+    up, gate = (jnp.einsum("bld,edh->bleh", x, w[...]) for w in (layer.up, layer.gate))
+    outputs = jnp.einsum("bleh,ehd->bled", jax.nn.silu(gate) * up, layer.down[...])
+    return (jnp.take_along_axis(outputs, routing.experts[..., None], 2) * routing.weights[..., None]).sum(2)
+
+
+def _mesh(**sizes):
+    return Mesh(np.array(jax.devices()).reshape(list(sizes.values())), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
+
+
+@pytest.mark.parametrize("sizes, batch, hidden, embed", [
+    ({"expert": 8}, ["expert"], None, None),
+    ({"data": 2, "expert": 4}, ["data", "expert"], None, None),
+    ({"fsdp": 2, "expert": 2, "tensor": 2}, ["fsdp", "expert"], "tensor", "fsdp"),
+    ({"data": 2, "expert": 4}, ["data"], None, None),
+], ids=["expert8", "data2_expert4", "fsdp2_expert2_tensor2", "tokens_whole_on_each_expert_device"])
+def test_the_grouped_and_exchanged_experts_are_every_expert_on_every_token(devices, sizes, batch, hidden, embed):
+    """Each device runs its experts as one grouped matmul on the assignments sent to it (an
+    all-to-all there and back where the tokens are split too): values and gradients as the dense
+    computation of every expert on every token."""
+    layer = _layer()
+    graphdef, state = nnx.split(layer)
+    x = jax.random.normal(jax.random.key(1), (8, 6, 16))
+    want = _every_expert(layer, x)
+    want_grads = jax.grad(lambda s: jnp.sum(_every_expert(nnx.merge(graphdef, s), x) ** 2))(state)
+    mesh = _mesh(**sizes)
+    rules = rules_lib.preset("fsdp_tp").override(params={"experts": "expert", "expert_mlp": hidden, "embed": embed},
+                                                 activations={"batch": batch})
+
+    def loss(state):
+        with rules_lib.activation_rules(mesh, rules):
+            out, _ = nnx.merge(graphdef, state)(x)
+        return jnp.sum(out**2), out
+
+    with jax.set_mesh(mesh):
+        (_, got), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7 * float(jnp.abs(want).max()))
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6 * float(jnp.abs(w).max()))
+
+
+def test_capacity_drops_each_experts_assignments_past_its_share_in_token_order():
+    layer = _layer(capacity_factor=0.5)
+    x = jax.random.normal(jax.random.key(2), (4, 8, 16))
+    _, stats = layer(x)
+    routing = moe_lib.route(jnp.einsum("bld,de->ble", x, layer.router[...]), layer.cfg)
+    chosen = np.asarray(routing.experts).reshape(-1)  # (row, position, choice) order
+    limit = moe_lib.capacity(layer.cfg, 32)
+    assert limit == 4  # 0.5 x 32 tokens x 2 choices / 8 experts
+    taken, dropped = np.zeros(8, int), 0
+    for expert in chosen:
+        if taken[expert] < limit:
+            taken[expert] += 1
+        else:
+            dropped += 1
+    assert dropped > 0 and float(stats.dropped) == dropped
+    np.testing.assert_array_equal(stats.load, np.bincount(chosen, minlength=8))  # the router's choices
+    dropless, _ = _layer()(x)
+    roomy, roomy_stats = _layer(capacity_factor=8.0)(x)  # room for every token at every expert
+    assert float(roomy_stats.dropped) == 0
+    np.testing.assert_array_equal(roomy, dropless)
+
+
+MOE_MODEL = {"d_model": 32, "layers": 2, "heads": 4, "seq_len": 16, "vocab": "auto", "activation": "swiglu",
+             "impl": {"scan_layers": True},
+             "moe": {"experts": 8, "experts_per_token": 2, "expert_hidden": 24, "aux_loss": 0.01, "z_loss": 0.001}}
+STEPS = 5
+
+
+def _moe_config(run_dir, data, **sections):
+    return make_config(run_dir, model=MOE_MODEL, train={"steps": STEPS, "global_batch": 16},
+                       precision={"compute": "float32"}, data=data, **sections)
+
+
+def _logged(run_dir) -> dict[str, list[float]]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {key: [line[key] for line in lines] for key in ("loss", "grad_norm", "moe_aux_loss", "moe_load_max")}
+
+
+@pytest.fixture(scope="module")
+def one_device_moe(tmp_path_factory, packed_corpus):
+    run_dir = tmp_path_factory.mktemp("one_device_moe")
+    loop.train(_moe_config(run_dir, packed_corpus, mesh={"data": 1, "fsdp": 1, "tensor": 1}, rules={"preset": "dp"}),
+               devices=jax.devices()[:1])
+    run = _logged(run_dir)
+    assert run["loss"][-1] < run["loss"][0] and run["moe_aux_loss"][0] > 1.5  # about k = 2 at the start
+    return run
+
+
+MOE_LAYOUTS = {
+    "expert8": ({"expert": 8, "fsdp": 1, "tensor": 1}, "fsdp", {}),
+    "expert2_fsdp2_tensor2": ({"expert": 2, "fsdp": 2, "tensor": 2}, "fsdp_tp", {}),
+    "expert4_data2": ({"expert": 4, "data": 2, "fsdp": 1, "tensor": 1}, "fsdp", {}),
+    "stage2_expert4": ({"stage": 2, "expert": 4, "fsdp": 1, "tensor": 1}, "fsdp", {"pipeline": {"microbatches": 2}}),
+}
+
+
+@pytest.mark.parametrize("name", MOE_LAYOUTS)
+def test_a_mixture_trains_the_same_under_every_layout(tmp_path, packed_corpus, one_device_moe, name):
+    """Dropless, with the auxiliary and z losses on, on packed rows (padding routed to no expert):
+    the losses, gradient norms, auxiliary loss and load of one device over 5 steps, within 1e-5. In
+    the pipeline the statistics of its microbatches add up to the whole batch's."""
+    mesh, preset, sections = MOE_LAYOUTS[name]
+    loop.train(_moe_config(tmp_path, packed_corpus, mesh=mesh, rules={"preset": preset}, **sections))
+    got = _logged(tmp_path)
+    for key, values in one_device_moe.items():
+        np.testing.assert_allclose(got[key], values, rtol=1e-5, atol=0, err_msg=key)
+
+
+def test_experts_across_two_processes_train_as_one_device(tmp_path, packed_corpus, one_device_moe):
+    from test_layouts_multiprocess import run_processes
+
+    run_processes([_moe_config(tmp_path / "run", packed_corpus, mesh={"expert": 8, "fsdp": 1, "tensor": 1},
+                               rules={"preset": "fsdp"})], 2, tmp_path)
+    got = _logged(tmp_path / "run")
+    for key, values in one_device_moe.items():
+        np.testing.assert_allclose(got[key], values, rtol=1e-5, atol=0, err_msg=key)
