@@ -92,7 +92,8 @@ def _every_expert(layer, x):
 
 
 def _mesh(**sizes):
-    return Mesh(np.array(jax.devices()).reshape(list(sizes.values())), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
+    devices = np.array(jax.devices()).reshape(list(sizes.values()))
+    return Mesh(devices, tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
 
 
 @pytest.mark.parametrize("sizes, batch, hidden, embed", [
@@ -202,3 +203,58 @@ def test_experts_across_two_processes_train_as_one_device(tmp_path, packed_corpu
     got = _logged(tmp_path / "run")
     for key, values in one_device_moe.items():
         np.testing.assert_allclose(got[key], values, rtol=1e-5, atol=0, err_msg=key)
+
+
+def test_the_sigmoid_routers_bias_balances_a_deliberately_unbalanced_router():
+    """DeepSeek-V3's balancing without an auxiliary loss: each forward pass moves each expert's bias
+    by bias_rate towards a balanced load; a router whose bias sends every token to expert 0 comes
+    within 2x of the mean load on every expert in 40 passes, with its weights unchanged."""
+    from jaxdist.models import gpt
+
+    cfg = gpt.GPTConfig(vocab=64, d_model=32, layers=1, heads=4, seq_len=16, activation="swiglu",
+                        moe={"experts": 4, "experts_per_token": 1, "router": "sigmoid", "bias_rate": 0.02})
+    with nnx.use_eager_sharding(False):
+        model = gpt.GPT(cfg, rngs=nnx.Rngs(0))
+    router = model.blocks.moe.router[...]
+    model.blocks.moe.bias[...] = jnp.array([[1.0, 0.0, 0.0, 0.0]])  # sigmoids are in (0, 1): expert 0 always wins
+    tokens = jax.random.randint(jax.random.key(3), (8, 16), 0, 64)
+
+    def load_max():
+        load = model.features(tokens).moe.load[0]
+        return float(load.max() / load.mean())
+
+    assert load_max() == 4.0  # all of the 4 experts' load on one
+    for _ in range(40):
+        model.features(tokens)
+    assert load_max() < 2.0
+    np.testing.assert_array_equal(model.blocks.moe.router[...], router)
+    model.eval()  # evaluation moves no bias
+    bias = model.blocks.moe.bias[...]
+    model.features(tokens)
+    np.testing.assert_array_equal(model.blocks.moe.bias[...], bias)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["mesh.expert=2", "mesh.fsdp=4", "mesh.tensor=1"],
+     "mesh.expert=2 splits a mixture's experts, and model.moe.experts=0; set mesh.expert=1, or give the model experts"),
+    (["model.moe.experts=6", "mesh.expert=4", "mesh.fsdp=2", "mesh.tensor=1"],
+     "model.moe.experts=6 is not divisible by mesh.expert=4, over which rules.preset=fsdp_tp splits experts"),
+    (["model.moe.experts=4", "model.moe.experts_per_token=5"],
+     "model.moe.experts_per_token=5 is more than model.moe.experts=4"),
+    (["model.moe.experts=4", "model.moe.first_dense=1"],
+     "layers with and without experts are not one stack to scan; set model.impl.scan_layers=false"),
+    (["model.moe.experts=4", "model.moe.bias_rate=0.01"],
+     "model.moe.bias_rate balances the sigmoid router's bias: set model.moe.router=sigmoid"),
+    (["model.moe.experts=4", "model.moe.capacity_factor=1.5", "mesh.stage=2", "mesh.fsdp=4", "mesh.tensor=1",
+      "model.impl.scan_layers=true", "pipeline.microbatches=2"],
+     "model.moe.capacity_factor=1.5 takes each expert's first assignments in token order, which mesh.stage > 1 "
+     "runs microbatches would change"),
+    (["model.moe.experts=4", "model.moe.first_dense=4"],
+     "model.moe.first_dense=4 and model.moe.every=1 leave none of the model.layers=4 layers with experts"),
+], ids=["no_experts", "not_divisible", "k_above_experts", "mixed_scanned", "bias_softmax", "capacity_pipeline",
+        "no_moe_layer"])
+def test_a_bad_mixture_is_one_line_before_compiling(tmp_path, capsys, compiles, overrides, message):
+    code = cli.main(["train", "tiny", f"run_dir={tmp_path / 'run'}", "model.impl.scan_layers=true", *overrides])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert compiles.count == 0

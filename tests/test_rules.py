@@ -26,9 +26,10 @@ def test_presets_split_what_they_say():
 
 
 def test_override_in_python_and_yaml(tmp_path):
-    custom = rules.preset("fsdp").override(params={"mlp": "tensor", "experts": ["data"]}, activations={"length": "tensor"})
+    custom = rules.preset("fsdp").override(params={"mlp": "tensor", "codes": ["data"]},
+                                           activations={"length": "tensor"})
     assert custom.param_spec(("embed", "mlp")) == P("fsdp", "tensor")
-    assert custom.param_spec(("experts",)) == P("data")
+    assert custom.param_spec(("codes",)) == P("data")
     assert custom.activation_spec(("batch", "length")) == P(("data", "fsdp"), "tensor")
     assert rules.preset("fsdp").param_spec(("embed", "mlp")) == P("fsdp", None)  # presets are not mutated
 
@@ -36,27 +37,27 @@ def test_override_in_python_and_yaml(tmp_path):
     assert rules.from_config(cfg.rules).param_spec(("mlp",)) == P("tensor")
 
 
-class Experts(nnx.Module):
+class Codebook(nnx.Module):
     """A model with a logical name no preset has."""
 
     def __init__(self, rngs):
-        self.w = nnx.Param(nnx.with_partitioning(nnx.initializers.lecun_normal(), ("experts", "embed"))(
+        self.w = nnx.Param(nnx.with_partitioning(nnx.initializers.lecun_normal(), ("codes", "embed"))(
             rngs.params(), (4, 16)))
 
 
 def test_missing_rule_names_the_parameter_and_the_fix_in_the_terms_the_rules_were_written_in(tmp_path, devices):
-    python = ("rules: parameter w uses logical axis 'experts', which has no rule; give it one with "
-              ".override(params={'experts': None}) (replicated) or a mesh axis in place of None")
+    python = ("rules: parameter w uses logical axis 'codes', which has no rule; give it one with "
+              ".override(params={'codes': None}) (replicated) or a mesh axis in place of None")
     with pytest.raises(UserError) as caught:
-        rules.place(Experts, rules.preset("fsdp"), make_mesh(fsdp=8))
+        rules.place(Codebook, rules.preset("fsdp"), make_mesh(fsdp=8))
     assert str(caught.value) == python  # not a config key: the rules came from Python
     with pytest.raises(UserError) as caught:
-        rules.from_config(make_config(tmp_path).rules).param_spec(("experts", "embed"), "parameter w")
+        rules.from_config(make_config(tmp_path).rules).param_spec(("codes", "embed"), "parameter w")
     assert str(caught.value) == (  # a config file cannot name it (test_a_rule_for_a_name_no_model_uses_is_refused)
-        "rules: parameter w uses logical axis 'experts', which has no rule; no preset has one and config files remap "
+        "rules: parameter w uses logical axis 'codes', which has no rule; no preset has one and config files remap "
         "only the presets' names: place this model from Python (jaxdist.Trainer, rules.place) and give it one with "
-        ".override(params={'experts': None}) (replicated) or a mesh axis in place of None")
-    placed = rules.place(Experts, rules.preset("fsdp").override(params={"experts": None}), make_mesh(fsdp=8))
+        ".override(params={'codes': None}) (replicated) or a mesh axis in place of None")
+    placed = rules.place(Codebook, rules.preset("fsdp").override(params={"codes": None}), make_mesh(fsdp=8))
     assert placed.layouts["w"].spec == P(None, "fsdp")  # the fix works
 
 
@@ -110,14 +111,15 @@ def test_the_sizes_checked_by_key_are_the_models(tmp_path, model):
 
 
 def test_rule_naming_a_missing_mesh_axis(tmp_path, devices):
-    cfg = make_config(tmp_path, rules={"preset": "dp", "params": {"mlp": "expert"}})
-    with pytest.raises(UserError, match=r"rules.params.mlp names mesh axis 'expert'"):
+    cfg = make_config(tmp_path, rules={"preset": "dp", "params": {"mlp": "pod"}})
+    with pytest.raises(UserError, match=r"rules.params.mlp names mesh axis 'pod'"):
         param_layouts(cfg)
-    with pytest.raises(UserError, match=r"rules: the params rule of 'embed' names mesh axis 'expert'; the mesh axes"):
-        rules.place(Experts, rules.preset("dp").override(params={"experts": None, "embed": "expert"}), make_mesh(fsdp=8))
+    with pytest.raises(UserError, match=r"rules: the params rule of 'embed' names mesh axis 'pod'; the mesh axes"):
+        rules.place(Codebook, rules.preset("dp").override(params={"codes": None, "embed": "pod"}), make_mesh(fsdp=8))
 
 
-_PARAM_NAMES = "layers, vocab, embed, mlp, heads, kv_heads, head_dim, length, qkv, classes, kernel_h, kernel_w, conv_in, conv_out"
+_PARAM_NAMES = ("layers, vocab, embed, mlp, heads, kv_heads, head_dim, length, qkv, experts, expert_mlp, classes, "
+                "kernel_h, kernel_w, conv_in, conv_out")
 _ACTIVATION_NAMES = "batch, seq, length, embed, mlp, heads, kv_heads, head_dim, vocab, stage, classes, height, width, channels"
 
 

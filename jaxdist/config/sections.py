@@ -10,7 +10,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from jaxdist.config.base import Section, local_path, shown as _shown
 
-MESH_AXES = ("data", "stage", "fsdp", "tensor")
+MESH_AXES = ("data", "stage", "fsdp", "expert", "tensor")
 
 
 class MeshConfig(Section):
@@ -19,6 +19,8 @@ class MeshConfig(Section):
     data: int = Field(1, description="devices along the data-parallel axis (replicas of the parameters)")
     stage: int = Field(1, description="pipeline stages (> 1 runs the layer stack as a pipeline)")
     fsdp: int = Field(-1, description="devices the parameters and optimizer state are sharded over (FSDP)")
+    expert: int = Field(1, description="devices a mixture of experts' experts are split over (expert parallelism; the "
+                                       "batch is split over them too)")
     tensor: int = Field(1, description="devices each layer's matmuls are split over (tensor parallelism)")
 
     @model_validator(mode="after")

@@ -86,8 +86,31 @@ def check(cfg: Config, layout: Layout, activations: Sequence[tuple[str, ...]] = 
         if size.size % rules_lib.axes_size(layout.mesh, axes):
             raise UserError(_not_divisible(cfg, layout, size, axes))
     _check_pipeline(cfg, layout)
+    _check_experts(cfg, layout)
     _check_sequence_split(cfg, layout)
     _check_activations(cfg, layout.rules, activations)
+
+
+def _check_experts(cfg: Config, layout: Layout) -> None:
+    """An expert axis splits a mixture's experts: a model without any has nothing for it; and the
+    experts' rule names axes the mesh has (`rules.params.experts`)."""
+    size = layout.mesh.shape["expert"]
+    moe = getattr(cfg.model, "moe", None)
+    if size > 1 and (moe is None or not moe.experts):
+        has = "model.moe.experts=0" if moe is not None else f"model.name={cfg.model.name} has no experts"
+        raise UserError(f"mesh.expert={size} splits a mixture's experts, and {has}; set mesh.expert=1, or give the "
+                        f"model experts (model.moe.experts)")
+    if size > 1 and "expert" not in layout.rules.params.get(rules_lib.EXPERTS, ()):
+        raise UserError(f"mesh.expert={size}, but rules.params.experts does not name mesh axis 'expert', so its "
+                        f"devices would each hold every expert; leave rules.params.experts to the preset")
+    if moe is not None and moe.capacity_factor is not None:
+        split = [name for name in ("seq", "length")
+                 if rules_lib.axes_size(layout.mesh, layout.rules.activations.get(name, ())) > 1]
+        if split or layout.mesh.shape["stage"] > 1:
+            where = (f"rules.activations.{split[0]} splits each sequence" if split
+                     else "mesh.stage > 1 runs microbatches")
+            raise UserError(f"model.moe.capacity_factor={moe.capacity_factor} takes each expert's first assignments in "
+                            f"token order, which {where} would change; drop model.moe.capacity_factor (dropless)")
 
 
 def _check_sequence_split(cfg: Config, layout: Layout) -> None:
@@ -126,6 +149,7 @@ _USE_AXIS = {
     "data": "split the batch over it (rules.activations.batch with data)",
     "stage": "pipeline over it (rules.activations.stage: stage)",
     "fsdp": "use rules.preset=fsdp / fsdp_tp, which split weights over fsdp",
+    "expert": "give the model experts (model.moe.experts), which every preset splits over expert",
     "tensor": "use rules.preset=tp / fsdp_tp, which split weights over tensor",
 }
 

@@ -1,4 +1,4 @@
-"""The device mesh: named axes (data, stage, fsdp, tensor), slowest links outermost.
+"""The device mesh: named axes (data, stage, fsdp, expert, tensor), slowest links outermost.
 
 On several hosts the host factor is given to the outermost axes first (data, then stage, ...),
 so data parallelism crosses the slow network and fsdp/tensor stay on a host's fast links.
@@ -81,11 +81,13 @@ def _host_mesh(shape: list[int], devices: list) -> np.ndarray:
 
 
 def describe(mesh: Mesh) -> str:
-    return " x ".join(f"{name}={size}" for name, size in mesh.shape.items())
+    """The axes and their sizes, `data=2 x stage=1 x fsdp=4 x tensor=1`; `expert` where it splits anything."""
+    return " x ".join(f"{name}={size}" for name, size in mesh.shape.items() if name != "expert" or size > 1)
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, stage: int = 1, devices: list | None = None) -> Mesh:
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, stage: int = 1, expert: int = 1,
+              devices: list | None = None) -> Mesh:
     """A mesh from axis sizes (-1 fills the remaining devices), for use from Python."""
     devices = list(jax.devices() if devices is None else devices)
-    shape = resolve_mesh_shape(MeshConfig(data=data, stage=stage, fsdp=fsdp, tensor=tensor), len(devices))
-    return build_mesh(shape, devices)
+    sizes = MeshConfig(data=data, stage=stage, fsdp=fsdp, expert=expert, tensor=tensor)
+    return build_mesh(resolve_mesh_shape(sizes, len(devices)), devices)

@@ -74,10 +74,13 @@ if TYPE_CHECKING:
 
 
 class ApplyLayers(Protocol):
-    def __call__(self, x: jax.Array, layers: Any, *, unroll: bool, riders: tuple[jax.Array, ...]) -> jax.Array:
+    def __call__(self, x: jax.Array, layers: Any, *, unroll: bool,
+                 riders: tuple[jax.Array, ...]) -> tuple[jax.Array, Any]:
         """Runs `layers` on `x`, in order: stacked layers (a leading layer dim on every leaf) as a
         `lax.scan`, or with `unroll` a sequence of per-layer parameter trees, one call each.
-        `riders`: per-row arrays that the layers read beside `x` (a packed row's documents)."""
+        `riders`: per-row arrays that the layers read beside `x` (a packed row's documents). Returns
+        the output and the layers' sums over the rows (a tree of arrays with a leading layer dim, such
+        as a mixture's token counts), or None."""
 
 
 class Rider(NamedTuple):
@@ -151,8 +154,10 @@ def run_layers(
     settings: PipelineConfig | None,
     names: Sequence[str | None],
     riders: Sequence[Rider] = (),
-) -> jax.Array:
-    """`apply_layers(x, layers)`, pipelined over the stage axis when the active mesh has one.
+) -> tuple[jax.Array, Any]:
+    """`apply_layers(x, layers)`, pipelined over the stage axis when the active mesh has one: the
+    output and the layers' sums over all rows (added up over the microbatches; None if the layers
+    have none).
 
     `layers` is a pytree whose leaves have a leading stacked-layer dim. `names` are the logical
     names of `x`'s dims (the first one the batch). `riders` go to `apply_layers` beside `x`, each
@@ -186,8 +191,9 @@ def pipeline(
     remat: bool = False,
     unroll: bool = True,
     riders: Sequence[Rider] = (),
-) -> jax.Array:
-    """The pipelined `apply_layers(x, layers)`; traced under `rules.activation_rules` (see module doc).
+) -> tuple[jax.Array, Any]:
+    """The pipelined `apply_layers(x, layers)` and the layers' sums; traced under
+    `rules.activation_rules` (see module doc).
 
     `remat`: each iteration's stages recomputed in the backward pass. `unroll`: the iterations
     unrolled, else one `lax.scan`. `riders` travel with their microbatch as `x` does."""
@@ -197,8 +203,9 @@ def pipeline(
     carried = (x, *(rider.value for rider in riders))
     carried_names = (tuple(names), *(tuple(rider.names) for rider in riders))
     with rules_lib.activation_rules(mesh, rules_lib.within_stages(rules, names[0])):
-        outputs = _run_iterations(apply_layers, weights, carried, schedule, carried_names, stage_axes, remat, unroll)
-    return rules_lib.constrain(outputs, names)
+        outputs, sums = _run_iterations(apply_layers, weights, carried, schedule, carried_names, stage_axes, remat,
+                                        unroll)
+    return rules_lib.constrain(outputs, names), sums
 
 
 def _run_iterations(apply_layers, weights, carried, schedule, carried_names, stage_axes, remat, unroll):
@@ -207,7 +214,8 @@ def _run_iterations(apply_layers, weights, carried, schedule, carried_names, sta
 
     What moves between stages is `carried`, a tuple: the activations first, then the riders, which
     every stage passes on as it got them; each array is handled alike, with its logical names from
-    `carried_names`. The activations of the last stage are returned."""
+    `carried_names`. Returns the activations of the last stage, and the layers' sums added up over
+    every real pass (None where the layers have none), in the layers' order."""
     stages, micro, repeats = schedule.stages, schedule.microbatches, schedule.repeats
     stage_of = np.arange(stages)
     is_first = tuple(_along_stages(stage_of == 0, part.ndim) for part in carried)
@@ -217,7 +225,7 @@ def _run_iterations(apply_layers, weights, carried, schedule, carried_names, sta
     delay = micro - schedule.hop * stages if repeats > 1 else 0
 
     def iteration(carry, t, fed_t):
-        made, recycled = carry  # the stages' outputs of the last `hop` iterations, oldest first
+        made, recycled, totals = carry  # the stages' outputs of the last `hop` iterations, oldest first
         # Stage s gets what stage s - 1 made `hop` iterations ago: with hop 2 the roll needs nothing
         # of the last iteration, so it runs beside it.
         shifted = tuple(_to_next_stage(part) for part in made[0])
@@ -231,10 +239,16 @@ def _run_iterations(apply_layers, weights, carried, schedule, carried_names, sta
                 recycled = tuple(_set_slot(line, t % delay, part) for line, part in zip(recycled, shifted))
             first_in = tuple(jnp.where(t < micro, fed_part, lap_part) for fed_part, lap_part in zip(fed_t, lap))
         stage_in = _constrain_each(_select_each(is_first, first_in, shifted), buffer_names)
-        out = _constrain_each(run_iteration(stage_in, t), buffer_names)
-        return ((*made[1:], out), recycled), out[0]
+        out, sums = run_iteration(stage_in, t)
+        out = _constrain_each(out, buffer_names)
+        if totals is not None:
+            totals = _add_real_passes(totals, sums, t, schedule)
+        return ((*made[1:], out), recycled, totals), out[0]
 
     fed, idle, carry = _first_buffers(carried, carried_names, is_first, schedule, delay)
+    sums_shape = jax.eval_shape(run_iteration, tuple(part[0] for part in fed), 0)[1]
+    totals = jax.tree.map(lambda sums: jnp.zeros((repeats, *sums.shape), sums.dtype), sums_shape)
+    carry = (*carry, totals)
     # Microbatch m leaves the last stage for the last time in iteration (R - 1) M + hop (S - 1) + m.
     last = schedule.iterations - micro
     if unroll:
@@ -250,19 +264,36 @@ def _run_iterations(apply_layers, weights, carried, schedule, carried_names, sta
         fed = tuple(jnp.concatenate([part, jnp.broadcast_to(zeros, (schedule.iterations - micro, *zeros.shape))])
                     for part, zeros in zip(fed, idle))
         xs = (jnp.arange(schedule.iterations), _constrain_each(fed, stacked_names))
-        _, outs = jax.lax.scan(lambda c, xs: iteration(c, *xs), carry, xs)
+        carry, outs = jax.lax.scan(lambda c, xs: iteration(c, *xs), carry, xs)
         outs = outs[last:]
+    # (repeats, stages, layers per stage, ...) is the layers' order (layer group g = r * S + s).
+    sums = jax.tree.map(lambda total: total.reshape(-1, *total.shape[3:]), carry[-1])
     is_last = _along_stages(stage_of == stages - 1, carried[0].ndim)
     finished = jnp.where(is_last, rules_lib.constrain(outs, stacked_names[0]), 0)
     # A sum in the activations' dtype (jnp.sum would add in float32, and move float32 between
     # devices): one of its terms is not zero, so it is exact.
     outputs = jax.lax.reduce(finished, jnp.zeros((), carried[0].dtype), jax.lax.add, (1,))
-    return merge_microbatches(outputs)
+    return merge_microbatches(outputs), sums
+
+
+def _add_real_passes(totals: Any, sums: Any, t, schedule: Schedule) -> Any:
+    """`totals` (repeats, stages, ...) plus each stage's `sums` (stages, ...) of iteration `t`, where
+    the stage ran a real pass (not a bubble), into the lap it ran."""
+    numbers = np if isinstance(t, int) else jnp
+    passed = t - schedule.hop * np.arange(schedule.stages)
+    real = (passed >= 0) & (passed < schedule.repeats * schedule.microbatches)
+    lap = numbers.clip(passed // schedule.microbatches, 0, schedule.repeats - 1)
+    into = (lap[None, :] == np.arange(schedule.repeats)[:, None]) & real[None, :]  # (repeats, stages)
+
+    def add(total, new):
+        return total + jnp.where(into.reshape(*into.shape, *([1] * (new.ndim - 1))), new[None], 0)
+
+    return jax.tree.map(add, totals, sums)
 
 
 def _iteration_runner(apply_layers, weights, schedule, stage_axes, remat, unroll):
-    """`run_iteration(stage_in, t)`: every stage's layers on its input of iteration `t` (the riders
-    passed on as they came)."""
+    """`run_iteration(stage_in, t) -> (stage_out, sums)`: every stage's layers on its input of
+    iteration `t` (the riders passed on as they came), and their sums (stages, layers per stage, ...)."""
     stage_of = np.arange(schedule.stages)
     # A jit of its own: every iteration calls it with the same shapes, so the stages' layers are
     # traced (and differentiated) once, not once per iteration; XLA inlines the calls, so the
@@ -277,7 +308,8 @@ def _iteration_runner(apply_layers, weights, schedule, stage_axes, remat, unroll
 
         def run(stage_in, groups):
             layers = [_pick_by_stage(repeat, [group[i] for group in groups]) for i in range(len(groups[0]))]
-            return (run_layers_of_stages(stage_in[0], layers, riders=stage_in[1:]), *stage_in[1:])
+            out, sums = run_layers_of_stages(stage_in[0], layers, riders=stage_in[1:])
+            return (out, *stage_in[1:]), sums
 
         if remat:
             # The backward pass keeps only each iteration's stage inputs and recomputes the rest,

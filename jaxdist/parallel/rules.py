@@ -33,8 +33,8 @@ MeshAxes = tuple[str, ...]
 RuleValue = str | Sequence[str] | None
 
 # Logical names the package itself places by: the batch dim of activations, the stacked-layer dim
-# of layer parameters, the stage dim of pipeline buffers.
-BATCH, LAYERS, STAGE = "batch", "layers", "stage"
+# of layer parameters, the stage dim of pipeline buffers, the expert dim of a mixture's experts.
+BATCH, LAYERS, STAGE, EXPERTS = "batch", "layers", "stage", "experts"
 
 
 def _axes(value: RuleValue) -> MeshAxes:
@@ -188,6 +188,14 @@ def data_parallel_axes(rules: Rules, name: str = BATCH) -> tuple[str, ...]:
     return tuple(axis for axis in rules.activations.get(name, ()) if axis not in stage)
 
 
+def shard_axes(rules: Rules) -> tuple[str, ...]:
+    """The data-parallel axes less the experts' (`experts` parameter rule): along these a batch
+    shard's gradients can be computed alone. The experts' axes split the batch too, but their
+    devices exchange tokens in every MoE layer, so they are one shard together."""
+    experts = set(rules.params.get(EXPERTS, ()))
+    return tuple(axis for axis in data_parallel_axes(rules) if axis not in experts)
+
+
 def within_stages(rules: Rules, batch: str = BATCH) -> Rules:
     """The rules inside a pipeline: the batch less the stage axes (a UserError if it has no rule)."""
     rules.activation_spec((batch,), "the pipelined activations")
@@ -232,7 +240,7 @@ def check_mesh_axes(rules: Rules, mesh: Mesh) -> None:
 # statistics are per `conv_out` channel) and feature maps' `height`, `width`, `channels`.
 _COMMON_PARAMS: dict[str, RuleValue] = {
     "layers": None, "vocab": None, "embed": None, "mlp": None, "heads": None, "kv_heads": None,
-    "head_dim": None, "length": None, "qkv": None,
+    "head_dim": None, "length": None, "qkv": None, "experts": "expert", "expert_mlp": None,
     "classes": None, "kernel_h": None, "kernel_w": None, "conv_in": None, "conv_out": None,
 }
 _COMMON_ACTIVATIONS: dict[str, RuleValue] = {
@@ -246,7 +254,8 @@ _FSDP_PARAMS: dict[str, RuleValue] = {"embed": "fsdp", "conv_out": "fsdp"}
 # Column-parallel convolutions: each device computes its slice of the output channels (and their
 # BatchNorm, which needs no other device's channels) from all input channels.
 _TP_PARAMS: dict[str, RuleValue] = {
-    "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor", "conv_out": "tensor"}
+    "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor", "conv_out": "tensor",
+    "expert_mlp": "tensor"}
 _TP_ACTIVATIONS: dict[str, RuleValue] = {
     "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor", "channels": "tensor"}
 # Both: output channels split over tensor first, so that gathering a kernel over fsdp yields the
@@ -277,16 +286,19 @@ def from_config(rules_cfg, mesh_shape: Mapping[str, int] | None = None) -> Rules
     """Rules from the `rules:` config section (a preset plus YAML overrides); a `UserError` for an
     override of a logical name that no preset has.
 
-    With a stage axis in `mesh_shape`, the `layers` dim of parameters is split over it and the batch
-    over it too, outside the pipeline (innermost, after the data axes). An explicit rule in the
-    config wins: `rules.params.layers: null` keeps every layer on every stage (more memory, no
-    regrouping); a `rules.activations.batch` without the stage axis runs the embedding, head and
-    loss on every row on every stage.
+    With an expert axis in `mesh_shape` the batch is split over it too (after the data axes): each
+    expert device routes its own tokens. With a stage axis, the `layers` dim of parameters is split
+    over it and the batch over it too, outside the pipeline (innermost, after the data axes). An
+    explicit rule in the config wins: `rules.params.layers: null` keeps every layer on every stage
+    (more memory, no regrouping); a `rules.activations.batch` without the stage axis runs the
+    embedding, head and loss on every row on every stage.
     """
     _check_names("params", "a parameter", rules_cfg.params)
     _check_names("activations", "an activation", rules_cfg.activations)
     rules = dataclasses.replace(preset(rules_cfg.preset), written_in="config").override(
         rules_cfg.params, rules_cfg.activations)
+    if mesh_shape is not None and mesh_shape.get("expert", 1) > 1 and BATCH not in rules_cfg.activations:
+        rules = rules.override(activations={BATCH: [*rules.activations.get(BATCH, ()), "expert"]})
     if mesh_shape is None or mesh_shape.get(STAGE, 1) == 1:
         return rules
     if LAYERS not in rules_cfg.params:

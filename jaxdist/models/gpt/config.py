@@ -8,6 +8,7 @@ from pydantic import Field, field_validator, model_validator
 
 from jaxdist.config import MODEL_NAME, ModelSection, ParamSize, Section
 from jaxdist.config.base import positive_or_auto
+from jaxdist.models.layers.moe import MoEConfig
 
 
 class ImplConfig(Section):
@@ -94,6 +95,7 @@ class GPTConfig(ModelSection):
     init_from: str | None = Field(
         None, description="hf:FOLDER: a fresh run starts from a Hugging Face model's weights, and takes the "
                           "architecture from its config.json")
+    moe: MoEConfig = Field(MoEConfig(), description="a mixture of experts in some layers' place of the MLP")
     impl: ImplConfig = Field(ImplConfig(), description="how the model runs (the same math)")
 
     @field_validator("vocab", mode="before")
@@ -124,6 +126,13 @@ class GPTConfig(ModelSection):
                              f"divisor of {self.seq_len}, or 0 for the unchunked loss")
         if self.impl.gelu_grad_impl == "cublaslt" and self.activation != "gelu":
             raise ValueError(f"model.impl.gelu_grad_impl=cublaslt needs model.activation=gelu, not {self.activation}")
+        moe = self.moe
+        if moe.experts and not any(moe.is_moe(layer) for layer in range(self.layers)):
+            raise ValueError(f"model.moe.first_dense={moe.first_dense} and model.moe.every={moe.every} leave none of "
+                             f"the model.layers={self.layers} layers with experts")
+        if moe.experts and self.impl.scan_layers and not all(moe.is_moe(layer) for layer in range(self.layers)):
+            raise ValueError(f"model.moe.first_dense={moe.first_dense}, model.moe.every={moe.every}: layers with and "
+                             f"without experts are not one stack to scan; set model.impl.scan_layers=false")
         return self
 
     @property
@@ -177,7 +186,18 @@ class GPTConfig(ModelSection):
             key, value = ("model.max_positions", self.max_positions) if self.max_positions else ("model.seq_len", self.seq_len)
             sizes.append(ParamSize("length", key, value, self.position_rows,
                                    "the positions of the learned position embedding"))
+        if self.moe.experts:
+            hidden = self.moe.expert_hidden or self.mlp_dim
+            sizes += [ParamSize("experts", "model.moe.experts", self.moe.experts, self.moe.experts,
+                                "the experts of every MoE layer"),
+                      ParamSize("expert_mlp", "model.moe.expert_hidden", self.moe.expert_hidden, hidden,
+                                "each expert's hidden width")]
         return sizes
+
+    @property
+    def expert_hidden(self) -> int:
+        """Each expert's hidden width (`model.moe.expert_hidden`, else the MLP's)."""
+        return self.moe.expert_hidden or self.mlp_dim
 
     def summary(self) -> dict[str, Any]:
         return {"d": self.d_model, "layers": self.layers, "seq": self.seq_len}

@@ -8,6 +8,7 @@ import optax
 from flax import nnx
 
 from jaxdist.models.cross_entropy import fused_linear_cross_entropy
+from jaxdist.models.layers import moe as moe_lib
 from jaxdist.models.loss import Loss
 
 
@@ -17,7 +18,7 @@ def loss(model: nnx.Module, batch: dict[str, jax.Array]) -> Loss:
     Every target counts 1, or its sequence's `weights` (eval batches: 0 marks padding). Packed rows
     (`segments` and `positions`, data.packing) are scored per document, their padding (segment 0)
     left out. A model with `model.impl.loss_chunk` > 0 is scored chunk by chunk, never forming the
-    full logits.
+    full logits. A mixture of experts adds its auxiliary and z losses (models/layers/moe.py).
     """
     impl = getattr(model, "impl", None)
     chunk = getattr(impl, "loss_chunk", 0)
@@ -30,13 +31,18 @@ def loss(model: nnx.Module, batch: dict[str, jax.Array]) -> Loss:
         weight = jnp.float32(targets.size)
     else:
         weight = weights.sum() if weights.ndim == 2 else weights.sum() * targets.shape[1]
+    features = model.features(batch["inputs"], segments, positions)
     if chunk:
-        hidden, head = model.features(batch["inputs"], segments, positions)
-        total = fused_linear_cross_entropy(hidden, head, targets, weights, chunk=chunk,
+        total = fused_linear_cross_entropy(features.hidden, features.head, targets, weights, chunk=chunk,
                                            logits_dtype=model.logits_dtype, impl=impl.loss_impl)
+    else:
+        losses = optax.softmax_cross_entropy_with_integer_labels(
+            model.logits(features.hidden, features.head).astype(jnp.float32), targets)
+        if weights is not None:
+            losses = losses * jnp.broadcast_to(weights if weights.ndim == 2 else weights[:, None], losses.shape)
+        total = losses.sum()
+    if features.moe is None:
         return Loss(total, weight)
-    logits = model(batch["inputs"], segments, positions).astype(jnp.float32)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    if weights is not None:
-        losses = losses * jnp.broadcast_to(weights if weights.ndim == 2 else weights[:, None], losses.shape)
-    return Loss(losses.sum(), weight)
+    moe = model.cfg.moe
+    return moe_lib.with_penalty(Loss(total, weight), features.moe, moe,
+                                [layer for layer in range(model.cfg.layers) if moe.is_moe(layer)])

@@ -11,6 +11,7 @@ or split into a block per layer and run unrolled (often faster on GPU), with opt
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,9 @@ from jaxdist.models.gpt.config import GPTConfig, ImplConfig
 from jaxdist.models.layers.attention import Attention, Documents, KVCache, documents
 from jaxdist.models.layers.common import NORMAL, RESIDUAL, at_least_float32, cast, param
 from jaxdist.models.layers.mlp import Mlp
+from jaxdist.models.layers.moe import MoE, Stats
 from jaxdist.models.layers.norm import Norm
+from jaxdist.parallel import batch_stats
 from jaxdist.parallel import pipeline as pipeline_lib
 from jaxdist.parallel import roles
 from jaxdist.parallel.rules import constrain
@@ -40,32 +43,44 @@ def read_in_compute_dtype(path: tuple) -> bool:
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)), the MLP a mixture of
+    experts where `moe` (models/layers/moe.py).
 
     `__call__(x, delta, docs)` takes the residual and the previous block's pending MLP output and returns
-    the same pair: each residual add happens inside the norm that follows it (one fused kernel on
-    GPU), so the last block's add is done by the caller's final norm. `delta` None: nothing pending;
-    `docs`: the packed documents' attention mask and positions (None: one stream per row).
+    the same pair, and the experts' `Stats` (None without experts): each residual add happens inside
+    the norm that follows it (one fused kernel on GPU), so the last block's add is done by the
+    caller's final norm. `delta` None: nothing pending; `docs`: the packed documents' attention mask
+    and positions (None: one stream per row).
     """
 
-    def __init__(self, cfg: GPTConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs, fp8: bool = False):
+    def __init__(self, cfg: GPTConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs, fp8: bool = False,
+                 moe: bool = False):
         self.norm1 = Norm(cfg, impl, param_dtype, rngs)
         self.attn = Attention(cfg, impl, param_dtype, rngs, fp8)
         self.norm2 = Norm(cfg, impl, param_dtype, rngs)
-        self.mlp = Mlp(cfg, impl, param_dtype, rngs, fp8)
+        if moe:
+            self.moe = MoE(cfg, impl, param_dtype, rngs)
+        else:
+            self.mlp = Mlp(cfg, impl, param_dtype, rngs, fp8)
 
     def __call__(self, x: jax.Array, delta: jax.Array | None = None,
-                 docs: Documents | None = None) -> tuple[jax.Array, jax.Array]:
+                 docs: Documents | None = None) -> tuple[jax.Array, jax.Array, Stats | None]:
         x, h = self.norm1.add(x, delta)
         x, h = self.norm2.add(x, self.attn(h, docs))
-        return x, self.mlp(h)
+        return (x, *self.feed_forward(h, docs))
+
+    def feed_forward(self, h: jax.Array, docs: Documents | None = None) -> tuple[jax.Array, Stats | None]:
+        """The MLP's (or the experts') output for the normed residual `h`, and the experts' `Stats`."""
+        if hasattr(self, "moe"):
+            return self.moe(h, None if docs is None else docs.counted)
+        return self.mlp(h), None
 
 
 def _decode_block(block: Block, x: jax.Array, cache: KVCache, start: jax.Array) -> tuple[jax.Array, KVCache]:
     """One block's step of sampling: `x` the new positions' residual (see `Attention.decode`)."""
     attended, cache = block.attn.decode(block.norm1(x), cache, start)
     x = x + attended
-    return x + block.mlp(block.norm2(x)), cache
+    return x + block.feed_forward(block.norm2(x))[0], cache
 
 
 def _unstack(stacked: Block, create_block) -> list[Block]:
@@ -82,6 +97,16 @@ def _unstack(stacked: Block, create_block) -> list[Block]:
         nnx.replace_by_pure_dict(state, jax.tree.map(lambda stack: stack[i], values))
         blocks.append(nnx.merge(graphdef, state))
     return blocks
+
+
+class Features(NamedTuple):
+    """What the output projection and the loss read of the decoder: the final normed hidden states
+    (batch, length, embed), the head (embed, vocab), and the experts' `Stats` stacked over the layers
+    with experts (None without)."""
+
+    hidden: jax.Array
+    head: jax.Array
+    moe: Stats | None
 
 
 _REMAT_POLICIES = {
@@ -115,6 +140,7 @@ class GPT(nnx.Module):
         impl = cfg.impl if impl is None else impl
         self.cfg = cfg
         self.impl = impl
+        self.deterministic = False  # eval() sets it: the routers' biases stay as they are
         self.compute_dtype = compute_dtype
         self.pipeline = pipeline
         self.embed = param(rngs, NORMAL, (cfg.vocab, cfg.d_model), ("vocab", "embed"), param_dtype, roles.EMBEDDING)
@@ -125,30 +151,41 @@ class GPT(nnx.Module):
         # The blocks are drawn stacked either way: one random draw per kind of parameter, not one per
         # layer, keeps the init program small (each draw compiles to kernels of its own: see
         # docs/performance.md), and a scanned and an unrolled model start from the same values.
-        @nnx.split_rngs(splits=cfg.layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def stacked_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, impl, param_dtype, rngs, fp8)
+        # Layers with experts and without are two stacks (model.moe: unrolled only), interleaved.
+        kinds = [cfg.moe.is_moe(layer) for layer in range(cfg.layers)]
 
-        stacked = stacked_blocks(rngs)
-        # Unrolled, separate parameters per layer: each layer's gradient is complete as soon as its
-        # backward is done, so its reduction can overlap the rest of the backward pass.
-        self.blocks = stacked if impl.scan_layers else nnx.List(
-            _unstack(stacked, lambda: Block(cfg, impl, param_dtype, nnx.Rngs(0), fp8)))
+        def stacked_blocks(count: int, moe: bool) -> Block:
+            @nnx.split_rngs(splits=count)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def draw(rngs: nnx.Rngs) -> Block:
+                return Block(cfg, impl, param_dtype, rngs, fp8, moe)
+
+            return draw(rngs)
+
+        if impl.scan_layers:
+            self.blocks = stacked_blocks(cfg.layers, kinds[0])
+        else:
+            # Unrolled, separate parameters per layer: each layer's gradient is complete as soon as its
+            # backward is done, so its reduction can overlap the rest of the backward pass.
+            unstacked = {moe: iter(_unstack(stacked_blocks(kinds.count(moe), moe),
+                                            lambda moe=moe: Block(cfg, impl, param_dtype, nnx.Rngs(0), fp8, moe)))
+                         for moe in set(kinds)}
+            self.blocks = nnx.List([next(unstacked[moe]) for moe in kinds])
         self.final_norm = Norm(cfg, impl, param_dtype, rngs)
         if not cfg.tied_embeddings:
             self.head = param(rngs, NORMAL, (cfg.d_model, cfg.vocab), ("embed", "vocab"), param_dtype)
 
     def __call__(self, tokens: jax.Array, segments: jax.Array | None = None,
                  positions: jax.Array | None = None) -> jax.Array:
-        return self._logits(*self.features(tokens, segments, positions))
+        features = self.features(tokens, segments, positions)
+        return self.logits(features.hidden, features.head)
 
     def features(self, tokens: jax.Array, segments: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """The output projection's two inputs: the final normed hidden states (batch, length, embed)
-        in the compute dtype, and `head_weights()`. Packed rows pass `segments` (each token's
-        document in its row, 0 for padding) and `positions` (its place in the document): attention
-        stays within a document and positions restart with each."""
+                 positions: jax.Array | None = None) -> Features:
+        """The output projection's two inputs, the final normed hidden states (batch, length, embed)
+        in the compute dtype and `head_weights()`, and the experts' statistics. Packed rows pass
+        `segments` (each token's document in its row, 0 for padding) and `positions` (its place in
+        the document): attention stays within a document and positions restart with each."""
         x = self._embed(tokens)
         docs = None if segments is None else documents(segments, positions)
         if self.cfg.positions == "learned":
@@ -157,8 +194,21 @@ class GPT(nnx.Module):
             else:
                 x = x + jnp.take(at_least_float32(self.positions[...]), docs.positions, axis=0)
         x = constrain(cast(x, self.compute_dtype), RESIDUAL)
-        x, delta = self._run_blocks(x, docs, () if segments is None else (segments, positions))
-        return self.final_norm.add(x, delta)[1], self.head_weights()
+        x, delta, stats = self._run_blocks(x, docs, () if segments is None else (segments, positions))
+        if stats is not None and self.cfg.moe.bias_rate and not self.deterministic:
+            self._balance_routers(stats)
+        return Features(self.final_norm.add(x, delta)[1], self.head_weights(), stats)
+
+    def _balance_routers(self, stats: Stats) -> None:
+        """Each sigmoid router's bias moved `model.moe.bias_rate` towards the experts that got fewer
+        than the mean load of this call's tokens (DeepSeek-V3's balancing without an auxiliary loss)."""
+        load = jax.lax.stop_gradient(batch_stats.whole_batch(stats.load))
+        step = self.cfg.moe.bias_rate * jnp.sign(load.mean(-1, keepdims=True) - load)
+        if self.impl.scan_layers:
+            self.blocks.moe.bias[...] = self.blocks.moe.bias[...] + step
+            return
+        for block, layer_step in zip((block for block in self.blocks if hasattr(block, "moe")), step):
+            block.moe.bias[...] = block.moe.bias[...] + layer_step
 
     def init_cache(self, batch: int, length: int) -> KVCache:
         """An empty `KVCache` for `batch` rows of up to `length` positions, in the compute dtype."""
@@ -193,7 +243,7 @@ class GPT(nnx.Module):
                 x, layer_cache = _decode_block(block, x, KVCache(cache.keys[i], cache.values[i]), start)
                 layers.append(layer_cache)
             cache = KVCache(jnp.stack([c.keys for c in layers]), jnp.stack([c.values for c in layers]))
-        return self._logits(self.final_norm(x), self.head_weights()), cache
+        return self.logits(self.final_norm(x), self.head_weights()), cache
 
     def _embed(self, tokens: jax.Array) -> jax.Array:
         """The tokens' embedding rows, in float32 at least."""
@@ -205,7 +255,8 @@ class GPT(nnx.Module):
         # its row, which in bfloat16 parameters would lose most of a frequent token's sum.
         return jnp.take(constrain(at_least_float32(self.embed[...]), ("vocab", "embed")), tokens, axis=0)
 
-    def _logits(self, hidden: jax.Array, head: jax.Array) -> jax.Array:
+    def logits(self, hidden: jax.Array, head: jax.Array) -> jax.Array:
+        """The output projection: logits (batch, length, vocab) in `logits_dtype`."""
         logits = jnp.einsum("btd,dv->btv", hidden, cast(head, hidden.dtype), preferred_element_type=self.logits_dtype)
         return constrain(logits, ("batch", "length", "vocab"))
 
@@ -219,48 +270,52 @@ class GPT(nnx.Module):
         return jnp.float32 if self.impl.logits_dtype == "float32" else self.compute_dtype
 
     def _run_blocks(self, x: jax.Array, docs: Documents | None,
-                    packed: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array | None]:
-        """The residual after the blocks and the last block's output not yet added to it. `packed`:
-        packed rows' (segments, positions), from which the stacked layers make their `docs` (in a
-        pipeline, each microbatch's travel with it through the stages), or ()."""
+                    packed: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array | None, Stats | None]:
+        """The residual after the blocks, the last block's output not yet added to it, and the
+        experts' `Stats` stacked over the layers with experts (None without). `packed`: packed rows'
+        (segments, positions), from which the stacked layers make their `docs` (in a pipeline, each
+        microbatch's travel with it through the stages), or ()."""
         if not self.impl.scan_layers:
-            delta = None
-            run_block = self._block_runner(nnx.graphdef(self.blocks[0]))
+            delta, stats, runners = None, [], {}
             for block in self.blocks:
-                x, delta = run_block(nnx.state(block), x, delta, docs)
-            return x, delta
+                graphdef = nnx.graphdef(block)
+                run_block = runners.setdefault(graphdef, self._block_runner(graphdef))
+                x, delta, layer_stats = run_block(nnx.state(block), x, delta, docs)
+                stats += [] if layer_stats is None else [layer_stats]
+            return x, delta, jax.tree.map(lambda *layers: jnp.stack(layers), *stats) if stats else None
         graphdef, stacked = nnx.split(self.blocks)
         run = functools.partial(self._run_layers, graphdef)
         riders = tuple(pipeline_lib.Rider(part, ("batch", "length")) for part in packed)
-        return pipeline_lib.run_layers(run, stacked, x, self.pipeline, RESIDUAL, riders), None
+        x, stats = pipeline_lib.run_layers(run, stacked, x, self.pipeline, RESIDUAL, riders)
+        return x, None, stats
 
     def _run_layers(self, graphdef: nnx.GraphDef, x: jax.Array, layers, *, unroll: bool,
-                    riders: tuple[jax.Array, ...] = ()) -> jax.Array:
+                    riders: tuple[jax.Array, ...] = ()) -> tuple[jax.Array, Stats | None]:
         """Runs the blocks in order: `layers` stacked (one nnx.State, a leading layer dim) scanned, or
         with `unroll` (a pipeline stage's layers) a sequence of per-layer states, one call each,
-        passing the pending residual add as unrolled blocks do. `riders`: packed rows' (segments,
-        positions), or ()."""
+        passing the pending residual add as unrolled blocks do; and the experts' `Stats` stacked
+        over the layers (None without). `riders`: packed rows' (segments, positions), or ()."""
         docs = documents(*riders) if riders else None
         if unroll:
             run_block = self._block_runner(graphdef)
-            delta = None
+            delta, stats = None, []
             for layer_state in layers:
-                x, delta = run_block(layer_state, x, delta, docs)
-            return x + delta
+                x, delta, layer_stats = run_block(layer_state, x, delta, docs)
+                stats.append(layer_stats)
+            return x + delta, jax.tree.map(lambda *layers: jnp.stack(layers), *stats)
 
         def body(carry, layer_state):
-            x, delta = nnx.merge(graphdef, layer_state)(carry, None, docs)
-            return x + delta, None
+            x, delta, stats = nnx.merge(graphdef, layer_state)(carry, None, docs)
+            return x + delta, stats
 
-        x, _ = jax.lax.scan(self._remat(body), x, layers)
-        return x
+        return jax.lax.scan(self._remat(body), x, layers)
 
     def _block_runner(self, graphdef: nnx.GraphDef):
         """`run(block_state, x, pending_delta, docs)`: one block's call, a jit of its own. The blocks have
         the same shapes, so it is traced (and its kernels lowered) once, or twice with the first
         block's missing residual, not once per layer; XLA inlines the calls: the program is the same."""
         def block(state: nnx.State, carry: jax.Array, pending: jax.Array | None,
-                  docs: Documents | None) -> tuple[jax.Array, jax.Array]:
+                  docs: Documents | None) -> tuple[jax.Array, jax.Array, Stats | None]:
             return nnx.merge(graphdef, state)(carry, pending, docs)
 
         return jax.jit(self._remat(block))  # named: profiles and HLO read jit(block)

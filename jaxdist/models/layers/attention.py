@@ -22,12 +22,13 @@ if TYPE_CHECKING:
 
 class Documents(NamedTuple):
     """Where the documents of packed rows lie: `mask` (batch, 1, length, length), true where a query
-    may attend to a key (the same document, not later), and each token's `positions` (batch,
-    length) within its document. None where every row is one stream (attention causal, positions
-    0, 1, ...)."""
+    may attend to a key (the same document, not later), each token's `positions` (batch, length)
+    within its document, and `counted` (batch, length), true for a document's tokens (false for
+    padding). None where every row is one stream (attention causal, positions 0, 1, ...)."""
 
     mask: jax.Array
     positions: jax.Array
+    counted: jax.Array
 
 
 def documents(segments: jax.Array, positions: jax.Array) -> Documents:
@@ -36,7 +37,7 @@ def documents(segments: jax.Array, positions: jax.Array) -> Documents:
     length = segments.shape[1]
     causal = jnp.tril(jnp.ones((length, length), bool))
     same = segments[:, :, None] == segments[:, None, :]
-    return Documents((same & causal)[:, None], positions)
+    return Documents((same & causal)[:, None], positions, segments > 0)
 
 
 def rope_frequencies(head_dim: int, base: float = 10000.0, scaling: RopeScaling | None = None) -> np.ndarray:
