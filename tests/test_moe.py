@@ -156,8 +156,8 @@ STEPS = 5
 
 
 def _moe_config(run_dir, data, **sections):
-    return make_config(run_dir, model=MOE_MODEL, train={"steps": STEPS, "global_batch": 16},
-                       precision={"compute": "float32"}, data=data, **sections)
+    train = {"steps": STEPS, "global_batch": 16, **sections.pop("train", {})}
+    return make_config(run_dir, model=MOE_MODEL, train=train, precision={"compute": "float32"}, data=data, **sections)
 
 
 def _logged(run_dir) -> dict[str, list[float]]:
@@ -251,10 +251,28 @@ def test_the_sigmoid_routers_bias_balances_a_deliberately_unbalanced_router():
      "runs microbatches would change"),
     (["model.moe.experts=4", "model.moe.first_dense=4"],
      "model.moe.first_dense=4 and model.moe.every=1 leave none of the model.layers=4 layers with experts"),
+    (["model.moe.experts=4", "mesh.data=2", "mesh.fsdp=4", "mesh.tensor=1", "train.microbatches=2"],
+     "model.moe.experts=4: train.microbatches > 1 with train.grad_reduction=per_step computes each of the 8 batch "
+     "shards' gradients apart, in a vmap, and the experts' grouped matmuls (jax.lax.ragged_dot) cannot be vmapped; "
+     "set train.grad_reduction=per_microbatch (reduced each microbatch; the same math)"),
 ], ids=["no_experts", "not_divisible", "k_above_experts", "mixed_scanned", "bias_softmax", "capacity_pipeline",
-        "no_moe_layer"])
+        "no_moe_layer", "vmapped_shards"])
 def test_a_bad_mixture_is_one_line_before_compiling(tmp_path, capsys, compiles, overrides, message):
     code = cli.main(["train", "tiny", f"run_dir={tmp_path / 'run'}", "model.impl.scan_layers=true", *overrides])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and message in err, err
     assert compiles.count == 0
+
+
+def test_microbatches_of_a_mixture_are_the_one_device_ones(tmp_path, packed_corpus):
+    """Each microbatch is a call of its own (its own statistics, losses and bias moves): data=2 x
+    expert=4 trains as one device does with the same 2 microbatches, reduced each microbatch."""
+    runs = {}
+    for name, mesh, devices in (("one", {"data": 1, "fsdp": 1, "tensor": 1}, 1),
+                                ("split", {"data": 2, "expert": 4, "fsdp": 1, "tensor": 1}, 8)):
+        cfg = _moe_config(tmp_path / name, packed_corpus, mesh=mesh, rules={"preset": "fsdp"},
+                          train={"steps": 3, "microbatches": 2, "grad_reduction": "per_microbatch"})
+        loop.train(cfg, devices=jax.devices()[:devices])
+        runs[name] = _logged(tmp_path / name)
+    for key, values in runs["one"].items():
+        np.testing.assert_allclose(runs["split"][key], values, rtol=1e-5, atol=0, err_msg=key)

@@ -39,13 +39,3 @@ def means(values: Sequence[jax.Array], axes: Sequence[int]) -> list[jax.Array]:
     if axis_name is None:
         return local
     return list(jax.lax.pmean(jnp.stack(local), axis_name))
-
-
-def whole_batch(tree):
-    """Sums over a batch shard's rows (a tree of arrays) as sums over the whole batch where the
-    shards are vmapped: the other shards' part added without its gradient, so that each shard's
-    gradient is that of its own rows' part (the shards' gradients then add up to the whole's)."""
-    axis_name = _SHARD_AXIS.get()
-    if axis_name is None:
-        return tree
-    return jax.tree.map(lambda x: x + jax.lax.stop_gradient(jax.lax.psum(x, axis_name) - x), tree)

@@ -103,6 +103,16 @@ def _check_experts(cfg: Config, layout: Layout) -> None:
     if size > 1 and "expert" not in layout.rules.params.get(rules_lib.EXPERTS, ()):
         raise UserError(f"mesh.expert={size}, but rules.params.experts does not name mesh axis 'expert', so its "
                         f"devices would each hold every expert; leave rules.params.experts to the preset")
+    shards = rules_lib.axes_size(layout.mesh, rules_lib.shard_axes(layout.rules))
+    train = cfg.train
+    vmapped = train.grad_compression != "none" or (train.microbatches > 1 and train.grad_reduction == "per_step")
+    if moe is not None and moe.experts and shards > 1 and vmapped:
+        why, fix = (("train.grad_compression", "train.grad_compression=none") if train.grad_compression != "none"
+                    else ("train.microbatches > 1 with train.grad_reduction=per_step",
+                          "train.grad_reduction=per_microbatch (reduced each microbatch; the same math)"))
+        raise UserError(f"model.moe.experts={moe.experts}: {why} computes each of the {shards} batch shards' gradients "
+                        f"apart, in a vmap, and the experts' grouped matmuls (jax.lax.ragged_dot) cannot be vmapped; "
+                        f"set {fix}")
     if moe is not None and moe.capacity_factor is not None:
         split = [name for name in ("seq", "length")
                  if rules_lib.axes_size(layout.mesh, layout.rules.activations.get(name, ())) > 1]

@@ -122,7 +122,7 @@ def _per_step_shards(
     """(The loss sums and weighted float32 gradients summed over the microbatches, per batch shard:
     the loss sums summed over the shards, the gradients still unreduced, (shards, *param); the
     model state after the last microbatch)."""
-    axes = rules_lib.data_parallel_axes(rules)
+    axes = rules_lib.shard_axes(rules)
     shards = rules_lib.axes_size(mesh, axes)
     # Inside the vmap each shard sees its own rows: the vmapped shard axis carries the
     # data-parallel axes (spmd_axis_name), and `batch` keeps only the others (a pipeline's stages).
@@ -215,7 +215,7 @@ def loss_and_grads(
     """
     mesh, rules, microbatches, compressed = layout.mesh, layout.rules, options.microbatches, layout.compressed
     params, model_state, loss_scale = inputs.params, inputs.model_state, inputs.loss_scale
-    shards = rules_lib.axes_size(mesh, rules_lib.data_parallel_axes(rules))
+    shards = rules_lib.axes_size(mesh, rules_lib.shard_axes(rules))
     per_shard = options.grad_reduction == "per_step" and shards > 1 and (microbatches > 1 or compressed is not None)
     if per_shard:
         # Each shard's gradients stay unreduced until after the scan: none reduce-scattered inside.

@@ -132,7 +132,7 @@ class Trainer:
     def _check_batch_norm(self, options: StepOptions, layout: StepLayout) -> None:
         """flax's BatchNorm takes its statistics from the rows it sees: refused where those are one
         batch shard's (train/accumulate.py's per-shard gradients)."""
-        shards = rules_lib.axes_size(self.mesh, rules_lib.data_parallel_axes(self.rules))
+        shards = rules_lib.axes_size(self.mesh, rules_lib.shard_axes(self.rules))
         per_shard = options.microbatches > 1 or layout.compressed is not None
         if per_shard and options.grad_reduction == "per_step" and shards > 1 and self._has_flax_batch_norm():
             raise ValueError(
@@ -215,7 +215,7 @@ class Trainer:
 def step_layout(abstract: AbstractModel, mesh: Mesh, rules: rules_lib.Rules, options: StepOptions) -> StepLayout:
     """What `options` make of `mesh` and `rules` for this model: the copies' shardings and gather, and
     the compressed reduction."""
-    data_axes = rules_lib.data_parallel_axes(rules)
+    data_axes = rules_lib.shard_axes(rules)
     compressed = None if options.compression is None else compression_lib.reducer(
         abstract.params, abstract.names, abstract.roles, options.compression, mesh, data_axes)
     if compressed is not None and options.grad_reduction != "per_step":
@@ -240,7 +240,7 @@ def compression_of(cfg: Config, rules: rules_lib.Rules) -> compression_lib.Compr
     train = cfg.train
     if train.grad_compression == "none":
         return None
-    data_axes = rules_lib.data_parallel_axes(rules)
+    data_axes = rules_lib.shard_axes(rules)
     axes = tuple(train.grad_compression_axes or data_axes)
     if not set(axes) <= set(data_axes):
         raise UserError(f"train.grad_compression_axes={list(axes)}: the gradients are reduced over the data-parallel "

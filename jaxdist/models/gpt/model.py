@@ -24,7 +24,6 @@ from jaxdist.models.layers.common import NORMAL, RESIDUAL, at_least_float32, cas
 from jaxdist.models.layers.mlp import Mlp
 from jaxdist.models.layers.moe import MoE, Stats
 from jaxdist.models.layers.norm import Norm
-from jaxdist.parallel import batch_stats
 from jaxdist.parallel import pipeline as pipeline_lib
 from jaxdist.parallel import roles
 from jaxdist.parallel.rules import constrain
@@ -202,7 +201,7 @@ class GPT(nnx.Module):
     def _balance_routers(self, stats: Stats) -> None:
         """Each sigmoid router's bias moved `model.moe.bias_rate` towards the experts that got fewer
         than the mean load of this call's tokens (DeepSeek-V3's balancing without an auxiliary loss)."""
-        load = jax.lax.stop_gradient(batch_stats.whole_batch(stats.load))
+        load = jax.lax.stop_gradient(stats.load)
         step = self.cfg.moe.bias_rate * jnp.sign(load.mean(-1, keepdims=True) - load)
         if self.impl.scan_layers:
             self.blocks.moe.bias[...] = self.blocks.moe.bias[...] + step

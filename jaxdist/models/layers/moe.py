@@ -43,7 +43,6 @@ from pydantic import Field, model_validator
 from jaxdist.config import Section
 from jaxdist.models.layers.common import NORMAL, RESIDUAL, cast, param
 from jaxdist.models.loss import Loss
-from jaxdist.parallel import batch_stats
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.parallel.rules import constrain
 
@@ -155,20 +154,13 @@ def z_loss(stats: Stats) -> jax.Array:
 
 def with_penalty(loss: Loss, stats: Stats, cfg: MoEConfig, layers: list[int]) -> Loss:
     """`loss` with the experts' auxiliary and z losses (each the mean over the MoE layers, times its
-    coefficient) added per unit of weight, and the experts' metrics. `stats` are stacked over the
-    MoE layers, `layers` their numbers in the model.
-
-    The penalty is a function of the whole batch's statistics, not a sum over tokens: where the batch
-    shards are vmapped (train/accumulate.py) each adds its value once per unit of its weight, and its
-    gradient (through its own tokens' statistics) once for the whole batch's weight."""
-    stats_all = batch_stats.whole_batch(stats)
-    weight_all = jax.lax.stop_gradient(batch_stats.whole_batch(loss.weight))
-    aux, z = aux_loss(stats_all).mean(), z_loss(stats_all).mean()
+    coefficient) added per unit of weight, and the experts' metrics. `stats` are the call's, stacked
+    over the MoE layers, `layers` their numbers in the model."""
+    aux, z = aux_loss(stats).mean(), z_loss(stats).mean()
     penalty = cfg.aux_loss * aux + cfg.z_loss * z
-    fixed = jax.lax.stop_gradient(penalty)
-    total = loss.total + weight_all * (penalty - fixed) + loss.weight * fixed
-    return Loss(total, loss.weight, {**loss.metrics, **_metrics(jax.lax.stop_gradient(stats_all), aux, z, layers,
-                                                                  loss.weight)})
+    metrics = _metrics(jax.lax.stop_gradient(stats), jax.lax.stop_gradient(aux), jax.lax.stop_gradient(z), layers,
+                       loss.weight)
+    return Loss(loss.total + loss.weight * penalty, loss.weight, {**loss.metrics, **metrics})
 
 
 def _metrics(stats: Stats, aux: jax.Array, z: jax.Array, layers: list[int], weight: jax.Array) -> dict[str, jax.Array]:
