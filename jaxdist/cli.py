@@ -278,7 +278,7 @@ def _first_devices(args) -> list | None:
 
 
 def _plan(args) -> None:
-    from jaxdist.commands import plan
+    from jaxdist.observe import memory as plan
 
     import jax
 
@@ -299,7 +299,7 @@ def _plan(args) -> None:
 
 
 def _bench(args) -> None:
-    from jaxdist.commands import bench
+    from jaxdist.observe import timing as bench
 
     devices = _first_devices(args)
     # Before compiling and timing, which these paths would otherwise fail only after.
@@ -394,7 +394,7 @@ def _build_kernels(args) -> int:
 
 
 def _launch(args) -> int:
-    from jaxdist import launch
+    from jaxdist.commands import launch
 
     return launch.launch(args.num, args.devices_per_process, args.program, args.timeout,
                          max_restarts=args.max_restarts, notes=args.log, verbose=args.verbose,
@@ -402,13 +402,13 @@ def _launch(args) -> int:
 
 
 def _doctor(args) -> int:
-    from jaxdist.commands import doctor
+    from jaxdist.observe import mesh_health as doctor
 
     return doctor.run(doctor.load_config(args.config, args.overrides), args.megabytes)
 
 
 def _scale(args) -> None:
-    from jaxdist.commands import scale
+    from jaxdist.observe import scaling as scale
 
     hardware = scale.Hardware(network_bw=args.network_gbs * 1e9, nvlink_bw=args.nvlink_gbs * 1e9,
                                 storage_bw=args.storage_gbs * 1e9)
@@ -522,7 +522,7 @@ def _main(argv: list[str] | None) -> int:
 
 
 def _run(argv: list[str] | None, started: float) -> int:
-    from jaxdist.launch import die_with_launcher
+    from jaxdist.commands.launch import die_with_launcher
 
     die_with_launcher()  # a no-op unless `jaxdist launch` started this process
     parser = _parser()

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from jaxdist import models
-from jaxdist.commands import hlo
+from jaxdist.observe import hlo
 from jaxdist.config import Config, with_overrides
 from jaxdist.parallel.mesh import resolve_mesh_shape
 from jaxdist.errors import UserError

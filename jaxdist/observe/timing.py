@@ -33,7 +33,7 @@ from jaxdist import kernels, models
 from jaxdist.config import Config, with_overrides
 from jaxdist.errors import UserError
 from jaxdist.models import dtypes
-from jaxdist.commands import checkpoint_cost, clocks, hlo
+from jaxdist.observe import checkpoint_cost, clocks, hlo
 from jaxdist.observe.metrics import mfu, throughput
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import mesh as mesh_lib
