@@ -172,7 +172,7 @@ def test_vocab_auto_takes_the_vocabulary_of_the_data(tmp_path):
     with pytest.raises(UserError, match=r"model.vocab=auto: data.path=.*images.npz has no integer inputs or targets"):
         loader.resolve_model(make_config(tmp_path, data={"source": "arrays", "path": str(tmp_path / "images.npz")}, model=auto))
     with pytest.raises(UserError, match=r"model.vocab = auto takes its value from the data, and bench runs on random"):
-        timing.run(make_config(tmp_path, model=auto))
+        timing.measure(make_config(tmp_path, model=auto))
 
 
 def test_a_special_token_written_in_a_document_is_text_not_a_document_boundary(tmp_path):

@@ -12,9 +12,10 @@ import pytest
 from conftest import make_config
 
 from jaxdist import cli, config, models
+from jaxdist.commands import plan
 from jaxdist.errors import UserError
-from jaxdist.observe import memory
 from jaxdist.models.gpt import flops_per_token
+from jaxdist.observe import memory
 from jaxdist.observe.scaling import model_size
 from jaxdist.train.state import abstract_model
 
@@ -92,12 +93,12 @@ def test_flops_print_in_the_largest_unit_they_fill(count, text):
 
 @pytest.mark.parametrize("text, size", [("80GB", 80e9), ("16GiB", 16 * 2**30), ("512 MB", 512e6), ("1e9", 1e9)])
 def test_device_memory_sizes_parse(text, size):
-    assert memory.parse_bytes(text) == size
+    assert plan.parse_bytes(text) == size
 
 
 def test_a_bad_device_memory_is_a_user_error():
     with pytest.raises(UserError, match="--device-memory 'lots'"):
-        memory.parse_bytes("lots")
+        plan.parse_bytes("lots")
 
 
 def test_a_wider_fsdp_keeps_the_device_count(tmp_path):

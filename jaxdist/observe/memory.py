@@ -1,4 +1,5 @@
-"""`jaxdist plan`: a config's memory per device and compute per step, from the compiled step, run never.
+"""A config's memory per device and compute per step, from the compiled step, run never: what
+`jaxdist plan` reports.
 
 The train state is described, not allocated (`Trainer.from_config(..., materialize=False)`), and the
 real step is compiled for it ahead of time on the configured mesh; on a CPU machine `--devices N`
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import typing
 from typing import Any
 
@@ -30,24 +30,12 @@ import jax
 import numpy as np
 
 from jaxdist import models
-from jaxdist.observe import hlo
 from jaxdist.config import Config, with_overrides
-from jaxdist.parallel.mesh import resolve_mesh_shape
 from jaxdist.errors import UserError
+from jaxdist.observe import hlo
 from jaxdist.parallel import mesh as mesh_lib
+from jaxdist.parallel.mesh import resolve_mesh_shape
 from jaxdist.train.trainer import Trainer
-
-_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-          "tib": 2**40}
-
-
-def parse_bytes(text: str) -> int:
-    """'80GB' -> 80e9, '16GiB' -> 16 x 2^30, '1e9' -> 1e9; a `UserError` naming the option otherwise."""
-    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS or float(match.group(1)) <= 0:
-        raise UserError(f"--device-memory {text!r}: give a positive size such as 80GB or 16GiB")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
 
 def _bytes_per_device(tree: Any, host: bool = False) -> int:
     """Bytes each device holds of an abstract tree (`jax.ShapeDtypeStruct`s with shardings) in its own

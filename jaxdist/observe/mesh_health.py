@@ -1,11 +1,10 @@
-"""`jaxdist doctor`: is every process, device and link of the mesh working, and how fast?
+"""Is every process, device and link of a mesh working, and how fast: what `jaxdist doctor` checks.
 
-Run it like training (`jaxdist launch -n 2 -- doctor`, `srun jaxdist doctor`, ...). It lists each
+Run like training (`jaxdist launch -n 2 -- doctor`, `srun jaxdist doctor`, ...), it lists each
 process's host and devices, then runs an all-reduce (psum), an all-gather and a ppermute (ring
 shift) across the whole mesh and along each mesh axis, and compares every device's result with the
 value computed independently in numpy. Last, it times an all-reduce and a ppermute per axis and
 reports bandwidth in the nccl-tests convention (all-reduce bus bandwidth = bytes / time x 2(n-1)/n).
-Only process 0 prints; the exit code is 0 when every check passed on every process, else 1.
 """
 
 from __future__ import annotations
@@ -21,9 +20,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxdist import config as config_lib
 from jaxdist import runtime
-from jaxdist.config import Config
 from jaxdist.parallel import mesh as mesh_lib
 from jaxdist.parallel import rules as rules_lib
 
@@ -35,13 +32,6 @@ TIMED_REPEATS = 10  # collectives per timed call
 # the one the next collective in a row writes.
 TIMED_BUFFERS = 3
 _HOSTNAME_BYTES = 64
-
-
-def load_config(path: str | None, overrides: list[str]) -> Config:
-    """The config whose mesh to check; without a file, one data slice per process and fsdp inside."""
-    if path is not None:
-        return config_lib.load(path, overrides)
-    return config_lib.load(None, [f"mesh.data={jax.process_count()}", *overrides])
 
 
 def axis_groups(mesh: Mesh) -> list[tuple[str, ...]]:
@@ -256,15 +246,3 @@ def report(mesh: Mesh, hosts: list[str], checks: list[CheckResult], bandwidth: l
                      f"{c.collective} over {_axes_str(c.axes)}" for c in failed)))
     return lines
 
-
-def run(cfg: Config, megabytes: float) -> int:
-    """Checks and times the collectives of `cfg`'s mesh on all devices; 0 if all passed, else 1."""
-    shape = mesh_lib.resolve_mesh_shape(cfg.mesh, jax.device_count())
-    mesh = mesh_lib.build_mesh(shape)
-    check_buffer_fits(mesh, megabytes)
-    hosts = hostnames()
-    checks = run_checks(mesh)
-    bandwidth = measure_bandwidth(mesh, megabytes)
-    if jax.process_index() == 0:
-        print("\n".join(report(mesh, hosts, checks, bandwidth, megabytes)), flush=True)
-    return 0 if all(check.ok for check in checks) else 1

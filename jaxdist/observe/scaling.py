@@ -1,4 +1,5 @@
-"""`jaxdist scale CONFIG --hosts N`: what a recipe moves over which link, on paper, and the layout to pick.
+"""What a recipe moves over which link on N hosts, on paper, and the layout to pick: what
+`jaxdist scale` prints.
 
 Everything here is arithmetic on the parameter count (taken from the model itself, built
 abstractly) and stated hardware numbers; nothing runs on a device. Per step and per GPU:

@@ -1,4 +1,5 @@
-"""`jaxdist bench`: times the real train step (the `train` code path) on a fixed random batch.
+"""Timing the real train step (the `train` code path) on a fixed random batch: what `jaxdist bench`
+measures; and `time_calls`, the kernel benchmarks' timer.
 
 Any registered model: random tokens for the GPT, random pixels and labels for a classifier
 (`ModelEntry.random_batch`). Warm-up steps are excluded; the step time is the median over windows
@@ -17,7 +18,6 @@ matmuls (the layers' weights and the output projection; no norms, biases or posi
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import statistics
@@ -102,7 +102,7 @@ def time_steps(trainer, batch: dict, steps: int, warmup: int,
     return times, dispatch, metrics
 
 
-def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = None, profile_dir: str | None = None,
+def measure(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = None, profile_dir: str | None = None,
         bubble: bool = False, checkpoint_dir: str | None = None) -> dict:
     """Builds the trainer as `train` does, then times `steps` steps after `warmup` steps.
 
@@ -114,14 +114,14 @@ def run(cfg: Config, steps: int = 30, warmup: int = 5, devices: list | None = No
     """
     if bubble:
         _check_bubble(cfg, devices)
-    result = _measure(cfg, steps, warmup, devices, profile_dir, checkpoint_dir)
+    result = _time_trainer(cfg, steps, warmup, devices, profile_dir, checkpoint_dir)
     if bubble:
         result.update(measured_bubble(cfg, result, steps, warmup, devices))
     return result
 
 
 def measured_bubble(cfg: Config, pipelined: dict, steps: int, warmup: int, devices: list | None = None) -> dict:
-    """The pipeline's measured bubble beside `pipelined`, its `run` result: one minus the step time of
+    """The pipeline's measured bubble beside `pipelined`, its `measure` result: one minus the step time of
     one device running the model unpipelined on one device's share of the global batch over the
     pipelined step time. It is the fraction of each device's time the pipeline spends beyond that
     device's share of the work: its idle iterations, transfers and whatever else it costs.
@@ -169,7 +169,7 @@ def _one_device(cfg: Config, global_batch: int, microbatches: int, steps: int, w
     one_device = with_overrides(cfg, ["mesh.data=1", "mesh.stage=1", "mesh.fsdp=1", "mesh.tensor=1",
                                        f"train.global_batch={global_batch}", f"train.microbatches={microbatches}",
                                        "model.impl.scan_layers=false"])
-    return _measure(one_device, steps, warmup, (devices or jax.devices())[:1])
+    return _time_trainer(one_device, steps, warmup, (devices or jax.devices())[:1])
 
 
 def _check_bubble(cfg: Config, devices: list | None) -> None:
@@ -185,9 +185,9 @@ def _check_bubble(cfg: Config, devices: list | None) -> None:
                         f"{cfg.train.global_batch} must be a multiple of the {count} devices")
 
 
-def _measure(cfg: Config, steps: int, warmup: int, devices: list | None, profile_dir: str | None = None,
+def _time_trainer(cfg: Config, steps: int, warmup: int, devices: list | None, profile_dir: str | None = None,
              checkpoint_dir: str | None = None) -> dict:
-    """`run` without the bubble: the trainer built, compiled and timed."""
+    """`measure` without the bubble: the trainer built, compiled and timed."""
     if auto := [f"model.{key}" for key in ("vocab", "classes", "image_shape") if getattr(cfg.model, key, None) == "auto"]:
         verb = "takes its value" if len(auto) == 1 else "take their values"
         raise UserError(f"{' and '.join(auto)} = auto {verb} from the data, and bench runs on random examples: "
@@ -267,11 +267,3 @@ def _on_process_0(line: str) -> None:
     if jax.process_index() == 0:
         print(line, file=sys.stderr, flush=True)
 
-
-def write(result: dict, path: str | None) -> None:
-    line = json.dumps(result)
-    if jax.process_index() == 0:
-        print(line, flush=True)
-        if path:
-            with Path(path).open("a") as out:
-                out.write(line + "\n")
