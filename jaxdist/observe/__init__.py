@@ -1,2 +1,5 @@
-"""Observing a run: metrics writers (JSONL, TensorBoard, W&B) and the console, and the commands that
-measure or predict one: bench, plan, doctor, scale, profile summaries, plots and HLO reading."""
+"""Observing a run and the machine: metrics writers (JSONL, TensorBoard, W&B), the console, goodput
+and profiles; and what the commands measure or predict: the train step timed (timing: `bench`),
+compiled for its memory (memory: `plan`), the mesh's collectives checked (mesh_health: `doctor`),
+scaling to N hosts on paper (scaling: `scale`), the compiled HLO's collectives (hlo), the GPUs'
+clocks (clocks) and what a save costs the loop (checkpoint_cost)."""
