@@ -4,7 +4,7 @@
         [--host-copies numpy,pinned,device] [--saves 4]
 
 Builds the config's trainer once (random batch, as `jaxdist bench`), then measures each host copy
-in turn with `jaxdist.commands.checkpoint_cost.measure` (the measurement behind `jaxdist bench
+in turn with `jaxdist.observe.checkpoint_cost.measure` (the measurement behind `jaxdist bench
 --checkpoint`): the loop's cost of a save (the first apart), the host's blocking time, the write's
 duration, the step beside a write, the restore and the bytes. Prints one JSON line per host copy
 and a table last. `numpy` needs one process.
@@ -22,7 +22,7 @@ import jax
 import jaxdist
 from jaxdist import config as config_lib
 from jaxdist.checkpoint.store import HOST_COPIES
-from jaxdist.commands import bench, checkpoint_cost
+from jaxdist.observe import checkpoint_cost, timing
 from jaxdist.train.trainer import Trainer
 
 COLUMNS = ("host_copy", "first_save_loop_cost_s", "save_loop_cost_s", "save_blocked_s", "write_s", "step_s",
@@ -42,8 +42,8 @@ def main() -> None:
 
     cfg = config_lib.load(args.config, args.overrides)
     trainer = Trainer.from_config(cfg)
-    batch = trainer.global_batch(bench.random_batch(cfg, trainer.process_rows(cfg.train.global_batch).rows))
-    bench.time_steps(trainer, batch, steps=10, warmup=5)
+    batch = trainer.global_batch(timing.random_batch(cfg, trainer.process_rows(cfg.train.global_batch).rows))
+    timing.time_steps(trainer, batch, steps=10, warmup=5)
     rows = []
     for how in args.host_copies.split(","):
         directory = Path(args.dir) / how

@@ -18,7 +18,7 @@ import numpy as np
 import jaxdist
 from jaxdist import kernels
 from jaxdist.kernels.gelu_matmul import gelu_grad_matmul, unavailable_reason, xla_gelu_grad_matmul
-from jaxdist.commands.bench import time_calls
+from jaxdist.observe.timing import time_calls
 
 SHAPES = {"406m": (16 * 1024, 1024, 4096), "1b4": (8 * 1024, 2048, 8192)}  # rows, embed, mlp
 

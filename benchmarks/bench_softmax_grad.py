@@ -21,7 +21,7 @@ import numpy as np
 import jaxdist
 from jaxdist.kernels import softmax_grad
 from jaxdist.models import cross_entropy
-from jaxdist.commands.bench import time_calls
+from jaxdist.observe.timing import time_calls
 
 SHAPES = {"406m": (16, 256, 50304), "1b4": (8, 256, 50304)}  # batch, chunk, vocab
 

@@ -21,7 +21,7 @@ import sys
 import time
 
 import jaxdist
-from jaxdist.commands import clocks
+from jaxdist.observe import clocks
 
 JAXDIST = [sys.executable, "-m", "jaxdist.cli", "bench"]
 GPT_406M = ["configs/gpt_406m.yaml"]

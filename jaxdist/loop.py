@@ -1,7 +1,9 @@
-"""The training loop behind `jaxdist train`: check, build, compile, step, log, sample.
+"""The training loop that `jaxdist train` runs (commands/train.py): check, build, compile, step, log,
+sample.
 
-It sits in the command layer, above what it drives: the data pipeline, a `Trainer`, checkpoints and
-metrics. Side effects (files, printing) live here and in the CLI; the step itself is pure.
+It sits in the layer of the commands, above what it drives: the data pipeline, a `Trainer`,
+checkpoints and metrics. Side effects (files, printing) live here and in the commands; the step
+itself is pure.
 """
 
 from __future__ import annotations
@@ -194,7 +196,6 @@ def _run(run: Run, clock: RunTime) -> Trainer:
         return trainer
 
     evaluate = _evaluator(cfg, trainer, run, rows)
-    flops = run.entry.flops_per_example(cfg)
     first = trainer.global_batch(first_local)
     trainer.compile(first)
     clock.add("trace", trainer.trace_time_s)
@@ -210,7 +211,7 @@ def _run(run: Run, clock: RunTime) -> Trainer:
 
     wandb = wandb_log.WandbRun(cfg, run_dir) if is_writer and cfg.log.wandb else None
     writer = MetricsWriter(run_dir if is_writer else None, wandb, resumed_at=start.step if start.step else None)
-    steps = _Steps(cfg, trainer, batches, first, evaluate, flops, writer, checkpoints, clock, start.step)
+    steps = _Steps(run, trainer, batches, first, evaluate, _Records(writer, checkpoints, clock), start.step)
     try:
         steps.run()
     finally:
@@ -247,16 +248,28 @@ def _log_setup(cfg: Config, trainer: Trainer, layout: layout_lib.Layout, rows: f
     ))
 
 
-class _Steps:
-    """The loop over the steps: step, check, log, evaluate, save; stops on a signal or a bad step."""
+@dataclasses.dataclass(frozen=True)
+class _Records:
+    """Where the steps record what they did: the metrics, the checkpoints and the run's time by part."""
 
-    def __init__(self, cfg: Config, trainer: Trainer, batches, first, evaluate, flops: float, writer: MetricsWriter,
-                 checkpoints: RunCheckpoints, clock: RunTime, start: int):
-        self.cfg, self.trainer, self.batches, self.batch = cfg, trainer, batches, first
-        self.evaluate, self.flops, self.writer, self.checkpoints, self.clock = evaluate, flops, writer, checkpoints, clock
+    writer: MetricsWriter
+    checkpoints: RunCheckpoints
+    clock: RunTime
+
+
+class _Steps:
+    """The loop over the steps from `start`: step, check, log, evaluate, save; stops on a signal or a
+    bad step. `batches` yields the local rows of the batches after `first`, the global first batch."""
+
+    def __init__(self, run: Run, trainer: Trainer, batches: Iterator, first: dict, evaluate, records: _Records,
+                 start: int):
+        cfg = run.cfg
+        self.cfg, self.trainer, self.batches, self.batch, self.evaluate = cfg, trainer, batches, first, evaluate
+        self.flops = run.entry.flops_per_example(cfg)
+        self.writer, self.checkpoints, self.clock = records.writer, records.checkpoints, records.clock
         self.start = start
         self.progress = console.StepProgress(start, cfg.train.steps, show=jax.process_index() == 0)
-        self.guard = NonFiniteGuard(cfg.train, checkpoints.resumed_bad_steps_in_a_row)
+        self.guard = NonFiniteGuard(cfg.train, self.checkpoints.resumed_bad_steps_in_a_row)
         self.stopped = False
         self._warned_input = False
         self._last_time, self._last_step = time.perf_counter(), start

@@ -10,7 +10,7 @@ from conftest import make_config
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist import models
-from jaxdist.commands import hlo
+from jaxdist.observe import hlo
 from jaxdist.parallel import feed
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import rules as rules_lib

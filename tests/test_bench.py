@@ -8,7 +8,7 @@ import pytest
 from jaxdist import cli, config
 from jaxdist.data import loader
 from jaxdist.models.gpt import flops_per_token
-from jaxdist.commands import bench
+from jaxdist.observe import timing
 from jaxdist.observe.metrics import peak_flops
 
 pytestmark = pytest.mark.slow
@@ -62,7 +62,7 @@ def test_bench_runs_a_classifier_on_random_images(capsys, recipe, sizes, devices
     assert 1.5 < printed["first_loss"] < 4.0
     if devices > 1:  # the same random batch on one device: the same first loss
         one_cfg = loader.resolve_model(config.load(recipe, [*overrides, "mesh.data=1"]))
-        one = bench.run(one_cfg, steps=1, warmup=0, devices=jax.devices()[:1])
+        one = timing.measure(one_cfg, steps=1, warmup=0, devices=jax.devices()[:1])
         assert abs(one["first_loss"] - printed["first_loss"]) <= 1e-5 * printed["first_loss"]
 
 

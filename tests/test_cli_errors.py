@@ -550,12 +550,13 @@ def test_ctrl_c_before_the_step_compiled_exits_130(config_file, tmp_path):
 _SLOW_START = """
 import sys, time
 from jaxdist import cli
+from jaxdist.commands import train
 
 def starting(args):
     print("compiling", flush=True)
     time.sleep(120)
 
-cli._train = starting
+train.run = starting
 sys.exit(cli.main(["train", sys.argv[1]]))
 """
 
@@ -604,6 +605,7 @@ def test_a_ctrl_c_that_python_drops_still_stops_the_run_before_its_steps():
 _HALF_BUILT = """
 import sys
 from jaxdist import cli
+from jaxdist.commands import train
 
 class HalfBuilt:  # like a library object whose constructor the interrupt cut short
     def __del__(self):
@@ -613,7 +615,7 @@ def interrupted(args):
     cli.KEPT = HalfBuilt()  # finalized as the interpreter exits
     raise KeyboardInterrupt
 
-cli._train = interrupted
+train.run = interrupted
 sys.exit(cli.main(["train", sys.argv[1]]))
 """
 
@@ -621,6 +623,7 @@ sys.exit(cli.main(["train", sys.argv[1]]))
 _THREAD_LOGS_AT_EXIT = """
 import logging, sys, threading
 from jaxdist import cli
+from jaxdist.commands import train
 
 def log_when_the_process_ends():  # like Orbax's future-signaling thread finding its executor shut down
     threading.main_thread().join()
@@ -630,7 +633,7 @@ def interrupted(args):
     threading.Thread(target=log_when_the_process_ends).start()
     raise KeyboardInterrupt
 
-cli._train = interrupted
+train.run = interrupted
 sys.exit(cli.main(["train", sys.argv[1]]))
 """
 

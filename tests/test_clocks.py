@@ -1,4 +1,4 @@
-"""`jaxdist bench` reports the SM clock and power its steps ran at (commands/clocks.py, through NVML).
+"""`jaxdist bench` reports the SM clock and power its steps ran at (observe/clocks.py, through NVML).
 
 NVML is played by a fake `pynvml` module with three GPUs, the first held at the power limit; the
 last test reads a real GPU where one is present.
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxdist import cli
-from jaxdist.commands import clocks
+from jaxdist.observe import clocks
 
 pytestmark = pytest.mark.slow
 

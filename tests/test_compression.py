@@ -14,8 +14,8 @@ import pytest
 from conftest import make_config
 
 from jaxdist import cli, loop, models
-from jaxdist.commands import hlo
-from jaxdist.commands.plan import compiled_trainer
+from jaxdist.observe import hlo
+from jaxdist.observe.memory import compiled_trainer
 from jaxdist.config import load
 from jaxdist.parallel import compression
 from jaxdist.train.state import abstract_model

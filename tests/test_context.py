@@ -12,7 +12,7 @@ from conftest import logged_losses, make_config
 from jax.sharding import Mesh
 
 from jaxdist import cli, loop
-from jaxdist.commands import hlo
+from jaxdist.observe import hlo
 from jaxdist.parallel import context
 from jaxdist.parallel import rules as rules_lib
 

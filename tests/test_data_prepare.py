@@ -17,7 +17,7 @@ from jaxdist.data import loader, prepare, sources
 from jaxdist.data.shards import SCRATCH_MARKER
 from jaxdist.data import tokenizer as tokenizer_lib
 from jaxdist.errors import UserError
-from jaxdist.commands import bench
+from jaxdist.observe import timing
 
 TEXT = "def f(x):\n    return x  # é\n"
 JSONL_DOCS = ["first line", "second, with a \"quote\"", "ünïcode"]
@@ -172,7 +172,7 @@ def test_vocab_auto_takes_the_vocabulary_of_the_data(tmp_path):
     with pytest.raises(UserError, match=r"model.vocab=auto: data.path=.*images.npz has no integer inputs or targets"):
         loader.resolve_model(make_config(tmp_path, data={"source": "arrays", "path": str(tmp_path / "images.npz")}, model=auto))
     with pytest.raises(UserError, match=r"model.vocab = auto takes its value from the data, and bench runs on random"):
-        bench.run(make_config(tmp_path, model=auto))
+        timing.measure(make_config(tmp_path, model=auto))
 
 
 def test_a_special_token_written_in_a_document_is_text_not_a_document_boundary(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 from conftest import logged_losses, make_config
 
 from jaxdist import loop
-from jaxdist.commands import plan
+from jaxdist.observe import memory
 from jaxdist.models import fp8
 from jaxdist.models.dtypes import fp8_unavailable
 
@@ -213,7 +213,7 @@ def test_the_fp8_step_needs_no_more_memory_than_bfloat16s(tmp_path, fp8_everywhe
     for name, precision in (("bfloat16", {"compute": "bfloat16"}), ("fp8", PRECISION)):
         cfg = make_config(tmp_path, train={"global_batch": 16}, precision=precision, model=model,
                           mesh={"data": 1, "fsdp": 1, "tensor": 1}, rules={"preset": "dp"})
-        trainer, _ = plan.compiled_trainer(cfg, jax.devices()[:1])
+        trainer, _ = memory.compiled_trainer(cfg, jax.devices()[:1])
         temporaries[name] = trainer.compiled.memory_analysis().temp_size_in_bytes
     # Within 1%, besides the FP8 weight copies: on Hopper a weight and its transpose (an FP8 GEMM
     # contracts both operands along their last dimension), a byte per parameter each, of q, k, v

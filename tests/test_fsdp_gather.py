@@ -7,7 +7,7 @@ import pytest
 from conftest import make_config
 
 from jaxdist.errors import UserError
-from jaxdist.commands import hlo
+from jaxdist.observe import hlo
 from jaxdist.train.trainer import Trainer
 
 from test_copies import _batches

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxdist.commands import hlo
+from jaxdist.observe import hlo
 
 
 def _sum_over_devices(n: int, dtype, steps: int | None = None):

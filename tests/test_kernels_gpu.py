@@ -18,7 +18,7 @@ from conftest import make_config
 
 from jaxdist import kernels
 from jaxdist.kernels import fused_norm, fused_norm_mosaic, fused_norm_triton, gelu_matmul
-from jaxdist.commands import bench, hlo
+from jaxdist.observe import hlo, timing
 from jaxdist.train.trainer import Trainer
 
 pytestmark = pytest.mark.gpu
@@ -48,7 +48,7 @@ def _small_step(tmp_path, kernel: str, gelu_kernel: str, d_model: int = 256) -> 
         assert "unavailable" not in kernels.build_for(cfg.model)
         gelu_matmul.unavailable_reason.cache_clear()
     trainer = Trainer.from_config(cfg, jax.devices()[:1])
-    batch = trainer.global_batch(bench.random_batch(cfg))
+    batch = trainer.global_batch(timing.random_batch(cfg))
     trainer.compile(batch)
     loss = float(trainer.step(batch)["loss"])
     assert 6.5 < loss < 7.5, loss  # about log(1024) = 6.93 for the untrained model

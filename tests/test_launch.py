@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from jaxdist import cli, launch
+from jaxdist import cli
+from jaxdist.commands import launch
 
 # Children that, like a JAX process with its preemption notifier, survive SIGTERM: only SIGKILL ends them.
 IGNORE_SIGTERM = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
@@ -191,7 +192,7 @@ LAUNCHER = textwrap.dedent("""
     subprocess.run([sys.executable, "-c", sys.argv[2]], env=env)
 """)
 # It sleeps for less than a minute so that a failing run of the test leaves nothing behind for long.
-CHILD = ("from jaxdist.launch import die_with_launcher; die_with_launcher(); import time; "
+CHILD = ("from jaxdist.commands.launch import die_with_launcher; die_with_launcher(); import time; "
          "print('ready', flush=True); time.sleep(50)")
 
 

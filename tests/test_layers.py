@@ -1,8 +1,12 @@
 """The package's layers: imports go one way, config <- parallel <- data, kernels <- models <- train
-<- checkpoint, observe <- commands <- the command line; and no module imports itself back through others."""
+<- checkpoint, observe <- loop, commands <- the command line; no module imports itself back through
+others; and every verb of the command line is run by the module of commands/ named after it."""
 
+import argparse
 import ast
 from pathlib import Path
+
+from jaxdist import cli
 
 PACKAGE = Path(__file__).resolve().parents[1] / "jaxdist"
 
@@ -14,8 +18,8 @@ LAYERS = (
     {"models"},
     {"train"},
     {"checkpoint", "observe"},
-    {"commands"},
-    {"loop", "cli", "launch", ""},  # "": the package's own __init__, the public surface
+    {"loop", "commands"},  # the training loop and the verbs of the command line
+    {"cli", ""},  # "": the package's own __init__, the public surface
 )
 
 
@@ -87,3 +91,28 @@ def test_the_check_sees_a_violation(tmp_path):
     bad.write_text("import jaxdist.train.step\nfrom jaxdist.checkpoint import store\n")
     assert imports(bad) == {"jaxdist.train.step", "jaxdist.checkpoint.store"}
     assert layer("jaxdist.config") < layer("jaxdist.train.step") < layer("jaxdist.checkpoint.store")
+
+
+def verbs(parser: argparse.ArgumentParser) -> list[str]:
+    """Every verb `parser` knows, the subcommands of a group (`config show`) included."""
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, subparser in action.choices.items():
+                found += [f"{name} {verb}" for verb in verbs(subparser)] or [name]
+    return found
+
+
+def test_every_verb_is_run_by_the_module_named_after_it():
+    """`jaxdist VERB` is jaxdist/commands/<VERB, '-' and ' ' written '_'>.py (`data prepare`:
+    data_prepare.py), a module with HELP, add_arguments and run; commands/ holds nothing else but
+    what several verbs' arguments share (arguments.py)."""
+    known = verbs(cli._parser())
+    assert len(known) == len(cli.VERBS) and "data prepare" in known and "build-kernels" in known
+    expected = {verb.replace("-", "_").replace(" ", "_") for verb in known}
+    commands = PACKAGE / "commands"
+    assert {path.stem for path in commands.glob("*.py")} - {"__init__", "arguments"} == expected
+    for verb in known:
+        module = cli.command_module(verb)
+        assert Path(module.__file__) == commands / f"{verb.replace('-', '_').replace(' ', '_')}.py"
+        assert isinstance(module.HELP, str) and callable(module.add_arguments) and callable(module.run), verb

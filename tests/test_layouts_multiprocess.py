@@ -23,7 +23,7 @@ import pytest
 from conftest import SMALL_RESNET, make_classifier_config, make_config
 
 from jaxdist import loop
-from jaxdist.launch import free_port
+from jaxdist.commands.launch import free_port
 from jaxdist.parallel import feed
 
 pytestmark = pytest.mark.slow

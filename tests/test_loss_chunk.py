@@ -21,7 +21,7 @@ from flax import nnx
 from jaxdist import cli, loop, models
 from jaxdist.models import gpt
 from jaxdist.models.cross_entropy import fused_linear_cross_entropy, reduce_logits
-from jaxdist.commands import hlo
+from jaxdist.observe import hlo
 from jaxdist.parallel import feed
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import mesh as mesh_lib

@@ -22,7 +22,7 @@ from conftest import logged_losses, logged_steps, make_config
 
 from jaxdist import loop
 from jaxdist.errors import UserError
-from jaxdist.launch import free_port
+from jaxdist.commands.launch import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -92,7 +92,7 @@ def launch_train(config_file: Path) -> subprocess.CompletedProcess:
                        "--", "train", str(config_file))
 
 
-# What the launcher writes to its log file rather than among the run's lines (jaxdist.launch.LIBRARY_NOTES).
+# What the launcher writes to its log file rather than among the run's lines (jaxdist.commands.launch.LIBRARY_NOTES).
 LIBRARY_NOTE_WORDS = re.compile(r"Gloo|peer ranks|preemption_notifier|absl")
 
 
@@ -360,20 +360,20 @@ def test_doctor_passes_under_launch(tmp_path):
 
 def test_doctor_checks_catch_a_wrong_result(devices):
     """The checker compares against numpy; a collective that moved data the wrong way is caught."""
-    from jaxdist.commands import doctor
+    from jaxdist.observe import mesh_health
     from jaxdist.parallel.mesh import build_mesh
 
     mesh = build_mesh({"data": 2, "stage": 1, "fsdp": 2, "tensor": 2}, devices)
-    x = doctor.check_input(mesh)
-    results = doctor.run_checks(mesh)
+    x = mesh_health.check_input(mesh)
+    results = mesh_health.run_checks(mesh)
     assert len(results) == 12 and all(r.ok for r in results)
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*mesh.axis_names, None))
     inputs = jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
     ring = ("data", "fsdp", "tensor")
-    shifted = doctor.collective_program("ppermute", mesh, ring)(inputs)
-    assert doctor.mismatched_shards(shifted, doctor.expected_result("ppermute", x, (0, 2, 3))) == 0
-    assert doctor.mismatched_shards(shifted, x) == 8  # had nothing moved, every shard is flagged
-    summed = doctor.collective_program("all-reduce", mesh, ("data", "tensor"))(inputs)
+    shifted = mesh_health.collective_program("ppermute", mesh, ring)(inputs)
+    assert mesh_health.mismatched_shards(shifted, mesh_health.expected_result("ppermute", x, (0, 2, 3))) == 0
+    assert mesh_health.mismatched_shards(shifted, x) == 8  # had nothing moved, every shard is flagged
+    summed = mesh_health.collective_program("all-reduce", mesh, ("data", "tensor"))(inputs)
     assert np.asarray(summed.addressable_shards[0].data)[0, 0, 0, 0, 0] == x[:, 0, 0, :, 0].sum()
 
 
@@ -465,7 +465,7 @@ def test_inconsistent_settings_are_user_errors(env, message):
 
 
 def test_launcher_gives_each_process_its_identity_and_devices():
-    from jaxdist.launch import process_env
+    from jaxdist.commands.launch import process_env
     from jaxdist.parallel.distributed import init_timeout_s, resolve
 
     env = process_env({"PATH": "/bin"}, "127.0.0.1:5000", 2, 1, 4)
@@ -482,13 +482,13 @@ def test_launcher_gives_each_process_its_identity_and_devices():
 
 def test_scale_numbers_follow_from_the_parameter_count(capsys):
     from jaxdist import cli, config
-    from jaxdist.commands import scale
+    from jaxdist.observe import scaling
 
     cfg = config.load(REPO / "configs" / "gpt_406m.yaml")
-    model = scale.model_size(cfg)
+    model = scaling.model_size(cfg)
     d, layers, vocab, seq = 1024, 24, 50304, 1024
     assert model.params == layers * (12 * d * d + 4 * d) + 2 * vocab * d + seq * d + 2 * d  # 406,259,712
-    hw = scale.Hardware()
+    hw = scaling.Hardware()
     matmul = layers * 12 * d * d  # the blocks' matmul weights: read, copied and differentiated in bf16
     assert model.matmul_params == model.copied_params == matmul
     # As the compiled 406M data-parallel step all-reduces them (2 x H200,
@@ -497,30 +497,30 @@ def test_scale_numbers_follow_from_the_parameter_count(capsys):
     grads = 2 * matmul + 4 * (model.params - matmul)
     assert model.gradient_bytes == grads
     assert 2 * matmul / 2**20 == pytest.approx(576.0) and grads / 2**20 == pytest.approx(576.0 + 397.4, rel=1e-3)
-    ddp = scale.layout_cost(model, hw, 8, {"data": 64, "stage": 1, "fsdp": 1, "tensor": 1}, 1024)
+    ddp = scaling.layout_cost(model, hw, 8, {"data": 64, "stage": 1, "fsdp": 1, "tensor": 1}, 1024)
     assert ddp.traffic["data"].network == pytest.approx(2 * 7 / 8 * grads / 8)  # hierarchical: 1/8 per NIC
     assert ddp.traffic["data"].nvlink == pytest.approx(2 * 7 / 8 * grads)
-    hsdp = scale.layout_cost(model, hw, 8, {"data": 8, "stage": 1, "fsdp": 8, "tensor": 1}, 1024)
+    hsdp = scaling.layout_cost(model, hw, 8, {"data": 8, "stage": 1, "fsdp": 8, "tensor": 1}, 1024)
     assert hsdp.traffic["data"].network == pytest.approx(2 * 7 / 8 * grads / 8) and hsdp.traffic["data"].nvlink == 0
     # per_layer: the bf16 copies and the other float32 weights gathered twice, the gradients reduce-scattered.
     gathered = 2 * matmul + 4 * (model.params - matmul)
     assert hsdp.traffic["fsdp"].nvlink == pytest.approx(7 / 8 * (2 * gathered + grads))
     assert hsdp.traffic["fsdp"].network == 0
     assert hsdp.state_bytes == pytest.approx((16 * model.params + 2 * model.copied_params) / 8)
-    assert scale.checkpoint_cost(model, hw, 8, ddp).total_bytes == 12 * model.params
+    assert scaling.checkpoint_cost(model, hw, 8, ddp).total_bytes == 12 * model.params
 
     # ZeRO-2 gathers once.
-    zero2 = scale.model_size(config.load(REPO / "configs" / "gpt_406m.yaml", ["train.fsdp_gather=per_step"]))
+    zero2 = scaling.model_size(config.load(REPO / "configs" / "gpt_406m.yaml", ["train.fsdp_gather=per_step"]))
     fsdp8 = {"data": 1, "stage": 1, "fsdp": 8, "tensor": 1}
-    assert scale.layout_cost(zero2, hw, 1, fsdp8, 128).traffic["fsdp"].nvlink == pytest.approx(
+    assert scaling.layout_cost(zero2, hw, 1, fsdp8, 128).traffic["fsdp"].nvlink == pytest.approx(
         7 / 8 * (gathered + grads))
-    assert "gradients cross devices as 1.02 GB" in scale.report(cfg, hosts=1)
+    assert "gradients cross devices as 1.02 GB" in scaling.report(cfg, hosts=1)
 
     big = config.load(REPO / "configs" / "gpt_1b4.yaml", ["model.d_model=4096", "model.layers=32", "model.heads=32"])
-    costs = [scale.layout_cost(scale.model_size(big), hw, 128, shape, 4096)
-             for shape in scale.candidate_shapes(128, 8)]
+    costs = [scaling.layout_cost(scaling.model_size(big), hw, 128, shape, 4096)
+             for shape in scaling.candidate_shapes(128, 8)]
     assert not costs[0].fits and "GB per GPU" in costs[0].problem  # 7B with Adam does not fit data-parallel
-    assert scale.choose(costs).shape["fsdp"] * scale.choose(costs).shape["tensor"] == 8
+    assert scaling.choose(costs).shape["fsdp"] * scaling.choose(costs).shape["tensor"] == 8
 
     assert cli.main(["scale", str(REPO / "configs" / "gpt_406m.yaml"), "--hosts", "128"]) == 0
     out = capsys.readouterr().out
@@ -608,24 +608,24 @@ def test_kubernetes_job_gives_each_pod_its_process_id():
 
 def test_scale_keeps_one_microbatch_of_activations_and_the_optimizers_own_state(capsys):
     from jaxdist import cli, config
-    from jaxdist.commands import scale
+    from jaxdist.observe import scaling
 
     recipe = REPO / "configs" / "gpt_1b4.yaml"
-    hw = scale.Hardware()
+    hw = scaling.Hardware()
     data8 = {"data": 8, "stage": 1, "fsdp": 1, "tensor": 1}
-    whole = scale.model_size(config.load(recipe))
-    accumulated = scale.model_size(config.load(recipe, ["train.microbatches=8"]))
-    one, eight = (scale.layout_cost(model, hw, 1, data8, 512) for model in (whole, accumulated))
+    whole = scaling.model_size(config.load(recipe))
+    accumulated = scaling.model_size(config.load(recipe, ["train.microbatches=8"]))
+    one, eight = (scaling.layout_cost(model, hw, 1, data8, 512) for model in (whole, accumulated))
     assert eight.activation_bytes == pytest.approx(one.activation_bytes / 8) and eight.state_bytes == one.state_bytes
     assert not one.fits and eight.fits
     # Optimizer state per parameter (float32): AdamW and LAMB two moments, SGD with momentum and LARS
     # one, SGD without momentum and Adafactor (factored) none; fp32 gradients 4 B besides.
     for overrides, moments in ((["optim.name=lamb"], 2), (["optim.name=sgd"], 1), (["optim.name=lars"], 1),
                                (["optim.name=sgd", "optim.momentum=0"], 0), (["optim.name=adafactor"], 0)):
-        model = scale.model_size(config.load(recipe, overrides))
-        cost = scale.layout_cost(model, hw, 1, data8, 512)
+        model = scaling.model_size(config.load(recipe, overrides))
+        cost = scaling.layout_cost(model, hw, 1, data8, 512)
         assert cost.state_bytes == pytest.approx(whole.params * (4 + 4 * moments + 4) + 2 * whole.copied_params)
-        assert scale.checkpoint_cost(model, hw, 1, cost).total_bytes == whole.params * 4 * (1 + moments)
+        assert scaling.checkpoint_cost(model, hw, 1, cost).total_bytes == whole.params * 4 * (1 + moments)
 
     # 64 sequences per GPU fit no layout at once; accumulating 2 microbatches fits fsdp=8.
     assert cli.main(["scale", str(recipe), "--hosts", "1", "--batch-per-gpu", "64"]) == 0

@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxdist import cli, models
 from jaxdist.kernels import fused_norm, fused_norm_triton
-from jaxdist.commands import hlo, plan
+from jaxdist.observe import hlo, memory
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel.feed import batch_sharding
 from jaxdist.parallel import mesh as mesh_lib
@@ -196,7 +196,7 @@ def test_only_the_outputs_read_are_stacked(tmp_path, devices, repeats):
                                        "impl": {"scan_layers": True}},
                       mesh={"stage": 2, "data": 1, "fsdp": 1, "tensor": 1}, train={"global_batch": 8},
                       pipeline={"microbatches": 2, "repeats": repeats})
-    trainer, _ = plan.compiled_trainer(cfg, devices[:2])
+    trainer, _ = memory.compiled_trainer(cfg, devices[:2])
     text = trainer.compiled.as_text()
     schedule = pipeline.Schedule(2, 2, repeats)
     # (iterations kept, stages, rows, length, d_model), each device's part of the stages.

@@ -12,10 +12,11 @@ import pytest
 from conftest import make_config
 
 from jaxdist import cli, config, models
-from jaxdist.errors import UserError
 from jaxdist.commands import plan
+from jaxdist.errors import UserError
 from jaxdist.models.gpt import flops_per_token
-from jaxdist.commands.scale import model_size
+from jaxdist.observe import memory
+from jaxdist.observe.scaling import model_size
 from jaxdist.train.state import abstract_model
 
 pytestmark = pytest.mark.slow
@@ -27,7 +28,7 @@ SMALL = {"model": {"d_model": 64, "layers": 2, "heads": 4, "seq_len": 64, "vocab
 def test_gpt_1b4_under_fsdp8_holds_an_eighth_of_the_parameters_per_device(devices):
     # Scanned layers: the same parameters as the recipe's unrolled ones, compiled much faster here.
     cfg = config.load("configs/gpt_1b4.yaml", ["mesh.fsdp=8", "model.impl.scan_layers=true", "precision.compute=float32"])
-    result = plan.make_plan(cfg, devices)
+    result = memory.make_plan(cfg, devices)
     params = model_size(cfg).params
     assert result.mesh == "data=1 x stage=1 x fsdp=8 x tensor=1" and result.devices == 8
     assert abs(result.params - params * 4 / 8) <= 0.05 * params * 4 / 8
@@ -40,29 +41,29 @@ def test_gpt_1b4_under_fsdp8_holds_an_eighth_of_the_parameters_per_device(device
 def test_over_the_device_memory_the_cheapest_change_that_fits_is_suggested(tmp_path, devices):
     cfg = make_config(tmp_path, **SMALL)
     # Cheapest first, as measured (docs/performance.md), then the wider fsdp that keeps the devices.
-    tried = plan.savings(cfg, devices)
+    tried = memory.savings(cfg, devices)
     assert tried == [["model.impl.remat=mlp"], ["train.microbatches=2"], ["train.microbatches=4"],
                      ["model.impl.remat=full"], ["train.microbatches=8"],
                      ["mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp"]]
-    whole = plan.make_plan(cfg, devices)
-    remat = plan.make_plan(config.with_overrides(cfg, ["model.impl.remat=full"]), devices)
+    whole = memory.make_plan(cfg, devices)
+    remat = memory.make_plan(config.with_overrides(cfg, ["model.impl.remat=full"]), devices)
     assert remat.temporaries < whole.temporaries and remat.params == whole.params
     limit = (whole.total + remat.total) // 2
-    overrides, fitted = plan.suggest(cfg, limit, devices)
+    overrides, fitted = memory.suggest(cfg, limit, devices)
     assert fitted.total <= limit < whole.total
     for cheaper in tried[:tried.index(overrides)]:
         try:
-            cheaper_plan = plan.make_plan(config.with_overrides(cfg, cheaper), devices)
+            cheaper_plan = memory.make_plan(config.with_overrides(cfg, cheaper), devices)
         except UserError:  # e.g. more microbatches than the per-device batch has rows
             continue
         assert cheaper_plan.total > limit, cheaper
     # Compiled for CPU, only the state and batch are judged: the temporaries are not a GPU's.
-    verdict = plan.report(cfg, devices, limit).splitlines()[-1]
-    assert verdict == (f"the state and batch take {plan._gb(whole.held)} of {plan._gb(limit)} per device "
-                       f"({whole.held / limit:.0%}), leaving {plan._gb(limit - whole.held)} for temporaries and code: "
-                       f"the CPU compile's ({plan._gb(whole.temporaries + whole.code)}) would not fit; "
+    verdict = memory.report(cfg, devices, limit).splitlines()[-1]
+    assert verdict == (f"the state and batch take {memory._gb(whole.held)} of {memory._gb(limit)} per device "
+                       f"({whole.held / limit:.0%}), leaving {memory._gb(limit - whole.held)} for temporaries and code: "
+                       f"the CPU compile's ({memory._gb(whole.temporaries + whole.code)}) would not fit; "
                        f"run jaxdist plan on the GPU host for the verdict")
-    assert plan.report(cfg, devices, whole.total + 1).splitlines()[-1].endswith(
+    assert memory.report(cfg, devices, whole.total + 1).splitlines()[-1].endswith(
         " would fit; run jaxdist plan on the GPU host for the verdict")
 
 
@@ -87,7 +88,7 @@ def test_plan_command_prints_the_plan_and_allocates_nothing(tmp_path, capsys):
 
 @pytest.mark.parametrize("count, text", [(2.5e12, "2.50 TFLOP"), (3.2e9, "3.20 GFLOP"), (4e6, "4.00 MFLOP")])
 def test_flops_print_in_the_largest_unit_they_fill(count, text):
-    assert plan._flop(count) == text
+    assert memory._flop(count) == text
 
 
 @pytest.mark.parametrize("text, size", [("80GB", 80e9), ("16GiB", 16 * 2**30), ("512 MB", 512e6), ("1e9", 1e9)])
@@ -102,21 +103,21 @@ def test_a_bad_device_memory_is_a_user_error():
 
 def test_a_wider_fsdp_keeps_the_device_count(tmp_path):
     filled = make_config(tmp_path, mesh={"data": 2, "fsdp": -1}, rules={"preset": "dp"})
-    assert plan.savings(filled)[-1] == ["mesh.data=1", "mesh.fsdp=-1", "rules.preset=fsdp"]
+    assert memory.savings(filled)[-1] == ["mesh.data=1", "mesh.fsdp=-1", "rules.preset=fsdp"]
     fixed = make_config(tmp_path, mesh={"data": 2, "fsdp": 4})
-    assert plan.savings(fixed)[-1] == ["mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp_tp"]
+    assert memory.savings(fixed)[-1] == ["mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp_tp"]
 
 
 def test_a_wider_fsdp_is_tried_on_the_resolved_mesh(devices):
     # mesh.data=-1 (the digits recipes) fills the 8 devices with replicas, which fsdp=8 splits instead.
     filled = config.load("digits_mlp", ["model.hidden=[2048,2048]"])
-    assert plan.savings(filled)[-1] == ["mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp"]
+    assert memory.savings(filled)[-1] == ["mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp"]
     # Under tp the weights stay split over tensor and are split over fsdp too.
     tensor = config.load("configs/tiny.yaml", ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4",
                                                        "rules.preset=tp"])
-    assert plan.savings(tensor)[-1] == ["mesh.data=1", "mesh.fsdp=2", "rules.preset=fsdp_tp"]
+    assert memory.savings(tensor)[-1] == ["mesh.data=1", "mesh.fsdp=2", "rules.preset=fsdp_tp"]
     # One replica: nothing to widen fsdp with.
-    assert all("mesh.data=1" not in each for each in plan.savings(config.with_overrides(tensor, ["mesh.data=1",
+    assert all("mesh.data=1" not in each for each in memory.savings(config.with_overrides(tensor, ["mesh.data=1",
                                                                                                   "mesh.fsdp=2"])))
 
 
@@ -129,7 +130,7 @@ def test_plan_for_a_classifier_counts_its_state_batch_and_flops(capsys, recipe):
     assert cli.main(["plan", recipe, *overrides]) == 0  # `auto` sizes from the digits, as train takes them
     assert capsys.readouterr().out.startswith("plan: mesh data=1 x stage=1 x fsdp=8 x tensor=1 (8 cpu devices)\n")
     cfg = config.load(recipe, [*overrides, "model.classes=10", "model.image_shape=[8,8,1]"])
-    result = plan.make_plan(cfg)
+    result = memory.make_plan(cfg)
     abstract = abstract_model(models.get(cfg.model.name).create(cfg), cfg.seed)
     count = sum(leaf.size for leaf in jax.tree.leaves(abstract.params))
     assert result.batch == 64 * (8 * 8 * 1 * 4 + 4) // 8

@@ -9,12 +9,17 @@ its Agg canvas through `Figure`, so no pyplot state or backend setting is touche
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import math
 from pathlib import Path
 
 from jaxdist.errors import UserError, check_writable
+
+HELP = "draw runs' train and eval loss and tokens/s against step into an image (PNG by default)"
+OFFLINE = True
+LOCAL_PATHS = (("run_dirs", "RUN_DIR"), ("out", "--out"))
 
 METRICS = "metrics.jsonl"
 # (panel title, [(metrics key, line style)]) top to bottom; a panel no run has values for is left out.
@@ -25,6 +30,16 @@ PANELS = (
 )
 # Its axis starts at 0, so that noise looks like noise.
 FROM_ZERO = "throughput"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories with metrics.jsonl")
+    parser.add_argument("--out", help="image file, .png, .pdf, .svg or another format matplotlib writes "
+                                      "(default: RUN_DIR/plot.png for one run, ./plot.png for several)")
+
+
+def run(args: argparse.Namespace) -> None:
+    print(f"wrote {plot(args.run_dirs, args.out)}")
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -1,4 +1,4 @@
-"""`jaxdist sample RUN_DIR --prompt TEXT`: continue a prompt with a run's checkpointed model.
+"""`jaxdist sample RUN_DIR --prompt TEXT`: continues a prompt with a run's checkpointed model.
 
 The config is the checkpoint's own (the run's model, data and tokenizer), with the command line's
 overrides on top (e.g. another mesh for these devices); the parameters are read from the checkpoint
@@ -7,37 +7,55 @@ and placed by the config's rules. Sampling keeps a KV cache (train/generate.py).
 
 from __future__ import annotations
 
-import dataclasses
+import argparse
 import math
-from pathlib import Path
 
-import jax
-import numpy as np
-from flax import nnx
-
-from jaxdist import config as config_lib
-from jaxdist import models, runtime
-from jaxdist.checkpoint.export import check_saved_model, checkpoint_path, read_params, saved_config
-from jaxdist.data import loader
+from jaxdist.commands import arguments
 from jaxdist.errors import UserError
-from jaxdist.models import dtypes
-from jaxdist.parallel import layout as layout_lib
-from jaxdist.train import generate
-from jaxdist.train.state import abstract_model, param_shardings
+
+HELP = "continue a prompt with a run's checkpointed language model (KV cache)"
+LOCAL_PATHS = (("run_dir", "RUN_DIR"),)
 
 
-def run(run_dir: str, prompt: str, sampling: generate.Sampling, step: int | None, overrides: list[str]) -> str:
-    """The sampled text of each of `sampling.rows` rows and a line on the speed (tokens/s of the
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", help="run directory with checkpoints/")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides of the run's config, e.g. mesh.fsdp=8")
+    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--tokens", type=arguments.COUNT, default=100,
+                        help="tokens to generate (at most up to model.seq_len)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the likeliest tokens up to "
+                                                                 "this probability (1: all)")
+    parser.add_argument("--rows", type=arguments.COUNT, default=1, help="continuations to sample")
+    parser.add_argument("--seed", type=arguments.INDEX, default=0)
+    parser.add_argument("--step", type=arguments.INDEX, help="checkpoint step (default: the newest)")
+
+
+def run(args: argparse.Namespace) -> None:
+    """Prints the sampled text of each of `--rows` rows and a line on the speed (tokens/s of the
     compiled generation)."""
-    check_options(prompt, sampling.temperature, sampling.top_p, sampling.seed)
-    rows, tokens = sampling.rows, sampling.new_tokens
-    step, params, meta = read_params(run_dir, step)
-    cfg = config_lib.with_overrides(saved_config(meta, checkpoint_path(run_dir, step)), overrides)
+    from pathlib import Path
+
+    import jax
+    import numpy as np
+
+    from jaxdist import config, models
+    from jaxdist.checkpoint.export import check_saved_model, checkpoint_path, read_params, saved_config
+    from jaxdist.data import loader
+    from jaxdist.models import dtypes
+    from jaxdist.parallel import layout as layout_lib
+    from jaxdist.train import generate
+    from jaxdist.train.state import abstract_model, param_shardings
+
+    check_options(args.prompt, args.temperature, args.top_p, args.seed)
+    rows = args.rows
+    step, params, meta = read_params(args.run_dir, args.step)
+    cfg = config.with_overrides(saved_config(meta, checkpoint_path(args.run_dir, step)), args.overrides)
     entry = models.get(cfg.model.name)
     if not entry.samples_text:
-        raise UserError(f"sample: RUN_DIR={run_dir} trained model.name={cfg.model.name}, which makes no text")
+        raise UserError(f"sample: RUN_DIR={args.run_dir} trained model.name={cfg.model.name}, which makes no text")
     tokenizer = loader.tokenizer(cfg)
-    ids = np.asarray(tokenizer.encode(prompt), np.int32)
+    ids = np.asarray(tokenizer.encode(args.prompt), np.int32)
     if not len(ids):
         raise UserError("sample --prompt: the prompt is empty; give at least one character")
     if len(ids) >= cfg.model.seq_len:
@@ -45,24 +63,26 @@ def run(run_dir: str, prompt: str, sampling: generate.Sampling, step: int | None
                         f"leaves no room to continue it")
     layout = layout_lib.from_config(cfg, None, entry.activations)
     abstract = abstract_model(entry.create(cfg), cfg.seed)
-    check_saved_model(params, abstract.params, checkpoint_path(run_dir, step))
+    check_saved_model(params, abstract.params, checkpoint_path(args.run_dir, step))
     # Rows are split over the batch shards: a mesh of more shards than rows samples some rows it drops.
     computed = -(-rows // layout.batch_shards) * layout.batch_shards
-    _check_rows_fit(abstract, rows, computed, len(ids), min(cfg.model.seq_len, len(ids) + tokens), cfg.model.vocab,
+    _check_rows_fit(abstract, rows, computed, len(ids), min(cfg.model.seq_len, len(ids) + args.tokens), cfg.model.vocab,
                     layout.mesh)
     shardings = param_shardings(abstract, layout.rules, layout.mesh)
     placed = jax.tree.map(lambda array, sharding: jax.make_array_from_callback(
         array.shape, sharding, lambda index: array[index]), params, shardings)
     cast = None if entry.read_in_compute_dtype is None else generate.compute_dtype_params(
         entry.read_in_compute_dtype, dtypes.policy(cfg.precision).compute_dtype)
-    out = generate.timed_sample(abstract.graphdef, placed, ids, cfg.model.seq_len,
-                                dataclasses.replace(sampling, rows=computed), layout.mesh, layout.rules, cast)
+    sampling = generate.Sampling(args.tokens, args.temperature, args.top_p, computed, args.seed)
+    out = generate.timed_sample(abstract.graphdef, placed, ids, cfg.model.seq_len, sampling, layout.mesh,
+                                layout.rules, cast)
     kept = out.tokens[:rows]
     made = (kept.shape[1] - len(ids)) * rows
     texts = [tokenizer.decode(row) for row in kept]
     speed = (f"{made} tokens in {out.seconds:.2f} s ({made / out.seconds:,.0f} tokens/s, {rows} row(s), step "
-             f"{step} of {Path(run_dir)})")
-    return "\n----\n".join(texts) + "\n" + speed
+             f"{step} of {Path(args.run_dir)})")
+    if jax.process_index() == 0:
+        print("\n----\n".join(texts) + "\n" + speed)
 
 
 def check_options(prompt: str, temperature: float, top_p: float, seed: int) -> None:
@@ -86,20 +106,12 @@ def check_options(prompt: str, temperature: float, top_p: float, seed: int) -> N
                         f"text") from None
 
 
-def sampling_bytes(abstract, rows: int, prompt_length: int, length: int, vocab: int) -> int:
-    """What sampling `rows` rows of `length` tokens holds at the least: the KV cache (its shape asked
-    of the model, nothing allocated), the prompt pass's float32 logits and the tokens."""
-    def empty_cache(params):
-        return nnx.merge(abstract.graphdef, params).init_cache(rows, length)
-
-    cache = jax.eval_shape(empty_cache, abstract.params)
-    cache_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(cache))
-    return cache_bytes + rows * (prompt_length * vocab * 4 + length * 4)
-
-
 def _check_rows_fit(abstract, rows: int, computed: int, prompt_length: int, length: int, vocab: int, mesh) -> None:
     """Refuses `--rows` whose sampling this process's devices cannot hold their part of (on a CPU,
     this host's memory), before anything is allocated."""
+    from jaxdist import runtime
+    from jaxdist.train.generate import sampling_bytes
+
     available, where = runtime.memory_of(mesh.local_devices)
     share = len(mesh.local_devices) / mesh.devices.size
     per_row = sampling_bytes(abstract, 1, prompt_length, length, vocab) * share

@@ -111,3 +111,14 @@ def timed_sample(graphdef: nnx.GraphDef, params: Any, prompt: np.ndarray, seq_le
         seconds = time.perf_counter() - start
     # On several processes the rows live on other hosts' devices too: gather them everywhere.
     return Sampled(np.asarray(multihost_utils.process_allgather(out, tiled=True))[:, :length], seconds)
+
+
+def sampling_bytes(abstract, rows: int, prompt_length: int, length: int, vocab: int) -> int:
+    """What sampling `rows` rows of `length` tokens holds at the least: the KV cache (its shape asked
+    of the model, nothing allocated), the prompt pass's float32 logits and the tokens."""
+    def empty_cache(params):
+        return nnx.merge(abstract.graphdef, params).init_cache(rows, length)
+
+    cache = jax.eval_shape(empty_cache, abstract.params)
+    cache_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(cache))
+    return cache_bytes + rows * (prompt_length * vocab * 4 + length * 4)

@@ -41,6 +41,7 @@ Each process dies with the launcher, even if the launcher is killed outright (`d
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import os
@@ -55,7 +56,11 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import BinaryIO, TextIO
 
+from jaxdist.commands import arguments
 from jaxdist.errors import UserError, discard_output
+
+HELP = "run a command as N processes on this host"
+OFFLINE = True
 
 # Seconds between SIGTERM and SIGKILL. After a process died the others cannot go on (a JAX
 # multi-controller run needs every process), so they get little time; when the launcher itself is
@@ -84,6 +89,32 @@ _POLL_S = 0.1
 # and Orbax's preemption sync point on a SIGTERM (the run's own line says where it stopped and saved).
 LIBRARY_NOTES = re.compile(r"\[Gloo\] Rank|peer ranks\b|preemption_notifier\.cc:\d+\]|Reached preemption sync point, step=")
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-n", "--num", type=arguments.COUNT, required=True, help="number of processes")
+    parser.add_argument("--devices-per-process", type=arguments.COUNT, default=1,
+                        help="GPUs (or simulated CPU devices) per process (default 1)")
+    parser.add_argument("--timeout", type=arguments.AMOUNT, metavar="SECONDS",
+                        help="stop every process (exit 124) when none printed a line, on stdout or stderr, for "
+                             "this long (default: off); any line counts as progress and only process 0 logs "
+                             "steps, so allow for start-up, compiling and log.every steps")
+    parser.add_argument("--max-restarts", type=arguments.INDEX, default=0,
+                        help="start the whole group again after a process failed (not a user error), up to this "
+                             "many times; train resumes from the newest complete checkpoint (default 0)")
+    parser.add_argument("--min-processes", type=arguments.COUNT, metavar="M",
+                        help="elastic: each restart leaves the failed process out, down to M processes; the run "
+                             "resumes on the smaller mesh with the same train.global_batch (default: restart all)")
+    parser.add_argument("--log", metavar="FILE",
+                        help="where libraries' notes (gloo connections, preemption notices) go instead of the "
+                             "terminal (default: jaxdist-launch-<pid>.log in the temporary folder)")
+    parser.add_argument("--verbose", action="store_true", help="relay libraries' notes too, like any line")
+    parser.add_argument("program", nargs=argparse.REMAINDER, help="-- train CONFIG [overrides]")
+
+
+def run(args: argparse.Namespace) -> int:
+    return launch(args.num, args.devices_per_process, args.program, args.timeout, max_restarts=args.max_restarts,
+                  notes=args.log, verbose=args.verbose, min_processes=args.min_processes)
 
 
 def free_port() -> int:
