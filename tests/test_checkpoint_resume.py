@@ -302,7 +302,7 @@ def test_restore_onto_another_layout(tmp_path, reference, layout, embed_shard, c
         assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
     meta = restored.meta
     assert meta["step"] == 12 and meta["data"] == {"example": 12 * 16, "seed": 0}
-    assert meta["mesh"] == {"data": 2, "stage": 1, "fsdp": 2, "tensor": 2} and meta["process_count"] == 1
+    assert meta["mesh"] == {"data": 2, "stage": 1, "fsdp": 2, "expert": 1, "tensor": 2} and meta["process_count"] == 1
     assert meta["config"]["model"]["d_model"] == 64 and meta["versions"]["jax"] == jax.__version__
 
 

@@ -341,7 +341,7 @@ def test_bad_yaml_names_the_problem_and_where(tmp_path, capsys, text, where):
 _TRAIN_KEYS = ("steps, global_batch, microbatches, grad_reduction, fsdp_gather, on_nonfinite, max_consecutive_skips, "
                "loss_spike, offload, grad_compression, grad_compression_rank, grad_compression_start, "
                "grad_compression_axes")
-_AXIS_RULE = "use a mesh axis (data, stage, fsdp, tensor), a list of them, or null (replicated)"
+_AXIS_RULE = "use a mesh axis (data, stage, fsdp, expert, tensor), a list of them, or null (replicated)"
 
 
 @pytest.mark.parametrize("text, overrides, message", [

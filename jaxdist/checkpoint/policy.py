@@ -167,7 +167,7 @@ class RunCheckpoints:
 
     def _resume_line(self, restored: Restored, note: str | None) -> str:
         meta = restored.meta
-        saved_on = " x ".join(f"{axis}={size}" for axis, size in meta["mesh"].items())
+        saved_on = " x ".join(f"{axis}={size}" for axis, size in meta["mesh"].items() if axis != "expert" or size > 1)
         line = (f"resuming from step {restored.step} (checkpoint {restored.path}, saved on mesh {saved_on} "
                 f"by {meta['process_count']} process(es))")
         changes = changed_keys(meta["config"], self.cfg.model_dump(mode="json"))

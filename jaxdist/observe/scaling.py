@@ -257,14 +257,14 @@ def activation_bytes_per_sequence(model: ModelSize, tensor: int) -> float:
 def candidate_shapes(hosts: int, gpus_per_host: int) -> list[dict[str, int]]:
     """Data parallel everywhere; data over hosts with fsdp x tensor inside a host; fsdp everywhere."""
     gpus = hosts * gpus_per_host
-    shapes = [{"data": gpus, "stage": 1, "fsdp": 1, "tensor": 1}]
+    shapes = [{"data": gpus, "stage": 1, "fsdp": 1, "expert": 1, "tensor": 1}]
     tensor = 1
     while tensor <= gpus_per_host:
         if gpus_per_host % tensor == 0:
-            shapes.append({"data": hosts, "stage": 1, "fsdp": gpus_per_host // tensor, "tensor": tensor})
+            shapes.append({"data": hosts, "stage": 1, "fsdp": gpus_per_host // tensor, "expert": 1, "tensor": tensor})
         tensor *= 2
     if hosts > 1:
-        shapes.append({"data": 1, "stage": 1, "fsdp": gpus, "tensor": 1})
+        shapes.append({"data": 1, "stage": 1, "fsdp": gpus, "expert": 1, "tensor": 1})
     unique = []
     for shape in shapes:
         if shape not in unique:
@@ -312,7 +312,7 @@ def checkpoint_cost(model: ModelSize, hw: Hardware, hosts: int, layout: LayoutCo
 
 
 def describe_shape(shape: dict[str, int]) -> str:
-    return " ".join(f"{axis}={shape[axis]}" for axis in MESH_AXES if shape[axis] > 1) or "one device"
+    return " ".join(f"{axis}={shape[axis]}" for axis in MESH_AXES if shape.get(axis, 1) > 1) or "one device"
 
 
 def report(cfg: Config, hosts: int, gpus_per_host: int = 8, batch_per_gpu: int | None = None,
@@ -365,7 +365,7 @@ def report(cfg: Config, hosts: int, gpus_per_host: int = 8, batch_per_gpu: int |
         return "\n".join(lines)
     lines += ["", f"chosen layout {describe_shape(chosen.shape)}: bytes per GPU per step, by axis and link"]
     for axis in ("data", "fsdp", "tensor"):
-        if chosen.shape[axis] > 1:
+        if chosen.shape.get(axis, 1) > 1:
             t = chosen.traffic[axis]
             place = f"{chosen.across[axis]} host(s) x {chosen.shape[axis] // chosen.across[axis]} GPU(s)"
             lines.append(f"  {axis:<7} ({place}): between hosts {t.network / GB:.3f} GB, "

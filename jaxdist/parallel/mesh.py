@@ -41,7 +41,9 @@ def resolve_mesh_shape(mesh: MeshConfig, device_count: int) -> dict[str, int]:
 
 
 def split_across_hosts(shape: dict[str, int], hosts: int) -> tuple[dict[str, int], dict[str, int]]:
-    """Splits each axis size into (across hosts, within a host), outermost axes taking hosts first."""
+    """Splits each axis size into (across hosts, within a host), outermost axes taking hosts first
+    (an axis `shape` leaves out has size 1)."""
+    shape = {axis: shape.get(axis, 1) for axis in MESH_AXES}
     across, remaining = {}, hosts
     for axis in MESH_AXES:
         across[axis] = math.gcd(remaining, shape[axis])
@@ -56,7 +58,9 @@ def split_across_hosts(shape: dict[str, int], hosts: int) -> tuple[dict[str, int
 
 
 def build_mesh(shape: dict[str, int], devices: list | None = None) -> Mesh:
-    """A `Mesh` of the given axis sizes over `devices` (default: all), with Auto axis types."""
+    """A `Mesh` of the given axis sizes over `devices` (default: all), with Auto axis types (an axis
+    `shape` leaves out has size 1)."""
+    shape = {axis: shape.get(axis, 1) for axis in MESH_AXES}
     devices = list(jax.devices() if devices is None else devices)
     by_host: dict[int, list] = {}
     for device in sorted(devices, key=lambda d: (d.process_index, d.id)):
