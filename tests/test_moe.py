@@ -3,6 +3,7 @@ numpy, the grouped and exchanged experts against every expert run on every token
 under every layout, capacity's dropped share, and the sigmoid router's bias balancing the load."""
 
 import json
+import re
 import types
 
 import jax
@@ -276,3 +277,31 @@ def test_microbatches_of_a_mixture_are_the_one_device_ones(tmp_path, packed_corp
         runs[name] = _logged(tmp_path / name)
     for key, values in runs["one"].items():
         np.testing.assert_allclose(runs["split"][key], values, rtol=1e-5, atol=0, err_msg=key)
+
+
+def test_plan_scale_and_plot_show_the_experts(tmp_path, capsys):
+    """`plan` gives the experts' weights per device (E / mesh.expert of every MoE layer's) and the
+    all-to-alls of the compiled step; `scale` their weights and all-to-all bytes per expert split;
+    `plot` the load and the balancing loss."""
+    overrides = ["model.d_model=32", "model.layers=2", "model.seq_len=16", "train.global_batch=8"]
+    assert cli.main(["plan", "tiny_moe", *overrides]) == 0
+    out = capsys.readouterr().out
+    # 2 layers x 8 experts x (gate, up, down) x d 32 x hidden 256 x float32, over expert=4 x fsdp=2 (embed)
+    assert 2 * 8 * 3 * 32 * 256 * 4 / 8 == 196_608
+    assert "of the parameters, the experts' weights: 196.6 kB per device" in out, out
+    assert re.search(r"collectives per step and device .*all-to-all [\d.]+ [kMG]B", out), out
+    assert cli.main(["scale", "moe_5b", "--hosts", "1", "--gpus-per-host", "8"]) == 0
+    out = capsys.readouterr().out
+    # 16 layers x 8 experts x (gate, up, down) x d 2048 x hidden 5632 x float32
+    assert round(16 * 8 * 3 * 2048 * 5632 * 4 / 1e9, 2) == 17.72
+    assert "mixture of experts: 16 MoE layers of 8 experts, 2 per token; expert weights 17.72 GB in all" in out, out
+    assert "mesh.expert=1: expert weights 17.72 GB per GPU; all-to-all 0.00 GB" in out, out
+    assert "mesh.expert=8: expert weights 2.21 GB per GPU; all-to-all" in out, out
+    from jaxdist.commands import plot
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 3.0, "moe_load_max": 2.5 - s / 10,
+                                                           "moe_load_min": 0.2, "moe_aux_loss": 2.1}) + "\n"
+                                               for s in range(1, 4)))
+    assert [title for title, _ in plot.panels({str(run): plot.read_metrics(run)})] == ["loss", "experts"]

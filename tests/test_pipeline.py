@@ -37,18 +37,27 @@ def _compiled(fn, *args):
 
 
 def _apply(layer, x, stacked, unroll):
-    """`layer(h, w) -> (h, None)` over the stack: one call per layer, or a `lax.scan`."""
+    """`layer(h, w) -> (h, sums or None)` over the stack, one call per layer or a `lax.scan`: the
+    output and the layers' sums stacked."""
     if unroll:
+        sums = []
         for per_layer in stacked:
-            x, _ = layer(x, per_layer)
-        return x
-    return jax.lax.scan(layer, x, stacked)[0]
+            x, layer_sums = layer(x, per_layer)
+            sums.append(layer_sums)
+        return x, jax.tree.map(lambda *layers: jnp.stack(layers), *sums)
+    return jax.lax.scan(layer, x, stacked)
 
 
 def _toy_layers(x, stacked, *, unroll, riders=()):
-    """Each layer `tanh(h * scale + shift)`, plus each rider (a per-row value) where given."""
+    """Each layer `tanh(h * scale + shift)`, plus each rider (a per-row value) where given; its sum
+    over the rows is the layer's sum (as a mixture's token counts are)."""
     extra = sum(riders, jnp.zeros(()))
-    return _apply(lambda h, w: (jnp.tanh(h * w["scale"] + w["shift"] + extra), None), x, stacked, unroll)
+
+    def layer(h, w):
+        out = jnp.tanh(h * w["scale"] + w["shift"] + extra)
+        return out, out.sum(0)
+
+    return _apply(layer, x, stacked, unroll)
 
 
 @pytest.mark.parametrize(
@@ -83,13 +92,14 @@ def test_schedule_applies_every_layer_in_order(devices, stages, microbatches, re
             return pipeline.pipeline(_toy_layers, stacked, x, schedule, ("batch", None),
                                      riders=[pipeline.Rider(rider, ("batch", None))])
 
-    def loss(fn, stacked, x):
-        return jnp.sum(fn(stacked, x) ** 2)
+    def loss(fn, stacked, x):  # and the layers' sums over the rows of every microbatch, in layer order
+        out, sums = fn(stacked, x)
+        return jnp.sum(out**2), sums
 
     plain = jax.value_and_grad(lambda s, x: loss(lambda s, x: _toy_layers(x, s, unroll=False, riders=(rider,)), s, x),
-                               (0, 1))
+                               (0, 1), has_aux=True)
     expected = _compiled(plain, stacked, x)(stacked, x)
-    piped = jax.value_and_grad(lambda s, x: loss(pipelined, s, x), (0, 1))
+    piped = jax.value_and_grad(lambda s, x: loss(pipelined, s, x), (0, 1), has_aux=True)
     got = _compiled(piped, stacked, x)(stacked, x)
     jax.tree.map(lambda g, e: np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6), got, expected)
 
@@ -113,7 +123,7 @@ def test_unrolled_iterations_trace_the_stages_layers_once(devices, repeats, rema
 
     def loss(stacked, x):
         with rules_lib.activation_rules(mesh, rules):
-            return jnp.sum(pipeline.pipeline(counted_layers, stacked, x, schedule, ("batch", None), remat=remat))
+            return jnp.sum(pipeline.pipeline(counted_layers, stacked, x, schedule, ("batch", None), remat=remat)[0])
 
     jax.make_jaxpr(jax.value_and_grad(loss))(stacked, jnp.ones((batch, width)))
     assert traces == [True]
@@ -223,8 +233,8 @@ def test_remat_recomputes_each_iterations_forward_in_the_backward(devices, unrol
     def flops(remat):
         def loss(stacked, x):
             with rules_lib.activation_rules(mesh, rules):
-                out = pipeline.pipeline(_matmul_layers, stacked, x, pipeline.Schedule(2, 4), ("batch", None),
-                                        remat=remat, unroll=unroll)
+                out, _ = pipeline.pipeline(_matmul_layers, stacked, x, pipeline.Schedule(2, 4), ("batch", None),
+                                           remat=remat, unroll=unroll)
             return jnp.sum(out)
 
         return _compiled(jax.grad(loss), stacked, x).cost_analysis()["flops"]

@@ -1,5 +1,5 @@
 """`jaxdist plot RUN_DIR...`: train and eval loss, throughput (tokens/s or examples/s) and, for
-classifiers, accuracy against step, one image (PNG, or any format matplotlib writes) for one or
+classifiers, accuracy, for a mixture of experts its load and balancing loss, against step, one image (PNG, or any format matplotlib writes) for one or
 several runs, read from each run's `metrics.jsonl`.
 
 Keys a line lacks, or holds as null, leave a gap in that line's curve; nothing else is required
@@ -27,6 +27,8 @@ PANELS = (
     ("loss", [("loss", "-"), ("eval_loss", "--")]),
     ("throughput", [("tokens_per_sec", "-"), ("examples_per_sec", "-")]),
     ("accuracy", [("accuracy", "-"), ("eval_accuracy", "--")]),
+    # A mixture of experts: the most and least loaded expert against the mean, the balancing loss.
+    ("experts", [("moe_load_max", "-"), ("moe_load_min", "--"), ("moe_aux_loss", ":")]),
 )
 # Its axis starts at 0, so that noise looks like noise.
 FROM_ZERO = "throughput"

@@ -34,6 +34,7 @@ from jaxdist.config import Config, with_overrides
 from jaxdist.errors import UserError
 from jaxdist.observe import hlo
 from jaxdist.parallel import mesh as mesh_lib
+from jaxdist.parallel import rules as rules_lib
 from jaxdist.parallel.mesh import resolve_mesh_shape
 from jaxdist.train.trainer import Trainer
 
@@ -66,6 +67,7 @@ class Plan:
     grad_compression: str = "none"
     host: int = 0  # per device, in pinned host memory: the optimizer state under train.offload (not in `total`)
     waited: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # hlo.waited_collectives, GPU only
+    experts: int = 0  # of `params`: a mixture's expert weights (their `experts` axis split over mesh.expert)
 
     @property
     def total(self) -> int:
@@ -87,6 +89,8 @@ class Plan:
         host = f"; in host memory: optimizer state {_gb(self.host)}" if self.host else ""
         lines = [f"plan: mesh {self.mesh} ({self.devices} {self.platform} devices)",
                  f"per device: {shown}; total {_gb(self.total)}{host}; {_flop(self.flops)} per step"]
+        if self.experts:
+            lines.append(f"of the parameters, the experts' weights: {_gb(self.experts)} per device")
         if self.collectives:
             sent = ", ".join(f"{opcode} {_gb(size)}" for opcode, size in sorted(self.collectives.items()))
             lines.append(f"collectives per step and device (train.grad_compression {self.grad_compression}): {sent}")
@@ -141,6 +145,9 @@ def make_plan(cfg: Config, devices: list | None = None) -> Plan:
         copies=_bytes_per_device(trainer.current_copies()), batch=_bytes_per_device(batch),
         temporaries=int(memory.temp_size_in_bytes), code=int(memory.generated_code_size_in_bytes),
         flops=models.get(cfg.model.name).flops_per_example(cfg) * cfg.train.global_batch / len(mesh_devices),
+        experts=sum(layout.bytes_per_device for layout in jax.tree.leaves(
+            trainer.layouts, is_leaf=lambda x: isinstance(x, rules_lib.ParamLayout))
+            if rules_lib.EXPERTS in layout.names),
     )
 
 

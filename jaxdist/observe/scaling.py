@@ -228,6 +228,27 @@ def compression_lines(cfg: Config, model: ModelSize, hw: Hardware, chosen: Layou
     return lines
 
 
+def expert_lines(cfg: Config, model: ModelSize, hw: Hardware, tokens_per_gpu: int) -> list[str]:
+    """A mixture of experts' weights per GPU and the all-to-all bytes each GPU sends per step, for
+    each `mesh.expert` within a host that divides the experts (none for a dense model). The bytes
+    are what the exchange sends: buffers of every assignment of the GPU's tokens for each other
+    expert GPU (models/layers/moe.py), there and back, forward and backward, each MoE layer."""
+    moe = cfg.model.moe
+    if not moe.experts:
+        return []
+    layers = sum(moe.is_moe(layer) for layer in range(cfg.model.layers))
+    per_expert = (3 if cfg.model.activation == "swiglu" else 2) * model.d_model * cfg.model.expert_hidden
+    expert_bytes = layers * moe.experts * per_expert * model.param_bytes
+    assignments = tokens_per_gpu * moe.experts_per_token
+    lines = ["", f"mixture of experts: {layers} MoE layers of {moe.experts} experts, {moe.experts_per_token} per token; "
+                 f"expert weights {expert_bytes / GB:.2f} GB in all"]
+    for size in (n for n in (1, 2, 4, 8, 16) if n <= hw.gpus_per_host and moe.experts % n == 0):
+        sent = 4 * layers * (size - 1) * assignments * model.d_model * model.compute_bytes
+        lines.append(f"  mesh.expert={size}: expert weights {expert_bytes / size / GB:.2f} GB per GPU; all-to-all "
+                     f"{sent / GB:.2f} GB per GPU per step, {sent / hw.nvlink_bw * 1e3:.1f} ms over NVLink")
+    return lines
+
+
 def _sum(a: AxisTraffic, b: AxisTraffic) -> AxisTraffic:
     return AxisTraffic(a.network + b.network, a.nvlink + b.nvlink)
 
@@ -372,6 +393,7 @@ def report(cfg: Config, hosts: int, gpus_per_host: int = 8, batch_per_gpu: int |
                          f"inside a host {t.nvlink / GB:.3f} GB")
     ckpt = checkpoint_cost(model, hw, hosts, chosen)
     lines += ["", *compression_lines(cfg, model, hw, chosen)]
+    lines += expert_lines(cfg, model, hw, global_batch * model.seq_len // gpus)
     lines += [
         "",
         f"checkpoint: {ckpt.total_bytes / GB:.2f} GB (params + {cfg.optim.name} state, {cfg.precision.params})",
