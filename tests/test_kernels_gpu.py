@@ -2,7 +2,7 @@
 backward (on the implementation fused_norm.py prefers, and on Mosaic GPU alone, its rows whole and
 in chunks), the loss's softmax
 (Mosaic GPU) and the GELU-gradient epilogue (the cuBLASLt FFI handler), each found by name in the
-compiled program of a small 406M-like step.
+compiled program of a small 406M-like step; and the experts' grouped matmuls against ragged_dot.
 
 The kernel tests are skipped where JAX finds no GPU (CI's machines); run them on a GPU host with
 `make test-gpu` (or `JAXDIST_GPU_TESTS=1 pytest tests/test_kernels_gpu.py`). The same small step with every
@@ -13,11 +13,12 @@ import collections
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import make_config
 
 from jaxdist import kernels
-from jaxdist.kernels import fused_norm, fused_norm_mosaic, fused_norm_triton, gelu_matmul
+from jaxdist.kernels import fused_norm, fused_norm_mosaic, fused_norm_triton, gelu_matmul, grouped_matmul
 from jaxdist.observe import hlo, timing
 from jaxdist.train.trainer import Trainer
 
@@ -92,3 +93,35 @@ def test_train_step_runs_every_kernel(tmp_path, monkeypatch, norms):
         assert runs["mosaic_gpu", "add_norm_backward"] == norm_calls, runs
     assert runs["mosaic_gpu", "softmax_grad"] == SEQ // CHUNK, runs  # once per loss chunk
     assert runs[gelu_matmul.HANDLER.target, ""] == LAYERS, runs
+
+
+@on_gpu
+def test_the_experts_grouped_matmul_is_jaxs_kernel_with_ragged_dots_value_and_gradients():
+    """jax's Mosaic GPU grouped matmuls (kernels/grouped_matmul.py) against `jax.lax.ragged_dot` in
+    float32: an odd row count with rows after the groups (0 out and 0 gradient, where the kernel
+    leaves them unwritten), an empty group, bf16 operands; and the compiled program calls Mosaic GPU
+    three times (the forward, the rows' and the weights' gradients), not XLA's ragged dot."""
+    rng = np.random.default_rng(0)
+    rows, k, n = 1531, 256, 384
+    groups = jnp.asarray([400, 0, 611, 300], jnp.int32)  # 1311 of 1531 rows
+    x = jnp.asarray(rng.normal(size=(rows, k)), jnp.bfloat16)
+    w = jnp.asarray(0.05 * rng.normal(size=(4, k, n)), jnp.bfloat16)
+    probe = jnp.asarray(rng.normal(size=(rows, n)), jnp.float32)
+
+    def loss(x, w, impl):
+        if impl == "reference":
+            out = jax.lax.ragged_dot(x.astype(jnp.float32), w.astype(jnp.float32), groups)
+        else:
+            out = grouped_matmul.grouped(x, w, groups, impl)
+        return jnp.sum(out.astype(jnp.float32) * probe), out
+
+    step = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True), static_argnums=2)
+    (_, out), (dx, dw) = step(x, w, "pallas")
+    (_, ref), (dx_ref, dw_ref) = step(x, w, "reference")
+    for got, want in ((out, ref), (dx, dx_ref), (dw, dw_ref)):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        assert np.abs(got - want).max() <= 0.02 * np.abs(want).max(), (np.abs(got - want).max(), np.abs(want).max())
+    assert np.abs(np.asarray(out[1311:], np.float32)).max() == 0 and np.abs(np.asarray(dx[1311:], np.float32)).max() == 0
+    assert np.abs(np.asarray(dw[1], np.float32)).max() == 0
+    text = step.lower(x, w, "pallas").compile().as_text()
+    assert sum(_backend(call.target) == "mosaic_gpu" for call in hlo.custom_calls(text)) == 3

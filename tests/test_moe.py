@@ -2,6 +2,7 @@
 numpy, the grouped and exchanged experts against every expert run on every token, the same training
 under every layout, capacity's dropped share, and the sigmoid router's bias balancing the load."""
 
+import functools
 import json
 import re
 import types
@@ -15,6 +16,8 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh
 
 from jaxdist import cli, loop
+from jaxdist.kernels import grouped_matmul
+from jaxdist.models.gpt.config import ImplConfig
 from jaxdist.models.layers import moe as moe_lib
 from jaxdist.parallel import rules as rules_lib
 
@@ -81,7 +84,7 @@ def _layer(**keys):
     cfg = types.SimpleNamespace(moe=moe_lib.MoEConfig(experts=8, experts_per_token=2, **keys), mlp_dim=24, d_model=16,
                                 layers=2, activation="swiglu")
     with nnx.use_eager_sharding(False):
-        return moe_lib.MoE(cfg, None, jnp.float32, nnx.Rngs(0))
+        return moe_lib.MoE(cfg, ImplConfig(), jnp.float32, nnx.Rngs(0))
 
 
 def _every_expert(layer, x):
@@ -126,6 +129,38 @@ def test_the_grouped_and_exchanged_experts_are_every_expert_on_every_token(devic
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7 * float(jnp.abs(want).max()))
     for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6 * float(jnp.abs(w).max()))
+
+
+def test_the_grouped_matmuls_backward_is_ragged_dots():
+    """The kernels' custom VJP (XLA's three grouped products in their place): the value and both
+    gradients are `jax.lax.ragged_dot`'s, with an empty group and rows after the groups (0 out,
+    0 gradient), in float32 to 1e-5."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(23, 8)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(4, 8, 6)), jnp.float32)
+    groups = jnp.asarray([5, 0, 9, 4], jnp.int32)  # 18 of 23 rows
+    probe = jnp.asarray(rng.normal(size=(23, 6)), jnp.float32)
+
+    def loss(f, x, w):
+        return jnp.sum(f(x, w) * probe)
+
+    def reference(x, w):
+        return jax.lax.ragged_dot(x, w, groups)
+
+    def custom(x, w):
+        return grouped_matmul.grouped_with(grouped_matmul.XLA, x, w, groups)
+
+    np.testing.assert_allclose(custom(x, w), reference(x, w), atol=1e-5)
+    assert float(jnp.abs(custom(x, w)[18:]).max()) == 0.0
+    (dx, dw), (dx_ref, dw_ref) = (jax.grad(functools.partial(loss, f), (0, 1))(x, w) for f in (custom, reference))
+    np.testing.assert_allclose(dx, dx_ref, atol=1e-5)
+    np.testing.assert_allclose(dw, dw_ref, atol=1e-5)
+    assert float(jnp.abs(dx[18:]).max()) == 0.0 and float(jnp.abs(dw[1]).max()) == 0.0
+    # dw of group 2 is its 9 rows' outer product with the probe, by hand
+    np.testing.assert_allclose(dw[2], x[5:14].T @ probe[5:14], atol=1e-5)
+    assert grouped_matmul.unsupported(2048, 5632, jnp.bfloat16) == "jax's grouped-matmul kernels run on a GPU only"
+    with pytest.raises(ValueError, match="model.impl.grouped_matmul_impl=pallas: jax's grouped-matmul kernels run"):
+        grouped_matmul.grouped(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), groups, "pallas")
 
 
 def test_capacity_drops_each_experts_assignments_past_its_share_in_token_order():

@@ -28,6 +28,8 @@ class ImplConfig(Section):
         "auto", description="residual add + norm as one Pallas kernel (kernels/fused_norm.py)")
     gelu_grad_impl: Literal["auto", "xla", "cublaslt"] = Field(
         "auto", description="GELU's gradient in the MLP backward matmul's cuBLASLt epilogue (kernels/gelu_matmul.py)")
+    grouped_matmul_impl: Literal["auto", "xla", "pallas"] = Field(
+        "auto", description="a mixture's experts as jax's Mosaic GPU grouped-matmul kernels (kernels/grouped_matmul.py)")
     logits_dtype: Literal["float32", "compute"] = Field(
         "float32", description="dtype of the output projection's logits (the softmax is float32 either way)")
     loss_chunk: int = Field(

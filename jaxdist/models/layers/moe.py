@@ -9,7 +9,7 @@ Routers, in float32 (`MoEConfig.router`):
   that got fewer tokens than the mean (`RouterBias`, updated outside the gradient).
 
 Dropless by default: each device sorts its tokens' assignments by expert and runs its experts as
-one grouped matmul (`jax.lax.ragged_dot`), so no token is dropped and the result does not depend on
+one grouped matmul (kernels/grouped_matmul.py), so no token is dropped and the result does not depend on
 the layout. With `capacity_factor`, each expert takes at most `capacity_factor x tokens x k / E`
 assignments of a call's tokens, in the tokens' order (row, position, then the token's choices in
 rank order), the rest dropped: the dropped share is reported.
@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec
 from pydantic import Field, model_validator
 
 from jaxdist.config import Section
+from jaxdist.kernels import grouped_matmul
 from jaxdist.models.layers.common import NORMAL, RESIDUAL, cast, param
 from jaxdist.models.loss import Loss
 from jaxdist.parallel import rules as rules_lib
@@ -206,28 +207,29 @@ class Dispatch(NamedTuple):
                    tuple(rules.params.get(EXPERTS, ())), tuple(rules.params.get(EXPERT_MLP, ()))), mesh
 
 
-def _expert_mlp(x: jax.Array, groups: jax.Array, weights: tuple[jax.Array, ...]) -> jax.Array:
+def _expert_mlp(x: jax.Array, groups: jax.Array, weights: tuple[jax.Array, ...], impl: str) -> jax.Array:
     """The experts' MLP on rows sorted by expert, `groups[e]` rows each (rows after them give 0):
-    `weights` (up, down) of a GELU MLP or (up, gate, down) of a SwiGLU one, each (experts, ...)."""
+    `weights` (up, down) of a GELU MLP or (up, gate, down) of a SwiGLU one, each (experts, ...);
+    `impl` the grouped matmul's (`model.impl.grouped_matmul_impl`)."""
     up, *gate, down = weights
-    h = jax.lax.ragged_dot(x, up, groups, preferred_element_type=x.dtype)
+    h = grouped_matmul.grouped(x, up, groups, impl)
     if gate:
-        h = jax.nn.silu(jax.lax.ragged_dot(x, gate[0], groups, preferred_element_type=x.dtype)) * h
+        h = jax.nn.silu(grouped_matmul.grouped(x, gate[0], groups, impl)) * h
     else:
         h = jax.nn.gelu(h, approximate=True)
-    return jax.lax.ragged_dot(h, down, groups, preferred_element_type=x.dtype)
+    return grouped_matmul.grouped(h, down, groups, impl)
 
 
-def _grouped(x: jax.Array, local_ids: jax.Array, local_experts: int, weights) -> jax.Array:
+def _grouped(x: jax.Array, local_ids: jax.Array, local_experts: int, weights, impl: str) -> jax.Array:
     """The local experts' outputs for rows `x` (rows, d) each bound for expert `local_ids` (rows,)
     (`local_experts`: no expert, the row gives 0): sorted by expert, run grouped, unsorted."""
     order = jnp.argsort(local_ids, stable=True)
     groups = jnp.bincount(local_ids, length=local_experts + 1)[:local_experts].astype(jnp.int32)
-    out = _expert_mlp(x[order], groups, weights)
+    out = _expert_mlp(x[order], groups, weights, impl)
     return jnp.zeros_like(out).at[order].set(out)
 
 
-def _local(x, experts, weights, mlp: tuple[jax.Array, ...], *, dispatch: Dispatch, num_experts: int):
+def _local(x, experts, weights, mlp: tuple[jax.Array, ...], *, dispatch: Dispatch, num_experts: int, impl: str):
     """One device's part of the routed experts (inside `jax.shard_map` over the whole mesh): `x`
     (b, l, d) its tokens, `experts`/`weights` (b, l, k) their assignments (`num_experts` where
     dropped), `mlp` its experts' weights (E / ep, ...), as `_expert_mlp` takes them."""
@@ -238,13 +240,13 @@ def _local(x, experts, weights, mlp: tuple[jax.Array, ...], *, dispatch: Dispatc
     local_experts = mlp[0].shape[0]
     ep = num_experts // local_experts
     if ep == 1:
-        out = _grouped(tokens[rows], chosen, local_experts, mlp)
+        out = _grouped(tokens[rows], chosen, local_experts, mlp, impl)
     elif set(dispatch.experts) <= set(dispatch.batch):
-        out = _exchanged(tokens, rows, chosen, local_experts, ep, dispatch.experts, mlp)
+        out = _exchanged(tokens, rows, chosen, local_experts, ep, dispatch.experts, mlp, impl)
     else:  # every expert device holds the same tokens: each computes its experts' part, summed after
         here = jax.lax.axis_index(dispatch.experts) * local_experts
         mine = (chosen >= here) & (chosen < here + local_experts)
-        out = _grouped(tokens[rows], jnp.where(mine, chosen - here, local_experts), local_experts, mlp)
+        out = _grouped(tokens[rows], jnp.where(mine, chosen - here, local_experts), local_experts, mlp, impl)
         out = jax.lax.psum(out, dispatch.experts)
     if dispatch.hidden:
         out = jax.lax.psum(out, dispatch.hidden)
@@ -252,7 +254,7 @@ def _local(x, experts, weights, mlp: tuple[jax.Array, ...], *, dispatch: Dispatc
     return combined.astype(x.dtype).reshape(b, l, d)
 
 
-def _exchanged(tokens, rows, chosen, local_experts: int, ep: int, axes: tuple[str, ...], mlp) -> jax.Array:
+def _exchanged(tokens, rows, chosen, local_experts: int, ep: int, axes: tuple[str, ...], mlp, impl: str) -> jax.Array:
     """The routed outputs of this device's assignments (in their order) when the experts are split
     over `axes` (`ep` devices) and so are the tokens: each assignment sent to its expert's device and
     back, in buffers of every assignment this device has (the most one device can receive of it)."""
@@ -267,7 +269,7 @@ def _exchanged(tokens, rows, chosen, local_experts: int, ep: int, axes: tuple[st
         chosen - device * local_experts)[:ep]
     received = jax.lax.all_to_all(send, axes, 0, 0)
     received_ids = jax.lax.all_to_all(send_ids, axes, 0, 0)
-    out = _grouped(received.reshape(ep * count, -1), received_ids.reshape(-1), local_experts, mlp)
+    out = _grouped(received.reshape(ep * count, -1), received_ids.reshape(-1), local_experts, mlp, impl)
     back = jax.lax.all_to_all(out.reshape(ep, count, -1), axes, 0, 0)
     return jnp.where(kept[:, None], back[jnp.minimum(device, ep - 1), slot], 0)
 
@@ -279,7 +281,7 @@ class MoE(nnx.Module):
 
     def __init__(self, cfg: GPTConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs):
         moe = cfg.moe
-        self.cfg = moe
+        self.cfg, self.impl = moe, impl.grouped_matmul_impl
         hidden = moe.expert_hidden or cfg.mlp_dim
         experts, d = moe.experts, cfg.d_model
         self.router = param(rngs, NORMAL, (d, experts), ("embed", None), param_dtype)
@@ -326,7 +328,7 @@ class MoE(nnx.Module):
         dispatch, mesh = Dispatch.active()
         names = ("up", "gate", "down") if hasattr(self, "gate") else ("up", "down")
         mlp = tuple(cast(getattr(self, name)[...], x.dtype) for name in names)
-        local = functools.partial(_local, dispatch=dispatch, num_experts=self.cfg.experts)
+        local = functools.partial(_local, dispatch=dispatch, num_experts=self.cfg.experts, impl=self.impl)
         if mesh is None:
             return local(x, experts, weights, mlp)
         tokens = PartitionSpec(rules_lib.spec_entry(dispatch.batch), rules_lib.spec_entry(dispatch.seq), None)
