@@ -87,6 +87,11 @@ def suites(peers: str) -> dict[str, list[tuple[str, list[str]]]]:
             ("jaxdist fsdp", JAXDIST + fsdp),
             ("jaxdist zero2", JAXDIST + fsdp + ["train.fsdp_gather=per_step"]),
         ],
+        # The 5B mixture of experts on one GPU against torch's grouped GEMMs (benchmarks/peer_moe.py).
+        "moe": [
+            ("torch moe 5b", [sys.executable, "benchmarks/peer_moe.py", "--steps", "20"]),
+            ("jaxdist moe 5b", JAXDIST + ["configs/moe_5b.yaml", "--steps", "20", "--devices", "1"]),
+        ],
         # Tensor parallelism at 1.4B on 2 and 4 GPUs against one GPU.
         "tensor_parallel": [
             ("jaxdist 1b4 1gpu", one_gpu_1b4),

@@ -1,11 +1,14 @@
 """Hugging Face folders in and out, checked against models that the real `transformers` made.
 
 tests/fixtures/hf holds tiny random Llama (grouped-query attention, Llama 3's RoPE scaling), Qwen2
-(q/k/v biases, tied embeddings) and GPT-2 models as `save_pretrained` wrote them, each with the
-logits transformers computed for fixed tokens (tests/fixtures/hf/make.py made them).
+(q/k/v biases, tied embeddings), Qwen3 (q and k normed, heads wider than hidden / heads), GPT-2,
+and the mixtures of experts Mixtral (every layer routed) and Qwen3-MoE (a dense first layer, weights
+not renormalized) as `save_pretrained` wrote them, each with the logits transformers computed for
+fixed tokens (tests/fixtures/hf/make.py made them).
 """
 
 import json
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -20,12 +23,15 @@ from safetensors.numpy import load_file
 from jaxdist import cli, models
 from jaxdist.checkpoint import export, hf_folder
 from jaxdist.config import Config
+from jaxdist.errors import UserError
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import rules as rules_lib
 from jaxdist.train.state import abstract_model, merge, param_shardings
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-FAMILIES = ("llama", "qwen2", "gpt2")
+FAMILIES = ("llama", "qwen2", "qwen3", "gpt2")
+MIXTURES = ("mixtral", "qwen3_moe")
+UNROLLED = {"model": {"impl": {"scan_layers": False}}}  # Qwen3-MoE's dense and routed layers are two kinds
 LAYOUTS = {
     "data8": {"mesh": {"data": 8, "fsdp": 1, "tensor": 1}, "rules": {"preset": "dp"}},
     "fsdp2_tensor2_data2": {"mesh": {"data": 2, "fsdp": 2, "tensor": 2}, "rules": {"preset": "fsdp_tp"},
@@ -33,16 +39,23 @@ LAYOUTS = {
     "stage2_fsdp4": {"mesh": {"data": 1, "fsdp": 4, "tensor": 1, "stage": 2}, "rules": {"preset": "fsdp"},
                      "pipeline": {"microbatches": 2}},
 }
+MIXTURE_LAYOUTS = {
+    "one_device": ({"mesh": {"data": 1, "fsdp": 1, "tensor": 1}, "rules": {"preset": "dp"}, **UNROLLED}, 1),
+    # 2 rows over 8 devices: the experts' batch shards padded with rows routed to none.
+    "expert2_fsdp2_tensor2": ({"mesh": {"expert": 2, "fsdp": 2, "tensor": 2}, "rules": {"preset": "fsdp_tp"},
+                               **UNROLLED}, 8),
+}
 
 
-def imported(folder: Path, layout: dict | None = None, seq_len: int = 12):
-    """(config, graphdef, params made in their shardings, layout) of a model folder under `layout`."""
-    layout = layout or LAYOUTS["data8"]
+def imported(folder: Path, layout: dict | None = None, seq_len: int = 12, devices: int = 8):
+    """(config, graphdef, params made in their shardings, layout) of a model folder under `layout`
+    on the first `devices` devices."""
+    layout = layout or {**LAYOUTS["data8"], **(UNROLLED if folder.name in MIXTURES else {})}
     raw = {key: value for key, value in layout.items() if key != "model"}
     raw["model"] = {"init_from": f"hf:{folder}", "seq_len": seq_len, **layout.get("model", {})}
     cfg = hf_folder.resolve(Config.model_validate(raw))
     entry = models.get(cfg.model.name)
-    placed = layout_lib.from_config(cfg, None, entry.activations)
+    placed = layout_lib.from_config(cfg, jax.devices()[:devices], entry.activations)
     abstract = abstract_model(entry.create(cfg), 0)
     shardings = param_shardings(abstract, placed.rules, placed.mesh)
     return cfg, abstract.graphdef, hf_folder.load_params(cfg, abstract.params, shardings), placed
@@ -67,16 +80,43 @@ def test_imported_models_give_the_logits_transformers_gave(family, layout):
     assert cfg.model.name == ("gpt" if family == "gpt2" else "llama")
 
 
+@pytest.mark.parametrize("layout", MIXTURE_LAYOUTS)
+@pytest.mark.parametrize("family", MIXTURES)
+def test_imported_mixtures_give_the_logits_transformers_gave(family, layout):
+    reference = np.load(FIXTURES / family / "reference.npz")
+    sections, devices = MIXTURE_LAYOUTS[layout]
+    cfg, graphdef, params, placed = imported(FIXTURES / family, sections, devices=devices)
+    assert placed.mesh.devices.size == devices
+    logits = logits_of(graphdef, params, placed, reference["input_ids"])
+    np.testing.assert_allclose(logits, reference["logits"], atol=1e-4, rtol=0)
+    assert reference["logits"].std() > 0.5
+    # Each expert's weights are its own: a Hugging Face expert's gate projection, as placed.
+    source = _tensors(FIXTURES / family)
+    gate = "mlp.experts.2.gate_proj" if family == "qwen3_moe" else "block_sparse_moe.experts.2.w1"
+    np.testing.assert_array_equal(np.asarray(params["blocks"][1]["moe"]["gate"])[2],
+                                  source[f"model.layers.1.{gate}.weight"].T)
+
+
 def test_the_fixtures_cover_what_the_families_differ_in():
     llama, qwen2, gpt2 = (hf_folder.resolve(Config.model_validate({"model": {"init_from": f"hf:{FIXTURES / f}",
-                                                                      "seq_len": 64}})).model for f in FAMILIES)
+                                                                      "seq_len": 64}})).model
+                          for f in ("llama", "qwen2", "gpt2"))
     assert (llama.kv_heads, llama.heads, llama.rope_scaling.kind, llama.tied_embeddings) == (2, 4, "llama3", False)
     assert (llama.mlp_dim, llama.norm_eps, llama.rope_base) == (96, 1e-6, 500000.0)
     assert (qwen2.biases, qwen2.tied_embeddings, qwen2.rope_base) == ("qkv", True, 1e6)
     assert (gpt2.biases, gpt2.positions, gpt2.norm, gpt2.max_positions) == ("all", "learned", "layernorm", 64)
+    qwen3, mixtral, qwen3_moe = (hf_folder.resolve(Config.model_validate({"model": {
+        "init_from": f"hf:{FIXTURES / f}", "seq_len": 64, "impl": {"scan_layers": False}}})).model
+        for f in ("qwen3", *MIXTURES))
+    assert (qwen3.qk_norm, qwen3.head_width, qwen3.d_model // qwen3.heads, qwen3.moe.experts) == (True, 32, 16, 0)
+    assert (mixtral.moe.experts, mixtral.moe.experts_per_token, mixtral.expert_hidden, mixtral.moe.renormalize,
+            mixtral.qk_norm) == (4, 2, 96, True, False)
+    assert all(mixtral.moe.is_moe(layer) for layer in range(2))
+    assert (qwen3_moe.moe.experts, qwen3_moe.expert_hidden, qwen3_moe.mlp_dim, qwen3_moe.moe.renormalize,
+            qwen3_moe.moe.first_dense, qwen3_moe.qk_norm, qwen3_moe.head_width) == (4, 48, 96, False, 1, True, 32)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + MIXTURES)
 def test_an_export_holds_the_fixture_tensors_and_config_keys_and_reimports_bitwise(family, tmp_path):
     source = FIXTURES / family
     cfg, _, params, _ = imported(source)
@@ -93,11 +133,13 @@ def test_an_export_holds_the_fixture_tensors_and_config_keys_and_reimports_bitwi
     ours, theirs = (json.loads((folder / "config.json").read_text()) for folder in (out, source))
     assert set(ours) == set(theirs) - {"transformers_version"}
     for key in ("architectures", "vocab_size", "tie_word_embeddings", "rope_parameters", "num_key_value_heads",
-                "intermediate_size", "n_embd", "n_positions", "rms_norm_eps", "layer_norm_epsilon"):
+                "intermediate_size", "n_embd", "n_positions", "rms_norm_eps", "layer_norm_epsilon", "head_dim",
+                "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                "mlp_only_layers", "decoder_sparse_step"):
         assert ours.get(key) == theirs.get(key), key
     assert (out / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
 
-    _, _, again, _ = imported(out)
+    _, _, again, _ = imported(out, {**LAYOUTS["data8"], **(UNROLLED if family in MIXTURES else {})})
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again), strict=True):
         np.testing.assert_array_equal(a, np.asarray(b))
 
@@ -284,9 +326,17 @@ def _rope(value):
                                                             "object of tensor names to file names"),
     ("llama", _index({"model.embed_tokens.weight": "../outside/x.safetensors"}),
      "model.safetensors.index.json names ../outside/x.safetensors, which is not a file name inside the folder"),
+    ("qwen3_moe", _edit_config(mlp_only_layers=[1]), "config.json: mlp_only_layers=[1] (jaxdist's dense layers are the "
+                                                     "first k: model.moe.first_dense): jaxdist cannot reproduce this"),
+    ("mixtral", _edit_config(router_jitter_noise=0.01), "config.json: router_jitter_noise=0.01 (jaxdist's routers take "
+                                                        "no noise)"),
+    ("mixtral", _edit_config(sliding_window=4096), "config.json: sliding_window=4096 (jaxdist attends to the whole"),
+    ("qwen3_moe", _edit_config(num_experts_per_tok="2"), "config.json: num_experts_per_tok='2' is not a positive "
+                                                         "integer"),
 ], ids=["header-2**63", "header-list", "no-offsets", "string-offsets", "negative-offsets", "offsets-past-the-data",
         "string-shape", "shape-not-the-span", "entry-not-object", "eps-string", "eps-null", "rope-no-factor",
-        "rope-string", "tied-string", "index-list", "index-outside"])
+        "rope-string", "tied-string", "index-list", "index-outside", "dense-layers-not-first", "router-noise",
+        "sliding-window", "experts-string"])
 def test_a_crafted_folder_is_one_line_and_exit_2_before_anything_is_read_from_it(tmp_path, capsys, compiles, family,
                                                                                 damage, message):
     """Headers, config values and index entries of the wrong type or out of bounds: never a traceback,
@@ -325,6 +375,24 @@ def test_export_of_a_model_no_hugging_face_architecture_computes_is_refused(tmp_
     err = capsys.readouterr().err
     assert code == 2 and "no Hugging Face architecture computes this model (positions=rope" in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("moe, qk_norm, message", [
+    ({"router": "sigmoid"}, False, "MixtralForCausalLM routes otherwise than model.moe.router=sigmoid"),
+    ({"first_dense": 1}, False, "MixtralForCausalLM routes otherwise than model.moe.first_dense=1"),
+    ({"shared_experts": 1, "capacity_factor": 2.0}, True,
+     "Qwen3MoeForCausalLM routes otherwise than model.moe.shared_experts=1, model.moe.capacity_factor=2.0"),
+])
+def test_a_mixture_no_hugging_face_architecture_routes_as_is_not_exported(moe, qk_norm, message):
+    from jaxdist.models import hf_mapping
+
+    model = Config.model_validate({"model": {"name": "llama", "qk_norm": qk_norm, "moe": {"experts": 4, **moe},
+                                             "impl": {"scan_layers": False}}}).model
+    with pytest.raises(UserError, match="^export --format hf: " + re.escape(message)):
+        hf_mapping.hf_config(model)
+    assert hf_mapping.export_architecture(model.model_copy(update={"moe": model.moe.model_copy(update={
+        "router": "softmax", "first_dense": 0, "shared_experts": 0, "capacity_factor": None})})) == (
+        "Qwen3MoeForCausalLM" if qk_norm else "MixtralForCausalLM")
 
 
 def test_safetensors_files_round_trip_bfloat16_and_agree_with_the_safetensors_package(tmp_path):

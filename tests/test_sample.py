@@ -28,13 +28,18 @@ def _recomputed(trainer: Trainer, prompt: np.ndarray, length: int) -> np.ndarray
     return tokens
 
 
-@pytest.mark.parametrize("model, impl", [
-    ({}, {"scan_layers": True}),
-    ({"name": "llama", "kv_heads": 2, "biases": "qkv"}, {"scan_layers": False}),
-], ids=["gpt-scanned", "llama-gqa-unrolled"])
-def test_greedy_sampling_with_the_cache_is_the_full_recompute(tmp_path, model, impl):
-    cfg = make_config(tmp_path, model=model, impl=impl, mesh={"data": 2, "fsdp": 2, "tensor": 2},
-                      rules={"preset": "fsdp_tp"})
+FSDP_TP = {"data": 2, "fsdp": 2, "tensor": 2}
+
+
+@pytest.mark.parametrize("model, impl, mesh", [
+    ({}, {"scan_layers": True}, FSDP_TP),
+    ({"name": "llama", "kv_heads": 2, "biases": "qkv"}, {"scan_layers": False}, FSDP_TP),
+    # Qwen3-MoE's shape: q and k normed, wider heads, a dense first layer, the experts split.
+    ({"name": "llama", "kv_heads": 2, "head_dim": 48, "qk_norm": True, "moe": {"experts": 4, "first_dense": 1}},
+     {"scan_layers": False}, {"data": 1, "expert": 2, "fsdp": 2, "tensor": 2}),
+], ids=["gpt-scanned", "llama-gqa-unrolled", "mixture-experts-split"])
+def test_greedy_sampling_with_the_cache_is_the_full_recompute(tmp_path, model, impl, mesh):
+    cfg = make_config(tmp_path, model=model, impl=impl, mesh=mesh, rules={"preset": "fsdp_tp"})
     trainer = Trainer.from_config(cfg)
     prompt = np.array([3, 17, 42, 5, 99], np.int32)
     length = cfg.model.seq_len

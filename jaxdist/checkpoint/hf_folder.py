@@ -100,15 +100,24 @@ def resolve(cfg: Config) -> Config:
     Shards(folder)  # an index without its shards stops here, before anything is built
     mine = model.model_dump(mode="json")
     for key in sorted(model.model_fields_set & found.keys()):
-        if mine[key] != found[key]:
-            raise UserError(f"model.{key}={mine[key]} disagrees with {folder}/config.json, which makes it "
-                            f"{found[key]}; leave model.{key} out (the folder decides it)")
+        if isinstance(found[key], dict):  # a section (model.moe): the keys the folder sets, the rest the config's
+            for inner in sorted(getattr(model, key).model_fields_set & found[key].keys()):
+                _agrees(f"{key}.{inner}", mine[key][inner], found[key][inner], folder)
+        else:
+            _agrees(key, mine[key], found[key], folder)
     kept = {key: value for key, value in mine.items() if key not in found}
+    sections = {key: {**mine[key], **value} for key, value in found.items() if isinstance(value, dict)}
     try:
-        merged = from_dict({**cfg.model_dump(mode="json"), "model": {**kept, **found}})
+        merged = from_dict({**cfg.model_dump(mode="json"), "model": {**kept, **found, **sections}})
     except UserError as err:
         raise UserError(f"{err} (with the model keys of {folder}/config.json)") from None
     return cfg.model_copy(update={"model": merged.model})
+
+
+def _agrees(key: str, mine, found, folder: Path) -> None:
+    if mine != found:
+        raise UserError(f"model.{key}={mine} disagrees with {folder}/config.json, which makes it {found}; leave "
+                        f"model.{key} out (the folder decides it)")
 
 
 class Shards:
@@ -204,15 +213,18 @@ def load_params(cfg: Config, abstract_params: Any, shardings: Any) -> Any:
                            leaf_at(shardings, tensor.path), None, tensor)
             _set(params, tensor.path, leaf)
             continue
-        for layer in range(model.layers):
+        layers = hf_mapping.blocks_with(tensor, model)
+        if not layers:
+            continue
+        for layer in layers:
             used.update(shards.name(n) for n in hf_mapping.layer_names(tensor, layer))
-        if stacked:
+        if stacked:  # every layer has it: model.impl.scan_layers stacks only blocks of one kind
             path = ("blocks", *tensor.path)
             leaf = _placed(lambda layer, t=tensor: _read(shards, t, layer), leaf_at(abstract_params, path),
                            leaf_at(shardings, path), model.layers, tensor)
             _set(params, path, leaf)
         else:
-            for layer in range(model.layers):
+            for layer in layers:
                 path = ("blocks", layer, *tensor.path)
                 leaf = _placed(lambda _, t=tensor, i=layer: _read(shards, t, i), leaf_at(abstract_params, path),
                                leaf_at(shardings, path), None, tensor)
@@ -308,8 +320,9 @@ def hf_tensors(model, leaf: Callable[[tuple], np.ndarray]) -> Iterator[tuple[str
             dtype = array.dtype
             yield from zip(tensor.names, tensor.write(array), strict=True)
             continue
-        whole = leaf(("blocks", *tensor.path)) if stacked and tensor.path is not None else None
-        for layer in range(model.layers):
+        layers = hf_mapping.blocks_with(tensor, model)
+        whole = leaf(("blocks", *tensor.path)) if stacked and tensor.path is not None and layers else None
+        for layer in layers:
             names = hf_mapping.layer_names(tensor, layer)
             if tensor.path is None:  # GPT-2's biases for a model without them
                 yield from ((name, np.zeros(tensor.zero_shape, dtype)) for name in names)

@@ -1,7 +1,8 @@
 """Hugging Face's decoders in jaxdist's terms: a config.json as `model:` keys, and each published
 tensor as the jaxdist parameter it becomes, both ways.
 
-Covered: `LlamaForCausalLM`, `MistralForCausalLM` (no sliding window) and `Qwen2ForCausalLM` as
+Covered: `LlamaForCausalLM`, `MistralForCausalLM` (no sliding window), `Qwen2ForCausalLM`,
+`Qwen3ForCausalLM` and the mixtures of experts `MixtralForCausalLM` and `Qwen3MoeForCausalLM` as
 `model.name=llama`; `GPT2LMHeadModel` as `model.name=gpt`. Pure functions on dicts and numpy
 arrays; reading and writing the files is checkpoint/hf_folder.py's.
 """
@@ -17,7 +18,8 @@ import numpy as np
 
 from jaxdist.errors import UserError
 
-LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+MIXTRAL, QWEN3, QWEN3_MOE = "MixtralForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"
+LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", QWEN3, MIXTRAL, QWEN3_MOE)
 GPT2 = "GPT2LMHeadModel"
 ARCHITECTURES = (*LLAMA_FAMILY, GPT2)
 
@@ -42,14 +44,12 @@ def model_keys(hf_config: dict, where: str) -> dict[str, Any]:
     if arch == GPT2:
         return _gpt2_keys(get)
     d, heads = get.int("hidden_size"), get.int("num_attention_heads")
-    head_dim = get.int_or_none("head_dim") or d // heads
-    get.require(head_dim * heads == d, f"head_dim={head_dim} x num_attention_heads={heads} != hidden_size={d}; "
-                                       f"jaxdist's heads are hidden_size / num_attention_heads wide")
+    head_dim = get.int_or_none("head_dim")
     get.require(hf_config.get("hidden_act", "silu") == "silu", f"hidden_act={hf_config.get('hidden_act')!r} (SwiGLU "
                                                                f"needs silu)")
     get.require(not hf_config.get("mlp_bias") and not hf_config.get("attention_bias"),
                 "attention_bias or mlp_bias set (jaxdist's Llama has Qwen2's q/k/v biases only)")
-    get.require(not hf_config.get("use_sliding_window") and (arch != "MistralForCausalLM"
+    get.require(not hf_config.get("use_sliding_window") and (arch not in ("MistralForCausalLM", MIXTRAL)
                                                              or hf_config.get("sliding_window") is None),
                 f"sliding_window={hf_config.get('sliding_window')} (jaxdist attends to the whole sequence)")
     keys = {
@@ -60,8 +60,33 @@ def model_keys(hf_config: dict, where: str) -> dict[str, Any]:
         "biases": "qkv" if arch == "Qwen2ForCausalLM" else "none",
         "tied_embeddings": get.flag("tie_word_embeddings", False),
     }
+    if head_dim is not None and head_dim * heads != d:
+        keys["head_dim"] = head_dim
+    if arch in (QWEN3, QWEN3_MOE):
+        keys["qk_norm"] = True
+    if arch in (MIXTRAL, QWEN3_MOE):
+        keys["moe"] = _moe_keys(get, keys["layers"])
     keys.update(_rope_keys(get))
     return keys
+
+
+def _moe_keys(get: _Reader, layers: int) -> dict[str, Any]:
+    """`model.moe` of a Mixtral or Qwen3-MoE config.json: softmax top-k routers, dropless."""
+    config = get.config
+    routing = {"experts": get.int("num_experts" if "num_experts" in config else "num_local_experts"),
+               "experts_per_token": get.int("num_experts_per_tok"), "router": "softmax", "shared_experts": 0,
+               "routed_scale": 1.0}
+    if get.arch == MIXTRAL:
+        get.require(not config.get("router_jitter_noise"), f"router_jitter_noise={config.get('router_jitter_noise')} "
+                                                           f"(jaxdist's routers take no noise)")
+        return {**routing, "expert_hidden": get.int("intermediate_size"), "renormalize": True, "first_dense": 0,
+                "every": 1}
+    dense = config.get("mlp_only_layers") or []
+    get.require(isinstance(dense, list) and dense == list(range(len(dense))) and len(dense) < layers,
+                f"mlp_only_layers={dense} (jaxdist's dense layers are the first k: model.moe.first_dense)")
+    return {**routing, "expert_hidden": get.int("moe_intermediate_size"),
+            "renormalize": get.flag("norm_topk_prob", False), "first_dense": len(dense),
+            "every": get.int("decoder_sparse_step", 1)}
 
 
 def _gpt2_keys(get: _Reader) -> dict[str, Any]:
@@ -153,6 +178,13 @@ _TEMPLATES = {
                          "pretraining_tp": 1},
     "Qwen2ForCausalLM": {**_LLAMA_OUT, "model_type": "qwen2", "bos_token_id": None, "eos_token_id": None,
                          "max_window_layers": 28, "sliding_window": None, "use_sliding_window": False},
+    QWEN3: {**_LLAMA_OUT, "model_type": "qwen3", "attention_bias": False, "bos_token_id": None, "eos_token_id": None,
+            "max_window_layers": 28, "sliding_window": None, "use_sliding_window": False},
+    MIXTRAL: {**_LLAMA_OUT, "model_type": "mixtral", "output_router_logits": False, "router_aux_loss_coef": 0.001,
+              "router_jitter_noise": 0.0, "sliding_window": None},
+    QWEN3_MOE: {**_LLAMA_OUT, "model_type": "qwen3_moe", "attention_bias": False, "bos_token_id": None,
+                "eos_token_id": None, "output_router_logits": False, "router_aux_loss_coef": 0.001,
+                "sliding_window": None, "use_sliding_window": False},
     GPT2: {**_COMMON_OUT, "model_type": "gpt2", "activation_function": "gelu_new", "add_cross_attention": False,
            "attn_pdrop": 0.1, "bos_token_id": 50256, "embd_pdrop": 0.1, "eos_token_id": 50256,
            "reorder_and_upcast_attn": False, "resid_pdrop": 0.1, "scale_attn_by_inverse_layer_idx": False,
@@ -164,14 +196,43 @@ _TEMPLATES = {
 def export_architecture(model) -> str:
     """The Hugging Face architecture that computes what `model` (a decoder's section) computes; a
     `UserError` where none does."""
-    if model.positions == "learned" and model.norm == "layernorm" and model.activation == "gelu" \
-            and model.key_value_heads == model.heads and model.biases != "qkv":
+    llama_like = model.positions == "rope" and model.norm == "rmsnorm" and model.activation == "swiglu"
+    if model.moe.experts:
+        if llama_like and model.biases == "none":
+            return _mixture_architecture(model)
+    elif model.qk_norm:
+        if llama_like and model.biases == "none":
+            return QWEN3
+    elif model.positions == "learned" and model.norm == "layernorm" and model.activation == "gelu" \
+            and model.key_value_heads == model.heads and model.biases != "qkv" \
+            and model.head_width * model.heads == model.d_model:
         return GPT2  # jaxdist's own GPT too: GPT-2 with zero biases (and an untied head where it has one)
-    if model.positions == "rope" and model.norm == "rmsnorm" and model.activation == "swiglu" and model.biases != "all":
+    elif llama_like and model.biases != "all":
         return "Qwen2ForCausalLM" if model.biases == "qkv" else "LlamaForCausalLM"
     raise UserError(f"export --format hf: no Hugging Face architecture computes this model (positions="
-                    f"{model.positions}, norm={model.norm}, activation={model.activation}, biases={model.biases}); "
-                    f"GPT-2 is learned+layernorm+gelu, the Llama family rope+rmsnorm+swiglu")
+                    f"{model.positions}, norm={model.norm}, activation={model.activation}, biases={model.biases}, "
+                    f"qk_norm={model.qk_norm}, moe.experts={model.moe.experts}); GPT-2 is learned+layernorm+gelu, "
+                    f"the Llama family rope+rmsnorm+swiglu (Qwen3 with qk_norm, Mixtral and Qwen3-MoE with experts, "
+                    f"no biases)")
+
+
+def _mixture_architecture(model) -> str:
+    """Mixtral (every layer routed, renormalized) or Qwen3-MoE (q and k normed), where one computes `model`."""
+    moe = model.moe
+    differs = [f"model.moe.{key}={value}" for key, value, published in (
+        ("router", moe.router, "softmax"), ("shared_experts", moe.shared_experts, 0),
+        ("routed_scale", moe.routed_scale, 1.0), ("capacity_factor", moe.capacity_factor, None)) if value != published]
+    if model.qk_norm:
+        arch = QWEN3_MOE
+    else:
+        arch = MIXTRAL
+        differs += [f"model.moe.{key}={value}" for key, value, published in (
+            ("renormalize", moe.renormalize, True), ("first_dense", moe.first_dense, 0), ("every", moe.every, 1))
+            if value != published]
+    if differs:
+        raise UserError(f"export --format hf: {arch} routes otherwise than {', '.join(differs)}; no Hugging Face "
+                        f"architecture computes this mixture")
+    return arch
 
 
 def hf_config(model, source: dict | None = None) -> dict[str, Any]:
@@ -188,14 +249,29 @@ def hf_config(model, source: dict | None = None) -> dict[str, Any]:
     else:
         out.update(hidden_size=model.d_model, num_attention_heads=model.heads, num_hidden_layers=model.layers,
                    num_key_value_heads=model.key_value_heads, intermediate_size=model.mlp_dim,
-                   head_dim=model.d_model // model.heads, rms_norm_eps=model.norm_eps,
+                   rms_norm_eps=model.norm_eps,
                    max_position_embeddings=model.position_rows, tie_word_embeddings=model.tied_embeddings,
                    rope_parameters=_rope_out(model))
+        out["head_dim"] = model.head_dim if arch == MIXTRAL else model.head_width  # Mixtral's null: hidden / heads
         if arch == "Qwen2ForCausalLM":
             out.pop("head_dim")
+        if arch in ("Qwen2ForCausalLM", QWEN3):
             out["layer_types"] = ["full_attention"] * model.layers
+        if arch in (MIXTRAL, QWEN3_MOE):
+            out.update(_moe_out(model, arch))
     out.update(architectures=[arch], vocab_size=model.vocab)
     return dict(sorted(out.items()))
+
+
+def _moe_out(model, arch: str) -> dict[str, Any]:
+    moe = model.moe
+    out = {"num_local_experts": moe.experts, "num_experts_per_tok": moe.experts_per_token}
+    if moe.aux_loss:
+        out["router_aux_loss_coef"] = moe.aux_loss
+    if arch == MIXTRAL:
+        return {**out, "intermediate_size": model.expert_hidden}
+    return {**out, "moe_intermediate_size": model.expert_hidden, "norm_topk_prob": moe.renormalize,
+            "mlp_only_layers": list(range(moe.first_dense)), "decoder_sparse_step": moe.every}
 
 
 def architecture_or_none(config: dict) -> str | None:
@@ -222,7 +298,8 @@ class Tensor:
     `names`: the Hugging Face names, `{layer}` standing for the layer's index; `read(arrays)` makes
     the parameter (one layer's, for a block's) from those tensors, `write(array)` the tensors back.
     `path` None: a tensor the Hugging Face model has and jaxdist's lacks (GPT-2's biases, for a
-    model without them), written as zeros of `zero_shape`.
+    model without them), written as zeros of `zero_shape`. `layers`: the blocks that have it, all,
+    or in a mixture of experts only those with experts (`moe`) or only those without (`dense`).
     """
 
     path: tuple[str, ...] | None
@@ -231,11 +308,20 @@ class Tensor:
     write: Callable[[np.ndarray], list[np.ndarray]]
     in_block: bool
     zero_shape: tuple[int, ...] | None = None
+    layers: str = "all"
+
+
+def blocks_with(tensor: Tensor, model) -> list[int]:
+    """The layers (from 0) whose blocks have `tensor`."""
+    if tensor.layers == "all":
+        return list(range(model.layers))
+    return [layer for layer in range(model.layers) if model.moe.is_moe(layer) == (tensor.layers == "moe")]
 
 
 def tensors(model) -> list[Tensor]:
     """Every tensor of `model`'s (a decoder section's) Hugging Face form, in jaxdist's terms."""
-    if export_architecture(model) == GPT2:
+    # A mixture or q and k norms: the Llama family's names, whichever of its members routes as it does.
+    if not (model.moe.experts or model.qk_norm) and export_architecture(model) == GPT2:
         return _gpt2_tensors(model)
     return _llama_tensors(model)
 
@@ -278,8 +364,7 @@ def _transposed() -> tuple[Callable, Callable]:
 
 
 def _llama_tensors(model) -> list[Tensor]:
-    d, h, kv = model.d_model, model.heads, model.key_value_heads
-    hd = d // h
+    d, h, kv, hd = model.d_model, model.heads, model.key_value_heads, model.head_width
     layer = "model.layers.{layer}."
     attn, mlp = layer + "self_attn.", layer + "mlp."
     out = [
@@ -288,10 +373,14 @@ def _llama_tensors(model) -> list[Tensor]:
         Tensor(("norm1", "scale"), (layer + "input_layernorm.weight",), *_same(), in_block=True),
         Tensor(("norm2", "scale"), (layer + "post_attention_layernorm.weight",), *_same(), in_block=True),
         Tensor(("attn", "out"), (attn + "o_proj.weight",), *_linear((h, hd, d), inputs=2), in_block=True),
-        Tensor(("mlp", "up"), (mlp + "up_proj.weight",), *_transposed(), in_block=True),
-        Tensor(("mlp", "gate"), (mlp + "gate_proj.weight",), *_transposed(), in_block=True),
-        Tensor(("mlp", "down"), (mlp + "down_proj.weight",), *_transposed(), in_block=True),
+        Tensor(("mlp", "up"), (mlp + "up_proj.weight",), *_transposed(), in_block=True, layers="dense"),
+        Tensor(("mlp", "gate"), (mlp + "gate_proj.weight",), *_transposed(), in_block=True, layers="dense"),
+        Tensor(("mlp", "down"), (mlp + "down_proj.weight",), *_transposed(), in_block=True, layers="dense"),
     ]
+    if model.moe.experts:
+        out += _expert_tensors(model, layer)
+    if model.qk_norm:
+        out += [Tensor(("attn", f"{x}_norm"), (attn + f"{x}_norm.weight",), *_same(), in_block=True) for x in "qk"]
     qkv_names = tuple(attn + f"{x}_proj.weight" for x in "qkv")
     bias_names = tuple(attn + f"{x}_proj.bias" for x in "qkv")
     if kv == h:
@@ -307,6 +396,24 @@ def _llama_tensors(model) -> list[Tensor]:
     if not model.tied_embeddings:
         out.append(Tensor(("head",), ("lm_head.weight",), *_transposed(), in_block=False))
     return out
+
+
+def _expert_tensors(model, layer: str) -> list[Tensor]:
+    """A mixture's router and experts: each expert's three Linear weights, stacked on jaxdist's
+    leading experts axis (Mixtral's w1, w3, w2 are the gate, up and down projections)."""
+    if model.qk_norm:  # Qwen3-MoE's names
+        block, projections = layer + "mlp.", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+    else:  # Mixtral's
+        block, projections = layer + "block_sparse_moe.", {"gate": "w1", "up": "w3", "down": "w2"}
+
+    def stacked(name: str) -> tuple[str, ...]:
+        return tuple(f"{block}experts.{e}.{projections[name]}.weight" for e in range(model.moe.experts))
+
+    read_stack, write_stack = (lambda arrays: np.stack([a.T for a in arrays]),
+                               lambda array: [part.T for part in array])
+    return [Tensor(("moe", "router"), (block + "gate.weight",), *_transposed(), in_block=True, layers="moe"),
+            *(Tensor(("moe", name), stacked(name), read_stack, write_stack, in_block=True, layers="moe")
+              for name in ("gate", "up", "down"))]
 
 
 def _gpt2_tensors(model) -> list[Tensor]:

@@ -76,7 +76,8 @@ class GPTConfig(ModelSection):
         256, description="vocabulary size; auto: the configured data's (resolved before the model is built)")
     d_model: int = Field(256, gt=0, description="width of the residual stream")
     layers: int = Field(4, gt=0, description="number of transformer blocks")
-    heads: int = Field(8, gt=0, description="attention heads (must divide d_model)")
+    heads: int = Field(8, gt=0, description="attention heads (must divide d_model unless head_dim is set)")
+    head_dim: int | None = Field(None, gt=0, description="each head's width; null: d_model / heads (Qwen3: wider)")
     kv_heads: int | None = Field(
         None, gt=0, description="key and value heads, shared by groups of query heads (must divide heads); "
                                 "null: as many as heads")
@@ -91,6 +92,7 @@ class GPTConfig(ModelSection):
     rope_base: float = Field(10000.0, gt=0, description="RoPE's base period (rope_theta)")
     rope_scaling: RopeScaling = Field(RopeScaling(), description="RoPE's frequency scaling")
     activation: Literal["gelu", "swiglu"] = Field("gelu", description="MLP activation (gelu: its tanh form)")
+    qk_norm: bool = Field(False, description="each head's q and k RMS-normed before RoPE (Qwen3, Gemma 3)")
     biases: Literal["none", "qkv", "all"] = Field(
         "none", description="additive biases: none; on the q, k and v projections (Qwen2); on every projection (GPT-2)")
     tied_embeddings: bool = Field(False, description="the output projection reuses the token embedding")
@@ -107,7 +109,7 @@ class GPTConfig(ModelSection):
 
     @model_validator(mode="after")
     def _shapes(self) -> GPTConfig:
-        if self.d_model % self.heads:
+        if self.head_dim is None and self.d_model % self.heads:
             raise ValueError(f"model.d_model={self.d_model} is not divisible by model.heads={self.heads}")
         if self.heads % self.key_value_heads:
             raise ValueError(f"model.kv_heads={self.kv_heads} does not divide model.heads={self.heads}")
@@ -116,8 +118,8 @@ class GPTConfig(ModelSection):
                              f"learned position table needs a row per position")
         if self.init_from is not None and not self.init_from.startswith("hf:"):
             raise ValueError(f"model.init_from={self.init_from!r}: write hf:FOLDER, a Hugging Face model folder")
-        if self.positions == "rope" and (self.d_model // self.heads) % 2:
-            raise ValueError("model.positions=rope needs an even head dimension (d_model / heads)")
+        if self.positions == "rope" and self.head_width % 2:
+            raise ValueError(f"model.positions=rope needs an even head dimension, not {self.head_width}")
         if self.mlp_dim < 1:
             raise ValueError(f"model.mlp_ratio={self.mlp_ratio} makes the MLP's hidden width int(model.d_model x "
                              f"model.mlp_ratio) = {self.mlp_dim}; it needs at least 1: model.mlp_ratio >= "
@@ -140,6 +142,11 @@ class GPTConfig(ModelSection):
     @property
     def mlp_dim(self) -> int:
         return self.mlp_hidden or int(self.d_model * self.mlp_ratio)
+
+    @property
+    def head_width(self) -> int:
+        """Each attention head's width: `model.head_dim`, else d_model / heads."""
+        return self.head_dim or self.d_model // self.heads
 
     @property
     def key_value_heads(self) -> int:
@@ -175,8 +182,9 @@ class GPTConfig(ModelSection):
             ParamSize("mlp", "model.mlp_hidden", self.mlp_hidden, self.mlp_dim, "the MLP's hidden width")
             if self.mlp_hidden else ParamSize("mlp", "model.mlp_ratio", self.mlp_ratio, self.mlp_dim,
                                               "the MLP's hidden width int(model.d_model x model.mlp_ratio)"),
-            ParamSize("head_dim", "model.d_model", self.d_model, self.d_model // self.heads,
-                      "the head dimension model.d_model / model.heads"),
+            ParamSize("head_dim", "model.head_dim", self.head_dim, self.head_width, "each attention head's width")
+            if self.head_dim else ParamSize("head_dim", "model.d_model", self.d_model, self.head_width,
+                                            "the head dimension model.d_model / model.heads"),
         ]
         if self.vocab != "auto":
             sizes.append(ParamSize("vocab", "model.vocab", self.vocab, self.vocab,

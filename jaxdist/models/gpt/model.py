@@ -212,7 +212,7 @@ class GPT(nnx.Module):
     def init_cache(self, batch: int, length: int) -> KVCache:
         """An empty `KVCache` for `batch` rows of up to `length` positions, in the compute dtype."""
         cfg = self.cfg
-        shape = (cfg.layers, batch, length, cfg.key_value_heads, cfg.d_model // cfg.heads)
+        shape = (cfg.layers, batch, length, cfg.key_value_heads, cfg.head_width)
         zeros = jnp.zeros(shape, self.compute_dtype)
         return KVCache(zeros, zeros)
 

@@ -1,5 +1,6 @@
-"""Causal self-attention: multi-head or grouped-query, RoPE (Llama 3's scaling), packed documents
-(attention within each, positions restarting), and the KV cache for sampling."""
+"""Causal self-attention: multi-head or grouped-query, RoPE (Llama 3's scaling), q and k normed per
+head (Qwen3's), packed documents (attention within each, positions restarting), and the KV cache
+for sampling."""
 
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ class Attention(nnx.Module):
     transposes or concatenations. With fewer (grouped-query attention), `q` and the stacked `kv`."""
 
     def __init__(self, cfg: GPTConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs, fp8: bool = False):
-        head_dim = cfg.d_model // cfg.heads
+        head_dim = cfg.head_width
         self.grouped = cfg.key_value_heads != cfg.heads
         self.fp8 = fp8
         # A tuple, not an array: static to NNX, no variable of the model.
@@ -103,6 +104,10 @@ class Attention(nnx.Module):
         self.out = param(rngs, out_init, (h, head_dim, d), ("heads", "head_dim", "embed"), param_dtype)
         if cfg.biases == "all":
             self.out_bias = param(rngs, ZEROS, (d,), ("embed",), param_dtype, roles.BIAS)
+        if cfg.qk_norm:
+            self.norm_eps = cfg.norm_eps
+            self.q_norm, self.k_norm = (param(rngs, nnx.initializers.ones_init(), (head_dim,), ("head_dim",),
+                                              param_dtype, roles.NORM) for _ in range(2))
 
     def __call__(self, x: jax.Array, docs: Documents | None = None) -> jax.Array:
         q, k, v = self._project(x)
@@ -138,6 +143,12 @@ class Attention(nnx.Module):
         return constrain(out, RESIDUAL)
 
     def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        q, k, v = self._projections(x)
+        if hasattr(self, "q_norm"):
+            q, k = _rms_normed(q, self.q_norm[...], self.norm_eps), _rms_normed(k, self.k_norm[...], self.norm_eps)
+        return q, k, v
+
+    def _projections(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         uses = _fan_out(x, 3)  # x itself, three times: their gradients are summed in an order XLA folds
         if not self.grouped:
             qkv = cast(self.qkv[...], x.dtype)
@@ -152,6 +163,13 @@ class Attention(nnx.Module):
         k, v = (constrain(_biased(project(self.fp8, "btd,dhk->bthk", uses[1 + i], kv[i]), kv_bias, i), KV_HEADS)
                 for i in range(2))
         return q, k, v
+
+
+def _rms_normed(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """Each head of x (batch, length, heads, head_dim) RMS-normed over its dims in float32, then scaled."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * scale.astype(jnp.float32)).astype(x.dtype)
 
 
 def _biased(x: jax.Array, stacked_bias: jax.Array | None, i: int) -> jax.Array:

@@ -337,7 +337,12 @@ class MoE(nnx.Module):
                              for name in names)
         run = jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, weight_specs), out_specs=tokens,
                             check_vma=False)
-        return run(x, experts, weights, mlp)
+        # Rows that the batch shards do not divide (a sampled row on several devices) are padded with
+        # rows routed to no expert.
+        rows, shards = x.shape[0], math.prod(mesh.shape[axis] for axis in dispatch.batch)
+        padding = ((0, -rows % shards), (0, 0), (0, 0))
+        return run(jnp.pad(x, padding), jnp.pad(experts, padding, constant_values=self.cfg.experts),
+                   jnp.pad(weights, padding), mlp)[:rows]
 
     def _shared(self, x: jax.Array) -> jax.Array:
         up = jnp.einsum("btd,dm->btm", x, cast(self.shared_up[...], x.dtype))
