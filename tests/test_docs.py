@@ -390,6 +390,7 @@ README_FIGURES = [
     ("gpt_406m, batch 16", "H200", "ratio"),
     ("gpt_1b4, batch 8", "H200", "ratio"),
     ("resnet50_imagenet, 224x224, batch 256", "H200", "ratio"),
+    ("moe_5b (8 experts, top-2, 4.9B, 1.48B active), batch 8", "H200", "ratio"),
     ("FSDP, gpt_406m", "2 x H200", "per GPU"),
     ("FSDP, gpt_406m", "2 x H200", "ratio"),
 ]

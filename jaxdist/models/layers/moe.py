@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 from pydantic import Field, model_validator
@@ -224,9 +225,30 @@ def _grouped(x: jax.Array, local_ids: jax.Array, local_experts: int, weights, im
     """The local experts' outputs for rows `x` (rows, d) each bound for expert `local_ids` (rows,)
     (`local_experts`: no expert, the row gives 0): sorted by expert, run grouped, unsorted."""
     order = jnp.argsort(local_ids, stable=True)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     groups = jnp.bincount(local_ids, length=local_experts + 1)[:local_experts].astype(jnp.int32)
-    out = _expert_mlp(x[order], groups, weights, impl)
-    return jnp.zeros_like(out).at[order].set(out)
+    out = _expert_mlp(_permuted(x, order, inverse), groups, weights, impl)
+    return _permuted(out, inverse, order)
+
+
+@jax.custom_vjp
+def _permuted(x: jax.Array, permutation: jax.Array, inverse: jax.Array) -> jax.Array:
+    """`x[permutation]` whose gradient is the cotangent's rows put back by `inverse`, a gather: the
+    transpose autodiff gives a gather is a scatter-add, which XLA's GPU backend runs with atomics."""
+    return x[permutation]
+
+
+def _permuted_forward(x, permutation, inverse):
+    return x[permutation], (permutation, inverse)
+
+
+def _permuted_backward(residuals, cotangent):
+    permutation, inverse = residuals
+    zero = np.zeros(permutation.shape, jax.dtypes.float0)
+    return cotangent[inverse], zero, zero
+
+
+_permuted.defvjp(_permuted_forward, _permuted_backward)
 
 
 def _local(x, experts, weights, mlp: tuple[jax.Array, ...], *, dispatch: Dispatch, num_experts: int, impl: str):
@@ -234,23 +256,26 @@ def _local(x, experts, weights, mlp: tuple[jax.Array, ...], *, dispatch: Dispatc
     (b, l, d) its tokens, `experts`/`weights` (b, l, k) their assignments (`num_experts` where
     dropped), `mlp` its experts' weights (E / ep, ...), as `_expert_mlp` takes them."""
     b, l, d = x.shape
+    k = experts.shape[-1]
     tokens = x.reshape(b * l, d)
-    chosen, weight = experts.reshape(-1), weights.reshape(-1)
-    rows = jnp.repeat(jnp.arange(b * l), experts.shape[-1])  # each assignment's token
+    chosen = experts.reshape(-1)  # the assignments, token by token: assignment j is token j // k's
+    rows = jnp.repeat(jnp.arange(b * l), k)  # each assignment's token
     local_experts = mlp[0].shape[0]
     ep = num_experts // local_experts
     if ep == 1:
-        out = _grouped(tokens[rows], chosen, local_experts, mlp, impl)
+        out = _grouped(jnp.repeat(tokens, k, axis=0), chosen, local_experts, mlp, impl)
     elif set(dispatch.experts) <= set(dispatch.batch):
         out = _exchanged(tokens, rows, chosen, local_experts, ep, dispatch.experts, mlp, impl)
     else:  # every expert device holds the same tokens: each computes its experts' part, summed after
         here = jax.lax.axis_index(dispatch.experts) * local_experts
         mine = (chosen >= here) & (chosen < here + local_experts)
-        out = _grouped(tokens[rows], jnp.where(mine, chosen - here, local_experts), local_experts, mlp, impl)
+        out = _grouped(jnp.repeat(tokens, k, axis=0), jnp.where(mine, chosen - here, local_experts), local_experts,
+                       mlp, impl)
         out = jax.lax.psum(out, dispatch.experts)
     if dispatch.hidden:
         out = jax.lax.psum(out, dispatch.hidden)
-    combined = jnp.zeros((b * l, d), jnp.float32).at[rows].add(out.astype(jnp.float32) * weight[:, None])
+    # Each token's k outputs are adjacent: weighed and summed, no scatter.
+    combined = (out.astype(jnp.float32).reshape(b * l, k, -1) * weights.reshape(b * l, k, 1)).sum(1)
     return combined.astype(x.dtype).reshape(b, l, d)
 
 
