@@ -72,6 +72,9 @@ TINY_GPT = {
     "train": {"steps": 10, "global_batch": 16},
     "optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "constant"},
     "log": {"every": 1},
+    # Two batches an evaluation: the stdlib corpus's whole eval split is some 440 of them. A test of
+    # the whole split asks for it (batches: None).
+    "eval": {"batches": 2},
     "sample": {"tokens": 0},
 }
 

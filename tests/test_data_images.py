@@ -68,7 +68,8 @@ def folder(tmp_path_factory):
 
 
 def images_config(tmp_path, path, **data):
-    return make_config(tmp_path, data={"source": "images", "path": str(path), **data}, train={"global_batch": 8})
+    return make_config(tmp_path, data={"source": "images", "path": str(path), **data}, train={"global_batch": 8},
+                       eval={"batches": None})  # the whole eval split
 
 
 def test_manifest_counts_classes_and_a_stratified_split(folder):

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 def test_epochs_and_exact_eval_loss(tmp_path):
     path, _ = prepared(tmp_path, random_documents(40, seed=4), eval_fraction=0.2)
     cfg = make_config(
-        tmp_path / "run", data={"source": "arrayrecord", "path": str(path), "epochs": 1}, eval={"every": 5}
+        tmp_path / "run", data={"source": "arrayrecord", "path": str(path), "epochs": 1}, eval={"every": 5, "batches": None}
     )
     cfg = cfg.model_copy(update={"train": TrainConfig(global_batch=cfg.train.global_batch)})  # the epoch decides
     train_windows = len(loader.open_split(cfg, "train"))

@@ -19,6 +19,7 @@ from jaxdist.errors import UserError
 SEPARATOR = 0
 
 
+@functools.cache
 def stdlib_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(
