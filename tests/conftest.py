@@ -144,7 +144,7 @@ SMALL_RESNET = {"name": "resnet", "depth": 18, "width": 8, "stem": "small"}
 def make_classifier_config(run_dir, model: dict, **sections) -> config_lib.Config:
     """A classifier `model` section on the digits, with the tiny GPT config's other sections (some
     replaced as in `make_config`)."""
-    base = {key: value for key, value in TINY_GPT.items() if key not in ("model", "sample")}
+    base = {key: value for key, value in TINY_GPT.items() if key not in ("model", "sample", "eval")}
     return make_config(run_dir, {**base, "model": model, "data": {"source": "digits"}}, **sections)
 
 

@@ -216,6 +216,11 @@ MOE_LAYOUTS = {
     "expert2_fsdp2_tensor2": ({"expert": 2, "fsdp": 2, "tensor": 2}, "fsdp_tp", {}),
     "expert4_data2": ({"expert": 4, "data": 2, "fsdp": 1, "tensor": 1}, "fsdp", {}),
     "stage2_expert4": ({"stage": 2, "expert": 4, "fsdp": 1, "tensor": 1}, "fsdp", {"pipeline": {"microbatches": 2}}),
+    # Context parallelism: each sequence in chunks over fsdp, each device routing its chunk's tokens.
+    "data2_context4": ({"data": 2, "fsdp": 4, "tensor": 1}, "fsdp",
+                       {"rules": {"activations": {"batch": "data", "seq": "fsdp", "length": "fsdp"}}}),
+    "expert2_context4": ({"expert": 2, "fsdp": 4, "tensor": 1}, "fsdp",
+                         {"rules": {"activations": {"batch": ["data", "expert"], "seq": "fsdp", "length": "fsdp"}}}),
 }
 
 
@@ -225,7 +230,9 @@ def test_a_mixture_trains_the_same_under_every_layout(tmp_path, packed_corpus, o
     the losses, gradient norms, auxiliary loss and load of one device over 5 steps, within 1e-5. In
     the pipeline the statistics of its microbatches add up to the whole batch's."""
     mesh, preset, sections = MOE_LAYOUTS[name]
-    loop.train(_moe_config(tmp_path, packed_corpus, mesh=mesh, rules={"preset": preset}, **sections))
+    rules = {"preset": preset, **sections.get("rules", {})}
+    sections = {key: value for key, value in sections.items() if key != "rules"}
+    loop.train(_moe_config(tmp_path, packed_corpus, mesh=mesh, rules=rules, **sections))
     got = _logged(tmp_path)
     for key, values in one_device_moe.items():
         np.testing.assert_allclose(got[key], values, rtol=1e-5, atol=0, err_msg=key)
