@@ -8,11 +8,13 @@ environment. So Slurm starts the 2 processes, sets their SLURM_* variables, and 
 and time-limit signals; jaxdist finds its peers through the template's coordinator address.
 """
 
+import fcntl
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,6 +42,15 @@ FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 
 def slurm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(list(args), capture_output=True, text=True, timeout=30, check=check)
+
+
+@pytest.fixture(autouse=True)
+def one_job_at_a_time():
+    """The node runs one job of 2 tasks at a time, and the tests time their jobs: across pytest's
+    workers, one test of this module at a time (a job queued behind another's timed out before)."""
+    with open(Path(tempfile.gettempdir()) / "jaxdist-slurm-tests.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 @pytest.fixture(scope="module")
