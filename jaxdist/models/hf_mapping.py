@@ -409,11 +409,11 @@ def _expert_tensors(model, layer: str) -> list[Tensor]:
     def stacked(name: str) -> tuple[str, ...]:
         return tuple(f"{block}experts.{e}.{projections[name]}.weight" for e in range(model.moe.experts))
 
-    read_stack, write_stack = (lambda arrays: np.stack([a.T for a in arrays]),
-                               lambda array: [part.T for part in array])
+    d, hidden = model.d_model, model.expert_hidden
+    shapes = {"gate": (d, hidden), "up": (d, hidden), "down": (hidden, d)}
     return [Tensor(("moe", "router"), (block + "gate.weight",), *_transposed(), in_block=True, layers="moe"),
-            *(Tensor(("moe", name), stacked(name), read_stack, write_stack, in_block=True, layers="moe")
-              for name in ("gate", "up", "down"))]
+            *(Tensor(("moe", name), stacked(name), *_stacked_linears(shape), in_block=True, layers="moe")
+              for name, shape in shapes.items())]
 
 
 def _gpt2_tensors(model) -> list[Tensor]:
