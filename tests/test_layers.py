@@ -4,6 +4,8 @@ others; and every verb of the command line is run by the module of commands/ nam
 
 import argparse
 import ast
+import re
+import sys
 from pathlib import Path
 
 from jaxdist import cli
@@ -116,3 +118,31 @@ def test_every_verb_is_run_by_the_module_named_after_it():
         module = cli.command_module(verb)
         assert Path(module.__file__) == commands / f"{verb.replace('-', '_').replace(' ', '_')}.py"
         assert isinstance(module.HELP, str) and callable(module.add_arguments) and callable(module.run), verb
+
+
+def family_files(entry) -> list[Path]:
+    """A registered model's own files: the folder of its package (models/gpt/), or its one module."""
+    path = Path(sys.modules[entry.section.__module__].__file__)
+    return sorted(path.parent.rglob("*.py")) if path.parent != PACKAGE / "models" else [path]
+
+
+def test_a_model_family_is_named_only_in_its_own_files():
+    """A family's architecture strings and config class appear in its own files alone (and in those
+    of the families that build on its section; the GPT's in the decoder's shared layers, models/layers/,
+    too): adding a family touches no other module."""
+    from jaxdist import models
+
+    against = []
+    for entry in models.MODELS.values():
+        names = {entry.section.__name__, *(entry.hf.architectures if entry.hf else ())}
+        allowed = {path for other in models.MODELS.values() if issubclass(other.section, entry.section)
+                   for path in family_files(other)}
+        if entry.name == "gpt":  # the decoder's shared parts, which its section configures
+            allowed |= set((PACKAGE / "models" / "layers").rglob("*.py"))
+        pattern = re.compile(r"\b(" + "|".join(map(re.escape, sorted(names))) + r")\b")
+        for path in sorted(PACKAGE.rglob("*.py")):
+            if path not in allowed and (found := pattern.search(path.read_text())):
+                against.append(f"{path.relative_to(PACKAGE)} names {found.group(0)} of model.name={entry.name}")
+    assert not against, against
+    assert {"GPT2LMHeadModel", "Qwen3MoeForCausalLM"} <= {a for e in models.MODELS.values() if e.hf
+                                                           for a in e.hf.architectures}

@@ -7,8 +7,8 @@ layout: the devices of this process ask for their slices, and only the layers th
 read, one parameter at a time, so no host ever holds a whole copy of the model.
 
 Out: `jaxdist export RUN_DIR OUT --format hf` (`export`) writes a folder `transformers` loads with
-`AutoModelForCausalLM.from_pretrained(OUT)`. Which tensors map to which parameters is
-models/hf_mapping.py's.
+`AutoModelForCausalLM.from_pretrained(OUT)`. Which tensors map to which parameters is the model
+family's Hugging Face adapter's (models/hf_mapping.py finds it).
 """
 
 from __future__ import annotations
@@ -230,8 +230,7 @@ def load_params(cfg: Config, abstract_params: Any, shardings: Any) -> Any:
                                leaf_at(shardings, path), None, tensor)
                 _set(params, path, leaf)
     if len(jax.tree.leaves(params)) != len(jax.tree.leaves(abstract_params)):  # a parameter no tensor maps to
-        raise ValueError(f"models/hf_mapping.py maps no Hugging Face tensor to some of model.name={model.name}'s "
-                         f"parameters")
+        raise ValueError(f"model.name={model.name}'s Hugging Face adapter maps no tensor to some of its parameters")
     extra = shards.unused(used)
     if extra:
         raise UserError(f"model.init_from=hf:{shards.folder}: the weights hold {len(extra)} tensor(s) the model has "

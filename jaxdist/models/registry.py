@@ -1,15 +1,18 @@
 """Models registered by name, with what the run needs of each besides its module: its config section,
 its loss, its FLOPs per example, a random batch and the arrays a batch holds.
 
-A model is one file: its config section (a `ModelSection` subclass whose `name` defaults to the
-model's name), its flax NNX module (logical axis names only), and one registration line,
-`register(ModelEntry(...))`. docs/architecture.md walks through one.
+A model is one file (or one folder): its config section (a `ModelSection` subclass whose `name`
+defaults to the model's name), its flax NNX module (logical axis names only), its Hugging Face
+adapter where it has one (models/hf_mapping.py says what one holds), and one registration line,
+`register(ModelEntry(...))`. Nothing outside a family's own files names it. docs/architecture.md
+walks through one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -18,6 +21,9 @@ from flax import nnx
 from jaxdist.config import Config, ModelSection, register_model
 from jaxdist.errors import UserError
 from jaxdist.models.loss import Loss
+
+if TYPE_CHECKING:
+    from jaxdist.models.hf_mapping import HFAdapter
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,11 @@ class ModelEntry:
     # The logical names of every activation the model's loss constrains, checked against the activation
     # rules before compiling (an activation's spec is made only as the step is traced).
     activations: tuple[tuple[str | None, ...], ...] = ()
+    # Its Hugging Face architectures both ways (`model.init_from: hf:`, `export --format hf`), if any.
+    hf: HFAdapter | None = None
+    # A transformer whose section has `layers`, `d_model`, `heads`, `seq_len` and `vocab`: `jaxdist
+    # scale` models its traffic from them and `flops_per_example`.
+    scales: bool = False
 
     @property
     def name(self) -> str:

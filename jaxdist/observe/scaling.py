@@ -30,7 +30,6 @@ import jax
 from jaxdist import models
 from jaxdist.config import MESH_AXES, Config
 from jaxdist.errors import UserError
-from jaxdist.models.gpt import GPTConfig, flops_per_token
 from jaxdist.observe.metrics import PEAK_FLOPS_BF16
 from jaxdist.parallel import compression
 from jaxdist.parallel.mesh import split_across_hosts
@@ -86,10 +85,10 @@ class ModelSize:
 
 def model_size(cfg: Config) -> ModelSize:
     """The recipe's sizes; the parameter count is read off the abstract model (nothing allocated)."""
-    if not isinstance(cfg.model, GPTConfig):
+    entry = models.get(cfg.model.name)
+    if not entry.scales:
         raise UserError(f"jaxdist scale models a transformer's traffic (layers, heads, tokens per sequence); "
                         f"model.name={cfg.model.name} is not one: use a gpt config")
-    entry = models.get(cfg.model.name)
     abstract_params = abstract_model(entry.create(cfg), cfg.seed).params
     params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_params))
     param_bytes, compute_bytes = _dtype_bytes(cfg.precision.params), _dtype_bytes(cfg.precision.compute)
@@ -101,10 +100,9 @@ def model_size(cfg: Config) -> ModelSize:
     m = cfg.model
     return ModelSize(
         params=params, layers=m.layers, d_model=m.d_model, heads=m.heads, seq_len=m.seq_len, vocab=m.vocab,
-        param_bytes=param_bytes, compute_bytes=compute_bytes,
-        remat=cfg.model.impl.remat, flops_per_token=flops_per_token(cfg), loss_chunk=cfg.model.impl.loss_chunk, copied_params=copied,
-        matmul_params=matmul,
-        fsdp_gathers=1 if cfg.train.fsdp_gather == "per_step" else 2,
+        param_bytes=param_bytes, compute_bytes=compute_bytes, remat=m.impl.remat,
+        flops_per_token=entry.flops_per_example(cfg) / m.seq_len, loss_chunk=m.impl.loss_chunk,
+        copied_params=copied, matmul_params=matmul, fsdp_gathers=1 if cfg.train.fsdp_gather == "per_step" else 2,
         moments=cfg.optim.moments, microbatches=cfg.train.microbatches,
     )
 

@@ -1,6 +1,6 @@
 """The GPT decoder family: GPT-2's shape (learned positions, LayerNorm, GELU, biases) and, as
 `model.name=llama`, the Llama family's. Its config section (config.py), modules (model.py, on the
-shared layers of models/layers/), loss (loss.py), FLOP count and random batch, registered here once.
+shared layers of models/layers/), loss (loss.py), Hugging Face adapter (hf.py: GPT-2), FLOP count and random batch, registered here once.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from jaxdist.config import Config
 from jaxdist.errors import UserError
 from jaxdist.kernels import gelu_matmul, softmax_grad
 from jaxdist.models import dtypes as dtypes_lib
+from jaxdist.models.gpt import hf
 from jaxdist.models.gpt.config import GPTConfig, ImplConfig, RopeScaling
 from jaxdist.models.gpt.loss import loss
 from jaxdist.models.gpt.model import GPT, Block, read_in_compute_dtype
@@ -63,7 +64,7 @@ ENTRY = register(ModelEntry(
     section=GPTConfig, create=create, loss=loss,
     flops_per_example=lambda cfg: flops_per_token(cfg) * cfg.model.seq_len,
     random_batch=random_tokens, batch_keys=("inputs", "targets"), read_in_compute_dtype=read_in_compute_dtype,
-    samples_text=True,
+    samples_text=True, hf=hf.ADAPTER, scales=True,
     activations=(RESIDUAL, HEADS, KV_HEADS, gelu_matmul.PRE_NAMES, gelu_matmul.OUT_NAMES, softmax_grad.LOGITS,
                  ("vocab", "embed"), ("embed", "vocab"), ("batch", "embed", "vocab")),
 ))

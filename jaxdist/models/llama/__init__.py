@@ -3,7 +3,8 @@
 
 Grouped-query attention is `model.kv_heads`, RoPE's base `model.rope_base` (Llama 3's frequency
 scaling `model.rope_scaling`), the SwiGLU hidden width `model.mlp_hidden`, Qwen2's q/k/v biases
-`model.biases=qkv`. models/hf_mapping.py maps each published architecture's config.json onto these keys.
+`model.biases=qkv`, Qwen3's q and k norms `model.qk_norm`, Mixtral's and Qwen3-MoE's experts `model.moe`.
+hf.py maps each published architecture's config.json and tensors onto these keys and parameters.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pydantic import Field
 
 from jaxdist.config import MODEL_NAME
 from jaxdist.models import gpt
+from jaxdist.models.llama import hf
 from jaxdist.models.registry import register
 
 
@@ -28,4 +30,4 @@ class LlamaConfig(gpt.GPTConfig):
     activation: Literal["gelu", "swiglu"] = Field("swiglu", description="MLP activation (gelu: its tanh form)")
 
 
-ENTRY = register(dataclasses.replace(gpt.ENTRY, section=LlamaConfig))
+ENTRY = register(dataclasses.replace(gpt.ENTRY, section=LlamaConfig, hf=hf.ADAPTER))
