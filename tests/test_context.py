@@ -82,7 +82,10 @@ def _attention_inputs(kv_heads: int):
 
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["heads", "grouped_query"])
 @pytest.mark.parametrize("with_mask", [False, True], ids=["causal", "packed_documents"])
-def test_chunked_attention_and_its_gradients_equal_whole_attention(kv_heads, with_mask):
+@pytest.mark.parametrize("window", [None, 5], ids=["whole", "window5"])
+def test_chunked_attention_and_its_gradients_equal_whole_attention(kv_heads, with_mask, window):
+    """Split over 4 chunks of 4 positions or not, with or without packed documents and a sliding
+    window: the attention of an explicit mask (causal, the same document, within the window)."""
     q, k, v, mask = _attention_inputs(kv_heads)
     mask = mask if with_mask else None
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "fsdp"))
@@ -90,15 +93,41 @@ def test_chunked_attention_and_its_gradients_equal_whole_attention(kv_heads, wit
 
     def split(q, k, v):
         with rules_lib.activation_rules(mesh, rules):
-            return jnp.sum(jnp.sin(context.attention(q, k, v, mask, "xla", NAMES, KV_NAMES)))
+            return jnp.sum(jnp.sin(context.attention(q, k, v, mask, "xla", NAMES, KV_NAMES, window)))
+
+    def unsplit(q, k, v):
+        return jnp.sum(jnp.sin(context.attention(q, k, v, mask, "xla", NAMES, KV_NAMES, window)))
+
+    earlier = np.arange(16)[:, None] - np.arange(16)[None, :]
+    explicit = (earlier >= 0) & (earlier < (window or 16))
+    explicit = explicit if mask is None else mask & explicit
 
     def whole(q, k, v):
-        return jnp.sum(jnp.sin(jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)))
+        return jnp.sum(jnp.sin(jax.nn.dot_product_attention(q, k, v, mask=explicit)))
 
-    got, want = jax.jit(jax.value_and_grad(split, (0, 1, 2)))(q, k, v), jax.value_and_grad(whole, (0, 1, 2))(q, k, v)
-    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
-    for a, b in zip(got[1], want[1]):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    want = jax.value_and_grad(whole, (0, 1, 2))(q, k, v)
+    for got in (jax.jit(jax.value_and_grad(split, (0, 1, 2)))(q, k, v), jax.value_and_grad(unsplit, (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+        for a, b in zip(got[1], want[1]):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    if window:  # the window changes the result: the check can fail
+        assert not np.isclose(whole(q, k, v), jnp.sum(jnp.sin(jax.nn.dot_product_attention(
+            q, k, v, mask=mask, is_causal=True))), rtol=1e-3)
+
+
+@pytest.mark.parametrize("fsdp", [2, 4], ids=["heads_exchanged", "keys_gathered"])
+def test_a_sliding_window_trains_as_on_one_device_under_context_parallelism(tmp_path, fsdp):
+    """A window of 8 of the 32 positions: with 2 chunks the heads are exchanged (the window applied
+    to the whole sequence), with 4 the two key/value heads do not divide and the keys are gathered
+    (the window in the offset mask)."""
+    windowed = {"d_model": 64, "layers": 2, "heads": 4, "kv_heads": 2, "seq_len": 32, "sliding_window": 8}
+    loop.train(make_config(tmp_path / "one", model=windowed, mesh={"data": 1, "fsdp": 1, "tensor": 1},
+                           rules={"preset": "dp"}), devices=jax.devices()[:1])
+    trainer = loop.train(make_config(tmp_path / "split", model=windowed, mesh={"data": 8 // fsdp, "fsdp": fsdp,
+                                                                                 "tensor": 1},
+                                     rules={"preset": "fsdp", "activations": CONTEXT}))
+    np.testing.assert_allclose(logged_losses(tmp_path / "split"), logged_losses(tmp_path / "one"), rtol=1e-5, atol=0)
+    assert bool(_activations_gathered(trainer.compiled_text())) == (fsdp == 4)
 
 
 def test_a_sequence_that_does_not_split_evenly_is_refused_before_compiling(tmp_path, capsys):

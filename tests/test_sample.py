@@ -37,7 +37,9 @@ FSDP_TP = {"data": 2, "fsdp": 2, "tensor": 2}
     # Qwen3-MoE's shape: q and k normed, wider heads, a dense first layer, the experts split.
     ({"name": "llama", "kv_heads": 2, "head_dim": 48, "qk_norm": True, "moe": {"experts": 4, "first_dense": 1}},
      {"scan_layers": False}, {"data": 1, "expert": 2, "fsdp": 2, "tensor": 2}),
-], ids=["gpt-scanned", "llama-gqa-unrolled", "mixture-experts-split"])
+    # A window of 3: the prompt of 5 is longer, the cache a ring of 3 positions.
+    ({"name": "llama", "kv_heads": 2, "sliding_window": 3}, {"scan_layers": True}, FSDP_TP),
+], ids=["gpt-scanned", "llama-gqa-unrolled", "mixture-experts-split", "llama-sliding-window"])
 def test_greedy_sampling_with_the_cache_is_the_full_recompute(tmp_path, model, impl, mesh):
     cfg = make_config(tmp_path, model=model, impl=impl, mesh=mesh, rules={"preset": "fsdp_tp"})
     trainer = Trainer.from_config(cfg)
@@ -48,6 +50,8 @@ def test_greedy_sampling_with_the_cache_is_the_full_recompute(tmp_path, model, i
     expected = _recomputed(trainer, prompt, length)
     np.testing.assert_array_equal(cached, expected)
     assert len(set(cached[0, len(prompt):].tolist())) > 3  # a real continuation, not one token repeated
+    cache = merge(trainer.graphdef, trainer.params).init_cache(4, length)
+    assert cache.keys.shape[2] == min(length, cfg.model.sliding_window or length)
 
 
 def test_nucleus_sampling_draws_only_from_its_nucleus():

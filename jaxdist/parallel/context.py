@@ -18,6 +18,9 @@ still split over fsdp. Attention is where the chunks meet, in one of two ways:
   by where its chunk starts. The mask is an explicit array, which attention kernels read as a bias,
   and the first chunks have less to attend to than the last.
 
+A sliding window (`model.sliding_window`) is the attention's own in the first way, and part of the
+offset mask in the second.
+
 Activation memory per device falls with the chunk, so sequences that do not fit one device fit
 several.
 """
@@ -35,28 +38,34 @@ _LENGTH, _HEADS = 1, 2
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, implementation: str | None,
-              names: tuple[str, ...], kv_names: tuple[str, ...]) -> jax.Array:
+              names: tuple[str, ...], kv_names: tuple[str, ...], window: int | None = None) -> jax.Array:
     """Causal `jax.nn.dot_product_attention` of q, k, v (batch, length, heads, head_dim; k and v
     may have fewer heads), with `mask` (batch, 1, length, length) further limiting what each query
-    sees. Where the active rules split `length` (the logical `names` of q, `kv_names` of k and v),
-    over the devices' chunks."""
+    sees, and `window` (if any) the tokens each sees, itself included. Where the active rules split
+    `length` (the logical `names` of q, `kv_names` of k and v), over the devices' chunks."""
     active = rules_lib.sharded_activation(names)
     axes = () if active is None else rules_lib.spec_axes(active[1][_LENGTH])
     if not axes:
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation,
+                                            local_window_size=_reach(window))
     mesh, q_spec = active
     kv_spec = rules_lib.sharded_activation(kv_names)[1]
     chunks = rules_lib.axes_size(mesh, axes)
     if mask is None and all(_local_heads(x, spec, mesh) % chunks == 0 for x, spec in ((q, q_spec), (k, kv_spec))):
-        return _heads_exchanged(q, k, v, implementation, mesh, axes, q_spec, kv_spec)
-    return _keys_gathered(q, k, v, mask, implementation, mesh, axes, q_spec, kv_spec)
+        return _heads_exchanged(q, k, v, implementation, mesh, axes, q_spec, kv_spec, window)
+    return _keys_gathered(q, k, v, mask, implementation, mesh, axes, q_spec, kv_spec, window)
+
+
+def _reach(window: int | None) -> tuple[int, int] | None:
+    """`local_window_size` of a causal window of `window` tokens: that many less one back, none ahead."""
+    return None if window is None else (window - 1, 0)
 
 
 def _local_heads(x: jax.Array, spec: PartitionSpec, mesh) -> int:
     return x.shape[_HEADS] // rules_lib.axes_size(mesh, rules_lib.spec_axes(spec[_HEADS]))
 
 
-def _heads_exchanged(q, k, v, implementation, mesh, axes, q_spec, kv_spec):
+def _heads_exchanged(q, k, v, implementation, mesh, axes, q_spec, kv_spec, window):
     def chunk_attention(q, k, v):
         # (rows, chunk, heads, head_dim) -> (rows, whole length, heads / chunks, head_dim): the
         # chunks concatenated in device order along the axes, which is their order in the sequence.
@@ -64,7 +73,7 @@ def _heads_exchanged(q, k, v, implementation, mesh, axes, q_spec, kv_spec):
             return jax.lax.all_to_all(x, axes, _HEADS, _LENGTH, tiled=True)
 
         out = jax.nn.dot_product_attention(whole_sequence(q), whole_sequence(k), whole_sequence(v), is_causal=True,
-                                           implementation=implementation)
+                                           implementation=implementation, local_window_size=_reach(window))
         return jax.lax.all_to_all(out, axes, _LENGTH, _HEADS, tiled=True)
 
     # Manual over the whole mesh: each device on its own rows and heads throughout.
@@ -72,7 +81,7 @@ def _heads_exchanged(q, k, v, implementation, mesh, axes, q_spec, kv_spec):
                          check_vma=False)(q, k, v)
 
 
-def _keys_gathered(q, k, v, mask, implementation, mesh, axes, q_spec, kv_spec):
+def _keys_gathered(q, k, v, mask, implementation, mesh, axes, q_spec, kv_spec, window):
     rows = PartitionSpec(q_spec[0], None, q_spec[_LENGTH], None)  # the mask's batch and query rows
 
     def chunk_attention(q, k, v, *mask):
@@ -80,7 +89,10 @@ def _keys_gathered(q, k, v, mask, implementation, mesh, axes, q_spec, kv_spec):
         values = jax.lax.all_gather(v, axes, axis=_LENGTH, tiled=True)
         length = q.shape[_LENGTH]
         start = jax.lax.axis_index(axes) * length
-        causal = (start + jnp.arange(length))[:, None] >= jnp.arange(keys.shape[_LENGTH])[None, :]
+        queries, keys_at = (start + jnp.arange(length))[:, None], jnp.arange(keys.shape[_LENGTH])[None, :]
+        causal = queries >= keys_at
+        if window is not None:
+            causal &= queries - keys_at < window
         visible = causal[None, None] if not mask else mask[0] & causal
         return jax.nn.dot_product_attention(q, keys, values, mask=visible, implementation=implementation)
 

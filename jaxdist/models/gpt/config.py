@@ -93,6 +93,9 @@ class GPTConfig(ModelSection):
     rope_scaling: RopeScaling = Field(RopeScaling(), description="RoPE's frequency scaling")
     activation: Literal["gelu", "swiglu"] = Field("gelu", description="MLP activation (gelu: its tanh form)")
     qk_norm: bool = Field(False, description="each head's q and k RMS-normed before RoPE (Qwen3, Gemma 3)")
+    sliding_window: int | None = Field(
+        None, gt=0, description="each query attends to this many tokens, itself and the ones just before it, in "
+                                "every layer (Mistral's sliding window); null: to all earlier tokens")
     biases: Literal["none", "qkv", "all"] = Field(
         "none", description="additive biases: none; on the q, k and v projections (Qwen2); on every projection (GPT-2)")
     tied_embeddings: bool = Field(False, description="the output projection reuses the token embedding")

@@ -210,8 +210,10 @@ class GPT(nnx.Module):
             block.moe.bias[...] = block.moe.bias[...] + layer_step
 
     def init_cache(self, batch: int, length: int) -> KVCache:
-        """An empty `KVCache` for `batch` rows of up to `length` positions, in the compute dtype."""
+        """An empty `KVCache` for `batch` rows of up to `length` positions, in the compute dtype (a
+        ring of the sliding window's length, where that is shorter)."""
         cfg = self.cfg
+        length = min(length, cfg.sliding_window or length)
         shape = (cfg.layers, batch, length, cfg.key_value_heads, cfg.head_width)
         zeros = jnp.zeros(shape, self.compute_dtype)
         return KVCache(zeros, zeros)

@@ -1,6 +1,6 @@
 """Causal self-attention: multi-head or grouped-query, RoPE (Llama 3's scaling), q and k normed per
-head (Qwen3's), packed documents (attention within each, positions restarting), and the KV cache
-for sampling."""
+head (Qwen3's), a sliding window (Mistral's), packed documents (attention within each, positions
+restarting), and the KV cache for sampling (no longer than the window, where there is one)."""
 
 from __future__ import annotations
 
@@ -67,7 +67,9 @@ def rope(x: jax.Array, positions: jax.Array, freqs: Sequence[float]) -> jax.Arra
 
 class KVCache(NamedTuple):
     """The keys and values of the positions sampled so far, (batch, length, kv heads, head_dim) per
-    layer (a leading layer axis where the layers are stacked), for sampling one token at a time."""
+    layer (a leading layer axis where the layers are stacked), for sampling one token at a time.
+    Under a sliding window shorter than what is sampled, `length` is the window's and the cache a
+    ring: position p is held at p mod length, over the position a window before it."""
 
     keys: jax.Array
     values: jax.Array
@@ -86,6 +88,7 @@ class Attention(nnx.Module):
         self.freqs = (tuple(rope_frequencies(head_dim, cfg.rope_base, cfg.rope_scaling).tolist())
                       if cfg.positions == "rope" else None)
         self.implementation = impl.attention
+        self.window = cfg.sliding_window
         d, h, kv = cfg.d_model, cfg.heads, cfg.key_value_heads
         if self.grouped:
             self.q = param(rngs, NORMAL, (d, h, head_dim), ("embed", "heads", "head_dim"), param_dtype)
@@ -115,7 +118,8 @@ class Attention(nnx.Module):
             positions = jnp.arange(x.shape[1]) if docs is None else docs.positions
             q, k = rope(q, positions, self.freqs), rope(k, positions, self.freqs)
         y = context.attention(q, k, v, None if docs is None else docs.mask,
-                              _attention_impl(self.implementation, x.dtype), HEADS, KV_HEADS if self.grouped else HEADS)
+                              _attention_impl(self.implementation, x.dtype), HEADS, KV_HEADS if self.grouped else HEADS,
+                              self.window)
         return self._output(y)
 
     def decode(self, x: jax.Array, cache: KVCache, start: jax.Array) -> tuple[jax.Array, KVCache]:
@@ -127,12 +131,36 @@ class Attention(nnx.Module):
             q, k = rope(q, positions, self.freqs), rope(k, positions, self.freqs)
         # The cache laid out as the keys and values are: its heads split as the model's.
         names = KV_HEADS if self.grouped else HEADS
+        if self.window is not None and cache.keys.shape[1] <= self.window:
+            return self._decode_in_window(q, k, v, cache, start, names)
         keys = constrain(jax.lax.dynamic_update_slice(cache.keys, k.astype(cache.keys.dtype), (0, start, 0, 0)), names)
         values = constrain(jax.lax.dynamic_update_slice(cache.values, v.astype(cache.values.dtype), (0, start, 0, 0)),
                            names)
-        visible = (jnp.arange(keys.shape[1])[None, :] <= positions[:, None])[None, None]
+        visible = jnp.arange(keys.shape[1])[None, :] <= positions[:, None]
+        if self.window is not None:  # a cache longer than the window: the window as a mask
+            visible &= jnp.arange(keys.shape[1])[None, :] > positions[:, None] - self.window
+        visible = visible[None, None]
         y = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=visible,
                                          implementation="xla")
+        return self._output(y), KVCache(keys, values)
+
+    def _decode_in_window(self, q, k, v, cache: KVCache, start: jax.Array, names) -> tuple[jax.Array, KVCache]:
+        """`decode` with a ring cache (`KVCache`) of at most the window's length: the new positions
+        attend to the cache as it was and to each other, then the last of them overwrite their slots."""
+        size, new = cache.keys.shape[1], q.shape[1]
+        slots = jnp.arange(size)
+        # The position each slot holds: the last one before `start` that falls on it (negative: none yet).
+        held = start - 1 - (start - 1 - slots) % size
+        key_positions = jnp.concatenate([held, start + jnp.arange(new)])
+        earlier = (start + jnp.arange(new))[:, None] - key_positions[None, :]
+        visible = ((earlier >= 0) & (earlier < self.window) & (key_positions >= 0)[None, :])[None, None]
+        keys = jnp.concatenate([cache.keys.astype(q.dtype), k], axis=1)
+        values = jnp.concatenate([cache.values.astype(q.dtype), v], axis=1)
+        y = jax.nn.dot_product_attention(q, keys, values, mask=visible, implementation="xla")
+        kept = min(new, size)  # the last `size` new positions are the ones a later query can see
+        written = (start + new - kept + jnp.arange(kept)) % size
+        keys = constrain(cache.keys.at[:, written].set(k[:, new - kept:].astype(cache.keys.dtype)), names)
+        values = constrain(cache.values.at[:, written].set(v[:, new - kept:].astype(cache.values.dtype)), names)
         return self._output(y), KVCache(keys, values)
 
     def _output(self, y: jax.Array) -> jax.Array:
