@@ -1,7 +1,8 @@
 """Hugging Face folders in and out, checked against models that the real `transformers` made.
 
 tests/fixtures/hf holds tiny random Llama (grouped-query attention, Llama 3's RoPE scaling), Qwen2
-(q/k/v biases, tied embeddings), Qwen3 (q and k normed, heads wider than hidden / heads), GPT-2,
+(q/k/v biases, tied embeddings), Qwen3 (q and k normed, heads wider than hidden / heads), Mistral
+(a sliding window of 5 tokens, shorter than the 12 of the reference logits), GPT-2,
 and the mixtures of experts Mixtral (every layer routed) and Qwen3-MoE (a dense first layer, weights
 not renormalized) as `save_pretrained` wrote them, each with the logits transformers computed for
 fixed tokens (tests/fixtures/hf/make.py made them).
@@ -29,7 +30,7 @@ from jaxdist.parallel import rules as rules_lib
 from jaxdist.train.state import abstract_model, merge, param_shardings
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-FAMILIES = ("llama", "qwen2", "qwen3", "gpt2")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gpt2")
 MIXTURES = ("mixtral", "qwen3_moe")
 UNROLLED = {"model": {"impl": {"scan_layers": False}}}  # Qwen3-MoE's dense and routed layers are two kinds
 LAYOUTS = {
@@ -109,6 +110,10 @@ def test_the_fixtures_cover_what_the_families_differ_in():
         "init_from": f"hf:{FIXTURES / f}", "seq_len": 64, "impl": {"scan_layers": False}}})).model
         for f in ("qwen3", *MIXTURES))
     assert (qwen3.qk_norm, qwen3.head_width, qwen3.d_model // qwen3.heads, qwen3.moe.experts) == (True, 32, 16, 0)
+    mistral = hf_folder.resolve(Config.model_validate({"model": {"init_from": f"hf:{FIXTURES / 'mistral'}",
+                                                                 "seq_len": 12}})).model
+    assert (mistral.sliding_window, llama.sliding_window, qwen3.sliding_window) == (5, None, None)
+    assert mistral.sliding_window < len(np.load(FIXTURES / "mistral" / "reference.npz")["input_ids"][0])
     assert (mixtral.moe.experts, mixtral.moe.experts_per_token, mixtral.expert_hidden, mixtral.moe.renormalize,
             mixtral.qk_norm) == (4, 2, 96, True, False)
     assert all(mixtral.moe.is_moe(layer) for layer in range(2))
@@ -135,7 +140,7 @@ def test_an_export_holds_the_fixture_tensors_and_config_keys_and_reimports_bitwi
     for key in ("architectures", "vocab_size", "tie_word_embeddings", "rope_parameters", "num_key_value_heads",
                 "intermediate_size", "n_embd", "n_positions", "rms_norm_eps", "layer_norm_epsilon", "head_dim",
                 "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-                "mlp_only_layers", "decoder_sparse_step"):
+                "mlp_only_layers", "decoder_sparse_step", "sliding_window"):
         assert ours.get(key) == theirs.get(key), key
     assert (out / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
 
@@ -330,13 +335,16 @@ def _rope(value):
                                                      "first k: model.moe.first_dense): jaxdist cannot reproduce this"),
     ("mixtral", _edit_config(router_jitter_noise=0.01), "config.json: router_jitter_noise=0.01 (jaxdist's routers take "
                                                         "no noise)"),
-    ("mixtral", _edit_config(sliding_window=4096), "config.json: sliding_window=4096 (jaxdist attends to the whole"),
+    ("qwen3", _edit_config(use_sliding_window=True, max_window_layers=1), "config.json: use_sliding_window with "
+                                                                          "max_window_layers=1 (jaxdist's sliding "
+                                                                          "window covers every layer"),
+    ("mistral", _edit_config(sliding_window=0), "config.json: sliding_window=0 is not a positive integer"),
     ("qwen3_moe", _edit_config(num_experts_per_tok="2"), "config.json: num_experts_per_tok='2' is not a positive "
                                                          "integer"),
 ], ids=["header-2**63", "header-list", "no-offsets", "string-offsets", "negative-offsets", "offsets-past-the-data",
         "string-shape", "shape-not-the-span", "entry-not-object", "eps-string", "eps-null", "rope-no-factor",
         "rope-string", "tied-string", "index-list", "index-outside", "dense-layers-not-first", "router-noise",
-        "sliding-window", "experts-string"])
+        "qwen-window", "window-zero", "experts-string"])
 def test_a_crafted_folder_is_one_line_and_exit_2_before_anything_is_read_from_it(tmp_path, capsys, compiles, family,
                                                                                 damage, message):
     """Headers, config values and index entries of the wrong type or out of bounds: never a traceback,
@@ -393,6 +401,25 @@ def test_a_mixture_no_hugging_face_architecture_routes_as_is_not_exported(moe, q
     assert hf_mapping.export_architecture(model.model_copy(update={"moe": model.moe.model_copy(update={
         "router": "softmax", "first_dense": 0, "shared_experts": 0, "capacity_factor": None})})) == (
         "Qwen3MoeForCausalLM" if qk_norm else "MixtralForCausalLM")
+
+
+def test_a_sliding_window_is_exported_as_mistral_or_mixtral_and_refused_where_neither_computes_it():
+    from jaxdist.models import hf_mapping
+
+    def model(**keys):
+        return Config.model_validate({"model": {"name": "llama", "sliding_window": 8, **keys}}).model
+
+    assert hf_mapping.export_architecture(model()) == "MistralForCausalLM"
+    assert hf_mapping.hf_config(model())["sliding_window"] == 8
+    assert hf_mapping.export_architecture(model(moe={"experts": 4})) == "MixtralForCausalLM"
+    assert hf_mapping.export_architecture(model(sliding_window=None)) == "LlamaForCausalLM"
+    for keys in ({"qk_norm": True}, {"biases": "qkv"}, {"qk_norm": True, "moe": {"experts": 4}}):
+        with pytest.raises(UserError, match=r"^export --format hf: a sliding window \(model.sliding_window=8\) is "
+                                            r"written as Mistral or Mixtral"):
+            hf_mapping.export_architecture(model(**keys))
+    gpt = Config.model_validate({"model": {"sliding_window": 8}}).model
+    with pytest.raises(UserError, match="GPT-2 has no model.sliding_window=8"):
+        hf_mapping.export_architecture(gpt)
 
 
 def test_safetensors_files_round_trip_bfloat16_and_agree_with_the_safetensors_package(tmp_path):

@@ -44,7 +44,8 @@ def _architecture(model) -> str:
     differs = [f"model.{key}={value}" for key, value, holds in (
         ("kv_heads", model.kv_heads, model.key_value_heads == model.heads),
         ("biases", model.biases, model.biases != "qkv"),
-        ("head_dim", model.head_dim, model.head_width * model.heads == model.d_model)) if not holds]
+        ("head_dim", model.head_dim, model.head_width * model.heads == model.d_model),
+        ("sliding_window", model.sliding_window, model.sliding_window is None)) if not holds]
     if differs:
         raise UserError(f"export --format hf: GPT-2 has no {', '.join(differs)}; no Hugging Face architecture "
                         f"computes this model")

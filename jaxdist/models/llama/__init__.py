@@ -1,9 +1,10 @@
-"""The Llama family (Llama 2 and 3, Qwen2 and 2.5, Mistral without its sliding window) as
+"""The Llama family (Llama 2 and 3, Qwen2, 2.5 and 3, Mistral, Mixtral, Qwen3-MoE) as
 `model.name=llama`: the decoder of gpt/ with Llama's defaults, RMSNorm, RoPE and a SwiGLU MLP.
 
 Grouped-query attention is `model.kv_heads`, RoPE's base `model.rope_base` (Llama 3's frequency
 scaling `model.rope_scaling`), the SwiGLU hidden width `model.mlp_hidden`, Qwen2's q/k/v biases
-`model.biases=qkv`, Qwen3's q and k norms `model.qk_norm`, Mixtral's and Qwen3-MoE's experts `model.moe`.
+`model.biases=qkv`, Qwen3's q and k norms `model.qk_norm`, Mistral's sliding window `model.sliding_window`,
+Mixtral's and Qwen3-MoE's experts `model.moe`.
 hf.py maps each published architecture's config.json and tensors onto these keys and parameters.
 """
 

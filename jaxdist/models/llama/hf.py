@@ -1,5 +1,5 @@
 """The Llama family's Hugging Face architectures as `model.name=llama`, both ways: `LlamaForCausalLM`,
-`MistralForCausalLM` (no sliding window), `Qwen2ForCausalLM` (q/k/v biases), `Qwen3ForCausalLM`
+`MistralForCausalLM` (its sliding window), `Qwen2ForCausalLM` (q/k/v biases), `Qwen3ForCausalLM`
 (q and k norms) and the mixtures of experts `MixtralForCausalLM` and `Qwen3MoeForCausalLM`."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ _OUT = {**COMMON_OUT, "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id
 _QWEN_OUT = {**_OUT, "bos_token_id": None, "eos_token_id": None}
 _TEMPLATES = {
     LLAMA: {**_OUT, "model_type": "llama", "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
+    MISTRAL: {**_OUT, "model_type": "mistral"},
     QWEN2: {**_QWEN_OUT, "model_type": "qwen2", "max_window_layers": 28, "sliding_window": None,
             "use_sliding_window": False},
     QWEN3: {**_QWEN_OUT, "model_type": "qwen3", "attention_bias": False, "max_window_layers": 28,
@@ -39,9 +40,10 @@ def _model_keys(get: Reader) -> dict[str, Any]:
                                                             f"needs silu)")
     get.require(not config.get("mlp_bias") and not config.get("attention_bias"),
                 "attention_bias or mlp_bias set (jaxdist's Llama has Qwen2's q/k/v biases only)")
-    get.require(not config.get("use_sliding_window") and (arch not in (MISTRAL, MIXTRAL)
-                                                          or config.get("sliding_window") is None),
-                f"sliding_window={config.get('sliding_window')} (jaxdist attends to the whole sequence)")
+    # Qwen's windows cover only the layers from `max_window_layers` on; jaxdist's, every layer.
+    get.require(not config.get("use_sliding_window"), f"use_sliding_window with max_window_layers="
+                                                       f"{config.get('max_window_layers')} (jaxdist's sliding window "
+                                                       f"covers every layer: Mistral's)")
     keys = {
         "name": "llama", "vocab": get.int("vocab_size"), "d_model": d, "layers": get.int("num_hidden_layers"),
         "heads": heads, "kv_heads": get.int("num_key_value_heads", heads), "mlp_hidden": get.int("intermediate_size"),
@@ -52,6 +54,8 @@ def _model_keys(get: Reader) -> dict[str, Any]:
     }
     if head_dim is not None and head_dim * heads != d:
         keys["head_dim"] = head_dim
+    if arch in (MISTRAL, MIXTRAL) and get.int_or_none("sliding_window") is not None:
+        keys["sliding_window"] = get.int("sliding_window")
     if arch in (QWEN3, QWEN3_MOE):
         keys["qk_norm"] = True
     if arch in (MIXTRAL, QWEN3_MOE):
@@ -105,11 +109,17 @@ def _computes(model) -> bool:
 def _architecture(model) -> str:
     llama_like = model.positions == "rope" and model.norm == "rmsnorm" and model.activation == "swiglu"
     plain = model.biases == "none"
+    if model.sliding_window is not None and llama_like and not (plain and not model.qk_norm):
+        raise UserError(f"export --format hf: a sliding window (model.sliding_window={model.sliding_window}) is "
+                        f"written as Mistral or Mixtral, which have no q/k norms or biases (model.qk_norm="
+                        f"{model.qk_norm}, model.biases={model.biases}); no Hugging Face architecture computes it")
     if llama_like and model.moe.experts and plain:
         return _mixture_architecture(model)
     if llama_like and model.qk_norm and plain:
         return QWEN3
     if llama_like and not (model.moe.experts or model.qk_norm) and model.biases != "all":
+        if model.sliding_window is not None:
+            return MISTRAL
         return QWEN2 if model.biases == "qkv" else LLAMA
     raise UserError(f"export --format hf: the Llama family is rope+rmsnorm+swiglu without MLP biases, and "
                     f"without any biases where q and k are normed (Qwen3) or experts route (Mixtral, Qwen3-MoE): "
@@ -146,6 +156,8 @@ def _config_out(model, arch: str) -> dict[str, Any]:
         out["head_dim"] = model.head_dim if arch == MIXTRAL else model.head_width  # Mixtral's null: hidden / heads
     if arch in (QWEN2, QWEN3):
         out["layer_types"] = ["full_attention"] * model.layers
+    if arch in (MISTRAL, MIXTRAL):
+        out["sliding_window"] = model.sliding_window
     if arch in (MIXTRAL, QWEN3_MOE):
         out.update(_moe_out(model, arch))
     return out
