@@ -38,6 +38,20 @@ def test_gpt_1b4_under_fsdp8_holds_an_eighth_of_the_parameters_per_device(device
     assert result.total >= result.params + result.opt_state + result.temporaries
 
 
+def test_the_llama3_8b_recipe_fits_8_devices_of_80_gb(devices):
+    """The recipe as written: its layout (fsdp=8, one sequence of 8,192 per device, blocks recomputed)
+    holds an eighth of the 8.0B parameters and their Adam moments per device, and the compiled step,
+    temporaries included, stays under 80 GB. (The whole recipe compiles: its layers are scanned.)"""
+    cfg = config.load("configs/llama3_8b.yaml")
+    result = memory.make_plan(cfg, devices)
+    params = model_size(cfg).params
+    assert 8.0e9 < params < 8.1e9  # Llama 3.1 8B: 8,030,261,248
+    assert result.mesh == "data=1 x stage=1 x fsdp=8 x tensor=1" and result.devices == 8
+    assert abs(result.params - params * 4 / 8) <= 0.01 * params * 4 / 8
+    assert abs(result.opt_state - 2 * params * 4 / 8) <= 0.01 * 2 * params * 4 / 8
+    assert result.temporaries > 0 and result.total < 80e9, result
+
+
 def test_over_the_device_memory_the_cheapest_change_that_fits_is_suggested(tmp_path, devices):
     cfg = make_config(tmp_path, **SMALL)
     # Cheapest first, as measured (docs/performance.md), then the wider fsdp that keeps the devices.
