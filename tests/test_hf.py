@@ -422,6 +422,14 @@ def test_a_sliding_window_is_exported_as_mistral_or_mixtral_and_refused_where_ne
         hf_mapping.export_architecture(gpt)
 
 
+def test_a_model_of_no_hugging_face_family_is_refused_in_one_line():
+    from jaxdist.models import hf_mapping
+
+    resnet = Config.model_validate({"model": {"name": "resnet"}}).model
+    with pytest.raises(UserError, match="^export --format hf: model.name=resnet has no Hugging Face form"):
+        hf_mapping.hf_config(resnet)
+
+
 def test_safetensors_files_round_trip_bfloat16_and_agree_with_the_safetensors_package(tmp_path):
     import ml_dtypes
     from safetensors.numpy import save_file

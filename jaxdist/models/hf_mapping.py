@@ -86,14 +86,21 @@ def model_keys(hf_config: dict, where: str) -> dict[str, Any]:
 
 
 def adapter_of(model) -> HFAdapter:
-    """The adapter whose tensor layout fits `model` (a model section); a `UserError` where none does."""
-    for adapter in adapters():
+    """The adapter whose tensor layout fits `model` (a model section); a `UserError` where none does.
+    Asked: the adapters of the families whose sections are `model`'s, or build on it."""
+    related = [adapter for adapter in adapters() if any(
+        entry.hf is adapter and (isinstance(model, entry.section) or issubclass(entry.section, type(model)))
+        for entry in MODELS.values())]
+    if not related:
+        raise UserError(f"export --format hf: model.name={model.name} has no Hugging Face form; export its "
+                        f"parameters as one file (--format file)")
+    for adapter in related:
         if adapter.computes(model):
             return adapter
-    settings = dict.fromkeys(name for adapter in adapters() for name in adapter.settings)
+    settings = dict.fromkeys(name for adapter in related for name in adapter.settings)
     values = ", ".join(f"{name}={_setting(model, name)}" for name in settings)
     raise UserError(f"export --format hf: no Hugging Face architecture computes this model ({values}); "
-                    f"{'; '.join(adapter.describe for adapter in adapters())}")
+                    f"{'; '.join(adapter.describe for adapter in related)}")
 
 
 def _setting(model, name: str) -> Any:
