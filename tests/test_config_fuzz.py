@@ -12,7 +12,7 @@ import annotated_types
 import pytest
 import yaml
 from conftest import TINY_GPT
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
@@ -152,6 +152,7 @@ def test_the_fields_are_found():
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(drawn=CASES)
+@example(drawn=(["data.mixture=[1, 2]"], ["data.mixture.0"]))  # a list of sections given other items
 def test_invalid_input_exits_2_with_one_line_naming_the_key(config_file, capsys, compiles, drawn):
     overrides, keys = drawn
     code = cli.main(["train", str(config_file), *overrides])

@@ -167,8 +167,8 @@ def _describe(err: ValidationError, raw: Any) -> str:
     loc = first["loc"]
     key = ".".join(str(part) for part in loc)
     kind = first["type"]
-    if kind == "model_type":
-        return _not_a_section(key, first["input"], _section_of(loc, raw))
+    if kind == "model_type" and (section := _section_of(loc, raw)) is not None:
+        return _not_a_section(key, first["input"], section)
     if kind == "invalid_key":
         where = f"in {'.'.join(str(part) for part in loc[:-1])}" if loc[:-1] else "at the top level"
         section = _section_of(loc[:-1], raw)
