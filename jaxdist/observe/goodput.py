@@ -100,9 +100,9 @@ class RunTime:
                           if self.parts.get(name, 0.0) >= 0.05)
         return f"ready to train after {time.perf_counter() - self.started:.1f} s" + (f": {parts}" if parts else "")
 
-    def summary(self) -> str:
-        """Goodput and what the rest of the wall time went to, by cause."""
-        wall = time.perf_counter() - self.started
+    def summary(self, now: float | None = None) -> str:
+        """Goodput and what the rest of the wall time went to, by cause, at `now` (default: the present)."""
+        wall = (time.perf_counter() if now is None else now) - self.started
         steady = self.steady_step_s()
         if steady is None:
             return f"no step trained in {wall:.1f} s"
