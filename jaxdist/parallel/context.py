@@ -56,6 +56,15 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, 
     return _keys_gathered(q, k, v, mask, implementation, mesh, axes, q_spec, kv_spec, window)
 
 
+def causal_visible(query_positions: jax.Array, key_positions: jax.Array, window: int | None) -> jax.Array:
+    """Where a query may see a key, given their positions (broadcast against each other): the key not
+    later than the query and, under a sliding window, fewer than `window` tokens before it."""
+    visible = query_positions >= key_positions
+    if window is not None:
+        visible &= query_positions - key_positions < window
+    return visible
+
+
 def _reach(window: int | None) -> tuple[int, int] | None:
     """`local_window_size` of a causal window of `window` tokens: that many less one back, none ahead."""
     return None if window is None else (window - 1, 0)
@@ -90,9 +99,7 @@ def _keys_gathered(q, k, v, mask, implementation, mesh, axes, q_spec, kv_spec, w
         length = q.shape[_LENGTH]
         start = jax.lax.axis_index(axes) * length
         queries, keys_at = (start + jnp.arange(length))[:, None], jnp.arange(keys.shape[_LENGTH])[None, :]
-        causal = queries >= keys_at
-        if window is not None:
-            causal &= queries - keys_at < window
+        causal = causal_visible(queries, keys_at, window)
         visible = causal[None, None] if not mask else mask[0] & causal
         return jax.nn.dot_product_attention(q, keys, values, mask=visible, implementation=implementation)
 

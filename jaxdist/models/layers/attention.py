@@ -136,11 +136,9 @@ class Attention(nnx.Module):
         keys = constrain(jax.lax.dynamic_update_slice(cache.keys, k.astype(cache.keys.dtype), (0, start, 0, 0)), names)
         values = constrain(jax.lax.dynamic_update_slice(cache.values, v.astype(cache.values.dtype), (0, start, 0, 0)),
                            names)
-        visible = jnp.arange(keys.shape[1])[None, :] <= positions[:, None]
-        if self.window is not None:  # a cache longer than the window: the window as a mask
-            visible &= jnp.arange(keys.shape[1])[None, :] > positions[:, None] - self.window
-        visible = visible[None, None]
-        y = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=visible,
+        # A cache longer than the window (if any): the window as a mask.
+        visible = context.causal_visible(positions[:, None], jnp.arange(keys.shape[1])[None, :], self.window)
+        y = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=visible[None, None],
                                          implementation="xla")
         return self._output(y), KVCache(keys, values)
 
@@ -152,8 +150,8 @@ class Attention(nnx.Module):
         # The position each slot holds: the last one before `start` that falls on it (negative: none yet).
         held = start - 1 - (start - 1 - slots) % size
         key_positions = jnp.concatenate([held, start + jnp.arange(new)])
-        earlier = (start + jnp.arange(new))[:, None] - key_positions[None, :]
-        visible = ((earlier >= 0) & (earlier < self.window) & (key_positions >= 0)[None, :])[None, None]
+        visible = context.causal_visible((start + jnp.arange(new))[:, None], key_positions[None, :], self.window)
+        visible = (visible & (key_positions >= 0)[None, :])[None, None]
         keys = jnp.concatenate([cache.keys.astype(q.dtype), k], axis=1)
         values = jnp.concatenate([cache.values.astype(q.dtype), v], axis=1)
         y = jax.nn.dot_product_attention(q, keys, values, mask=visible, implementation="xla")
