@@ -105,7 +105,8 @@ def resolve(cfg: Config) -> Config:
                 _agrees(f"{key}.{inner}", mine[key][inner], found[key][inner], folder)
         else:
             _agrees(key, mine[key], found[key], folder)
-    kept = {key: value for key, value in mine.items() if key not in found}
+    # What the config set itself, not its section's defaults: the folder's family has defaults of its own.
+    kept = {key: value for key, value in model.model_dump(mode="json", exclude_unset=True).items() if key not in found}
     sections = {key: {**mine[key], **value} for key, value in found.items() if isinstance(value, dict)}
     try:
         merged = from_dict({**cfg.model_dump(mode="json"), "model": {**kept, **found, **sections}})
