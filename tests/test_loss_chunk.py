@@ -317,3 +317,30 @@ def test_a_split_sequence_is_chunked_by_parts_where_they_hold_whole_chunks(tmp_p
         assert _relative_error(np.asarray(got), np.asarray(want)) < 1e-6
     in_loop = [op for op in hlo.collectives(compiled.as_text(), hlo.REDUCTIONS) if op.in_loop]
     assert bool(in_loop) == loop_reductions, in_loop
+
+
+def test_soft_capped_logits_give_the_unchunked_loss_and_gradients():
+    """Gemma 2's cap on the output logits, 8 x tanh(logit / 8), inside the chunked loss: its value and
+    gradients (through the cap) are those of the capped logits' plain cross-entropy, per-token
+    weights included; uncapped they differ (the cap bites)."""
+    keys = jax.random.split(jax.random.key(1), 4)
+    hidden = jax.random.normal(keys[0], (2, 32, 64), jnp.float32)
+    head = 0.5 * jax.random.normal(keys[1], (64, VOCAB), jnp.float32)
+    targets = jax.random.randint(keys[2], (2, 32), 0, VOCAB)
+    weights = (jax.random.uniform(keys[3], (2, 32)) > 0.25).astype(jnp.float32)
+
+    def chunked(hidden, head, softcap=8.0):
+        return fused_linear_cross_entropy(hidden, head, targets, weights, chunk=8, impl="xla", softcap=softcap)
+
+    def plain(hidden, head):
+        logits = 8.0 * jnp.tanh(hidden @ head / 8.0)
+        return (optax.softmax_cross_entropy_with_integer_labels(logits, targets) * weights).sum()
+
+    loss, grads = jax.jit(jax.value_and_grad(chunked, argnums=(0, 1)))(hidden, head)
+    want_loss, want_grads = jax.value_and_grad(plain, argnums=(0, 1))(hidden, head)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    for got, want in zip(grads, want_grads):
+        assert _relative_error(np.asarray(got), np.asarray(want)) < 1e-5
+    assert abs(float(chunked(hidden, head, None)) - float(want_loss)) > 0.1 * float(want_loss)
+    with pytest.raises(ValueError, match="impl='pallas' does not cap the logits"):
+        fused_linear_cross_entropy(hidden, head, targets, chunk=8, impl="pallas", softcap=8.0)

@@ -45,8 +45,10 @@ def fused_linear_cross_entropy(
     chunk: int,
     logits_dtype=jnp.float32,
     impl: str = "auto",
+    softcap: float | None = None,
 ) -> jax.Array:
-    """Summed cross-entropy (float32) of `softmax(hidden @ head)` against integer `targets`.
+    """Summed cross-entropy (float32) of `softmax(hidden @ head)` against integer `targets`, the
+    logits capped softly first where `softcap` is set (softcap x tanh(logit / softcap), Gemma 2's).
 
     hidden: (batch, length, embed) in the compute dtype; head: (embed, vocab), cast to the
     compute dtype for the matmuls (its gradient comes back in its own dtype, summed in float32);
@@ -58,7 +60,7 @@ def fused_linear_cross_entropy(
     softmax is float32. `impl` (`model.impl.loss_impl`) says where the softmax and the logits' gradient
     are computed when differentiated: "xla" (a reduction and a gradient pass), "pallas" (one
     kernel per chunk, kernels/softmax_grad.py; needs the vocabulary whole on each device), or
-    "auto" (the kernel on GPU where it applies).
+    "auto" (the kernel on GPU where it applies, and never with `softcap`).
     """
     length = hidden.shape[1]
     if chunk <= 0 or length % chunk:
@@ -67,22 +69,24 @@ def fused_linear_cross_entropy(
         raise ValueError(f"impl={impl!r}: use one of {IMPLS}")
     if weights is None:
         weights = jnp.ones(hidden.shape[:1], jnp.float32)
-    return _fused(chunk, jnp.dtype(logits_dtype), impl, hidden, head, targets, weights.astype(jnp.float32))
+    if softcap is not None and impl == "pallas":
+        raise ValueError("impl='pallas' does not cap the logits: use 'xla' or 'auto' with softcap")
+    return _fused(chunk, jnp.dtype(logits_dtype), impl, softcap, hidden, head, targets, weights.astype(jnp.float32))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _fused(chunk, logits_dtype, impl, hidden, head, targets, weights):
-    return _scan_chunks(chunk, logits_dtype, hidden, head, targets, weights, with_grads=False)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _fused(chunk, logits_dtype, impl, softcap, hidden, head, targets, weights):
+    return _scan_chunks(chunk, logits_dtype, softcap, hidden, head, targets, weights, with_grads=False)[0]
 
 
-def _fused_fwd(chunk, logits_dtype, impl, hidden, head, targets, weights):
-    loss_sum, (d_hidden, d_head) = _scan_chunks(chunk, logits_dtype, hidden, head, targets, weights, with_grads=True,
-                                                kernel=softmax_grad.use_kernel(impl, (hidden.shape[0], chunk, head.shape[1]),
-                                                                               logits_dtype))
+def _fused_fwd(chunk, logits_dtype, impl, softcap, hidden, head, targets, weights):
+    kernel = softcap is None and softmax_grad.use_kernel(impl, (hidden.shape[0], chunk, head.shape[1]), logits_dtype)
+    loss_sum, (d_hidden, d_head) = _scan_chunks(chunk, logits_dtype, softcap, hidden, head, targets, weights,
+                                                with_grads=True, kernel=kernel)
     return loss_sum, (d_hidden, d_head)
 
 
-def _fused_bwd(chunk, logits_dtype, impl, residuals, cotangent):
+def _fused_bwd(chunk, logits_dtype, impl, softcap, residuals, cotangent):
     d_hidden, d_head = residuals
     # The cotangent (a mean's 1 / weight) is applied here, in float32, not to the low-precision
     # logits gradient: per token it is about 1/(batch x length), which would underflow float16.
@@ -164,7 +168,8 @@ def xla_loss_and_grad(logits, targets, weights, *, grad_dtype, one_pass: bool):
     return logsumexp - target_logit, d_logits.astype(grad_dtype)
 
 
-def _scan_chunks(chunk, logits_dtype, hidden, head, targets, weights, *, with_grads: bool, kernel: bool = False):
+def _scan_chunks(chunk, logits_dtype, softcap, hidden, head, targets, weights, *, with_grads: bool,
+                 kernel: bool = False):
     """(weighted loss sum, (unnormalized d_hidden, d_head) or None) over every chunk.
 
     d_hidden has hidden's dtype; d_head is summed in float32 and returned in head's dtype.
@@ -198,6 +203,9 @@ def _scan_chunks(chunk, logits_dtype, hidden, head, targets, weights, *, with_gr
         hidden_c, targets_c, *token_weights = xs
         logits = jnp.einsum("bcd,dv->bcv", hidden_c, head_c, preferred_element_type=logits_dtype)
         logits = constrain(logits, LOGITS)
+        if softcap is not None:
+            capped = softcap * jnp.tanh(logits.astype(jnp.float32) / softcap)
+            logits = capped.astype(logits.dtype)
         if kernel:
             row_losses, d_logits = softmax_grad.loss_and_grad(logits, targets_c, sequence_weights,
                                                               grad_dtype=hidden.dtype)
@@ -210,6 +218,8 @@ def _scan_chunks(chunk, logits_dtype, hidden, head, targets, weights, *, with_gr
         part_losses = constrain(carry[0] + row_losses.reshape(batch, parts, chunk).sum(-1), per_part)
         if not with_grads:
             return (part_losses,), None
+        if softcap is not None:  # through the cap: d tanh(u) = 1 - tanh(u)^2
+            d_logits = (d_logits.astype(jnp.float32) * (1 - jnp.square(capped / softcap))).astype(d_logits.dtype)
         d_logits = constrain(d_logits, LOGITS)
         d_hidden_c = constrain(jnp.einsum("bcv,dv->bcd", d_logits, head_c), ("batch", "length", "embed"))
         d_head_c = jnp.einsum("sbpcd,sbpcv->spdv", by_shard(hidden_c), by_shard(d_logits),

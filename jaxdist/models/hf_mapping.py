@@ -22,6 +22,17 @@ from jaxdist.models.registry import MODELS
 # The keys transformers 5 writes for every architecture, with values the model section does not decide.
 COMMON_OUT = {"dtype": "float32", "pad_token_id": None, "use_cache": True, "initializer_range": 0.02}
 
+# Settings of the decoder that change its math and that only some architectures compute, each with
+# the value that leaves it out.
+DECODER_EXTRAS = {"norm_plus_one": False, "post_norms": False, "embed_scale": False, "attention_softcap": None,
+                  "logit_softcap": None, "attention_scale_dim": None, "global_every": None, "local_rope_base": None}
+
+
+def extras_set(model, allowed: tuple[str, ...] = ()) -> list[str]:
+    """`model.KEY=VALUE` for each of `DECODER_EXTRAS` that `model` sets and `allowed` does not name."""
+    return [f"model.{key}={getattr(model, key)}" for key, off in DECODER_EXTRAS.items()
+            if key not in allowed and getattr(model, key) != off]
+
 
 @dataclass(frozen=True)
 class HFAdapter:
@@ -245,6 +256,26 @@ def same() -> tuple[Callable, Callable]:
 
 def transposed() -> tuple[Callable, Callable]:
     return (lambda arrays: arrays[0].T), (lambda array: [array.T])
+
+
+def attention_projections(model, attn: str) -> list[Tensor]:
+    """The q, k, v and o projections (with Qwen2's q/k/v biases, where `model.biases=qkv`) named as
+    most of transformers' decoders name them: `{attn}q_proj.weight`, ..., `{attn}o_proj.weight`."""
+    d, h, kv, hd = model.d_model, model.heads, model.key_value_heads, model.head_width
+    out = [Tensor(("attn", "out"), (attn + "o_proj.weight",), *linear((h, hd, d), inputs=2), in_block=True)]
+    qkv_names = tuple(attn + f"{x}_proj.weight" for x in "qkv")
+    bias_names = tuple(attn + f"{x}_proj.bias" for x in "qkv")
+    if kv == h:
+        out.append(Tensor(("attn", "qkv"), qkv_names, *stacked_linears((d, h, hd)), in_block=True))
+        if model.biases == "qkv":
+            out.append(Tensor(("attn", "qkv_bias"), bias_names, *reshaped((h, hd), 3), in_block=True))
+        return out
+    out.append(Tensor(("attn", "q"), qkv_names[:1], *linear((d, h, hd)), in_block=True))
+    out.append(Tensor(("attn", "kv"), qkv_names[1:], *stacked_linears((d, kv, hd)), in_block=True))
+    if model.biases == "qkv":
+        out.append(Tensor(("attn", "q_bias"), bias_names[:1], *reshaped((h, hd)), in_block=True))
+        out.append(Tensor(("attn", "kv_bias"), bias_names[1:], *reshaped((kv, hd), 2), in_block=True))
+    return out
 
 
 def layer_names(tensor: Tensor, layer: int) -> list[str]:

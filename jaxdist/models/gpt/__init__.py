@@ -31,19 +31,20 @@ def flops_per_token(cfg: Config) -> int:
     (Chowdhery et al. 2022, appendix B): 6N + 12 x layers x d x seq, N the parameters of the matmuls
     (the output projection included; 12 x layers x d^2 + vocab x d for a GELU MLP of 4 x d without
     grouped-query attention), 12 x layers x d x seq for attention (d: the heads' widths summed, where
-    `model.head_dim` makes them other than d_model; seq: the sliding window, where it is shorter). A
+    `model.head_dim` makes them other than d_model; seq: the sliding window, in the layers it covers
+    and where it is shorter). A
     mixture's layers count the parameters a token goes through: its k routed experts, the shared
     ones and the router."""
     m = cfg.model
     attention = m.d_model * m.head_width * 2 * (m.heads + m.key_value_heads)
-    per_hidden = (3 if m.activation == "swiglu" else 2) * m.d_model
+    per_hidden = (2 if m.activation == "gelu" else 3) * m.d_model
     mlp = per_hidden * m.mlp_dim
     moe = m.moe
     experts = per_hidden * m.expert_hidden * (moe.experts_per_token + moe.shared_experts) + m.d_model * moe.experts
     feed_forward = sum(experts if moe.is_moe(layer) else mlp for layer in range(m.layers))
     matmul_params = int(m.layers * attention + feed_forward) + m.vocab * m.d_model
-    attended = min(m.seq_len, m.sliding_window or m.seq_len)
-    return 6 * matmul_params + 12 * m.layers * m.heads * m.head_width * attended
+    attended = sum(min(m.seq_len, m.layer_window(layer) or m.seq_len) for layer in range(m.layers))
+    return 6 * matmul_params + 12 * m.heads * m.head_width * attended
 
 
 def random_tokens(cfg: Config, rng: np.random.Generator, rows: int) -> dict[str, np.ndarray]:

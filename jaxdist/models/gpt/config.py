@@ -46,11 +46,13 @@ class ImplConfig(Section):
 
 
 class RopeScaling(Section):
-    """Llama 3's stretch of RoPE's low frequencies to a longer context (`rope_type: llama3` in a
-    Hugging Face config): wavelengths above `original_length / low_freq_factor` are divided by
-    `factor`, those below `original_length / high_freq_factor` kept, those between blended."""
+    """RoPE's frequencies slowed for a longer context. Llama 3's (`rope_type: llama3` in a Hugging
+    Face config): wavelengths above `original_length / low_freq_factor` are divided by `factor`,
+    those below `original_length / high_freq_factor` kept, those between blended. Linear (`linear`,
+    Gemma 3's global layers): every frequency divided by `factor`, as if positions were."""
 
-    kind: Literal["none", "llama3"] = Field("none", description="none: plain RoPE; llama3: Llama 3.1's scaling")
+    kind: Literal["none", "llama3", "linear"] = Field(
+        "none", description="none: plain RoPE; llama3: Llama 3.1's scaling; linear: every frequency / factor")
     factor: float = Field(8.0, gt=0, description="how much the low frequencies are slowed")
     low_freq_factor: float = Field(1.0, gt=0, description="original_length / this: the longest kept wavelength's bound")
     high_freq_factor: float = Field(4.0, gt=0, description="original_length / this: the shortest scaled wavelength's bound")
@@ -91,11 +93,31 @@ class GPTConfig(ModelSection):
     positions: Literal["learned", "rope"] = Field("learned", description="position encoding")
     rope_base: float = Field(10000.0, gt=0, description="RoPE's base period (rope_theta)")
     rope_scaling: RopeScaling = Field(RopeScaling(), description="RoPE's frequency scaling")
-    activation: Literal["gelu", "swiglu"] = Field("gelu", description="MLP activation (gelu: its tanh form)")
+    activation: Literal["gelu", "swiglu", "geglu"] = Field(
+        "gelu", description="MLP activation (gelu: its tanh form; geglu: a gate through it, Gemma's)")
     qk_norm: bool = Field(False, description="each head's q and k RMS-normed before RoPE (Qwen3, Gemma 3)")
     sliding_window: int | None = Field(
         None, gt=0, description="each query attends to this many tokens, itself and the ones just before it, in "
-                                "every layer (Mistral's sliding window); null: to all earlier tokens")
+                                "every layer (Mistral's sliding window) or those global_every leaves; null: to all "
+                                "earlier tokens")
+    global_every: int | None = Field(
+        None, gt=0, description="with sliding_window: every this-many-th layer attends to all earlier tokens (Gemma "
+                                "2: 2, Gemma 3: 6); null: every layer windowed")
+    local_rope_base: float | None = Field(
+        None, gt=0, description="the windowed layers' RoPE base, unscaled, where global_every sets global layers "
+                                "apart (Gemma 3); null: rope_base and rope_scaling, as the others")
+    norm_plus_one: bool = Field(
+        False, description="the norms scale by 1 + w, w their parameter, starting at 0 (Gemma's); false: by w")
+    post_norms: bool = Field(
+        False, description="attention's and the MLP's outputs normed before they join the residual (Gemma 2 and 3)")
+    embed_scale: bool = Field(False, description="the embedding's rows multiplied by sqrt(d_model) (Gemma)")
+    attention_scale_dim: int | None = Field(
+        None, gt=0, description="attention logits scaled by 1/sqrt(this) (Gemma's query_pre_attn_scalar); null: "
+                                "1/sqrt(head_dim)")
+    attention_softcap: float | None = Field(
+        None, gt=0, description="attention logits capped softly: c x tanh(logit / c) (Gemma 2: 50); null: none")
+    logit_softcap: float | None = Field(
+        None, gt=0, description="output logits capped softly: c x tanh(logit / c) (Gemma 2: 30); null: none")
     biases: Literal["none", "qkv", "all"] = Field(
         "none", description="additive biases: none; on the q, k and v projections (Qwen2); on every projection (GPT-2)")
     tied_embeddings: bool = Field(False, description="the output projection reuses the token embedding")
@@ -131,6 +153,7 @@ class GPTConfig(ModelSection):
         if chunk and self.seq_len % chunk:
             raise ValueError(f"model.impl.loss_chunk={chunk} does not divide model.seq_len={self.seq_len}; use a "
                              f"divisor of {self.seq_len}, or 0 for the unchunked loss")
+        self._gemma_checks()
         if self.impl.gelu_grad_impl == "cublaslt" and self.activation != "gelu":
             raise ValueError(f"model.impl.gelu_grad_impl=cublaslt needs model.activation=gelu, not {self.activation}")
         moe = self.moe
@@ -141,6 +164,37 @@ class GPTConfig(ModelSection):
             raise ValueError(f"model.moe.first_dense={moe.first_dense}, model.moe.every={moe.every}: layers with and "
                              f"without experts are not one stack to scan; set model.impl.scan_layers=false")
         return self
+
+    def _gemma_checks(self) -> None:
+        if self.global_every is not None and self.sliding_window is None:
+            raise ValueError(f"model.global_every={self.global_every} sets windowed layers apart from global ones; it "
+                             f"needs model.sliding_window")
+        if self.global_every is not None and self.impl.scan_layers:
+            raise ValueError(f"model.global_every={self.global_every}: windowed and global layers are not one stack to "
+                             f"scan; set model.impl.scan_layers=false")
+        if self.local_rope_base is not None and self.global_every is None:
+            raise ValueError(f"model.local_rope_base={self.local_rope_base} is the windowed layers' RoPE base apart "
+                             f"from the global ones'; it needs model.global_every")
+        if self.attention_softcap is not None and self.impl.attention == "cudnn":
+            raise ValueError(f"model.attention_softcap={self.attention_softcap}: cuDNN's attention does not cap its "
+                             f"logits; set model.impl.attention=xla or auto")
+        if self.logit_softcap is not None and self.impl.loss_impl == "pallas":
+            raise ValueError(f"model.logit_softcap={self.logit_softcap}: the Pallas loss kernel does not cap the "
+                             f"logits; set model.impl.loss_impl=xla or auto")
+        if self.activation == "geglu" and self.moe.experts:
+            raise ValueError("model.activation=geglu: the experts run SwiGLU or GELU; a mixture of experts needs one "
+                             "of those")
+
+    def is_global(self, layer: int) -> bool:
+        """Whether layer `layer` (from 0) attends to every earlier token: no sliding window, or every
+        `global_every`-th layer under one."""
+        if self.sliding_window is None:
+            return True
+        return self.global_every is not None and (layer + 1) % self.global_every == 0
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (None: it attends to every earlier token)."""
+        return None if self.is_global(layer) else self.sliding_window
 
     @property
     def mlp_dim(self) -> int:

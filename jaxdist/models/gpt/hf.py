@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxdist.errors import UserError
-from jaxdist.models.hf_mapping import (COMMON_OUT, HFAdapter, Reader, Tensor, reshaped, same,
+from jaxdist.models.hf_mapping import (COMMON_OUT, HFAdapter, Reader, Tensor, extras_set, reshaped, same,
                                        transposed)
 
 GPT2 = "GPT2LMHeadModel"
@@ -45,7 +45,7 @@ def _architecture(model) -> str:
         ("kv_heads", model.kv_heads, model.key_value_heads == model.heads),
         ("biases", model.biases, model.biases != "qkv"),
         ("head_dim", model.head_dim, model.head_width * model.heads == model.d_model),
-        ("sliding_window", model.sliding_window, model.sliding_window is None)) if not holds]
+        ("sliding_window", model.sliding_window, model.sliding_window is None)) if not holds] + extras_set(model)
     if differs:
         raise UserError(f"export --format hf: GPT-2 has no {', '.join(differs)}; no Hugging Face architecture "
                         f"computes this model")

@@ -34,7 +34,8 @@ def loss(model: nnx.Module, batch: dict[str, jax.Array]) -> Loss:
     features = model.features(batch["inputs"], segments, positions)
     if chunk:
         total = fused_linear_cross_entropy(features.hidden, features.head, targets, weights, chunk=chunk,
-                                           logits_dtype=model.logits_dtype, impl=impl.loss_impl)
+                                           logits_dtype=model.logits_dtype, impl=impl.loss_impl,
+                                           softcap=model.cfg.logit_softcap)
     else:
         losses = optax.softmax_cross_entropy_with_integer_labels(
             model.logits(features.hidden, features.head).astype(jnp.float32), targets)

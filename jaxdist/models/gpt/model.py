@@ -43,7 +43,8 @@ def read_in_compute_dtype(path: tuple) -> bool:
 
 class Block(nnx.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)), the MLP a mixture of
-    experts where `moe` (models/layers/moe.py).
+    experts where `moe` (models/layers/moe.py); with `model.post_norms`, each branch's output normed
+    too before it is added (Gemma's). `layer`: its index, for what differs by layer (the window).
 
     `__call__(x, delta, docs)` takes the residual and the previous block's pending MLP output and returns
     the same pair, and the experts' `Stats` (None without experts): each residual add happens inside
@@ -53,48 +54,63 @@ class Block(nnx.Module):
     """
 
     def __init__(self, cfg: GPTConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs, fp8: bool = False,
-                 moe: bool = False):
+                 moe: bool = False, layer: int = 0):
         self.norm1 = Norm(cfg, impl, param_dtype, rngs)
-        self.attn = Attention(cfg, impl, param_dtype, rngs, fp8)
+        self.attn = Attention(cfg, impl, param_dtype, rngs, fp8, layer)
+        if cfg.post_norms:
+            self.attn_out_norm = Norm(cfg, impl, param_dtype, rngs)
         self.norm2 = Norm(cfg, impl, param_dtype, rngs)
         if moe:
             self.moe = MoE(cfg, impl, param_dtype, rngs)
         else:
             self.mlp = Mlp(cfg, impl, param_dtype, rngs, fp8)
+        if cfg.post_norms:
+            self.mlp_out_norm = Norm(cfg, impl, param_dtype, rngs)
 
     def __call__(self, x: jax.Array, delta: jax.Array | None = None,
                  docs: Documents | None = None) -> tuple[jax.Array, jax.Array, Stats | None]:
         x, h = self.norm1.add(x, delta)
-        x, h = self.norm2.add(x, self.attn(h, docs))
+        x, h = self.norm2.add(x, self.attended(self.attn(h, docs)))
         return (x, *self.feed_forward(h, docs))
 
+    def attended(self, y: jax.Array) -> jax.Array:
+        """Attention's output `y` as it joins the residual: normed with `model.post_norms`."""
+        return self.attn_out_norm(y) if hasattr(self, "attn_out_norm") else y
+
     def feed_forward(self, h: jax.Array, docs: Documents | None = None) -> tuple[jax.Array, Stats | None]:
-        """The MLP's (or the experts') output for the normed residual `h`, and the experts' `Stats`."""
+        """The MLP's (or the experts') output for the normed residual `h`, as it joins the residual,
+        and the experts' `Stats`."""
         if hasattr(self, "moe"):
-            return self.moe(h, None if docs is None else docs.counted)
-        return self.mlp(h), None
+            out, stats = self.moe(h, None if docs is None else docs.counted)
+        else:
+            out, stats = self.mlp(h), None
+        return (self.mlp_out_norm(out) if hasattr(self, "mlp_out_norm") else out), stats
 
 
 def _decode_block(block: Block, x: jax.Array, cache: KVCache, start: jax.Array) -> tuple[jax.Array, KVCache]:
     """One block's step of sampling: `x` the new positions' residual (see `Attention.decode`)."""
     attended, cache = block.attn.decode(block.norm1(x), cache, start)
-    x = x + attended
+    x = x + block.attended(attended)
     return x + block.feed_forward(block.norm2(x))[0], cache
 
 
-def _unstack(stacked: Block, create_block) -> list[Block]:
-    """The layers of a stacked block as blocks of their own (built as `create_block()` builds one)."""
+def _unstack(stacked: Block, create_block, layers: list[int], window_of) -> list[Block]:
+    """The layers of a stacked block as blocks of their own, the i-th built as `create_block(layers[i])`
+    builds one (blocks differ only in what is static, their attention's window: `window_of(layer)`)."""
+    abstracts = {}
     with nnx.use_eager_sharding(False):
-        abstract = nnx.eval_shape(create_block)
+        for layer in layers:
+            if window_of(layer) not in abstracts:
+                abstracts[window_of(layer)] = nnx.eval_shape(lambda layer=layer: create_block(layer))
     # The stacks whole first: XLA would otherwise fuse each layer's slice into the random draw that
     # makes the stack, one copy of the draw's code per layer, and compile for that much longer.
-    graphdef, values = nnx.graphdef(abstract), jax.lax.optimization_barrier(nnx.to_pure_dict(nnx.state(stacked)))
-    layers = jax.tree.leaves(values)[0].shape[0]
+    values = jax.lax.optimization_barrier(nnx.to_pure_dict(nnx.state(stacked)))
     blocks = []
-    for i in range(layers):
+    for i, layer in enumerate(layers):
+        abstract = abstracts[window_of(layer)]
         state = nnx.state(abstract)
         nnx.replace_by_pure_dict(state, jax.tree.map(lambda stack: stack[i], values))
-        blocks.append(nnx.merge(graphdef, state))
+        blocks.append(nnx.merge(nnx.graphdef(abstract), state))
     return blocks
 
 
@@ -167,7 +183,10 @@ class GPT(nnx.Module):
             # Unrolled, separate parameters per layer: each layer's gradient is complete as soon as its
             # backward is done, so its reduction can overlap the rest of the backward pass.
             unstacked = {moe: iter(_unstack(stacked_blocks(kinds.count(moe), moe),
-                                            lambda moe=moe: Block(cfg, impl, param_dtype, nnx.Rngs(0), fp8, moe)))
+                                            lambda layer, moe=moe: Block(cfg, impl, param_dtype, nnx.Rngs(0), fp8, moe,
+                                                                         layer),
+                                            [layer for layer, kind in enumerate(kinds) if kind == moe],
+                                            cfg.layer_window))
                          for moe in set(kinds)}
             self.blocks = nnx.List([next(unstacked[moe]) for moe in kinds])
         self.final_norm = Norm(cfg, impl, param_dtype, rngs)
@@ -211,9 +230,10 @@ class GPT(nnx.Module):
 
     def init_cache(self, batch: int, length: int) -> KVCache:
         """An empty `KVCache` for `batch` rows of up to `length` positions, in the compute dtype (a
-        ring of the sliding window's length, where that is shorter)."""
+        ring of the sliding window's length, where that is shorter and every layer is windowed)."""
         cfg = self.cfg
-        length = min(length, cfg.sliding_window or length)
+        if all(not cfg.is_global(layer) for layer in range(cfg.layers)):
+            length = min(length, cfg.sliding_window)
         shape = (cfg.layers, batch, length, cfg.key_value_heads, cfg.head_width)
         zeros = jnp.zeros(shape, self.compute_dtype)
         return KVCache(zeros, zeros)
@@ -247,18 +267,23 @@ class GPT(nnx.Module):
         return self.logits(self.final_norm(x), self.head_weights()), cache
 
     def _embed(self, tokens: jax.Array) -> jax.Array:
-        """The tokens' embedding rows, in float32 at least."""
+        """The tokens' embedding rows, in float32 at least (times sqrt(d_model) with `model.embed_scale`)."""
         # The table gathered to the activations' layout first (its `embed` dim whole, as FSDP
         # gathers any weight before use): left split, the lookup's output would have to be split
         # along `embed` and the batch at once, which XLA can only do by replicating it when the
         # batch is split over more axes than the table's (the stage axis, outside a pipeline).
         # Looked up in float32 at least: the lookup's gradient adds every occurrence of a token into
         # its row, which in bfloat16 parameters would lose most of a frequent token's sum.
-        return jnp.take(constrain(at_least_float32(self.embed[...]), ("vocab", "embed")), tokens, axis=0)
+        rows = jnp.take(constrain(at_least_float32(self.embed[...]), ("vocab", "embed")), tokens, axis=0)
+        return rows * jnp.asarray(self.cfg.d_model ** 0.5, rows.dtype) if self.cfg.embed_scale else rows
 
     def logits(self, hidden: jax.Array, head: jax.Array) -> jax.Array:
-        """The output projection: logits (batch, length, vocab) in `logits_dtype`."""
+        """The output projection: logits (batch, length, vocab) in `logits_dtype` (capped softly at
+        `model.logit_softcap`, if set)."""
         logits = jnp.einsum("btd,dv->btv", hidden, cast(head, hidden.dtype), preferred_element_type=self.logits_dtype)
+        cap = self.cfg.logit_softcap
+        if cap is not None:
+            logits = (cap * jnp.tanh(logits.astype(jnp.float32) / cap)).astype(logits.dtype)
         return constrain(logits, ("batch", "length", "vocab"))
 
     def head_weights(self) -> jax.Array:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxdist.models.layers import norm
 from jaxdist.models.layers.common import HEADS, KV_HEADS, NORMAL, RESIDUAL, ZEROS, cast, param, project
 from jaxdist.parallel import context, roles
 from jaxdist.parallel.rules import constrain
@@ -46,6 +47,8 @@ def rope_frequencies(head_dim: int, base: float = 10000.0, scaling: RopeScaling 
     freqs = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim)
     if scaling is None or scaling.kind == "none":
         return freqs.astype(np.float32)
+    if scaling.kind == "linear":
+        return (freqs / np.float32(scaling.factor)).astype(np.float32)
     wavelengths = 2 * np.pi / freqs
     slowed = np.where(wavelengths > scaling.original_length / scaling.low_freq_factor, freqs / scaling.factor, freqs)
     blend = ((scaling.original_length / wavelengths - scaling.low_freq_factor)
@@ -80,15 +83,20 @@ class Attention(nnx.Module):
     a leading axis (`qkv`): each is a contiguous slice, so the three projections need no activation
     transposes or concatenations. With fewer (grouped-query attention), `q` and the stacked `kv`."""
 
-    def __init__(self, cfg: GPTConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs, fp8: bool = False):
+    def __init__(self, cfg: GPTConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs, fp8: bool = False,
+                 layer: int = 0):
         head_dim = cfg.head_width
         self.grouped = cfg.key_value_heads != cfg.heads
         self.fp8 = fp8
-        # A tuple, not an array: static to NNX, no variable of the model.
-        self.freqs = (tuple(rope_frequencies(head_dim, cfg.rope_base, cfg.rope_scaling).tolist())
-                      if cfg.positions == "rope" else None)
+        self.window = cfg.layer_window(layer)
+        # A tuple, not an array: static to NNX, no variable of the model. Windowed layers may have a
+        # RoPE base of their own (model.local_rope_base), unscaled.
+        local_base = cfg.local_rope_base if self.window is not None else None
+        base, scaling = (cfg.rope_base, cfg.rope_scaling) if local_base is None else (local_base, None)
+        self.freqs = tuple(rope_frequencies(head_dim, base, scaling).tolist()) if cfg.positions == "rope" else None
         self.implementation = impl.attention
-        self.window = cfg.sliding_window
+        self.scores = context.Scores(None if cfg.attention_scale_dim is None else cfg.attention_scale_dim ** -0.5,
+                                     cfg.attention_softcap)
         d, h, kv = cfg.d_model, cfg.heads, cfg.key_value_heads
         if self.grouped:
             self.q = param(rngs, NORMAL, (d, h, head_dim), ("embed", "heads", "head_dim"), param_dtype)
@@ -108,8 +116,8 @@ class Attention(nnx.Module):
         if cfg.biases == "all":
             self.out_bias = param(rngs, ZEROS, (d,), ("embed",), param_dtype, roles.BIAS)
         if cfg.qk_norm:
-            self.norm_eps = cfg.norm_eps
-            self.q_norm, self.k_norm = (param(rngs, nnx.initializers.ones_init(), (head_dim,), ("head_dim",),
+            self.norm_eps, self.norm_plus_one = cfg.norm_eps, cfg.norm_plus_one
+            self.q_norm, self.k_norm = (param(rngs, norm.scale_init(cfg), (head_dim,), ("head_dim",),
                                               param_dtype, roles.NORM) for _ in range(2))
 
     def __call__(self, x: jax.Array, docs: Documents | None = None) -> jax.Array:
@@ -119,7 +127,7 @@ class Attention(nnx.Module):
             q, k = rope(q, positions, self.freqs), rope(k, positions, self.freqs)
         y = context.attention(q, k, v, None if docs is None else docs.mask,
                               _attention_impl(self.implementation, x.dtype), HEADS, KV_HEADS if self.grouped else HEADS,
-                              self.window)
+                              self.window, self.scores)
         return self._output(y)
 
     def decode(self, x: jax.Array, cache: KVCache, start: jax.Array) -> tuple[jax.Array, KVCache]:
@@ -138,8 +146,8 @@ class Attention(nnx.Module):
                            names)
         # A cache longer than the window (if any): the window as a mask.
         visible = context.causal_visible(positions[:, None], jnp.arange(keys.shape[1])[None, :], self.window)
-        y = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=visible[None, None],
-                                         implementation="xla")
+        y = context.dot_product(q, keys.astype(q.dtype), values.astype(q.dtype), visible[None, None], "xla",
+                                self.scores)
         return self._output(y), KVCache(keys, values)
 
     def _decode_in_window(self, q, k, v, cache: KVCache, start: jax.Array, names) -> tuple[jax.Array, KVCache]:
@@ -154,7 +162,7 @@ class Attention(nnx.Module):
         visible = (visible & (key_positions >= 0)[None, :])[None, None]
         keys = jnp.concatenate([cache.keys.astype(q.dtype), k], axis=1)
         values = jnp.concatenate([cache.values.astype(q.dtype), v], axis=1)
-        y = jax.nn.dot_product_attention(q, keys, values, mask=visible, implementation="xla")
+        y = context.dot_product(q, keys, values, visible, "xla", self.scores)
         kept = min(new, size)  # the last `size` new positions are the ones a later query can see
         written = (start + new - kept + jnp.arange(kept)) % size
         keys = constrain(cache.keys.at[:, written].set(k[:, new - kept:].astype(cache.keys.dtype)), names)
@@ -171,7 +179,8 @@ class Attention(nnx.Module):
     def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         q, k, v = self._projections(x)
         if hasattr(self, "q_norm"):
-            q, k = _rms_normed(q, self.q_norm[...], self.norm_eps), _rms_normed(k, self.k_norm[...], self.norm_eps)
+            q, k = (_rms_normed(x, norm.scale_of(scale[...], self.norm_plus_one), self.norm_eps)
+                    for x, scale in ((q, self.q_norm), (k, self.k_norm)))
         return q, k, v
 
     def _projections(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -1,4 +1,5 @@
-"""The transformer block's MLP: GELU (its gradient in cuBLASLt's epilogue on GPU) or SwiGLU."""
+"""The transformer block's MLP: GELU (its gradient in cuBLASLt's epilogue on GPU), or gated: SwiGLU or
+GeGLU (Gemma's gate through GELU's tanh form)."""
 
 from __future__ import annotations
 
@@ -24,13 +25,14 @@ class Mlp(nnx.Module):
         self.gelu_grad_impl = impl.gelu_grad_impl
         self.recompute_activation = impl.remat == "mlp"
         self.up = param(rngs, NORMAL, (cfg.d_model, cfg.mlp_dim), ("embed", "mlp"), param_dtype)
-        if cfg.activation == "swiglu":
+        gated = cfg.activation in ("swiglu", "geglu")
+        if gated:
             self.gate = param(rngs, NORMAL, (cfg.d_model, cfg.mlp_dim), ("embed", "mlp"), param_dtype)
         down_init = nnx.initializers.normal(0.02 / (2 * cfg.layers) ** 0.5)
         self.down = param(rngs, down_init, (cfg.mlp_dim, cfg.d_model), ("mlp", "embed"), param_dtype)
         if cfg.biases == "all":
             self.up_bias = param(rngs, ZEROS, (cfg.mlp_dim,), ("mlp",), param_dtype, roles.BIAS)
-            if cfg.activation == "swiglu":
+            if gated:
                 self.gate_bias = param(rngs, ZEROS, (cfg.mlp_dim,), ("mlp",), param_dtype, roles.BIAS)
             self.down_bias = param(rngs, ZEROS, (cfg.d_model,), ("embed",), param_dtype, roles.BIAS)
 
@@ -38,7 +40,7 @@ class Mlp(nnx.Module):
         up = project(self.fp8, "btd,dm->btm", x, cast(self.up[...], x.dtype))
         h = constrain(self._bias("up_bias", up), ("batch", "length", "mlp"))
         gate = None
-        if self.activation == "swiglu":
+        if self.activation != "gelu":
             gate = project(self.fp8, "btd,dm->btm", x, cast(self.gate[...], x.dtype))
             gate = constrain(self._bias("gate_bias", gate), ("batch", "length", "mlp"))
         activate_and_project = self._activate_and_project
@@ -55,6 +57,8 @@ class Mlp(nnx.Module):
     def _activate_and_project(self, h: jax.Array, gate: jax.Array | None, down: jax.Array) -> jax.Array:
         if self.activation == "swiglu":
             return project(self.fp8, "btm,md->btd", jax.nn.silu(gate) * h, down)
+        if self.activation == "geglu":
+            return project(self.fp8, "btm,md->btd", jax.nn.gelu(gate, approximate=True) * h, down)
         if self.fp8:  # the FP8 GEMM in place of the cuBLASLt GELU-gradient kernel's bfloat16 one
             # Kept for the backward, `h` would let XLA's GEMM rewriter fold the GELU into the up
             # projection's FP8 GEMM (a GELU_AUX epilogue), which cuBLASLt has no FP8 kernel for:

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from jaxdist.errors import UserError
-from jaxdist.models.hf_mapping import (COMMON_OUT, HFAdapter, Reader, Tensor, linear, reshaped, same,
-                                       stacked_linears, transposed)
+from jaxdist.models.hf_mapping import (COMMON_OUT, HFAdapter, Reader, Tensor, attention_projections, extras_set,
+                                       same, stacked_linears, transposed)
 
 LLAMA, MISTRAL, QWEN2, QWEN3 = "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"
 MIXTRAL, QWEN3_MOE = "MixtralForCausalLM", "Qwen3MoeForCausalLM"
@@ -92,7 +92,7 @@ def _rope_keys(get: Reader) -> dict[str, Any]:
     kind = rope.value("rope_type", rope.value("type", "default"))
     if kind == "default":
         return {"rope_base": base}
-    get.require(kind == "llama3", f"rope type {kind!r} (jaxdist has default and llama3)")
+    get.require(kind == "llama3", f"rope type {kind!r} (jaxdist's Llama has default and llama3)")
     return {"rope_base": base, "rope_scaling": {
         "kind": "llama3", "factor": rope.number("factor"), "low_freq_factor": rope.number("low_freq_factor"),
         "high_freq_factor": rope.number("high_freq_factor"),
@@ -109,6 +109,9 @@ def _computes(model) -> bool:
 def _architecture(model) -> str:
     llama_like = model.positions == "rope" and model.norm == "rmsnorm" and model.activation == "swiglu"
     plain = model.biases == "none"
+    if extras := extras_set(model):
+        raise UserError(f"export --format hf: the Llama family has no {', '.join(extras)}; no Hugging Face "
+                        f"architecture of it computes this model")
     if model.sliding_window is not None and llama_like and not (plain and not model.qk_norm):
         raise UserError(f"export --format hf: a sliding window (model.sliding_window={model.sliding_window}) is "
                         f"written as Mistral or Mixtral, which have no q/k norms or biases (model.qk_norm="
@@ -186,7 +189,6 @@ def _rope_out(model) -> dict[str, Any]:
 # -- tensors -----------------------------------------------------------------------------------------
 
 def _tensors(model) -> list[Tensor]:
-    d, h, kv, hd = model.d_model, model.heads, model.key_value_heads, model.head_width
     layer = "model.layers.{layer}."
     attn, mlp = layer + "self_attn.", layer + "mlp."
     out = [
@@ -194,7 +196,7 @@ def _tensors(model) -> list[Tensor]:
         Tensor(("final_norm", "scale"), ("model.norm.weight",), *same(), in_block=False),
         Tensor(("norm1", "scale"), (layer + "input_layernorm.weight",), *same(), in_block=True),
         Tensor(("norm2", "scale"), (layer + "post_attention_layernorm.weight",), *same(), in_block=True),
-        Tensor(("attn", "out"), (attn + "o_proj.weight",), *linear((h, hd, d), inputs=2), in_block=True),
+        *attention_projections(model, attn),
         Tensor(("mlp", "up"), (mlp + "up_proj.weight",), *transposed(), in_block=True, layers="dense"),
         Tensor(("mlp", "gate"), (mlp + "gate_proj.weight",), *transposed(), in_block=True, layers="dense"),
         Tensor(("mlp", "down"), (mlp + "down_proj.weight",), *transposed(), in_block=True, layers="dense"),
@@ -203,18 +205,6 @@ def _tensors(model) -> list[Tensor]:
         out += _expert_tensors(model, layer)
     if model.qk_norm:
         out += [Tensor(("attn", f"{x}_norm"), (attn + f"{x}_norm.weight",), *same(), in_block=True) for x in "qk"]
-    qkv_names = tuple(attn + f"{x}_proj.weight" for x in "qkv")
-    bias_names = tuple(attn + f"{x}_proj.bias" for x in "qkv")
-    if kv == h:
-        out.append(Tensor(("attn", "qkv"), qkv_names, *stacked_linears((d, h, hd)), in_block=True))
-        if model.biases == "qkv":
-            out.append(Tensor(("attn", "qkv_bias"), bias_names, *reshaped((h, hd), 3), in_block=True))
-    else:
-        out.append(Tensor(("attn", "q"), qkv_names[:1], *linear((d, h, hd)), in_block=True))
-        out.append(Tensor(("attn", "kv"), qkv_names[1:], *stacked_linears((d, kv, hd)), in_block=True))
-        if model.biases == "qkv":
-            out.append(Tensor(("attn", "q_bias"), bias_names[:1], *reshaped((h, hd)), in_block=True))
-            out.append(Tensor(("attn", "kv_bias"), bias_names[1:], *reshaped((kv, hd), 2), in_block=True))
     if not model.tied_embeddings:
         out.append(Tensor(("head",), ("lm_head.weight",), *transposed(), in_block=False))
     return out
