@@ -32,6 +32,7 @@ from jaxdist.train.state import abstract_model, merge, param_shardings
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gpt2")
 MIXTURES = ("mixtral", "qwen3_moe")
+GEMMAS = ("gemma2", "gemma3")  # windowed and global layers: unrolled, so no pipeline layout
 UNROLLED = {"model": {"impl": {"scan_layers": False}}}  # Qwen3-MoE's dense and routed layers are two kinds
 LAYOUTS = {
     "data8": {"mesh": {"data": 8, "fsdp": 1, "tensor": 1}, "rules": {"preset": "dp"}},
@@ -81,6 +82,23 @@ def test_imported_models_give_the_logits_transformers_gave(family, layout):
     assert cfg.model.name == ("gpt" if family == "gpt2" else "llama")
 
 
+@pytest.mark.parametrize("layout", ["one_device", "fsdp2_tensor2_data2"])
+@pytest.mark.parametrize("family", GEMMAS)
+def test_imported_gemmas_give_the_logits_transformers_gave(family, layout):
+    reference = np.load(FIXTURES / family / "reference.npz")
+    one_device = {"mesh": {"data": 1, "fsdp": 1, "tensor": 1}, "rules": {"preset": "dp"}}
+    sections, devices = (one_device, 1) if layout == "one_device" else (LAYOUTS[layout], 8)
+    cfg, graphdef, params, placed = imported(FIXTURES / family, sections, devices=devices)
+    logits = logits_of(graphdef, params, placed, reference["input_ids"])
+    np.testing.assert_allclose(logits, reference["logits"], atol=1e-4, rtol=0)
+    assert reference["logits"].std() > 0.5 and cfg.model.name == "gemma"
+    # The norms hold w of Gemma's 1 + w, as published (the fixture's are random, none a no-op).
+    source = _tensors(FIXTURES / family)
+    published = source["model.layers.1.post_attention_layernorm.weight"]
+    np.testing.assert_array_equal(np.asarray(params["blocks"][1]["attn_out_norm"]["scale"]), published)
+    assert np.abs(published).max() > 0.1
+
+
 @pytest.mark.parametrize("layout", MIXTURE_LAYOUTS)
 @pytest.mark.parametrize("family", MIXTURES)
 def test_imported_mixtures_give_the_logits_transformers_gave(family, layout):
@@ -119,9 +137,20 @@ def test_the_fixtures_cover_what_the_families_differ_in():
     assert all(mixtral.moe.is_moe(layer) for layer in range(2))
     assert (qwen3_moe.moe.experts, qwen3_moe.expert_hidden, qwen3_moe.mlp_dim, qwen3_moe.moe.renormalize,
             qwen3_moe.moe.first_dense, qwen3_moe.qk_norm, qwen3_moe.head_width) == (4, 48, 96, False, 1, True, 32)
+    gemma2, gemma3 = (hf_folder.resolve(Config.model_validate({"model": {"init_from": f"hf:{FIXTURES / f}",
+                                                                       "seq_len": 12}})).model for f in GEMMAS)
+    assert (gemma2.sliding_window, gemma2.global_every, gemma2.attention_softcap, gemma2.logit_softcap,
+            gemma2.attention_scale_dim, gemma2.head_width, gemma2.qk_norm) == (5, 2, 2.0, 5.0, 24, 32, False)
+    assert [gemma2.layer_window(layer) for layer in range(3)] == [5, None, 5]
+    assert (gemma3.global_every, gemma3.rope_base, gemma3.rope_scaling.kind, gemma3.rope_scaling.factor,
+            gemma3.local_rope_base, gemma3.attention_scale_dim, gemma3.qk_norm) == (3, 1e6, "linear", 4.0, 1e4, None,
+                                                                                    True)
+    assert (gemma3.attention_softcap, gemma3.logit_softcap, gemma3.impl.scan_layers) == (None, None, False)
+    assert all(g.embed_scale and g.post_norms and g.norm_plus_one and g.tied_embeddings and g.activation == "geglu"
+               for g in (gemma2, gemma3))
 
 
-@pytest.mark.parametrize("family", FAMILIES + MIXTURES)
+@pytest.mark.parametrize("family", FAMILIES + MIXTURES + GEMMAS)
 def test_an_export_holds_the_fixture_tensors_and_config_keys_and_reimports_bitwise(family, tmp_path):
     source = FIXTURES / family
     cfg, _, params, _ = imported(source)
@@ -140,7 +169,8 @@ def test_an_export_holds_the_fixture_tensors_and_config_keys_and_reimports_bitwi
     for key in ("architectures", "vocab_size", "tie_word_embeddings", "rope_parameters", "num_key_value_heads",
                 "intermediate_size", "n_embd", "n_positions", "rms_norm_eps", "layer_norm_epsilon", "head_dim",
                 "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-                "mlp_only_layers", "decoder_sparse_step", "sliding_window"):
+                "mlp_only_layers", "decoder_sparse_step", "sliding_window", "layer_types", "query_pre_attn_scalar",
+                "attn_logit_softcapping", "final_logit_softcapping", "hidden_activation"):
         assert ours.get(key) == theirs.get(key), key
     assert (out / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
 

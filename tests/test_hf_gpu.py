@@ -27,8 +27,9 @@ FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 def _jaxdist_logits(folder: Path, compute: str, tokens: np.ndarray) -> tuple[Config, dict, np.ndarray]:
     cfg = hf_folder.resolve(Config.model_validate({
         "model": {"init_from": f"hf:{folder}", "seq_len": tokens.shape[1],
-                  # Qwen3-MoE's dense first layer and routed ones are two kinds of block.
-                  "impl": {"scan_layers": folder.name != "qwen3_moe"}}, "mesh": {"data": -1, "fsdp": 1, "tensor": 1},
+                  # Qwen3-MoE's dense first layer and routed ones are two kinds of block, as are
+                  # Gemma's windowed and global layers.
+                  "impl": {"scan_layers": folder.name not in ("qwen3_moe", "gemma2", "gemma3")}}, "mesh": {"data": -1, "fsdp": 1, "tensor": 1},
         "rules": {"preset": "dp"}, "precision": {"compute": compute}}))
     entry = models.get(cfg.model.name)
     placed = layout_lib.from_config(cfg, None, entry.activations)
@@ -41,7 +42,8 @@ def _jaxdist_logits(folder: Path, compute: str, tokens: np.ndarray) -> tuple[Con
 
 
 @pytest.mark.parametrize("compute", ["float32", "bfloat16"])
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "gemma2", "gemma3",
+                                    "gpt2"])
 def test_transformers_loads_the_export_and_gives_jaxdist_logits(family, compute, tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

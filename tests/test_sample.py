@@ -39,7 +39,11 @@ FSDP_TP = {"data": 2, "fsdp": 2, "tensor": 2}
      {"scan_layers": False}, {"data": 1, "expert": 2, "fsdp": 2, "tensor": 2}),
     # A window of 3: the prompt of 5 is longer, the cache a ring of 3 positions.
     ({"name": "llama", "kv_heads": 2, "sliding_window": 3}, {"scan_layers": True}, FSDP_TP),
-], ids=["gpt-scanned", "llama-gqa-unrolled", "mixture-experts-split", "llama-sliding-window"])
+    # Gemma's: windowed and global layers in turn, each with its own RoPE base, both logits capped.
+    ({"name": "gemma", "kv_heads": 2, "sliding_window": 3, "global_every": 2, "local_rope_base": 100.0,
+      "qk_norm": True, "attention_softcap": 2.0, "logit_softcap": 8.0, "attention_scale_dim": 24},
+     {"scan_layers": False}, FSDP_TP),
+], ids=["gpt-scanned", "llama-gqa-unrolled", "mixture-experts-split", "llama-sliding-window", "gemma"])
 def test_greedy_sampling_with_the_cache_is_the_full_recompute(tmp_path, model, impl, mesh):
     cfg = make_config(tmp_path, model=model, impl=impl, mesh=mesh, rules={"preset": "fsdp_tp"})
     trainer = Trainer.from_config(cfg)
@@ -51,7 +55,9 @@ def test_greedy_sampling_with_the_cache_is_the_full_recompute(tmp_path, model, i
     np.testing.assert_array_equal(cached, expected)
     assert len(set(cached[0, len(prompt):].tolist())) > 3  # a real continuation, not one token repeated
     cache = merge(trainer.graphdef, trainer.params).init_cache(4, length)
-    assert cache.keys.shape[2] == min(length, cfg.model.sliding_window or length)
+    # No longer than the window where every layer is windowed; whole where some layer is global.
+    windowed = not any(cfg.model.is_global(layer) for layer in range(cfg.model.layers))
+    assert cache.keys.shape[2] == (min(length, cfg.model.sliding_window) if windowed else length)
 
 
 def test_nucleus_sampling_draws_only_from_its_nucleus():
