@@ -60,6 +60,31 @@ def test_the_router_is_the_papers(router, renormalize):
     np.testing.assert_allclose(got.probs, probs, rtol=1e-6)
 
 
+def test_group_limited_routing_chooses_within_the_best_groups():
+    """DeepSeek-V3's: 16 experts in 4 groups, each group scored by its two best experts' biased
+    scores, each token's top 3 taken from its best 2 groups only; the weights stay the sigmoids."""
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=(64, 16)).astype(np.float32)
+    bias = rng.normal(size=(16,)).astype(np.float32) * 0.5
+    cfg = moe_lib.MoEConfig(experts=16, experts_per_token=3, router="sigmoid", groups=4, top_groups=2)
+    got = moe_lib.route(jnp.asarray(logits), cfg, jnp.asarray(bias))
+    probs = 1 / (1 + np.exp(-logits))
+    choice = (probs + bias).reshape(64, 4, 4)
+    group_scores = np.sort(choice, -1)[..., -2:].sum(-1)
+    best = np.argsort(-group_scores, -1, kind="stable")[:, :2]
+    allowed = np.zeros((64, 4), bool)
+    np.put_along_axis(allowed, best, True, -1)
+    experts = _top_k(np.where(allowed[..., None], choice, -np.inf).reshape(64, 16), 3)
+    np.testing.assert_array_equal(got.experts, experts)
+    weights = np.take_along_axis(probs, experts, -1)
+    np.testing.assert_allclose(got.weights, weights / weights.sum(-1, keepdims=True), rtol=1e-6)
+    # The groups bite: unlimited, some token would take an expert outside its best groups.
+    assert (np.asarray(moe_lib.route(jnp.asarray(logits), cfg.model_copy(update={"groups": 1}), jnp.asarray(bias))
+                       .experts) != experts).any()
+    with pytest.raises(ValueError, match="model.moe.groups=3 groups the sigmoid router's experts"):
+        moe_lib.MoEConfig(experts=16, router="sigmoid", groups=3)
+
+
 def test_the_auxiliary_and_z_losses_are_switch_and_st_moe():
     """Switch Transformers' load balancing, E x sum_e f_e P_e (f_e: the tokens sent to e per token,
     over the k choices, as Mixtral's load_balancing_loss_func), and ST-MoE's z-loss, the mean of

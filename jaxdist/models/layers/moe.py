@@ -6,7 +6,9 @@ Routers, in float32 (`MoEConfig.router`):
 - sigmoid (DeepSeek-V3): the top k of sigmoid(logits) + a per-expert bias, the bias only choosing
   (the weights are the sigmoids, renormalized where asked, times `routed_scale`); the bias balances
   the load without an auxiliary loss: after each step it moves by `bias_rate` towards the experts
-  that got fewer tokens than the mean (`RouterBias`, updated outside the gradient).
+  that got fewer tokens than the mean (`RouterBias`, updated outside the gradient). With `groups`,
+  the experts fall into that many groups and each token chooses among the `top_groups` groups
+  whose two best experts score most (DeepSeek-V3's group-limited routing: 8 groups, 4 chosen).
 
 Dropless by default: each device sorts its tokens' assignments by expert and runs its experts as
 one grouped matmul (kernels/grouped_matmul.py), so no token is dropped and the result does not depend on
@@ -70,6 +72,8 @@ class MoEConfig(Section):
     aux_loss: float = Field(0.0, ge=0, description="load-balancing loss coefficient (Switch; Mixtral's 0.02)")
     z_loss: float = Field(0.0, ge=0, description="router z-loss coefficient (ST-MoE's 0.001)")
     bias_rate: float = Field(0.0, ge=0, description="sigmoid router: the bias step towards a balanced load")
+    groups: int = Field(1, gt=0, description="sigmoid router: groups of experts, chosen among first (DeepSeek-V3: 8)")
+    top_groups: int = Field(1, gt=0, description="the groups each token's experts come from (DeepSeek-V3: 4)")
     capacity_factor: float | None = Field(
         None, gt=0, description="null: dropless; else each expert takes at most this x tokens x k / experts")
 
@@ -80,6 +84,15 @@ class MoEConfig(Section):
                              f"model.moe.experts={self.experts}")
         if self.bias_rate and self.router != "sigmoid":
             raise ValueError("model.moe.bias_rate balances the sigmoid router's bias: set model.moe.router=sigmoid")
+        if self.groups > 1:
+            if self.router != "sigmoid" or self.experts % self.groups or self.top_groups > self.groups:
+                raise ValueError(f"model.moe.groups={self.groups} groups the sigmoid router's experts: it needs "
+                                 f"model.moe.router=sigmoid, model.moe.experts={self.experts} divisible by it and "
+                                 f"model.moe.top_groups={self.top_groups} at most it")
+            if self.experts // self.groups < 2 or self.experts_per_token > self.top_groups * self.experts // self.groups:
+                raise ValueError(f"model.moe.groups={self.groups}: each group is scored by its two best experts, "
+                                 f"and model.moe.top_groups={self.top_groups} groups must hold "
+                                 f"model.moe.experts_per_token={self.experts_per_token} experts")
         return self
 
     def is_moe(self, layer: int) -> bool:
@@ -107,11 +120,22 @@ def route(logits: jax.Array, cfg: MoEConfig, bias: jax.Array | None = None) -> R
     else:
         probs = jax.nn.sigmoid(logits)
         choice = probs if bias is None else probs + bias.astype(jnp.float32)
+        if cfg.groups > 1:
+            choice = _within_top_groups(choice, cfg.groups, cfg.top_groups)
         _, experts = jax.lax.top_k(choice, k)
         weights = jnp.take_along_axis(probs, experts, axis=-1)
     if cfg.renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return Routing(experts.astype(jnp.int32), weights * cfg.routed_scale, probs, logits)
+
+
+def _within_top_groups(choice: jax.Array, groups: int, top_groups: int) -> jax.Array:
+    """`choice` (tokens, E) with the experts outside each token's `top_groups` best groups (a group's
+    score: its two best experts') at -inf."""
+    grouped = choice.reshape(*choice.shape[:-1], groups, -1)
+    _, best = jax.lax.top_k(jax.lax.top_k(grouped, 2)[0].sum(-1), top_groups)
+    chosen = jax.nn.one_hot(best, groups, dtype=bool).any(-2)  # (tokens, groups)
+    return jnp.where(chosen[..., None], grouped, -jnp.inf).reshape(choice.shape)
 
 
 class Stats(NamedTuple):
