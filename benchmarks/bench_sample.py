@@ -56,7 +56,8 @@ def main(argv: list[str]) -> None:
         cast = generate.compute_dtype_params(models.get(cfg.model.name).read_in_compute_dtype,
                                              dtypes.policy(cfg.precision).compute_dtype)
         cached = generate.timed_sample(trainer.graphdef, trainer.params, prompt, cfg.model.seq_len,
-                                       generate.Sampling(args.new, 0.0, rows=rows), trainer.mesh, trainer.rules, cast)
+                                       generate.Sampling(args.new, 0.0, rows=rows), trainer.mesh, trainer.rules, cast,
+                                       trainer.state.model_state)
         tokens = np.zeros((rows, cfg.model.seq_len), np.int32)
         tokens[:, : len(prompt)] = prompt
         with rules_lib.activation_rules(trainer.mesh, trainer.rules):

@@ -170,11 +170,13 @@ def _run(run: Run, clock: RunTime) -> Trainer:
     if built:
         log(built)
     with clock.part("init"):
-        params = None
+        params = model_state = None
         if getattr(cfg.model, "init_from", None) and run.resume.step is None:
             params = functools.partial(hf_folder.load_params, cfg, run.abstract.params)
+            if run.abstract.state is not None:
+                model_state = functools.partial(hf_folder.load_state, cfg, run.abstract.state)
             log(f"starting from the weights of {cfg.model.init_from}")
-        trainer = Trainer.from_config(cfg, layout=layout, abstract=run.abstract, params=params)
+        trainer = Trainer.from_config(cfg, layout=layout, abstract=run.abstract, params=params, model_state=model_state)
     _log_setup(cfg, trainer, layout, rows)
     is_writer = jax.process_index() == 0
     with clock.part("restore"):
@@ -497,6 +499,6 @@ def write_sample(cfg: Config, trainer: Trainer, rows: int, tokenizer: Tokenizer)
     cast = None if picks is None else compute_dtype_params(picks, dtypes.policy(cfg.precision).compute_dtype)
     sampling = Sampling(cfg.sample.tokens, cfg.sample.temperature, cfg.sample.top_p, rows=rows, seed=cfg.seed)
     tokens = sample(trainer.graphdef, trainer.params, tokenizer.encode(cfg.sample.prompt), cfg.model.seq_len, sampling,
-                    trainer.mesh, trainer.rules, cast)
+                    trainer.mesh, trainer.rules, cast, trainer.state.model_state)
     text = tokenizer.decode(np.asarray(tokens[0]))
     log("--- sample ---\n" + text + "\n--------------")

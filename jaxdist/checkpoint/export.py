@@ -83,6 +83,14 @@ def check_saved_model(saved_params: Any, abstract_params: Any, checkpoint: Path)
                         f"{problem}; the meta was edited or is damaged")
 
 
+def keyed_like(saved: Any, like: Any) -> Any:
+    """`saved` (a pure dict read from a checkpoint, whose keys orbax writes as strings) with the keys
+    of `like` (the model's pure dict, where unrolled blocks are keyed 0, 1, ...)."""
+    if not isinstance(like, dict):
+        return saved
+    return {key: keyed_like(saved[key] if key in saved else saved[str(key)], value) for key, value in like.items()}
+
+
 def read_params(run_dir: str | Path, step: int | None = None) -> tuple[int, Any, dict]:
     """(step, params as a pure dict of numpy arrays, the checkpoint's metadata) of a run's checkpoint
     (default: the newest), read into this host's memory."""

@@ -200,6 +200,16 @@ def load_params(cfg: Config, abstract_params: Any, shardings: Any) -> Any:
     """The parameters of `model.init_from`'s weights, each made in its sharding (a pure dict like
     `abstract_params`, of `jax.Array`s). A tensor missing, or of a shape that does not fit the model,
     is a `UserError` naming it."""
+    return _load(cfg, abstract_params, shardings, state=False)
+
+
+def load_state(cfg: Config, abstract_state: Any, shardings: Any) -> Any:
+    """As `load_params`, the model's other variables that the weights hold (DeepSeek-V3's router
+    biases; `Tensor.state`)."""
+    return _load(cfg, abstract_state, shardings, state=True)
+
+
+def _load(cfg: Config, abstract_params: Any, shardings: Any, state: bool) -> Any:
     model = cfg.model
     shards = Shards(folder_of(model.init_from))
     stacked = model.impl.scan_layers
@@ -207,6 +217,11 @@ def load_params(cfg: Config, abstract_params: Any, shardings: Any) -> Any:
     used: set[str] = set()
     for tensor in hf_mapping.tensors(model):
         if tensor.path is None:
+            continue
+        if tensor.state != state:  # the other tree's; its names are the folder's all the same
+            used.update(shards.name(n) for layer in hf_mapping.blocks_with(tensor, model) if tensor.in_block
+                        for n in hf_mapping.layer_names(tensor, layer))
+            used.update(shards.name(n) for n in tensor.names if not tensor.in_block)
             continue
         if not tensor.in_block:
             used.update(shards.name(n) for n in tensor.names)
@@ -230,8 +245,9 @@ def load_params(cfg: Config, abstract_params: Any, shardings: Any) -> Any:
                 leaf = _placed(lambda _, t=tensor, i=layer: _read(shards, t, i), leaf_at(abstract_params, path),
                                leaf_at(shardings, path), None, tensor)
                 _set(params, path, leaf)
-    if len(jax.tree.leaves(params)) != len(jax.tree.leaves(abstract_params)):  # a parameter no tensor maps to
-        raise ValueError(f"model.name={model.name}'s Hugging Face adapter maps no tensor to some of its parameters")
+    if len(jax.tree.leaves(params)) != len(jax.tree.leaves(abstract_params)):  # a variable no tensor maps to
+        raise ValueError(f"model.name={model.name}'s Hugging Face adapter maps no tensor to some of its "
+                         f"{'variables' if state else 'parameters'}")
     extra = shards.unused(used)
     if extra:
         raise UserError(f"model.init_from=hf:{shards.folder}: the weights hold {len(extra)} tensor(s) the model has "
@@ -309,25 +325,33 @@ def _set(tree: Any, path: tuple, value: Any) -> None:
 
 # -- export ------------------------------------------------------------------------------------------
 
-def hf_tensors(model, leaf: Callable[[tuple], np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
+def hf_tensors(model, leaf: Callable[[tuple], np.ndarray],
+               state_leaf: Callable[[tuple], np.ndarray] | None = None) -> Iterator[tuple[str, np.ndarray]]:
     """The Hugging Face tensors of a model's parameters, name by name: `leaf(path)` gives the
-    parameter at `path` of the params dict (numpy); it is asked for each parameter once, in turn."""
+    parameter at `path` of the params dict (numpy); it is asked for each parameter once, in turn.
+    `state_leaf(path)` the same of the model's other variables, for those the weights hold."""
     stacked = model.impl.scan_layers
     dtype = None
     for tensor in hf_mapping.tensors(model):
+        if tensor.state:
+            if state_leaf is None:
+                raise ValueError(f"{tensor.names[0]} is one of the model's other variables: pass state_leaf")
+            tensor_leaf = state_leaf
+        else:
+            tensor_leaf = leaf
         if not tensor.in_block:
-            array = leaf(tensor.path)
+            array = tensor_leaf(tensor.path)
             dtype = array.dtype
             yield from zip(tensor.names, tensor.write(array), strict=True)
             continue
         layers = hf_mapping.blocks_with(tensor, model)
-        whole = leaf(("blocks", *tensor.path)) if stacked and tensor.path is not None and layers else None
+        whole = tensor_leaf(("blocks", *tensor.path)) if stacked and tensor.path is not None and layers else None
         for layer in layers:
             names = hf_mapping.layer_names(tensor, layer)
             if tensor.path is None:  # GPT-2's biases for a model without them
                 yield from ((name, np.zeros(tensor.zero_shape, dtype)) for name in names)
                 continue
-            array = whole[layer] if stacked else leaf(("blocks", layer, *tensor.path))
+            array = whole[layer] if stacked else tensor_leaf(("blocks", layer, *tensor.path))
             yield from zip(names, tensor.write(array), strict=True)
 
 
@@ -398,7 +422,7 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> tup
     safetensors shard at a time. Collective there: every process must call it.
     """
     from jaxdist import models
-    from jaxdist.checkpoint.export import check_saved_model, checkpoint_path, read_params, saved_config
+    from jaxdist.checkpoint.export import check_saved_model, checkpoint_path, keyed_like, read_parts, saved_config
     from jaxdist.train.state import abstract_model
 
     out = Path(out)
@@ -414,12 +438,15 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> tup
     if err is not None:
         raise err
     if jax.process_count() == 1:
-        step, params, meta = read_params(run_dir, step)
+        step, parts, meta = read_parts(run_dir, step)
+        params, model_state = (jax.tree.map(np.asarray, parts.get(part)) for part in ("params", "model_state"))
         cfg = saved_config(meta, checkpoint_path(run_dir, step))
         hf_mapping.export_architecture(cfg.model)  # one line before anything is written
         abstract = abstract_model(models.get(cfg.model.name).create(cfg), cfg.seed)
         check_saved_model(params, abstract.params, checkpoint_path(run_dir, step))
-        files = write_folder(out, cfg.model, hf_tensors(cfg.model, lambda path: leaf_at(params, path)), _source(cfg))
+        params, model_state = keyed_like(params, abstract.params), keyed_like(model_state, abstract.state)
+        tensors = hf_tensors(cfg.model, lambda path: leaf_at(params, path), lambda path: leaf_at(model_state, path))
+        files = write_folder(out, cfg.model, tensors, _source(cfg))
     else:
         step, files, cfg = _export_spread(run_dir, out, step)
     if tokenizer_lib.HUGGINGFACE_FILE not in files:
@@ -484,7 +511,7 @@ def _export_spread(run_dir: str | Path, out: Path, step: int | None) -> tuple[in
     from jaxdist.parallel import layout as layout_lib
     from jaxdist.train.state import abstract_model, param_shardings, with_shardings
 
-    def read(store, step: int) -> tuple[Config, Any]:
+    def read(store, step: int) -> tuple[Config, Any, Any]:
         cfg = saved_config(store.meta(step), store.path(step))
         hf_mapping.export_architecture(cfg.model)
         spread = cfg.model_copy(update={
@@ -494,14 +521,20 @@ def _export_spread(run_dir: str | Path, out: Path, step: int | None) -> tuple[in
         placed = layout_lib.from_config(spread, None, entry.activations)
         abstract = abstract_model(entry.create(spread), spread.seed)
         target = with_shardings(abstract.params, param_shardings(abstract, placed.rules, placed.mesh))
-        return cfg, store.read_placed(step, "params", target)
+        model_state = None
+        if abstract.state is not None:  # small (the routers' biases): whole on every device
+            whole = jax.sharding.NamedSharding(placed.mesh, jax.sharding.PartitionSpec())
+            model_state = store.read_placed(step, "model_state", with_shardings(
+                abstract.state, jax.tree.map(lambda _: whole, abstract.state)))
+        return cfg, store.read_placed(step, "params", target), model_state
 
-    step, (cfg, params) = read_checkpoint(run_dir, step, read)
+    step, (cfg, params, model_state) = read_checkpoint(run_dir, step, read)
 
-    def gathered(path: tuple) -> np.ndarray:
-        return np.asarray(multihost_utils.process_allgather(leaf_at(params, path), tiled=True))
+    def gathered(tree: Any) -> Callable[[tuple], np.ndarray]:
+        return lambda path: np.asarray(multihost_utils.process_allgather(leaf_at(tree, path), tiled=True))
 
     writer = jax.process_index() == 0
-    files = write_folder(out, cfg.model, hf_tensors(cfg.model, gathered), _source(cfg), write=writer)
+    files = write_folder(out, cfg.model, hf_tensors(cfg.model, gathered(params), gathered(model_state)), _source(cfg),
+                         write=writer)
     multihost_utils.sync_global_devices("jaxdist_export_hf")  # the folder is whole before any process returns
     return step, files, cfg

@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> None:
     import numpy as np
 
     from jaxdist import config, models
-    from jaxdist.checkpoint.export import check_saved_model, checkpoint_path, read_params, saved_config
+    from jaxdist.checkpoint.export import check_saved_model, checkpoint_path, keyed_like, read_parts, saved_config
     from jaxdist.data import loader
     from jaxdist.models import dtypes
     from jaxdist.parallel import layout as layout_lib
@@ -49,7 +49,8 @@ def run(args: argparse.Namespace) -> None:
 
     check_options(args.prompt, args.temperature, args.top_p, args.seed)
     rows = args.rows
-    step, params, meta = read_params(args.run_dir, args.step)
+    step, parts, meta = read_parts(args.run_dir, args.step)
+    params, model_state = (jax.tree.map(np.asarray, parts.get(part)) for part in ("params", "model_state"))
     cfg = config.with_overrides(saved_config(meta, checkpoint_path(args.run_dir, step)), args.overrides)
     entry = models.get(cfg.model.name)
     if not entry.samples_text:
@@ -64,6 +65,7 @@ def run(args: argparse.Namespace) -> None:
     layout = layout_lib.from_config(cfg, None, entry.activations)
     abstract = abstract_model(entry.create(cfg), cfg.seed)
     check_saved_model(params, abstract.params, checkpoint_path(args.run_dir, step))
+    params, model_state = keyed_like(params, abstract.params), keyed_like(model_state, abstract.state)
     # Rows are split over the batch shards: a mesh of more shards than rows samples some rows it drops.
     computed = -(-rows // layout.batch_shards) * layout.batch_shards
     _check_rows_fit(abstract, rows, computed, len(ids), min(cfg.model.seq_len, len(ids) + args.tokens), cfg.model.vocab,
@@ -71,11 +73,15 @@ def run(args: argparse.Namespace) -> None:
     shardings = param_shardings(abstract, layout.rules, layout.mesh)
     placed = jax.tree.map(lambda array, sharding: jax.make_array_from_callback(
         array.shape, sharding, lambda index: array[index]), params, shardings)
+    if model_state is not None:  # the routers' biases: small, whole on every device
+        whole = jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
+        model_state = jax.tree.map(lambda array: jax.make_array_from_callback(
+            array.shape, whole, lambda index: array[index]), model_state)
     cast = None if entry.read_in_compute_dtype is None else generate.compute_dtype_params(
         entry.read_in_compute_dtype, dtypes.policy(cfg.precision).compute_dtype)
     sampling = generate.Sampling(args.tokens, args.temperature, args.top_p, computed, args.seed)
     out = generate.timed_sample(abstract.graphdef, placed, ids, cfg.model.seq_len, sampling, layout.mesh,
-                                layout.rules, cast)
+                                layout.rules, cast, model_state)
     kept = out.tokens[:rows]
     made = (kept.shape[1] - len(ids)) * rows
     texts = [tokenizer.decode(row) for row in kept]

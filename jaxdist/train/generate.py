@@ -17,6 +17,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jaxdist.parallel import rules as rules_lib
+from jaxdist.train.state import merge
 
 
 def choose(logits: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:
@@ -36,10 +37,10 @@ def choose(logits: jax.Array, key: jax.Array, temperature: float, top_p: float) 
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "length", "temperature", "top_p", "cast"))
-def _generate(graphdef, params, prompt, key, length, temperature, top_p, cast):
+def _generate(graphdef, params, model_state, prompt, key, length, temperature, top_p, cast):
     # The weights the model reads only in the compute dtype are cast once, not at every token: a
     # token's step then reads each weight once, in the smaller dtype.
-    model = nnx.merge(graphdef, params if cast is None else cast(params))
+    model = merge(graphdef, params if cast is None else cast(params), model_state)
     rows, prompt_length = prompt.shape
     tokens = jnp.zeros((rows, length), prompt.dtype).at[:, :prompt_length].set(prompt)
     logits, cache = model.decode(prompt, model.init_cache(rows, length), jnp.int32(0))
@@ -79,10 +80,11 @@ class Sampled(NamedTuple):
 
 
 def sample(graphdef: nnx.GraphDef, params: Any, prompt: np.ndarray, seq_len: int, sampling: Sampling, mesh: Mesh,
-           rules: rules_lib.Rules, cast: Callable[[Any], Any] | None = None) -> np.ndarray:
+           rules: rules_lib.Rules, cast: Callable[[Any], Any] | None = None, model_state: Any = None) -> np.ndarray:
     """`sampling.rows` continuations of `prompt` (token ids), at most `seq_len` tokens each, prompt included.
-    `cast(params)`: the parameters as the model reads them (`compute_dtype_params`); None: as they are."""
-    return timed_sample(graphdef, params, prompt, seq_len, sampling, mesh, rules, cast).tokens
+    `cast(params)`: the parameters as the model reads them (`compute_dtype_params`); None: as they are.
+    `model_state`: the model's other variables, where it has any (a sigmoid router's biases)."""
+    return timed_sample(graphdef, params, prompt, seq_len, sampling, mesh, rules, cast, model_state).tokens
 
 
 def compute_dtype_params(picks: Callable[[tuple], bool], dtype) -> Callable[[Any], Any]:
@@ -95,7 +97,7 @@ def _cast_picked(picks, dtype, params):
 
 
 def timed_sample(graphdef: nnx.GraphDef, params: Any, prompt: np.ndarray, seq_len: int, sampling: Sampling, mesh: Mesh,
-                 rules: rules_lib.Rules, cast: Callable[[Any], Any] | None = None) -> Sampled:
+                 rules: rules_lib.Rules, cast: Callable[[Any], Any] | None = None, model_state: Any = None) -> Sampled:
     """`sample`, with the seconds the generation took once compiled (for tokens/s)."""
     prompt = np.asarray(prompt, np.int32)[: seq_len - 1]
     if not len(prompt):
@@ -105,9 +107,9 @@ def timed_sample(graphdef: nnx.GraphDef, params: Any, prompt: np.ndarray, seq_le
     key = jax.random.key(sampling.seed)
     static = dict(length=length, temperature=sampling.temperature, top_p=sampling.top_p, cast=cast)
     with rules_lib.activation_rules(mesh, rules):
-        compiled = _generate.lower(graphdef, params, prompts, key, **static).compile()
+        compiled = _generate.lower(graphdef, params, model_state, prompts, key, **static).compile()
         start = time.perf_counter()
-        out = jax.block_until_ready(compiled(params, prompts, key))
+        out = jax.block_until_ready(compiled(params, model_state, prompts, key))
         seconds = time.perf_counter() - start
     # On several processes the rows live on other hosts' devices too: gather them everywhere.
     return Sampled(np.asarray(multihost_utils.process_allgather(out, tiled=True))[:, :length], seconds)
@@ -116,9 +118,9 @@ def timed_sample(graphdef: nnx.GraphDef, params: Any, prompt: np.ndarray, seq_le
 def sampling_bytes(abstract, rows: int, prompt_length: int, length: int, vocab: int) -> int:
     """What sampling `rows` rows of `length` tokens holds at the least: the KV cache (its shape asked
     of the model, nothing allocated), the prompt pass's float32 logits and the tokens."""
-    def empty_cache(params):
-        return nnx.merge(abstract.graphdef, params).init_cache(rows, length)
+    def empty_cache(params, model_state):
+        return merge(abstract.graphdef, params, model_state).init_cache(rows, length)
 
-    cache = jax.eval_shape(empty_cache, abstract.params)
+    cache = jax.eval_shape(empty_cache, abstract.params, abstract.state)
     cache_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(cache))
     return cache_bytes + rows * (prompt_length * vocab * 4 + length * 4)

@@ -82,6 +82,9 @@ class InitOptions:
     params: Callable[[Any], Any] | None = None
     """`params(param_shardings)`: the parameters to start from (e.g. published weights, made in
     those shardings) instead of the random init; the optimizer state starts as ever."""
+    model_state: Callable[[Any], Any] | None = None
+    """With `params`, for a model with other variables: `model_state(shardings)`, those to start
+    from (a sigmoid router's published biases)."""
     materialize: bool = True
     """False describes the state without allocating it (`jax.ShapeDtypeStruct`s with their
     shardings): the step can then be compiled (`Trainer.compile` with an abstract batch), not run."""

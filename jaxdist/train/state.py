@@ -167,8 +167,7 @@ def init_state(
         compression=None if compressed is None else compressed.state_shardings(param_shardings),
     )
 
-    def initial(params: Any = None) -> TrainState:
-        model_state = None  # given parameters come only for models without other variables (checked below)
+    def initial(params: Any = None, model_state: Any = None) -> TrainState:
         if params is None:
             params, model_state = model_variables(create_model, init.seed)
         return TrainState(
@@ -179,9 +178,12 @@ def init_state(
         )
 
     if init.materialize and init.params is not None:
-        if abstract.state is not None:
-            raise ValueError("starting from given parameters needs a model without other variables (BatchNorm's)")
-        state = jax.jit(initial, out_shardings=shardings, donate_argnums=0)(init.params(param_shardings))
+        if (abstract.state is None) != (init.model_state is None):
+            raise ValueError("starting from given parameters needs the model's other variables given too, where it "
+                             "has any (BatchNorm's, a router's bias), and only there")
+        model_state = None if init.model_state is None else init.model_state(model_state_shardings)
+        state = jax.jit(initial, out_shardings=shardings, donate_argnums=(0, 1))(init.params(param_shardings),
+                                                                                 model_state)
     elif init.materialize:
         state = jax.jit(initial, out_shardings=shardings)()
     else:

@@ -91,12 +91,13 @@ class Trainer:
     @classmethod
     def from_config(cls, cfg: Config, devices: list | None = None, layout: layout_lib.Layout | None = None,
                     materialize: bool = True, abstract: AbstractModel | None = None,
-                    params: Callable[[Any], Any] | None = None) -> Trainer:
+                    params: Callable[[Any], Any] | None = None,
+                    model_state: Callable[[Any], Any] | None = None) -> Trainer:
         """Checks the config against the devices, then builds the mesh, the sharded state and the step
         for the registered model `cfg.model.name`.
 
         `layout`: `jaxdist.parallel.layout.from_config(cfg, devices)`, where the caller already has it.
-        `materialize`, `abstract` and `params`: as `InitOptions`' (the seed is `cfg.seed`).
+        `materialize`, `abstract`, `params` and `model_state`: as `InitOptions`' (the seed is `cfg.seed`).
         """
         entry = models.get(cfg.model.name)
         layout = layout or layout_lib.from_config(cfg, devices, entry.activations)
@@ -126,7 +127,8 @@ class Trainer:
             fsdp_gather=cfg.train.fsdp_gather, loss_spike=cfg.train.loss_spike,
             compression=compression_of(cfg, layout.rules), offload=offload,
         )
-        init = InitOptions(seed=cfg.seed, params=params, materialize=materialize, abstract=abstract)
+        init = InitOptions(seed=cfg.seed, params=params, model_state=model_state, materialize=materialize,
+                           abstract=abstract)
         return cls(create_model, entry.loss, tx, mesh, rules, options=options, init=init)
 
     def _check_batch_norm(self, options: StepOptions, layout: StepLayout) -> None:
