@@ -58,7 +58,7 @@ def test_gpt_flops_per_example_is_palms_model_flops_per_token_times_tokens():
 
 
 def test_every_registered_model_has_a_config_section():
-    assert set(models.MODELS) == set(model_sections()) == {"gpt", "gemma", "llama", "mlp", "resnet"}
+    assert set(models.MODELS) == set(model_sections()) == {"gpt", "deepseek", "gemma", "llama", "mlp", "resnet"}
     for name, section in model_sections().items():
         assert section().name == name and models.get(name).section is section
 
@@ -123,14 +123,14 @@ MLP = {"name": "mlp"}
 @pytest.mark.parametrize("model, overrides, message", [
     (MLP, ["model.d_model=64"],
      "config: unknown key 'model.d_model' for model.name=mlp; its keys: name, classes, image_shape, hidden "
-     "(other models: gpt, gemma, llama, resnet)"),
-    (MLP, ["model.name=vit"], "config: model.name='vit' is not a registered model; use model.name: one of gpt, gemma, llama, mlp, resnet"),
+     "(other models: gpt, deepseek, gemma, llama, resnet)"),
+    (MLP, ["model.name=vit"], "config: model.name='vit' is not a registered model; use model.name: one of gpt, deepseek, gemma, llama, mlp, resnet"),
     (SMALL_RESNET, ["model.depth=34"], "config: model.depth=34: input should be 18 or 50"),
     (SMALL_RESNET, ["model.image_shape=[8,8]"],
      "config: model.image_shape=[8, 8]: use [height, width, channels] (three positive sizes), or auto (the data's)"),
     (SMALL_RESNET, ["model.impl.remat=full"],
      "config: unknown key 'model.impl' for model.name=resnet; its keys: name, classes, image_shape, depth, width, stem, "
-     "bn_momentum (other models: gpt, gemma, llama, mlp)"),
+     "bn_momentum (other models: gpt, deepseek, gemma, llama, mlp)"),
     (SMALL_RESNET, ["mesh.stage=2", "mesh.fsdp=4"],
      "mesh.stage=2 pipelines a stack of identical layers, and model.name=resnet has none; use mesh.stage=1"),
     ({**MLP, "classes": 10, "image_shape": [8, 8, 1]}, ["data.source=stdlib"],

@@ -352,7 +352,7 @@ _AXIS_RULE = "use a mesh axis (data, stage, fsdp, expert, tensor), a list of the
     ("data: {augment: }", [], "config: data.augment is empty; give its keys (crop_padding, flip) or leave the section "
                               "out for its defaults"),
     ("train: 5", [], f"config: train=5: train is a section: give it a mapping of its keys ({_TRAIN_KEYS})"),
-    ("model:\n", [], "config: model is empty; give its keys (model.name: gpt, gemma, llama, mlp or resnet, and that one's) or "
+    ("model:\n", [], "config: model is empty; give its keys (model.name: gpt, deepseek, gemma, llama, mlp or resnet, and that one's) or "
                      "leave the section out for its defaults"),
     ("optim: 3", [], "config: optim=3: optim is a section: give it a mapping of its keys (optim.name: adafactor, "
                      "adamw, lamb, lars or sgd, and that one's)"),

@@ -82,7 +82,7 @@ def test_show_lists_the_configured_models_keys_and_names_the_models(capsys):
     model_keys = [key for key in rows if key.startswith("model.")]
     assert model_keys == ["model.name", "model.classes", "model.image_shape", "model.depth", "model.width",
                           "model.stem", "model.bn_momentum"]
-    assert rows["model.name"][:2] == ["resnet", "gpt|gemma|llama|mlp|resnet"]
+    assert rows["model.name"][:2] == ["resnet", "gpt|deepseek|gemma|llama|mlp|resnet"]
     assert rows["model.depth"][:2] == ["18", "18|50"]
     assert "model.d_model" in _shown(capsys) and "model.hidden" in _shown(capsys, "digits_mlp")
 
@@ -101,10 +101,10 @@ def _markdown_sections(capsys, *argv: str) -> dict[str, list[list[str]]]:
 
 def test_markdown_has_a_table_per_section_and_every_models_keys(capsys):
     sections = _markdown_sections(capsys)
-    assert list(sections)[:9] == ["top level", "mesh", "rules", "model (model.name=gpt)",
-                                  "model (model.name=gemma, its defaults)", "model (model.name=llama, its defaults)",
-                                  "model (model.name=mlp, its defaults)", "model (model.name=resnet, its defaults)",
-                                  "data"]
+    assert list(sections)[:10] == ["top level", "mesh", "rules", "model (model.name=gpt)",
+                                   "model (model.name=deepseek, its defaults)", "model (model.name=gemma, its defaults)",
+                                   "model (model.name=llama, its defaults)", "model (model.name=mlp, its defaults)",
+                                   "model (model.name=resnet, its defaults)", "data"]
     assert [name for name in sections if name.startswith("optim")] == [
         "optim (optim.name=adamw)", *(f"optim (optim.name={other}, its defaults)"
                                       for other in ("adafactor", "lamb", "lars", "sgd"))]
@@ -112,7 +112,7 @@ def test_markdown_has_a_table_per_section_and_every_models_keys(capsys):
     assert sections["top level"][0] == ["`seed`", "`0`", "int", "seed of parameter init, data order and sampling"]
     assert ["`mesh.fsdp`", "`-1`", "int"] == sections["mesh"][2][:3]
     # A | inside a cell is escaped, so the row keeps four cells.
-    assert sections["model (model.name=gpt)"][0][:3] == ["`model.name`", "`gpt`", "gpt\\|gemma\\|llama\\|mlp\\|resnet"]
+    assert sections["model (model.name=gpt)"][0][:3] == ["`model.name`", "`gpt`", "gpt\\|deepseek\\|gemma\\|llama\\|mlp\\|resnet"]
     assert ["`model.hidden`", "`[256, 256]`", "list[int]"] == sections["model (model.name=mlp, its defaults)"][-1][:3]
     assert [row[0] for row in sections["model (model.name=resnet, its defaults)"]] == [
         "`model.name`", "`model.classes`", "`model.image_shape`", "`model.depth`", "`model.width`", "`model.stem`",

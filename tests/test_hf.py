@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_config
+from jax.sharding import NamedSharding, PartitionSpec
 from safetensors.numpy import load_file
 
 from jaxdist import cli, models
@@ -33,6 +34,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gpt2")
 MIXTURES = ("mixtral", "qwen3_moe")
 GEMMAS = ("gemma2", "gemma3")  # windowed and global layers: unrolled, so no pipeline layout
+DEEPSEEK = "deepseek_v3"  # dense and routed layers: unrolled; the routers' biases are the model's state
 UNROLLED = {"model": {"impl": {"scan_layers": False}}}  # Qwen3-MoE's dense and routed layers are two kinds
 LAYOUTS = {
     "data8": {"mesh": {"data": 8, "fsdp": 1, "tensor": 1}, "rules": {"preset": "dp"}},
@@ -63,10 +65,17 @@ def imported(folder: Path, layout: dict | None = None, seq_len: int = 12, device
     return cfg, abstract.graphdef, hf_folder.load_params(cfg, abstract.params, shardings), placed
 
 
-def logits_of(graphdef, params, placed, tokens: np.ndarray) -> np.ndarray:
+def logits_of(graphdef, params, placed, tokens: np.ndarray, model_state=None) -> np.ndarray:
     with rules_lib.activation_rules(placed.mesh, placed.rules):
-        out = jax.jit(lambda p, t: merge(graphdef, p)(t))(params, jnp.asarray(tokens))
+        out = jax.jit(lambda p, s, t: merge(graphdef, p, s)(t))(params, model_state, jnp.asarray(tokens))
     return np.asarray(out)
+
+
+def imported_state(cfg, placed):
+    """The model state (the routers' biases) of `cfg`'s folder, whole on every device of `placed`."""
+    abstract = abstract_model(models.get(cfg.model.name).create(cfg), 0)
+    whole = NamedSharding(placed.mesh, PartitionSpec())
+    return hf_folder.load_state(cfg, abstract.state, jax.tree.map(lambda _: whole, abstract.state))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -80,6 +89,26 @@ def test_imported_models_give_the_logits_transformers_gave(family, layout):
     # A check that can fail: the logits vary, and the model is the family's.
     assert reference["logits"].std() > 0.5
     assert cfg.model.name == ("gpt" if family == "gpt2" else "llama")
+
+
+@pytest.mark.parametrize("layout", MIXTURE_LAYOUTS)
+def test_imported_deepseek_gives_the_logits_transformers_gave(layout):
+    """Latent attention, group-limited sigmoid routing with the published score-correction biases,
+    a shared expert: on one device and with the experts split over 2 devices (and fsdp x tensor)."""
+    reference = np.load(FIXTURES / DEEPSEEK / "reference.npz")
+    sections, devices = MIXTURE_LAYOUTS[layout]
+    cfg, graphdef, params, placed = imported(FIXTURES / DEEPSEEK, sections, devices=devices)
+    state = imported_state(cfg, placed)
+    np.testing.assert_allclose(logits_of(graphdef, params, placed, reference["input_ids"], state), reference["logits"],
+                               atol=1e-4, rtol=0)
+    assert reference["logits"].std() > 0.5 and cfg.model.name == "deepseek"
+    source = _tensors(FIXTURES / DEEPSEEK)
+    bias = source["model.layers.2.mlp.gate.e_score_correction_bias"]
+    np.testing.assert_array_equal(np.asarray(state["blocks"][2]["moe"]["bias"]), bias)
+    assert np.abs(bias).max() > 0.05  # the biases choose: zeros would route otherwise
+    zeroed = jax.tree.map(jnp.zeros_like, state)
+    unbiased = logits_of(graphdef, params, placed, reference["input_ids"], zeroed)
+    assert np.abs(unbiased - reference["logits"]).max() > 1e-3
 
 
 @pytest.mark.parametrize("layout", ["one_device", "fsdp2_tensor2_data2"])
@@ -148,15 +177,25 @@ def test_the_fixtures_cover_what_the_families_differ_in():
     assert (gemma3.attention_softcap, gemma3.logit_softcap, gemma3.impl.scan_layers) == (None, None, False)
     assert all(g.embed_scale and g.post_norms and g.norm_plus_one and g.tied_embeddings and g.activation == "geglu"
                for g in (gemma2, gemma3))
+    deepseek = hf_folder.resolve(Config.model_validate({"model": {"init_from": f"hf:{FIXTURES / DEEPSEEK}",
+                                                                  "seq_len": 12}})).model
+    latent, moe = deepseek.latent, deepseek.moe
+    assert (latent.kv_rank, latent.q_rank, latent.rope_dim, deepseek.value_width, deepseek.head_width) == (
+        16, 32, 8, 20, 16)
+    assert (moe.experts, moe.experts_per_token, moe.expert_hidden, moe.shared_experts, moe.first_dense, moe.router,
+            moe.routed_scale, moe.groups, moe.top_groups, moe.renormalize) == (8, 2, 32, 1, 1, "sigmoid", 2.5, 2, 1,
+                                                                               True)
 
 
-@pytest.mark.parametrize("family", FAMILIES + MIXTURES + GEMMAS)
+@pytest.mark.parametrize("family", FAMILIES + MIXTURES + GEMMAS + (DEEPSEEK,))
 def test_an_export_holds_the_fixture_tensors_and_config_keys_and_reimports_bitwise(family, tmp_path):
     source = FIXTURES / family
-    cfg, _, params, _ = imported(source)
+    cfg, _, params, placed = imported(source)
     params = jax.tree.map(np.asarray, params)
+    state = jax.tree.map(np.asarray, imported_state(cfg, placed)) if family == DEEPSEEK else None
     out = tmp_path / "export"
-    tensors = hf_folder.hf_tensors(cfg.model, lambda path: hf_folder.leaf_at(params, path))
+    tensors = hf_folder.hf_tensors(cfg.model, lambda path: hf_folder.leaf_at(params, path),
+                                   lambda path: hf_folder.leaf_at(state, path))
     written = hf_folder.write_folder(out, cfg.model, tensors, source, max_shard_bytes=150_000)
     assert "model.safetensors.index.json" in written and "tokenizer.json" in written
 
@@ -170,13 +209,18 @@ def test_an_export_holds_the_fixture_tensors_and_config_keys_and_reimports_bitwi
                 "intermediate_size", "n_embd", "n_positions", "rms_norm_eps", "layer_norm_epsilon", "head_dim",
                 "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                 "mlp_only_layers", "decoder_sparse_step", "sliding_window", "layer_types", "query_pre_attn_scalar",
-                "attn_logit_softcapping", "final_logit_softcapping", "hidden_activation"):
+                "attn_logit_softcapping", "final_logit_softcapping", "hidden_activation", "q_lora_rank", "kv_lora_rank",
+                "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "n_shared_experts",
+                "first_k_dense_replace", "routed_scaling_factor", "n_group", "topk_group", "rope_interleave"):
         assert ours.get(key) == theirs.get(key), key
     assert (out / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
 
-    _, _, again, _ = imported(out, {**LAYOUTS["data8"], **(UNROLLED if family in MIXTURES else {})})
+    again_cfg, _, again, again_placed = imported(out, {**LAYOUTS["data8"], **(UNROLLED if family in MIXTURES else {})})
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again), strict=True):
         np.testing.assert_array_equal(a, np.asarray(b))
+    if state is not None:
+        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(imported_state(again_cfg, again_placed)), strict=True):
+            np.testing.assert_array_equal(a, np.asarray(b))
 
 
 def _tensors(folder: Path) -> dict[str, np.ndarray]:
@@ -216,6 +260,33 @@ def test_a_run_starts_from_the_weights_trains_and_exports_what_it_trained(tmp_pa
     moved = [np.abs(np.asarray(a) - b).max() for a, b in zip(published, jax.tree.leaves(trained), strict=True)]
     assert 0 < max(moved) < 1e-5
     assert trainer.state.step == 3
+
+
+def test_a_deepseek_run_starts_from_the_published_router_biases_and_exports_them(tmp_path, capsys):
+    """The routers' score-correction biases are the model's state, not parameters: a run from the
+    folder starts with them, trains (without moving them: bias_rate 0), its export holds them, and
+    `sample` reads them with the parameters of its unrolled blocks."""
+    from jaxdist import loop
+
+    run_dir = tmp_path / "run"
+    raw = make_config(run_dir, train={"steps": 2, "global_batch": 8}, checkpoint={"every": 2}).model_dump(mode="json")
+    raw["model"] = {"init_from": f"hf:{FIXTURES / DEEPSEEK}", "seq_len": 16}
+    trainer = loop.train(Config.model_validate(raw))
+    published = _tensors(FIXTURES / DEEPSEEK)
+    for layer in (1, 2):
+        np.testing.assert_array_equal(np.asarray(trainer.state.model_state["blocks"][layer]["moe"]["bias"]),
+                                      published[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"])
+    out = tmp_path / "hf"
+    assert cli.main(["export", str(run_dir), str(out), "--format", "hf"]) == 0
+    exported = _tensors(out)
+    np.testing.assert_array_equal(exported["model.layers.2.mlp.gate.e_score_correction_bias"],
+                                  published["model.layers.2.mlp.gate.e_score_correction_bias"])
+    name = "model.layers.2.self_attn.kv_b_proj.weight"  # it trained: the weights moved, the layout kept
+    assert exported[name].shape == published[name].shape and not np.array_equal(exported[name], published[name])
+    assert set(exported) == set(published) and trainer.state.step == 2
+    capsys.readouterr()
+    assert cli.main(["sample", str(run_dir), "--prompt", "The quick", "--tokens", "4", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("4 tokens in ")
 
 
 def test_an_export_without_a_tokenizer_says_where_the_runs_tokens_came_from(tmp_path):

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdist import models
 from jaxdist.checkpoint import hf_folder
@@ -28,29 +29,35 @@ def _jaxdist_logits(folder: Path, compute: str, tokens: np.ndarray) -> tuple[Con
     cfg = hf_folder.resolve(Config.model_validate({
         "model": {"init_from": f"hf:{folder}", "seq_len": tokens.shape[1],
                   # Qwen3-MoE's dense first layer and routed ones are two kinds of block, as are
-                  # Gemma's windowed and global layers.
-                  "impl": {"scan_layers": folder.name not in ("qwen3_moe", "gemma2", "gemma3")}}, "mesh": {"data": -1, "fsdp": 1, "tensor": 1},
+                  # Gemma's windowed and global layers, and DeepSeek-V3's dense and routed ones.
+                  "impl": {"scan_layers": folder.name not in ("qwen3_moe", "gemma2", "gemma3", "deepseek_v3")}},
+        "mesh": {"data": -1, "fsdp": 1, "tensor": 1},
         "rules": {"preset": "dp"}, "precision": {"compute": compute}}))
     entry = models.get(cfg.model.name)
     placed = layout_lib.from_config(cfg, None, entry.activations)
     abstract = abstract_model(entry.create(cfg), 0)
     shardings = param_shardings(abstract, placed.rules, placed.mesh)
     params = hf_folder.load_params(cfg, abstract.params, shardings)
+    state = None  # DeepSeek-V3's routers' biases
+    if abstract.state is not None:
+        whole = NamedSharding(placed.mesh, PartitionSpec())
+        state = hf_folder.load_state(cfg, abstract.state, jax.tree.map(lambda _: whole, abstract.state))
     with rules_lib.activation_rules(placed.mesh, placed.rules), jax.default_matmul_precision("highest"):
-        logits = jax.jit(lambda p, t: merge(abstract.graphdef, p)(t))(params, jnp.asarray(tokens))
-    return cfg, jax.tree.map(np.asarray, params), np.asarray(logits, np.float32)
+        logits = jax.jit(lambda p, s, t: merge(abstract.graphdef, p, s)(t))(params, state, jnp.asarray(tokens))
+    return cfg, jax.tree.map(np.asarray, (params, state)), np.asarray(logits, np.float32)
 
 
 @pytest.mark.parametrize("compute", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "gemma2", "gemma3",
-                                    "gpt2"])
+                                    "deepseek_v3", "gpt2"])
 def test_transformers_loads_the_export_and_gives_jaxdist_logits(family, compute, tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     torch.backends.cuda.matmul.allow_tf32 = False
     tokens = np.load(FIXTURES / family / "reference.npz")["input_ids"]
-    cfg, params, ours = _jaxdist_logits(FIXTURES / family, compute, tokens)
-    tensors = hf_folder.hf_tensors(cfg.model, lambda path: hf_folder.leaf_at(params, path))
+    cfg, (params, state), ours = _jaxdist_logits(FIXTURES / family, compute, tokens)
+    tensors = hf_folder.hf_tensors(cfg.model, lambda path: hf_folder.leaf_at(params, path),
+                                   lambda path: hf_folder.leaf_at(state, path))
     hf_folder.write_folder(tmp_path / "export", cfg.model, tensors, FIXTURES / family)
 
     def logits(dtype) -> np.ndarray:

@@ -118,8 +118,8 @@ def test_rule_naming_a_missing_mesh_axis(tmp_path, devices):
         rules.place(Codebook, rules.preset("dp").override(params={"codes": None, "embed": "pod"}), make_mesh(fsdp=8))
 
 
-_PARAM_NAMES = ("layers, vocab, embed, mlp, heads, kv_heads, head_dim, length, qkv, experts, expert_mlp, classes, "
-                "kernel_h, kernel_w, conv_in, conv_out")
+_PARAM_NAMES = ("layers, vocab, embed, mlp, heads, kv_heads, head_dim, length, qkv, experts, expert_mlp, latent, "
+                "classes, kernel_h, kernel_w, conv_in, conv_out")
 _ACTIVATION_NAMES = "batch, seq, length, embed, mlp, heads, kv_heads, head_dim, vocab, stage, classes, height, width, channels"
 
 

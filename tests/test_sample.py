@@ -20,10 +20,15 @@ def _recomputed(trainer: Trainer, prompt: np.ndarray, length: int) -> np.ndarray
     """Greedy continuation that runs the whole prefix again for every new token."""
     tokens = np.zeros((trainer.mesh.devices.size // 2, length), np.int32)
     tokens[:, : len(prompt)] = prompt
-    forward = jax.jit(lambda params, tokens: merge(trainer.graphdef, params)(tokens))
+    def forward(params, model_state, tokens):
+        model = merge(trainer.graphdef, params, model_state)
+        model.deterministic = True  # a sigmoid router's biases stay as they are
+        return model(tokens)
+
+    forward = jax.jit(forward)
     with rules_lib.activation_rules(trainer.mesh, trainer.rules):
         for position in range(len(prompt), length):
-            logits = np.asarray(forward(trainer.params, jnp.asarray(tokens)))
+            logits = np.asarray(forward(trainer.params, trainer.state.model_state, jnp.asarray(tokens)))
             tokens[:, position] = logits[:, position - 1].argmax(-1)
     return tokens
 
@@ -43,21 +48,27 @@ FSDP_TP = {"data": 2, "fsdp": 2, "tensor": 2}
     ({"name": "gemma", "kv_heads": 2, "sliding_window": 3, "global_every": 2, "local_rope_base": 100.0,
       "qk_norm": True, "attention_softcap": 2.0, "logit_softcap": 8.0, "attention_scale_dim": 24},
      {"scan_layers": False}, FSDP_TP),
-], ids=["gpt-scanned", "llama-gqa-unrolled", "mixture-experts-split", "llama-sliding-window", "gemma"])
+    # DeepSeek-V3's: latent attention (the cache holds latents), a dense layer, then routed experts.
+    ({"name": "deepseek", "head_dim": 16, "latent": {"kv_rank": 16, "q_rank": 24, "rope_dim": 8, "value_dim": 12},
+      "moe": {"experts": 4, "experts_per_token": 2, "first_dense": 1, "router": "sigmoid", "shared_experts": 1,
+              "groups": 2, "top_groups": 1}}, {"scan_layers": False}, FSDP_TP),
+], ids=["gpt-scanned", "llama-gqa-unrolled", "mixture-experts-split", "llama-sliding-window", "gemma", "deepseek"])
 def test_greedy_sampling_with_the_cache_is_the_full_recompute(tmp_path, model, impl, mesh):
     cfg = make_config(tmp_path, model=model, impl=impl, mesh=mesh, rules={"preset": "fsdp_tp"})
     trainer = Trainer.from_config(cfg)
     prompt = np.array([3, 17, 42, 5, 99], np.int32)
     length = cfg.model.seq_len
     cached = generate.sample(trainer.graphdef, trainer.params, prompt, length, generate.Sampling(length, 0.0, rows=4),
-                             trainer.mesh, trainer.rules)
+                             trainer.mesh, trainer.rules, model_state=trainer.state.model_state)
     expected = _recomputed(trainer, prompt, length)
     np.testing.assert_array_equal(cached, expected)
     assert len(set(cached[0, len(prompt):].tolist())) > 3  # a real continuation, not one token repeated
-    cache = merge(trainer.graphdef, trainer.params).init_cache(4, length)
+    cache = merge(trainer.graphdef, trainer.params, trainer.state.model_state).init_cache(4, length)
     # No longer than the window where every layer is windowed; whole where some layer is global.
     windowed = not any(cfg.model.is_global(layer) for layer in range(cfg.model.layers))
     assert cache.keys.shape[2] == (min(length, cfg.model.sliding_window) if windowed else length)
+    if cfg.model.latent.kv_rank:  # a token's latent and shared rotated key part, not every head's keys and values
+        assert (cache.keys.shape[-2:], cache.values.shape[-2:]) == ((1, 16), (1, 8))
 
 
 def test_nucleus_sampling_draws_only_from_its_nucleus():

@@ -25,13 +25,14 @@ COMMON_OUT = {"dtype": "float32", "pad_token_id": None, "use_cache": True, "init
 # Settings of the decoder that change its math and that only some architectures compute, each with
 # the value that leaves it out.
 DECODER_EXTRAS = {"norm_plus_one": False, "post_norms": False, "embed_scale": False, "attention_softcap": None,
-                  "logit_softcap": None, "attention_scale_dim": None, "global_every": None, "local_rope_base": None}
+                  "logit_softcap": None, "attention_scale_dim": None, "global_every": None, "local_rope_base": None,
+                  "latent.kv_rank": 0}
 
 
 def extras_set(model, allowed: tuple[str, ...] = ()) -> list[str]:
     """`model.KEY=VALUE` for each of `DECODER_EXTRAS` that `model` sets and `allowed` does not name."""
-    return [f"model.{key}={getattr(model, key)}" for key, off in DECODER_EXTRAS.items()
-            if key not in allowed and getattr(model, key) != off]
+    return [f"model.{key}={_setting(model, key)}" for key, off in DECODER_EXTRAS.items()
+            if key not in allowed and _setting(model, key) != off]
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,8 @@ class Tensor:
     `path` None: a tensor the Hugging Face model has and jaxdist's lacks (GPT-2's biases, for a
     model without them), written as zeros of `zero_shape`. `layers`: the blocks that have it, all,
     or in a mixture of experts only those with experts (`moe`) or only those without (`dense`).
+    `state`: a variable of the model other than its parameters (a sigmoid router's bias), which
+    the optimizer does not train.
     """
 
     path: tuple[str, ...] | None
@@ -212,6 +215,7 @@ class Tensor:
     in_block: bool
     zero_shape: tuple[int, ...] | None = None
     layers: str = "all"
+    state: bool = False
 
 
 def blocks_with(tensor: Tensor, model) -> list[int]:
@@ -258,6 +262,15 @@ def transposed() -> tuple[Callable, Callable]:
     return (lambda arrays: arrays[0].T), (lambda array: [array.T])
 
 
+def embedding_and_norms(layer: str) -> list[Tensor]:
+    """The token embedding, the final norm's scale and each block's two norms' (`{layer}input_layernorm`,
+    `{layer}post_attention_layernorm`) as Llama-style decoders in transformers name them."""
+    return [Tensor(("embed",), ("model.embed_tokens.weight",), *same(), in_block=False),
+            Tensor(("final_norm", "scale"), ("model.norm.weight",), *same(), in_block=False),
+            Tensor(("norm1", "scale"), (layer + "input_layernorm.weight",), *same(), in_block=True),
+            Tensor(("norm2", "scale"), (layer + "post_attention_layernorm.weight",), *same(), in_block=True)]
+
+
 def attention_projections(model, attn: str) -> list[Tensor]:
     """The q, k, v and o projections (with Qwen2's q/k/v biases, where `model.biases=qkv`) named as
     most of transformers' decoders name them: `{attn}q_proj.weight`, ..., `{attn}o_proj.weight`."""
@@ -276,6 +289,20 @@ def attention_projections(model, attn: str) -> list[Tensor]:
         out.append(Tensor(("attn", "q_bias"), bias_names[:1], *reshaped((h, hd)), in_block=True))
         out.append(Tensor(("attn", "kv_bias"), bias_names[1:], *reshaped((kv, hd), 2), in_block=True))
     return out
+
+
+def expert_tensors(model, block: str, projections: dict[str, str]) -> list[Tensor]:
+    """A mixture's router (`{block}gate.weight`) and experts: each expert's three Linear weights
+    (`{block}experts.{e}.{projections[name]}.weight`, name one of gate, up, down), stacked on
+    jaxdist's leading experts axis."""
+    def stacked(name: str) -> tuple[str, ...]:
+        return tuple(f"{block}experts.{e}.{projections[name]}.weight" for e in range(model.moe.experts))
+
+    d, hidden = model.d_model, model.expert_hidden
+    shapes = {"gate": (d, hidden), "up": (d, hidden), "down": (hidden, d)}
+    return [Tensor(("moe", "router"), (block + "gate.weight",), *transposed(), in_block=True, layers="moe"),
+            *(Tensor(("moe", name), stacked(name), *stacked_linears(shape), in_block=True, layers="moe")
+              for name, shape in shapes.items())]
 
 
 def layer_names(tensor: Tensor, layer: int) -> list[str]:

@@ -235,12 +235,13 @@ def check_mesh_axes(rules: Rules, mesh: Mesh) -> None:
 
 
 # Transformers name `embed`, `mlp`, `heads`, ... (`kv_heads`: grouped-query attention's key and value
-# heads, split over tensor as the query heads are); image classifiers add `classes` (logits), the
+# heads, split over tensor as the query heads are; `latent`: latent attention's latents, small and
+# kept whole); image classifiers add `classes` (logits), the
 # convolution kernels' `kernel_h`, `kernel_w`, `conv_in`, `conv_out` (BatchNorm's scale, offset and
 # statistics are per `conv_out` channel) and feature maps' `height`, `width`, `channels`.
 _COMMON_PARAMS: dict[str, RuleValue] = {
     "layers": None, "vocab": None, "embed": None, "mlp": None, "heads": None, "kv_heads": None,
-    "head_dim": None, "length": None, "qkv": None, "experts": "expert", "expert_mlp": None,
+    "head_dim": None, "length": None, "qkv": None, "experts": "expert", "expert_mlp": None, "latent": None,
     "classes": None, "kernel_h": None, "kernel_w": None, "conv_in": None, "conv_out": None,
 }
 _COMMON_ACTIVATIONS: dict[str, RuleValue] = {

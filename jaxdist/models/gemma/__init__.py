@@ -22,15 +22,8 @@ from pydantic import Field
 from jaxdist.config import MODEL_NAME
 from jaxdist.models import gpt
 from jaxdist.models.gemma import hf
+from jaxdist.models.gpt.config import UnrolledImplConfig
 from jaxdist.models.registry import register
-
-
-class GemmaImplConfig(gpt.ImplConfig):
-    """How a Gemma model runs: as `model.impl`, its layers unrolled by default (windowed and global
-    layers are no one stack to scan)."""
-
-    scan_layers: bool = Field(
-        False, description="true: layers stacked in a lax.scan (only where every layer is alike); false: unrolled")
 
 
 class GemmaConfig(gpt.GPTConfig):
@@ -48,7 +41,7 @@ class GemmaConfig(gpt.GPTConfig):
         True, description="the norms scale by 1 + w, w their parameter, starting at 0 (Gemma's); false: by w")
     post_norms: bool = Field(
         True, description="attention's and the MLP's outputs normed before they join the residual (Gemma 2 and 3)")
-    impl: GemmaImplConfig = Field(GemmaImplConfig(), description="how the model runs (the same math)")
+    impl: UnrolledImplConfig = Field(UnrolledImplConfig(), description="how the model runs (the same math)")
 
 
 ENTRY = register(dataclasses.replace(gpt.ENTRY, section=GemmaConfig, hf=hf.ADAPTER))

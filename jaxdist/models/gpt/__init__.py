@@ -31,12 +31,14 @@ def flops_per_token(cfg: Config) -> int:
     (Chowdhery et al. 2022, appendix B): 6N + 12 x layers x d x seq, N the parameters of the matmuls
     (the output projection included; 12 x layers x d^2 + vocab x d for a GELU MLP of 4 x d without
     grouped-query attention), 12 x layers x d x seq for attention (d: the heads' widths summed, where
-    `model.head_dim` makes them other than d_model; seq: the sliding window, in the layers it covers
-    and where it is shorter). A
+    `model.head_dim` makes them other than d_model, half of it the queries' and keys', half the
+    values'; seq: the sliding window, in the layers it covers and where it is shorter). A
     mixture's layers count the parameters a token goes through: its k routed experts, the shared
     ones and the router."""
     m = cfg.model
     attention = m.d_model * m.head_width * 2 * (m.heads + m.key_value_heads)
+    if m.latent.kv_rank:
+        attention = latent_params(m)
     per_hidden = (2 if m.activation == "gelu" else 3) * m.d_model
     mlp = per_hidden * m.mlp_dim
     moe = m.moe
@@ -44,7 +46,17 @@ def flops_per_token(cfg: Config) -> int:
     feed_forward = sum(experts if moe.is_moe(layer) else mlp for layer in range(m.layers))
     matmul_params = int(m.layers * attention + feed_forward) + m.vocab * m.d_model
     attended = sum(min(m.seq_len, m.layer_window(layer) or m.seq_len) for layer in range(m.layers))
-    return 6 * matmul_params + 12 * m.heads * m.head_width * attended
+    return 6 * matmul_params + 6 * m.heads * (m.query_key_width + m.value_width) * attended
+
+
+def latent_params(m: GPTConfig) -> int:
+    """The matmul parameters of one layer's latent attention: the queries' (through their latent or
+    not), the latent's down and up projections, and the output's."""
+    latent, heads = m.latent, m.heads
+    queries = (m.d_model * latent.q_rank + latent.q_rank * heads * m.query_key_width if latent.q_rank
+               else m.d_model * heads * m.query_key_width)
+    return (queries + m.d_model * (latent.kv_rank + latent.rope_dim)
+            + latent.kv_rank * heads * (m.head_width + m.value_width) + heads * m.value_width * m.d_model)
 
 
 def random_tokens(cfg: Config, rng: np.random.Generator, rows: int) -> dict[str, np.ndarray]:

@@ -8,6 +8,7 @@ from pydantic import Field, field_validator, model_validator
 
 from jaxdist.config import MODEL_NAME, ModelSection, ParamSize, Section
 from jaxdist.config.base import positive_or_auto
+from jaxdist.models.layers.latent_attention import LatentConfig
 from jaxdist.models.layers.moe import MoEConfig
 
 
@@ -43,6 +44,14 @@ class ImplConfig(Section):
             raise ValueError("model.impl.loss_impl=pallas needs model.impl.loss_chunk > 0 (the kernel runs inside the "
                              "chunked loss)")
         return self
+
+
+class UnrolledImplConfig(ImplConfig):
+    """`model.impl` of a family whose layers are of two kinds (windowed and global, dense and routed):
+    as `ImplConfig`, the layers unrolled by default, as no one stack can scan them."""
+
+    scan_layers: bool = Field(
+        False, description="true: layers stacked in a lax.scan (only where every layer is alike); false: unrolled")
 
 
 class RopeScaling(Section):
@@ -125,6 +134,8 @@ class GPTConfig(ModelSection):
         None, description="hf:FOLDER: a fresh run starts from a Hugging Face model's weights, and takes the "
                           "architecture from its config.json")
     moe: MoEConfig = Field(MoEConfig(), description="a mixture of experts in some layers' place of the MLP")
+    latent: LatentConfig = Field(LatentConfig(), description="multi-head latent attention in place of the q, k, v "
+                                                             "projections (DeepSeek-V3)")
     impl: ImplConfig = Field(ImplConfig(), description="how the model runs (the same math)")
 
     @field_validator("vocab", mode="before")
@@ -181,6 +192,15 @@ class GPTConfig(ModelSection):
         if self.logit_softcap is not None and self.impl.loss_impl == "pallas":
             raise ValueError(f"model.logit_softcap={self.logit_softcap}: the Pallas loss kernel does not cap the "
                              f"logits; set model.impl.loss_impl=xla or auto")
+        if self.latent.kv_rank:
+            unlike = [f"model.{key}={value}" for key, value, holds in (
+                ("kv_heads", self.kv_heads, self.key_value_heads == self.heads),
+                ("sliding_window", self.sliding_window, self.sliding_window is None),
+                ("qk_norm", self.qk_norm, not self.qk_norm), ("biases", self.biases, self.biases == "none"),
+                ("positions", self.positions, self.positions == "rope")) if not holds]
+            if unlike:
+                raise ValueError(f"model.latent.kv_rank={self.latent.kv_rank}: latent attention has every head's keys "
+                                 f"and values, RoPE, no window, q/k norms or biases; not {', '.join(unlike)}")
         if self.activation == "geglu" and self.moe.experts:
             raise ValueError("model.activation=geglu: the experts run SwiGLU or GELU; a mixture of experts needs one "
                              "of those")
@@ -199,6 +219,16 @@ class GPTConfig(ModelSection):
     @property
     def mlp_dim(self) -> int:
         return self.mlp_hidden or int(self.d_model * self.mlp_ratio)
+
+    @property
+    def value_width(self) -> int:
+        """Each head's value width: `model.latent.value_dim` under latent attention, else `head_width`."""
+        return (self.latent.value_dim or self.head_width) if self.latent.kv_rank else self.head_width
+
+    @property
+    def query_key_width(self) -> int:
+        """Each head's query and key width: `head_width`, plus the RoPE part under latent attention."""
+        return self.head_width + (self.latent.rope_dim if self.latent.kv_rank else 0)
 
     @property
     def head_width(self) -> int:

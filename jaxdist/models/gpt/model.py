@@ -20,6 +20,7 @@ from flax import nnx
 from jaxdist.config import PipelineConfig
 from jaxdist.models.gpt.config import GPTConfig, ImplConfig
 from jaxdist.models.layers.attention import Attention, Documents, KVCache, documents
+from jaxdist.models.layers.latent_attention import LatentAttention
 from jaxdist.models.layers.common import NORMAL, RESIDUAL, at_least_float32, cast, param
 from jaxdist.models.layers.mlp import Mlp
 from jaxdist.models.layers.moe import MoE, Stats
@@ -56,7 +57,8 @@ class Block(nnx.Module):
     def __init__(self, cfg: GPTConfig, impl: ImplConfig, param_dtype, rngs: nnx.Rngs, fp8: bool = False,
                  moe: bool = False, layer: int = 0):
         self.norm1 = Norm(cfg, impl, param_dtype, rngs)
-        self.attn = Attention(cfg, impl, param_dtype, rngs, fp8, layer)
+        attention = LatentAttention if cfg.latent.kv_rank else Attention
+        self.attn = attention(cfg, impl, param_dtype, rngs, fp8, layer)
         if cfg.post_norms:
             self.attn_out_norm = Norm(cfg, impl, param_dtype, rngs)
         self.norm2 = Norm(cfg, impl, param_dtype, rngs)
@@ -234,8 +236,10 @@ class GPT(nnx.Module):
         cfg = self.cfg
         if all(not cfg.is_global(layer) for layer in range(cfg.layers)):
             length = min(length, cfg.sliding_window)
-        shape = (cfg.layers, batch, length, cfg.key_value_heads, cfg.head_width)
-        zeros = jnp.zeros(shape, self.compute_dtype)
+        if cfg.latent.kv_rank:  # each token's latent and shared rotated key part (models/layers/latent_attention.py)
+            return KVCache(*(jnp.zeros((cfg.layers, batch, length, 1, width), self.compute_dtype)
+                             for width in (cfg.latent.kv_rank, cfg.latent.rope_dim)))
+        zeros = jnp.zeros((cfg.layers, batch, length, cfg.key_value_heads, cfg.head_width), self.compute_dtype)
         return KVCache(zeros, zeros)
 
     def decode(self, tokens: jax.Array, cache: KVCache, start: jax.Array) -> tuple[jax.Array, KVCache]:

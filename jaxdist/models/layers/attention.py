@@ -126,7 +126,7 @@ class Attention(nnx.Module):
             positions = jnp.arange(x.shape[1]) if docs is None else docs.positions
             q, k = rope(q, positions, self.freqs), rope(k, positions, self.freqs)
         y = context.attention(q, k, v, None if docs is None else docs.mask,
-                              _attention_impl(self.implementation, x.dtype), HEADS, KV_HEADS if self.grouped else HEADS,
+                              attention_impl(self.implementation, x.dtype), HEADS, KV_HEADS if self.grouped else HEADS,
                               self.window, self.scores)
         return self._output(y)
 
@@ -179,7 +179,7 @@ class Attention(nnx.Module):
     def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         q, k, v = self._projections(x)
         if hasattr(self, "q_norm"):
-            q, k = (_rms_normed(x, norm.scale_of(scale[...], self.norm_plus_one), self.norm_eps)
+            q, k = (rms_normed(x, norm.scale_of(scale[...], self.norm_plus_one), self.norm_eps)
                     for x, scale in ((q, self.q_norm), (k, self.k_norm)))
         return q, k, v
 
@@ -200,7 +200,7 @@ class Attention(nnx.Module):
         return q, k, v
 
 
-def _rms_normed(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+def rms_normed(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """Each head of x (batch, length, heads, head_dim) RMS-normed over its dims in float32, then scaled."""
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
@@ -235,7 +235,8 @@ def _fan_out_bwd(count, _, cotangents):
 _fan_out.defvjp(_fan_out_fwd, _fan_out_bwd)
 
 
-def _attention_impl(attention: str, dtype) -> str | None:
+def attention_impl(attention: str, dtype) -> str | None:
+    """The attention kernel `model.impl.attention` asks for (auto: cuDNN's for 16-bit compute on GPU)."""
     if attention != "auto":
         return attention
     on_gpu = jax.default_backend() == "gpu"

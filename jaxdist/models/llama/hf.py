@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from jaxdist.errors import UserError
-from jaxdist.models.hf_mapping import (COMMON_OUT, HFAdapter, Reader, Tensor, attention_projections, extras_set,
-                                       same, stacked_linears, transposed)
+from jaxdist.models.hf_mapping import (COMMON_OUT, HFAdapter, Reader, Tensor, attention_projections,
+                                       embedding_and_norms, expert_tensors, extras_set, same, transposed)
 
 LLAMA, MISTRAL, QWEN2, QWEN3 = "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"
 MIXTRAL, QWEN3_MOE = "MixtralForCausalLM", "Qwen3MoeForCausalLM"
@@ -192,10 +192,7 @@ def _tensors(model) -> list[Tensor]:
     layer = "model.layers.{layer}."
     attn, mlp = layer + "self_attn.", layer + "mlp."
     out = [
-        Tensor(("embed",), ("model.embed_tokens.weight",), *same(), in_block=False),
-        Tensor(("final_norm", "scale"), ("model.norm.weight",), *same(), in_block=False),
-        Tensor(("norm1", "scale"), (layer + "input_layernorm.weight",), *same(), in_block=True),
-        Tensor(("norm2", "scale"), (layer + "post_attention_layernorm.weight",), *same(), in_block=True),
+        *embedding_and_norms(layer),
         *attention_projections(model, attn),
         Tensor(("mlp", "up"), (mlp + "up_proj.weight",), *transposed(), in_block=True, layers="dense"),
         Tensor(("mlp", "gate"), (mlp + "gate_proj.weight",), *transposed(), in_block=True, layers="dense"),
@@ -211,21 +208,10 @@ def _tensors(model) -> list[Tensor]:
 
 
 def _expert_tensors(model, layer: str) -> list[Tensor]:
-    """A mixture's router and experts: each expert's three Linear weights, stacked on jaxdist's
-    leading experts axis (Mixtral's w1, w3, w2 are the gate, up and down projections)."""
+    """A mixture's router and experts (Mixtral's w1, w3, w2 are the gate, up and down projections)."""
     if model.qk_norm:  # Qwen3-MoE's names
-        block, projections = layer + "mlp.", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
-    else:  # Mixtral's
-        block, projections = layer + "block_sparse_moe.", {"gate": "w1", "up": "w3", "down": "w2"}
-
-    def stacked(name: str) -> tuple[str, ...]:
-        return tuple(f"{block}experts.{e}.{projections[name]}.weight" for e in range(model.moe.experts))
-
-    d, hidden = model.d_model, model.expert_hidden
-    shapes = {"gate": (d, hidden), "up": (d, hidden), "down": (hidden, d)}
-    return [Tensor(("moe", "router"), (block + "gate.weight",), *transposed(), in_block=True, layers="moe"),
-            *(Tensor(("moe", name), stacked(name), *stacked_linears(shape), in_block=True, layers="moe")
-              for name, shape in shapes.items())]
+        return expert_tensors(model, layer + "mlp.", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})
+    return expert_tensors(model, layer + "block_sparse_moe.", {"gate": "w1", "up": "w3", "down": "w2"})
 
 
 ADAPTER = HFAdapter(
