@@ -36,7 +36,9 @@ MIXTURES = ("mixtral", "qwen3_moe")
 GEMMAS = ("gemma2", "gemma3")  # windowed and global layers: unrolled, so no pipeline layout
 DEEPSEEK = "deepseek_v3"  # dense and routed layers: unrolled; the routers' biases are the model's state
 UNROLLED = {"model": {"impl": {"scan_layers": False}}}  # Qwen3-MoE's dense and routed layers are two kinds
+ONE_DEVICE = {"mesh": {"data": 1, "fsdp": 1, "tensor": 1}, "rules": {"preset": "dp"}}
 LAYOUTS = {
+    "one_device": ONE_DEVICE,
     "data8": {"mesh": {"data": 8, "fsdp": 1, "tensor": 1}, "rules": {"preset": "dp"}},
     "fsdp2_tensor2_data2": {"mesh": {"data": 2, "fsdp": 2, "tensor": 2}, "rules": {"preset": "fsdp_tp"},
                             "model": {"impl": {"scan_layers": False}}},
@@ -44,7 +46,7 @@ LAYOUTS = {
                      "pipeline": {"microbatches": 2}},
 }
 MIXTURE_LAYOUTS = {
-    "one_device": ({"mesh": {"data": 1, "fsdp": 1, "tensor": 1}, "rules": {"preset": "dp"}, **UNROLLED}, 1),
+    "one_device": ({**ONE_DEVICE, **UNROLLED}, 1),
     # 2 rows over 8 devices: the experts' batch shards padded with rows routed to none.
     "expert2_fsdp2_tensor2": ({"mesh": {"expert": 2, "fsdp": 2, "tensor": 2}, "rules": {"preset": "fsdp_tp"},
                                **UNROLLED}, 8),
@@ -82,7 +84,8 @@ def imported_state(cfg, placed):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_imported_models_give_the_logits_transformers_gave(family, layout):
     reference = np.load(FIXTURES / family / "reference.npz")
-    cfg, graphdef, params, placed = imported(FIXTURES / family, LAYOUTS[layout])
+    cfg, graphdef, params, placed = imported(FIXTURES / family, LAYOUTS[layout], devices=1 if layout == "one_device"
+                                             else 8)
     logits = logits_of(graphdef, params, placed, reference["input_ids"])
     assert logits.shape == reference["logits"].shape
     np.testing.assert_allclose(logits, reference["logits"], atol=1e-4, rtol=0)
@@ -115,8 +118,7 @@ def test_imported_deepseek_gives_the_logits_transformers_gave(layout):
 @pytest.mark.parametrize("family", GEMMAS)
 def test_imported_gemmas_give_the_logits_transformers_gave(family, layout):
     reference = np.load(FIXTURES / family / "reference.npz")
-    one_device = {"mesh": {"data": 1, "fsdp": 1, "tensor": 1}, "rules": {"preset": "dp"}}
-    sections, devices = (one_device, 1) if layout == "one_device" else (LAYOUTS[layout], 8)
+    sections, devices = (ONE_DEVICE, 1) if layout == "one_device" else (LAYOUTS[layout], 8)
     cfg, graphdef, params, placed = imported(FIXTURES / family, sections, devices=devices)
     logits = logits_of(graphdef, params, placed, reference["input_ids"])
     np.testing.assert_allclose(logits, reference["logits"], atol=1e-4, rtol=0)
@@ -442,10 +444,28 @@ def _rope(value):
     ("mistral", _edit_config(sliding_window=0), "config.json: sliding_window=0 is not a positive integer"),
     ("qwen3_moe", _edit_config(num_experts_per_tok="2"), "config.json: num_experts_per_tok='2' is not a positive "
                                                          "integer"),
+    ("gemma2", _edit_config(layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
+     "config.json: layer_types=['full_attention', 'sliding_attention', 'sliding_attention'] (jaxdist's global "
+     "layers are every k-th: model.global_every)"),
+    ("gemma2", _edit_config(query_pre_attn_scalar="x"), "config.json: query_pre_attn_scalar='x' is not a positive "
+                                                        "integer"),
+    ("gemma3", _edit_config(use_bidirectional_attention=True), "config.json: use_bidirectional_attention set "
+                                                               "(jaxdist's attention is causal)"),
+    ("gemma3", _edit_config(attn_logit_softcapping="50"), "config.json: attn_logit_softcapping='50' is not a positive "
+                                                          "number"),
+    ("deepseek_v3", _rope({"rope_type": "yarn", "factor": 40.0}), "config.json: rope type 'yarn' (jaxdist's DeepSeek "
+                                                                   "has the default RoPE; YaRN is not yet computed)"),
+    ("deepseek_v3", _edit_config(num_nextn_predict_layers=1), "config.json: num_nextn_predict_layers=1 (jaxdist "
+                                                              "trains no multi-token prediction module)"),
+    ("deepseek_v3", _edit_config(rope_interleave=False), "config.json: rope_interleave=False (jaxdist reads "
+                                                         "DeepSeek's interleaved RoPE rows)"),
+    ("deepseek_v3", _edit_config(kv_lora_rank=None), "config.json: kv_lora_rank=None is not a positive integer"),
 ], ids=["header-2**63", "header-list", "no-offsets", "string-offsets", "negative-offsets", "offsets-past-the-data",
         "string-shape", "shape-not-the-span", "entry-not-object", "eps-string", "eps-null", "rope-no-factor",
         "rope-string", "tied-string", "index-list", "index-outside", "dense-layers-not-first", "router-noise",
-        "qwen-window", "window-zero", "experts-string"])
+        "qwen-window", "window-zero", "experts-string", "gemma-global-first", "gemma-scale-string",
+        "gemma-bidirectional", "gemma-softcap-string", "deepseek-yarn", "deepseek-mtp", "deepseek-not-interleaved",
+        "deepseek-rank-null"])
 def test_a_crafted_folder_is_one_line_and_exit_2_before_anything_is_read_from_it(tmp_path, capsys, compiles, family,
                                                                                 damage, message):
     """Headers, config values and index entries of the wrong type or out of bounds: never a traceback,
