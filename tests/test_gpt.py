@@ -131,3 +131,25 @@ def test_attention_sums_its_input_gradients_each_new_product_first(monkeypatch):
     monkeypatch.setattr(attention_lib, "_fan_out", lambda x, count: (x,) * count)  # autodiff's own order
     np.testing.assert_array_equal(summed, input_grad(x))
     assert matmuls == matmuls_under_remat_dots()
+
+
+LATENT = {"kv_rank": 16, "rope_dim": 8}
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"latent": LATENT, "sliding_window": 8}, "not model.sliding_window=8"),
+    ({"latent": LATENT, "kv_heads": 2}, "not model.kv_heads=2"),
+    ({"latent": {**LATENT, "value_dim": 64}}, "not model.latent.value_dim=64"),
+    ({"global_every": 2, "sliding_window": 8, "impl": {"scan_layers": True}},
+     "windowed and global layers are not one stack to scan"),
+    ({"global_every": 2}, "model.global_every=2 sets windowed layers apart from global ones; it needs "
+                          "model.sliding_window"),
+    ({"attention_softcap": 50.0, "impl": {"attention": "cudnn"}}, "cuDNN's attention does not cap its logits"),
+    ({"logit_softcap": 30.0, "impl": {"loss_chunk": 8, "loss_impl": "pallas"}}, "the Pallas loss kernel does not cap"),
+])
+def test_what_latent_attention_windows_and_caps_cannot_combine_is_refused(keys, message):
+    """Latent attention with a window, grouped heads or values wider than the keys; global layers
+    without a window or scanned; soft caps with the kernels that cannot apply them."""
+    with pytest.raises(ValueError, match=message):
+        GPTConfig.model_validate({"positions": "rope", "seq_len": 16, **keys})
+    GPTConfig.model_validate({"positions": "rope", "seq_len": 16, "latent": LATENT})  # latent attention alone holds

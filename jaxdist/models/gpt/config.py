@@ -197,10 +197,12 @@ class GPTConfig(ModelSection):
                 ("kv_heads", self.kv_heads, self.key_value_heads == self.heads),
                 ("sliding_window", self.sliding_window, self.sliding_window is None),
                 ("qk_norm", self.qk_norm, not self.qk_norm), ("biases", self.biases, self.biases == "none"),
-                ("positions", self.positions, self.positions == "rope")) if not holds]
+                ("positions", self.positions, self.positions == "rope"),
+                ("latent.value_dim", self.latent.value_dim, self.value_width <= self.query_key_width)) if not holds]
             if unlike:
                 raise ValueError(f"model.latent.kv_rank={self.latent.kv_rank}: latent attention has every head's keys "
-                                 f"and values, RoPE, no window, q/k norms or biases; not {', '.join(unlike)}")
+                                 f"and values (values no wider than model.head_dim + model.latent.rope_dim), RoPE, no "
+                                 f"window, q/k norms or biases; not {', '.join(unlike)}")
         if self.activation == "geglu" and self.moe.experts:
             raise ValueError("model.activation=geglu: the experts run SwiGLU or GELU; a mixture of experts needs one "
                              "of those")

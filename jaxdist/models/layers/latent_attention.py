@@ -7,7 +7,8 @@ position (`model.head_dim` wide) and its value (`value_dim`); beside it, the tok
 two parts per head, through a `q_rank`-wide latent of their own (normed) or straight from the
 token. A head's logits are its two parts' dot products summed, scaled by 1/sqrt(head_dim +
 rope_dim). The KV cache of sampling holds the latents and the shared rotated parts only: kv_rank +
-rope_dim numbers a token, against 2 x heads x head_dim for multi-head attention.
+rope_dim numbers a token, against 2 x heads x head_dim for multi-head attention. Its projections
+run in the compute dtype (`precision.fp8` leaves them out, as it does a mixture's experts).
 """
 
 from __future__ import annotations
