@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_config
-from jax.sharding import NamedSharding, PartitionSpec
 from safetensors.numpy import load_file
 
 from jaxdist import cli, models
@@ -28,7 +27,7 @@ from jaxdist.config import Config
 from jaxdist.errors import UserError
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import rules as rules_lib
-from jaxdist.train.state import abstract_model, merge, param_shardings
+from jaxdist.train.state import abstract_model, merge, model_state_shardings, param_shardings
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gpt2")
@@ -74,10 +73,9 @@ def logits_of(graphdef, params, placed, tokens: np.ndarray, model_state=None) ->
 
 
 def imported_state(cfg, placed):
-    """The model state (the routers' biases) of `cfg`'s folder, whole on every device of `placed`."""
+    """The model state (the routers' biases) of `cfg`'s folder, placed as `placed`'s rules place it."""
     abstract = abstract_model(models.get(cfg.model.name).create(cfg), 0)
-    whole = NamedSharding(placed.mesh, PartitionSpec())
-    return hf_folder.load_state(cfg, abstract.state, jax.tree.map(lambda _: whole, abstract.state))
+    return hf_folder.load_state(cfg, abstract.state, model_state_shardings(abstract, placed.rules, placed.mesh))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -12,14 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdist import models
 from jaxdist.checkpoint import hf_folder
 from jaxdist.config import Config
 from jaxdist.parallel import layout as layout_lib
 from jaxdist.parallel import rules as rules_lib
-from jaxdist.train.state import abstract_model, merge, param_shardings
+from jaxdist.train.state import abstract_model, merge, model_state_shardings, param_shardings
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")]
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -40,8 +39,7 @@ def _jaxdist_logits(folder: Path, compute: str, tokens: np.ndarray) -> tuple[Con
     params = hf_folder.load_params(cfg, abstract.params, shardings)
     state = None  # DeepSeek-V3's routers' biases
     if abstract.state is not None:
-        whole = NamedSharding(placed.mesh, PartitionSpec())
-        state = hf_folder.load_state(cfg, abstract.state, jax.tree.map(lambda _: whole, abstract.state))
+        state = hf_folder.load_state(cfg, abstract.state, model_state_shardings(abstract, placed.rules, placed.mesh))
     with rules_lib.activation_rules(placed.mesh, placed.rules), jax.default_matmul_precision("highest"):
         logits = jax.jit(lambda p, s, t: merge(abstract.graphdef, p, s)(t))(params, state, jnp.asarray(tokens))
     return cfg, jax.tree.map(np.asarray, (params, state)), np.asarray(logits, np.float32)

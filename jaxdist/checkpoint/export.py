@@ -98,6 +98,13 @@ def read_params(run_dir: str | Path, step: int | None = None) -> tuple[int, Any,
     return step, jax.tree.map(np.asarray, parts["params"]), meta
 
 
+def read_variables(run_dir: str | Path, step: int | None = None) -> tuple[int, Any, Any, dict]:
+    """As `read_params`, with the model's other variables (None where it has none) after the params:
+    (step, params, model_state, metadata)."""
+    step, parts, meta = read_parts(run_dir, step)
+    return step, jax.tree.map(np.asarray, parts["params"]), jax.tree.map(np.asarray, parts.get("model_state")), meta
+
+
 def read_parts(run_dir: str | Path, step: int | None = None, check: Callable[[dict], None] | None = None,
                parts: tuple[str, ...] = PARTS) -> tuple[int, dict, dict]:
     """(step, {part: pure dict}, metadata) of a run's checkpoint (default: the newest); `check(saved

@@ -218,13 +218,10 @@ def _load(cfg: Config, abstract_params: Any, shardings: Any, state: bool) -> Any
     for tensor in hf_mapping.tensors(model):
         if tensor.path is None:
             continue
-        if tensor.state != state:  # the other tree's; its names are the folder's all the same
-            used.update(shards.name(n) for layer in hf_mapping.blocks_with(tensor, model) if tensor.in_block
-                        for n in hf_mapping.layer_names(tensor, layer))
-            used.update(shards.name(n) for n in tensor.names if not tensor.in_block)
+        used.update(shards.name(name) for name in hf_mapping.folder_names(tensor, model))
+        if tensor.state != state:  # the other tree's
             continue
         if not tensor.in_block:
-            used.update(shards.name(n) for n in tensor.names)
             leaf = _placed(lambda layer, t=tensor: _read(shards, t, None), leaf_at(abstract_params, tensor.path),
                            leaf_at(shardings, tensor.path), None, tensor)
             _set(params, tensor.path, leaf)
@@ -232,8 +229,6 @@ def _load(cfg: Config, abstract_params: Any, shardings: Any, state: bool) -> Any
         layers = hf_mapping.blocks_with(tensor, model)
         if not layers:
             continue
-        for layer in layers:
-            used.update(shards.name(n) for n in hf_mapping.layer_names(tensor, layer))
         if stacked:  # every layer has it: model.impl.scan_layers stacks only blocks of one kind
             path = ("blocks", *tensor.path)
             leaf = _placed(lambda layer, t=tensor: _read(shards, t, layer), leaf_at(abstract_params, path),
@@ -422,7 +417,7 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> tup
     safetensors shard at a time. Collective there: every process must call it.
     """
     from jaxdist import models
-    from jaxdist.checkpoint.export import check_saved_model, checkpoint_path, keyed_like, read_parts, saved_config
+    from jaxdist.checkpoint.export import check_saved_model, checkpoint_path, keyed_like, read_variables, saved_config
     from jaxdist.train.state import abstract_model
 
     out = Path(out)
@@ -438,8 +433,7 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> tup
     if err is not None:
         raise err
     if jax.process_count() == 1:
-        step, parts, meta = read_parts(run_dir, step)
-        params, model_state = (jax.tree.map(np.asarray, parts.get(part)) for part in ("params", "model_state"))
+        step, params, model_state, meta = read_variables(run_dir, step)
         cfg = saved_config(meta, checkpoint_path(run_dir, step))
         hf_mapping.export_architecture(cfg.model)  # one line before anything is written
         abstract = abstract_model(models.get(cfg.model.name).create(cfg), cfg.seed)
@@ -509,7 +503,7 @@ def _export_spread(run_dir: str | Path, out: Path, step: int | None) -> tuple[in
     from jaxdist import models
     from jaxdist.checkpoint.export import read_checkpoint, saved_config
     from jaxdist.parallel import layout as layout_lib
-    from jaxdist.train.state import abstract_model, param_shardings, with_shardings
+    from jaxdist.train.state import abstract_model, model_state_shardings, param_shardings, with_shardings
 
     def read(store, step: int) -> tuple[Config, Any, Any]:
         cfg = saved_config(store.meta(step), store.path(step))
@@ -522,10 +516,9 @@ def _export_spread(run_dir: str | Path, out: Path, step: int | None) -> tuple[in
         abstract = abstract_model(entry.create(spread), spread.seed)
         target = with_shardings(abstract.params, param_shardings(abstract, placed.rules, placed.mesh))
         model_state = None
-        if abstract.state is not None:  # small (the routers' biases): whole on every device
-            whole = jax.sharding.NamedSharding(placed.mesh, jax.sharding.PartitionSpec())
+        if abstract.state is not None:
             model_state = store.read_placed(step, "model_state", with_shardings(
-                abstract.state, jax.tree.map(lambda _: whole, abstract.state)))
+                abstract.state, model_state_shardings(abstract, placed.rules, placed.mesh)))
         return cfg, store.read_placed(step, "params", target), model_state
 
     step, (cfg, params, model_state) = read_checkpoint(run_dir, step, read)

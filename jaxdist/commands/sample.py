@@ -40,17 +40,16 @@ def run(args: argparse.Namespace) -> None:
     import numpy as np
 
     from jaxdist import config, models
-    from jaxdist.checkpoint.export import check_saved_model, checkpoint_path, keyed_like, read_parts, saved_config
+    from jaxdist.checkpoint.export import check_saved_model, checkpoint_path, keyed_like, read_variables, saved_config
     from jaxdist.data import loader
     from jaxdist.models import dtypes
     from jaxdist.parallel import layout as layout_lib
     from jaxdist.train import generate
-    from jaxdist.train.state import abstract_model, param_shardings
+    from jaxdist.train.state import abstract_model, model_state_shardings, param_shardings
 
     check_options(args.prompt, args.temperature, args.top_p, args.seed)
     rows = args.rows
-    step, parts, meta = read_parts(args.run_dir, args.step)
-    params, model_state = (jax.tree.map(np.asarray, parts.get(part)) for part in ("params", "model_state"))
+    step, params, model_state, meta = read_variables(args.run_dir, args.step)
     cfg = config.with_overrides(saved_config(meta, checkpoint_path(args.run_dir, step)), args.overrides)
     entry = models.get(cfg.model.name)
     if not entry.samples_text:
@@ -70,13 +69,12 @@ def run(args: argparse.Namespace) -> None:
     computed = -(-rows // layout.batch_shards) * layout.batch_shards
     _check_rows_fit(abstract, rows, computed, len(ids), min(cfg.model.seq_len, len(ids) + args.tokens), cfg.model.vocab,
                     layout.mesh)
-    shardings = param_shardings(abstract, layout.rules, layout.mesh)
-    placed = jax.tree.map(lambda array, sharding: jax.make_array_from_callback(
-        array.shape, sharding, lambda index: array[index]), params, shardings)
-    if model_state is not None:  # the routers' biases: small, whole on every device
-        whole = jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
-        model_state = jax.tree.map(lambda array: jax.make_array_from_callback(
-            array.shape, whole, lambda index: array[index]), model_state)
+    def put(tree, shardings):
+        return jax.tree.map(lambda array, sharding: jax.make_array_from_callback(
+            array.shape, sharding, lambda index: array[index]), tree, shardings)
+
+    placed = put(params, param_shardings(abstract, layout.rules, layout.mesh))
+    model_state = put(model_state, model_state_shardings(abstract, layout.rules, layout.mesh))
     cast = None if entry.read_in_compute_dtype is None else generate.compute_dtype_params(
         entry.read_in_compute_dtype, dtypes.policy(cfg.precision).compute_dtype)
     sampling = generate.Sampling(args.tokens, args.temperature, args.top_p, computed, args.seed)

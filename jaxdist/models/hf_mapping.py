@@ -305,6 +305,13 @@ def expert_tensors(model, block: str, projections: dict[str, str]) -> list[Tenso
               for name, shape in shapes.items())]
 
 
+def folder_names(tensor: Tensor, model) -> list[str]:
+    """Every Hugging Face name of `tensor` in a folder of `model`: in each block that has it, or once."""
+    if not tensor.in_block:
+        return list(tensor.names)
+    return [name for layer in blocks_with(tensor, model) for name in layer_names(tensor, layer)]
+
+
 def layer_names(tensor: Tensor, layer: int) -> list[str]:
     """The Hugging Face names of `tensor` in block `layer` (its names as they are outside a block)."""
     return [name.format(layer=layer) for name in tensor.names]

@@ -132,6 +132,14 @@ def param_shardings(abstract: AbstractModel, rules: rules_lib.Rules, mesh: Mesh)
     return rules_lib.layout_shardings(rules_lib.param_layouts(abstract.params, abstract.names, rules, mesh), mesh)
 
 
+def model_state_shardings(abstract: AbstractModel, rules: rules_lib.Rules, mesh: Mesh) -> Any:
+    """The sharding of each of the model's other variables (None: it has none), placed by the
+    parameter rules as the parameters they belong to."""
+    if abstract.state is None:
+        return None
+    return rules_lib.layout_shardings(rules_lib.param_layouts(abstract.state, abstract.state_names, rules, mesh), mesh)
+
+
 def init_state(
     create_model: ModelFactory,
     tx: optax.GradientTransformation,
@@ -151,10 +159,7 @@ def init_state(
     rules_lib.warn_unnamed(abstract.unnamed)
     layouts = rules_lib.param_layouts(abstract.params, abstract.names, rules, mesh)
     param_shardings = rules_lib.layout_shardings(layouts, mesh)
-    model_state_shardings = None
-    if abstract.state is not None:  # placed by the parameter rules, as the parameters they belong to
-        model_state_shardings = rules_lib.layout_shardings(
-            rules_lib.param_layouts(abstract.state, abstract.state_names, rules, mesh), mesh)
+    state_shardings = model_state_shardings(abstract, rules, mesh)
     shardings = TrainState(
         step=NamedSharding(mesh, PartitionSpec()),
         params=param_shardings,
@@ -162,7 +167,7 @@ def init_state(
         opt_state=(opt_state_shardings(tx, abstract.params, param_shardings, mesh) if offload is None
                    else offload.shardings(abstract.params, param_shardings, mesh)),
         loss_scale=jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), options.loss_scale),
-        model_state=model_state_shardings,
+        model_state=state_shardings,
         loss_stats=jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), LossStats.create()),
         compression=None if compressed is None else compressed.state_shardings(param_shardings),
     )
@@ -181,7 +186,7 @@ def init_state(
         if (abstract.state is None) != (init.model_state is None):
             raise ValueError("starting from given parameters needs the model's other variables given too, where it "
                              "has any (BatchNorm's, a router's bias), and only there")
-        model_state = None if init.model_state is None else init.model_state(model_state_shardings)
+        model_state = None if init.model_state is None else init.model_state(state_shardings)
         state = jax.jit(initial, out_shardings=shardings, donate_argnums=(0, 1))(init.params(param_shardings),
                                                                                  model_state)
     elif init.materialize:
