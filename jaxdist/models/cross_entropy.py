@@ -36,6 +36,11 @@ IMPLS = ("auto", "xla", "pallas")
 LOGITS = softmax_grad.LOGITS  # the logits' logical axes
 
 
+def soft_cap(logits: jax.Array, cap: float) -> jax.Array:
+    """`cap x tanh(logits / cap)` in float32 (Gemma 2's soft cap on the output logits)."""
+    return cap * jnp.tanh(logits.astype(jnp.float32) / cap)
+
+
 def fused_linear_cross_entropy(
     hidden: jax.Array,
     head: jax.Array,
@@ -204,7 +209,7 @@ def _scan_chunks(chunk, logits_dtype, softcap, hidden, head, targets, weights, *
         logits = jnp.einsum("bcd,dv->bcv", hidden_c, head_c, preferred_element_type=logits_dtype)
         logits = constrain(logits, LOGITS)
         if softcap is not None:
-            capped = softcap * jnp.tanh(logits.astype(jnp.float32) / softcap)
+            capped = soft_cap(logits, softcap)
             logits = capped.astype(logits.dtype)
         if kernel:
             row_losses, d_logits = softmax_grad.loss_and_grad(logits, targets_c, sequence_weights,

@@ -164,7 +164,7 @@ class GPTConfig(ModelSection):
         if chunk and self.seq_len % chunk:
             raise ValueError(f"model.impl.loss_chunk={chunk} does not divide model.seq_len={self.seq_len}; use a "
                              f"divisor of {self.seq_len}, or 0 for the unchunked loss")
-        self._gemma_checks()
+        self._feature_combinations()
         if self.impl.gelu_grad_impl == "cublaslt" and self.activation != "gelu":
             raise ValueError(f"model.impl.gelu_grad_impl=cublaslt needs model.activation=gelu, not {self.activation}")
         moe = self.moe
@@ -176,7 +176,8 @@ class GPTConfig(ModelSection):
                              f"without experts are not one stack to scan; set model.impl.scan_layers=false")
         return self
 
-    def _gemma_checks(self) -> None:
+    def _feature_combinations(self) -> None:
+        """What windows, soft caps and latent attention need of the rest of the section."""
         if self.global_every is not None and self.sliding_window is None:
             raise ValueError(f"model.global_every={self.global_every} sets windowed layers apart from global ones; it "
                              f"needs model.sliding_window")

@@ -19,9 +19,10 @@ from flax import nnx
 
 from jaxdist.config import PipelineConfig
 from jaxdist.models.gpt.config import GPTConfig, ImplConfig
+from jaxdist.models.cross_entropy import soft_cap
 from jaxdist.models.layers.attention import Attention, Documents, KVCache, documents
-from jaxdist.models.layers.latent_attention import LatentAttention
 from jaxdist.models.layers.common import NORMAL, RESIDUAL, at_least_float32, cast, param
+from jaxdist.models.layers.latent_attention import LatentAttention
 from jaxdist.models.layers.mlp import Mlp
 from jaxdist.models.layers.moe import MoE, Stats
 from jaxdist.models.layers.norm import Norm
@@ -285,9 +286,8 @@ class GPT(nnx.Module):
         """The output projection: logits (batch, length, vocab) in `logits_dtype` (capped softly at
         `model.logit_softcap`, if set)."""
         logits = jnp.einsum("btd,dv->btv", hidden, cast(head, hidden.dtype), preferred_element_type=self.logits_dtype)
-        cap = self.cfg.logit_softcap
-        if cap is not None:
-            logits = (cap * jnp.tanh(logits.astype(jnp.float32) / cap)).astype(logits.dtype)
+        if self.cfg.logit_softcap is not None:
+            logits = soft_cap(logits, self.cfg.logit_softcap).astype(logits.dtype)
         return constrain(logits, ("batch", "length", "vocab"))
 
     def head_weights(self) -> jax.Array:
